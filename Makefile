@@ -1,0 +1,27 @@
+# Two commands are the contract (see README): `make main` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+EXTRAS ?= dev,tokenizers,train
+
+.PHONY: setup main test lint bench
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU torch first, explicitly: a loose requirement would download a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+main: setup
+	$(VENV)/bin/titans demo
+
+test: setup
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m pytest -q -n 2 --durations=15
+
+lint: setup
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff format --check src tests benchmarks

@@ -1,0 +1,323 @@
+"""`NeuralMemory`: the Titans long-term memory as a sequence layer (SPEC §1-2).
+
+    y, state = mem(x, state)          x, y: (batch, seq, dim)
+
+Per head, a small network M(.; W) (a matrix for depth 1, an MLP for depth >= 2) is trained while the
+sequence is read: each chunk of `chunk_size` tokens is written with momentum and forgetting, and every
+token reads the weights at the start of its chunk (read-before-write, so outputs are causal). The
+returned `MemoryState` lets a later call continue the same sequences exactly where this one stopped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from titans.ops.memory import ACTIVATIONS, memory_forward, neural_memory_chunked
+from titans.ops.memory_ref import neural_memory_ref
+
+
+@dataclass
+class MemoryState:
+    """Everything needed to continue the same sequences in a later call.
+
+    weights, momentum: per memory layer (B, H, d_in, d_out), at the last chunk boundary.
+    pending_k, pending_v: (B, H, r, d) keys/values of the r < chunk_size tokens read since that boundary
+        but not yet written (they are written when their chunk completes).
+    pending_gates: (B, H, r, 3) their (theta, log_eta, log_keep).
+    conv_tail: (B, kernel - 1, 3 * H * d) the last pre-convolution projections (None without conv).
+    position: tokens consumed so far.
+    """
+
+    weights: tuple[Tensor, ...]
+    momentum: tuple[Tensor, ...]
+    pending_k: Tensor
+    pending_v: Tensor
+    pending_gates: Tensor
+    conv_tail: Tensor | None
+    position: int
+
+    def detach(self) -> MemoryState:
+        """A copy cut from the autograd graph (e.g. for truncated backprop across calls)."""
+        return self.map(Tensor.detach)
+
+    def map(self, fn) -> MemoryState:
+        """Apply `fn` to every tensor (e.g. `state.map(lambda t: t.to("cuda"))`)."""
+        out = {}
+        for f in fields(self):
+            val = getattr(self, f.name)
+            if isinstance(val, tuple):
+                out[f.name] = tuple(fn(t) for t in val)
+            elif isinstance(val, Tensor):
+                out[f.name] = fn(val)
+            else:
+                out[f.name] = val
+        return replace(self, **out)
+
+    @property
+    def batch_size(self) -> int:
+        return self.pending_k.shape[0]
+
+
+@dataclass
+class MemoryStats:
+    """Per-token monitoring values, each (B, H, T): surprise ||u_t|| and the gates."""
+
+    surprise: Tensor
+    theta: Tensor
+    eta: Tensor
+    alpha: Tensor
+
+
+def _logit(p: float) -> float:
+    return math.log(p) - math.log1p(-p)
+
+
+class NeuralMemory(nn.Module):
+    """The neural long-term memory (LMM) as a standalone sequence layer.
+
+    Args:
+        dim: model width of the input and output.
+        heads: independent memories, each on its own `head_dim`-wide slice of q/k/v.
+        head_dim: width of one head's keys and values (default dim // heads).
+        depth: memory depth L_M: 1 = linear (matrix) memory, >= 2 = MLP.
+        expansion: MLP hidden width = expansion * head_dim (depth >= 2).
+        chunk_size: tokens per parallel chunk (1 = the exact per-token recurrence).
+        activation: memory MLP nonlinearity, one of "silu", "gelu", "relu".
+        conv_kernel: causal depthwise conv on q/k/v (0 turns it off).
+        qk_norm: l2-normalise queries and keys.
+        momentum: data-dependent surprise decay eta (False: eta = 0, no momentum).
+        forgetting: data-dependent weight decay alpha (False: alpha = 0, no forgetting).
+        max_lr: theta_t = max_lr * sigmoid(.) bounds the inner learning rate.
+        theta_init, eta_init, alpha_init: gate values at initialisation (via the gate biases).
+        residual: memory computes k + MLP(k) instead of MLP(k) (a stabiliser for deep memories).
+        surprise_clip: if set, each token's inner gradient is rescaled to at most this norm.
+        output_gate: normalise the read and gate it with a linear function of x (paper §4.4).
+        learned_init: W_0 is a learned parameter (False: fixed at its random/zero init).
+        impl: "chunked" (fast path) or "reference" (the per-token float64-grade loop, for tests).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int = 4,
+        head_dim: int | None = None,
+        depth: int = 2,
+        expansion: float = 4.0,
+        chunk_size: int = 64,
+        activation: str = "silu",
+        conv_kernel: int = 4,
+        qk_norm: bool = True,
+        momentum: bool = True,
+        forgetting: bool = True,
+        max_lr: float = 1.0,
+        theta_init: float = 0.1,
+        eta_init: float = 0.9,
+        alpha_init: float = 0.01,
+        residual: bool = False,
+        surprise_clip: float | None = None,
+        output_gate: bool = True,
+        learned_init: bool = True,
+        impl: str = "chunked",
+    ) -> None:
+        super().__init__()
+        head_dim = head_dim or dim // heads
+        for name, val in (("dim", dim), ("heads", heads), ("head_dim", head_dim), ("depth", depth),
+                          ("chunk_size", chunk_size)):
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"NeuralMemory: {name} must be a positive integer, got {val!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"NeuralMemory: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if conv_kernel < 0:
+            raise ValueError(f"NeuralMemory: conv_kernel must be >= 0, got {conv_kernel}")
+        if impl not in ("chunked", "reference"):
+            raise ValueError(f"NeuralMemory: impl must be 'chunked' or 'reference', got {impl!r}")
+        for name, val in (("theta_init", theta_init / max_lr), ("eta_init", eta_init), ("alpha_init", alpha_init)):
+            if not 0 < val < 1:
+                raise ValueError(f"NeuralMemory: {name} must lie in (0, 1) (theta_init in (0, max_lr)), got {val}")
+        if depth > 1 and expansion * head_dim < 1:
+            raise ValueError(f"NeuralMemory: expansion * head_dim must be >= 1, got {expansion * head_dim}")
+        self.dim, self.heads, self.head_dim, self.depth = dim, heads, head_dim, depth
+        self.chunk_size, self.activation, self.conv_kernel = chunk_size, activation, conv_kernel
+        self.qk_norm, self.momentum, self.forgetting = qk_norm, momentum, forgetting
+        self.max_lr, self.residual, self.surprise_clip, self.impl = max_lr, residual, surprise_clip, impl
+
+        inner = heads * head_dim
+        self.to_qkv = nn.Linear(dim, 3 * inner, bias=False)
+        self.conv = nn.Conv1d(3 * inner, 3 * inner, conv_kernel, groups=3 * inner) if conv_kernel else None
+        self.to_gates = nn.Linear(dim, 3 * heads)  # theta, eta, alpha logits per head
+        with torch.no_grad():
+            self.to_gates.weight.mul_(0.1)
+            self.to_gates.bias.copy_(torch.tensor(
+                [_logit(theta_init / max_lr)] * heads + [_logit(eta_init)] * heads + [_logit(alpha_init)] * heads
+            ))
+        hidden = max(1, int(round(expansion * head_dim)))
+        sizes = [head_dim] + [hidden] * (depth - 1) + [head_dim]
+        init = [torch.randn(heads, sizes[i], sizes[i + 1]) / math.sqrt(sizes[i]) for i in range(depth)]
+        self.init_weights = nn.ParameterList(nn.Parameter(w, requires_grad=learned_init) for w in init)
+        self.norm = nn.RMSNorm(head_dim) if output_gate else None
+        self.to_gate = nn.Linear(dim, inner, bias=False) if output_gate else None
+        self.to_out = nn.Linear(inner, dim, bias=False)
+
+    # ----------------------------------------------------------------------------------------- state
+    def initial_state(self, batch_size: int, device=None, dtype=None) -> MemoryState:
+        """The state every sequence starts from: W = W_0 (learned), S = 0, nothing pending."""
+        device = device or self.to_qkv.weight.device
+        dtype = dtype or self.to_qkv.weight.dtype
+        weights = tuple(w.to(device, dtype).unsqueeze(0).expand(batch_size, *w.shape) for w in self.init_weights)
+        momentum = tuple(torch.zeros_like(w) for w in weights)
+        h, d = self.heads, self.head_dim
+        tail = None
+        if self.conv is not None:
+            tail = torch.zeros(batch_size, self.conv_kernel - 1, 3 * h * d, device=device, dtype=dtype)
+        return MemoryState(
+            weights=weights,
+            momentum=momentum,
+            pending_k=torch.zeros(batch_size, h, 0, d, device=device, dtype=dtype),
+            pending_v=torch.zeros(batch_size, h, 0, d, device=device, dtype=dtype),
+            pending_gates=torch.zeros(batch_size, h, 0, 3, device=device,
+                                      dtype=torch.promote_types(dtype, torch.float32)),
+            conv_tail=tail,
+            position=0,
+        )
+
+    def check_state(self, state: MemoryState, batch_size: int) -> None:
+        """Refuse a state that belongs to another configuration or batch, naming what differs."""
+        if not isinstance(state, MemoryState):
+            raise TypeError(f"NeuralMemory: state must be a MemoryState, got {type(state).__name__}")
+        expected = [(batch_size, *w.shape) for w in self.init_weights]
+        got = [tuple(w.shape) for w in state.weights]
+        if got != expected:
+            raise ValueError(
+                f"NeuralMemory: state does not match this memory: its weight shapes are {got}, this memory "
+                f"(batch {batch_size}, heads={self.heads}, head_dim={self.head_dim}, depth={self.depth}) "
+                f"needs {expected}"
+            )
+        if state.pending_k.shape[2] >= self.chunk_size:
+            raise ValueError(
+                f"NeuralMemory: state holds {state.pending_k.shape[2]} pending tokens, but this memory's "
+                f"chunk_size is {self.chunk_size}: the state comes from a different chunk size"
+            )
+        if (state.conv_tail is None) != (self.conv is None) or (
+            state.conv_tail is not None and state.conv_tail.shape[1] != self.conv_kernel - 1
+        ):
+            raise ValueError("NeuralMemory: state's conv tail does not match this memory's conv_kernel")
+
+    # ---------------------------------------------------------------------------------------- pieces
+    def _check_input(self, x: Tensor) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"NeuralMemory: input must be a tensor, got {type(x).__name__}")
+        if x.dim() != 3:
+            raise ValueError(f"NeuralMemory: input must be (batch, seq, dim), got shape {tuple(x.shape)}")
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"NeuralMemory: input's last dim is {x.shape[-1]}, expected dim={self.dim}")
+        if not x.is_floating_point():
+            raise TypeError(f"NeuralMemory: input must be floating point, got dtype {x.dtype}")
+
+    def project(self, x: Tensor, conv_tail: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """x (B, T, dim) -> q, k, v (B, H, T, d) and the new conv tail."""
+        qkv = self.to_qkv(x)
+        new_tail = None
+        if self.conv is not None:
+            padded = torch.cat([conv_tail.to(qkv.dtype), qkv], dim=1)
+            new_tail = padded[:, padded.shape[1] - (self.conv_kernel - 1):]
+            qkv = self.conv(padded.transpose(1, 2)).transpose(1, 2)
+        qkv = F.silu(qkv)
+        b, t, _ = x.shape
+        q, k, v = qkv.view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if self.qk_norm:
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        return q, k, v, new_tail
+
+    def gates(self, x: Tensor) -> Tensor:
+        """x (B, T, dim) -> (B, H, T, 3): theta, log(eta), log(1 - alpha) per token and head."""
+        logits = self.to_gates(x).float().view(*x.shape[:2], 3, self.heads).permute(0, 3, 1, 2)
+        theta = self.max_lr * torch.sigmoid(logits[..., 0])
+        if self.momentum:
+            log_eta = F.logsigmoid(logits[..., 1])
+        else:
+            log_eta = torch.full_like(theta, float("-inf"))
+        if self.forgetting:
+            log_keep = F.logsigmoid(-logits[..., 2])
+        else:
+            log_keep = torch.zeros_like(theta)
+        # gates stay in at least float32: log-space products lose too much in bf16
+        return torch.stack([theta, log_eta, log_keep], dim=-1).to(torch.promote_types(x.dtype, torch.float32))
+
+    def read(self, q: Tensor, weights: tuple[Tensor, ...]) -> Tensor:
+        """M(q; W) with no update: q (B, H, n, d) -> (B, H, n, d)."""
+        return memory_forward(q, weights, self.activation, self.residual)
+
+    def combine_heads(self, y: Tensor, x: Tensor) -> Tensor:
+        """Per-head read (B, H, T, d) -> output (B, T, dim): norm, gate by x, project."""
+        b, h, t, d = y.shape
+        if self.norm is not None:
+            y = self.norm(y)
+        y = y.transpose(1, 2).reshape(b, t, h * d)
+        if self.to_gate is not None:
+            y = y * torch.sigmoid(self.to_gate(x))
+        return self.to_out(y)
+
+    # --------------------------------------------------------------------------------------- forward
+    def forward(self, x: Tensor, state: MemoryState | None = None, return_stats: bool = False):
+        """Read and write the memory over x.
+
+        x: (B, T, dim). Returns (y, state) with y: (B, T, dim), or (y, state, MemoryStats) when
+        return_stats is set. Passing the returned state to the next call continues the sequences exactly.
+        """
+        self._check_input(x)
+        batch = x.shape[0]
+        if state is None:
+            state = self.initial_state(batch, x.device, x.dtype)
+        else:
+            self.check_state(state, batch)
+        q, k, v, conv_tail = self.project(x, state.conv_tail)
+        gates = self.gates(x)
+        y, new_state, stats = self.scan(q, k, v, gates, state)
+        new_state = replace(new_state, conv_tail=conv_tail)
+        out = self.combine_heads(y, x)
+        return (out, new_state, stats) if return_stats else (out, new_state)
+
+    def scan(
+        self, q: Tensor, k: Tensor, v: Tensor, gates: Tensor, state: MemoryState
+    ) -> tuple[Tensor, MemoryState, MemoryStats]:
+        """Run the memory over projected q, k, v (B, H, T, d) and gates (B, H, T, 3) from `state`.
+
+        Tokens left pending by the previous call are prepended so chunks stay aligned to absolute
+        positions; their reads were already returned then, so only the new tokens' reads are returned.
+        """
+        r = state.pending_k.shape[2]
+        t = q.shape[2]
+        k_all = torch.cat([state.pending_k.to(k.dtype), k], dim=2)
+        v_all = torch.cat([state.pending_v.to(v.dtype), v], dim=2)
+        g_all = torch.cat([state.pending_gates.to(gates.dtype), gates], dim=2)
+        q_all = F.pad(q, (0, 0, r, 0))
+        fn = neural_memory_chunked if self.impl == "chunked" else neural_memory_ref
+        y, weights, momentum, surprise = fn(
+            q_all, k_all, v_all, g_all[..., 0], g_all[..., 1], g_all[..., 2],
+            state.weights, state.momentum,
+            chunk_size=self.chunk_size, activation=self.activation, residual=self.residual,
+            surprise_clip=self.surprise_clip,
+        )
+        keep = (r + t) % self.chunk_size
+        new_state = MemoryState(
+            weights=weights,
+            momentum=momentum,
+            pending_k=k_all[:, :, r + t - keep:],
+            pending_v=v_all[:, :, r + t - keep:],
+            pending_gates=g_all[:, :, r + t - keep:],
+            conv_tail=state.conv_tail,
+            position=state.position + t,
+        )
+        g = g_all[:, :, r:]
+        stats = MemoryStats(surprise=surprise[:, :, r:], theta=g[..., 0], eta=g[..., 1].exp(),
+                            alpha=-torch.expm1(g[..., 2]))
+        return y[:, :, r:], new_state, stats
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, heads={self.heads}, head_dim={self.head_dim}, depth={self.depth}, "
+                f"chunk_size={self.chunk_size}, momentum={self.momentum}, forgetting={self.forgetting}")
