@@ -103,6 +103,10 @@ class HFTokenizer:
             self._tok = tokenizers.Tokenizer.from_file(str(self.path))
         except Exception as e:  # the library raises a bare Exception on malformed files
             raise ValueError(f"cannot read tokenizer JSON {str(self.path)!r}: {e}") from e
+        # Raw text that spells a special token ("<|endoftext|>") is encoded as ordinary text: only the
+        # data pipeline inserts special tokens.
+        if hasattr(self._tok, "encode_special_tokens"):  # tokenizers >= 0.15
+            self._tok.encode_special_tokens = True
         self.name = self.path.name
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = _find_eos(self._tok.token_to_id, eos_token, self.path)

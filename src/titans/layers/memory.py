@@ -95,7 +95,9 @@ class NeuralMemory(nn.Module):
         max_lr: theta_t = max_lr * sigmoid(.) bounds the inner learning rate.
         theta_init, eta_init, alpha_init: gate values at initialisation (via the gate biases).
         residual: memory computes k + MLP(k) instead of MLP(k) (a stabiliser for deep memories).
-        surprise_clip: if set, each token's inner gradient is rescaled to at most this norm.
+        surprise_clip: if set, each token's inner gradient is rescaled to at most this norm. On by default:
+            it bounds every token's write, which keeps deep memories finite over very long streams
+            (without it, gradients that grow with W feed back into W and diverge). None turns it off.
         output_gate: normalise the read and gate it with a linear function of x (paper §4.4).
         learned_init: W_0 is a learned parameter (False: fixed at its random/zero init).
         impl: "chunked" (fast path) or "reference" (the per-token float64-grade loop, for tests).
@@ -119,15 +121,20 @@ class NeuralMemory(nn.Module):
         eta_init: float = 0.9,
         alpha_init: float = 0.01,
         residual: bool = False,
-        surprise_clip: float | None = None,
+        surprise_clip: float | None = 1.0,
         output_gate: bool = True,
         learned_init: bool = True,
         impl: str = "chunked",
     ) -> None:
         super().__init__()
         head_dim = head_dim or dim // heads
-        for name, val in (("dim", dim), ("heads", heads), ("head_dim", head_dim), ("depth", depth),
-                          ("chunk_size", chunk_size)):
+        for name, val in (
+            ("dim", dim),
+            ("heads", heads),
+            ("head_dim", head_dim),
+            ("depth", depth),
+            ("chunk_size", chunk_size),
+        ):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"NeuralMemory: {name} must be a positive integer, got {val!r}")
         if activation not in ACTIVATIONS:
@@ -136,9 +143,15 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"NeuralMemory: conv_kernel must be >= 0, got {conv_kernel}")
         if impl not in ("chunked", "reference"):
             raise ValueError(f"NeuralMemory: impl must be 'chunked' or 'reference', got {impl!r}")
-        for name, val in (("theta_init", theta_init / max_lr), ("eta_init", eta_init), ("alpha_init", alpha_init)):
+        for name, val in (
+            ("theta_init", theta_init / max_lr),
+            ("eta_init", eta_init),
+            ("alpha_init", alpha_init),
+        ):
             if not 0 < val < 1:
-                raise ValueError(f"NeuralMemory: {name} must lie in (0, 1) (theta_init in (0, max_lr)), got {val}")
+                raise ValueError(
+                    f"NeuralMemory: {name} must lie in (0, 1) (theta_init in (0, max_lr)), got {val}"
+                )
         if depth > 1 and expansion * head_dim < 1:
             raise ValueError(f"NeuralMemory: expansion * head_dim must be >= 1, got {expansion * head_dim}")
         self.dim, self.heads, self.head_dim, self.depth = dim, heads, head_dim, depth
@@ -152,9 +165,13 @@ class NeuralMemory(nn.Module):
         self.to_gates = nn.Linear(dim, 3 * heads)  # theta, eta, alpha logits per head
         with torch.no_grad():
             self.to_gates.weight.mul_(0.1)
-            self.to_gates.bias.copy_(torch.tensor(
-                [_logit(theta_init / max_lr)] * heads + [_logit(eta_init)] * heads + [_logit(alpha_init)] * heads
-            ))
+            self.to_gates.bias.copy_(
+                torch.tensor(
+                    [_logit(theta_init / max_lr)] * heads
+                    + [_logit(eta_init)] * heads
+                    + [_logit(alpha_init)] * heads
+                )
+            )
         hidden = max(1, int(round(expansion * head_dim)))
         sizes = [head_dim] + [hidden] * (depth - 1) + [head_dim]
         init = [torch.randn(heads, sizes[i], sizes[i + 1]) / math.sqrt(sizes[i]) for i in range(depth)]
@@ -168,7 +185,9 @@ class NeuralMemory(nn.Module):
         """The state every sequence starts from: W = W_0 (learned), S = 0, nothing pending."""
         device = device or self.to_qkv.weight.device
         dtype = dtype or self.to_qkv.weight.dtype
-        weights = tuple(w.to(device, dtype).unsqueeze(0).expand(batch_size, *w.shape) for w in self.init_weights)
+        weights = tuple(
+            w.to(device, dtype).unsqueeze(0).expand(batch_size, *w.shape) for w in self.init_weights
+        )
         momentum = tuple(torch.zeros_like(w) for w in weights)
         h, d = self.heads, self.head_dim
         tail = None
@@ -179,8 +198,9 @@ class NeuralMemory(nn.Module):
             momentum=momentum,
             pending_k=torch.zeros(batch_size, h, 0, d, device=device, dtype=dtype),
             pending_v=torch.zeros(batch_size, h, 0, d, device=device, dtype=dtype),
-            pending_gates=torch.zeros(batch_size, h, 0, 3, device=device,
-                                      dtype=torch.promote_types(dtype, torch.float32)),
+            pending_gates=torch.zeros(
+                batch_size, h, 0, 3, device=device, dtype=torch.promote_types(dtype, torch.float32)
+            ),
             conv_tail=tail,
             position=0,
         )
@@ -224,7 +244,7 @@ class NeuralMemory(nn.Module):
         new_tail = None
         if self.conv is not None:
             padded = torch.cat([conv_tail.to(qkv.dtype), qkv], dim=1)
-            new_tail = padded[:, padded.shape[1] - (self.conv_kernel - 1):]
+            new_tail = padded[:, padded.shape[1] - (self.conv_kernel - 1) :]
             qkv = self.conv(padded.transpose(1, 2)).transpose(1, 2)
         qkv = F.silu(qkv)
         b, t, _ = x.shape
@@ -298,26 +318,37 @@ class NeuralMemory(nn.Module):
         q_all = F.pad(q, (0, 0, r, 0))
         fn = neural_memory_chunked if self.impl == "chunked" else neural_memory_ref
         y, weights, momentum, surprise = fn(
-            q_all, k_all, v_all, g_all[..., 0], g_all[..., 1], g_all[..., 2],
-            state.weights, state.momentum,
-            chunk_size=self.chunk_size, activation=self.activation, residual=self.residual,
+            q_all,
+            k_all,
+            v_all,
+            g_all[..., 0],
+            g_all[..., 1],
+            g_all[..., 2],
+            state.weights,
+            state.momentum,
+            chunk_size=self.chunk_size,
+            activation=self.activation,
+            residual=self.residual,
             surprise_clip=self.surprise_clip,
         )
         keep = (r + t) % self.chunk_size
         new_state = MemoryState(
             weights=weights,
             momentum=momentum,
-            pending_k=k_all[:, :, r + t - keep:],
-            pending_v=v_all[:, :, r + t - keep:],
-            pending_gates=g_all[:, :, r + t - keep:],
+            pending_k=k_all[:, :, r + t - keep :],
+            pending_v=v_all[:, :, r + t - keep :],
+            pending_gates=g_all[:, :, r + t - keep :],
             conv_tail=state.conv_tail,
             position=state.position + t,
         )
         g = g_all[:, :, r:]
-        stats = MemoryStats(surprise=surprise[:, :, r:], theta=g[..., 0], eta=g[..., 1].exp(),
-                            alpha=-torch.expm1(g[..., 2]))
+        stats = MemoryStats(
+            surprise=surprise[:, :, r:], theta=g[..., 0], eta=g[..., 1].exp(), alpha=-torch.expm1(g[..., 2])
+        )
         return y[:, :, r:], new_state, stats
 
     def extra_repr(self) -> str:
-        return (f"dim={self.dim}, heads={self.heads}, head_dim={self.head_dim}, depth={self.depth}, "
-                f"chunk_size={self.chunk_size}, momentum={self.momentum}, forgetting={self.forgetting}")
+        return (
+            f"dim={self.dim}, heads={self.heads}, head_dim={self.head_dim}, depth={self.depth}, "
+            f"chunk_size={self.chunk_size}, momentum={self.momentum}, forgetting={self.forgetting}"
+        )

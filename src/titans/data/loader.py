@@ -1,0 +1,228 @@
+"""Batches for autoregressive language modelling from a flat token stream.
+
+``TokenBatches`` (training): the stream is cut into windows of ``seq_len + 1`` tokens that overlap by one
+(inputs = first ``seq_len``, targets = last ``seq_len``). Each epoch uses its own random start shift
+(within the spare tokens past the last whole window, so boundaries move between epochs) and its own
+random order of the windows; the global batch at step ``s`` holds samples ``s*B .. s*B+B-1`` of that
+endless sequence. Everything is drawn from generators seeded by ``(seed, epoch)``, so the batch at step
+``s`` depends only on (stream, seed, batch_size, seq_len, s): resuming at step ``s`` reproduces exactly
+what an uninterrupted run sees, and no window repeats within an epoch. ``state_dict()`` holds the next
+step plus the settings, which ``load_state_dict`` checks. Sharding: rank ``r`` of ``world_size`` gets
+rows ``r::world_size`` of the same global batch, so the ranks together see exactly the batch one process
+would.
+
+``EvalWindows`` (evaluation): a fixed number of contiguous, non-overlapping windows of the held-out stream
+(window ``i`` covers inputs ``[i*T, (i+1)*T)`` and targets shifted by one), spread evenly over the stream,
+in a fixed order, sharded ``r::world_size`` like training.
+
+Bits per byte: ``bits_per_byte(mean_loss, bytes_per_token)`` = mean token NLL (nats) / ln 2 / bytes per
+token. ``bytes_per_token`` is the ratio for the WHOLE held-out stream (``TokenStream.bytes_per_token``:
+its UTF-8 bytes / its tokens), not per window: for the byte tokenizer it is exactly 1; for a subword
+tokenizer the evenly spread windows make it a close estimate of the evaluated windows' own ratio.
+
+Public API (names are stable): ``TokenBatches``, ``EvalWindows``, ``bits_per_byte``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from titans.data.stream import TokenStream
+
+log = logging.getLogger(__name__)
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def bits_per_byte(mean_loss: float, bytes_per_token: float) -> float:
+    """Bits per UTF-8 byte from a mean next-token cross-entropy in nats."""
+    if bytes_per_token <= 0:
+        raise ValueError(f"bytes_per_token must be positive, got {bytes_per_token}")
+    return mean_loss / math.log(2) / bytes_per_token
+
+
+def _as_tokens(tokens: TokenStream | np.ndarray) -> np.ndarray:
+    arr = tokens.tokens if isinstance(tokens, TokenStream) else np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"token stream must be 1-D, got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"token stream must hold integers, got dtype {arr.dtype}")
+    return arr
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+
+
+def _check_shard(batch_size: int, rank: int, world_size: int) -> None:
+    _check_rank(rank, world_size)
+    if batch_size < 1 or batch_size % world_size:
+        raise ValueError(
+            f"global batch_size={batch_size} must be a positive multiple of world_size={world_size}"
+        )
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> Batch:
+    """(inputs, targets), each (len(starts), seq_len) int64, from windows of seq_len + 1 tokens."""
+    idx = starts[:, None] + np.arange(seq_len + 1)
+    w = torch.from_numpy(np.asarray(tokens[idx]).astype(np.int64))
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+
+class TokenBatches:
+    """Endless training batches, deterministic from (seed, step); see the module docstring.
+
+    Yields (inputs, targets), each (batch_size // world_size, seq_len) int64 CPU tensors.
+    """
+
+    def __init__(
+        self,
+        tokens: TokenStream | np.ndarray,
+        *,
+        batch_size: int,
+        seq_len: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        step: int = 0,
+    ):
+        self.tokens = _as_tokens(tokens)
+        _check_shard(batch_size, rank, world_size)
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        n = self.tokens.shape[0]
+        if n < seq_len + 1:
+            raise ValueError(f"token stream has {n} tokens; seq_len={seq_len} needs at least {seq_len + 1}")
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self.rank, self.world_size = rank, world_size
+        self.step = step
+        self.windows_per_epoch = (n - 1) // seq_len
+        self._slack = (n - 1) - self.windows_per_epoch * seq_len  # room to shift the window grid
+        self._epoch_plan = lru_cache(maxsize=4)(self._plan)
+
+    def _plan(self, epoch: int) -> tuple[int, np.ndarray]:
+        rng = np.random.default_rng([self.seed, epoch])
+        shift = int(rng.integers(0, self._slack + 1))
+        return shift, rng.permutation(self.windows_per_epoch)
+
+    def epoch(self, step: int | None = None) -> float:
+        """Fractional epoch reached at the start of ``step`` (default: the next step)."""
+        step = self.step if step is None else step
+        return step * self.batch_size / self.windows_per_epoch
+
+    def get_batch(self, step: int) -> Batch:
+        """This rank's rows of the global batch at ``step``."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        sample = np.arange(step * self.batch_size, (step + 1) * self.batch_size, dtype=np.int64)
+        sample = sample[self.rank :: self.world_size]
+        epochs, index = np.divmod(sample, self.windows_per_epoch)
+        starts = np.empty_like(sample)
+        for e in np.unique(epochs):
+            shift, perm = self._epoch_plan(int(e))
+            sel = epochs == e
+            starts[sel] = shift + perm[index[sel]] * self.seq_len
+        return _windows(self.tokens, starts, self.seq_len)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        batch = self.get_batch(self.step)
+        self.step += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        """The next step and the settings it is valid for (plain ints: safe in any checkpoint)."""
+        return {
+            "step": self.step,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "n_tokens": int(self.tokens.shape[0]),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at ``state["step"]``; refuses a state made with other settings or another stream."""
+        mine = self.state_dict()
+        for key in ("seed", "batch_size", "seq_len", "n_tokens"):
+            if key in state and state[key] != mine[key]:
+                raise ValueError(
+                    f"data state mismatch: checkpoint has {key}={state[key]}, this loader has {mine[key]}"
+                )
+        self.step = int(state["step"])
+
+
+class EvalWindows:
+    """A fixed, deterministic set of non-overlapping held-out windows; see the module docstring.
+
+    Iterating yields (inputs, targets) batches, each (<= batch_size, seq_len) int64.
+    ``num_windows``: windows on this rank; ``n_target_tokens``: targets on this rank.
+    """
+
+    def __init__(
+        self,
+        tokens: TokenStream | np.ndarray,
+        *,
+        seq_len: int,
+        num_windows: int | None = None,
+        batch_size: int = 8,
+        rank: int = 0,
+        world_size: int = 1,
+        bytes_per_token: float | None = None,
+    ):
+        self.tokens = _as_tokens(tokens)
+        _check_rank(rank, world_size)
+        if seq_len < 1 or batch_size < 1:
+            raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len} and {batch_size}")
+        available = (self.tokens.shape[0] - 1) // seq_len
+        if available < 1:
+            raise ValueError(
+                f"held-out stream has {self.tokens.shape[0]} tokens; seq_len={seq_len} needs {seq_len + 1}"
+            )
+        wanted = available if num_windows is None else num_windows
+        if wanted < 1:
+            raise ValueError(f"num_windows must be >= 1, got {num_windows}")
+        if wanted > available:
+            log.warning(
+                "held-out stream has room for %d windows of %d tokens; evaluating %d, not %d",
+                available,
+                seq_len,
+                available,
+                wanted,
+            )
+            wanted = available
+        self.total_windows = wanted
+        grid = (np.arange(wanted, dtype=np.int64) * available) // wanted  # evenly spread, distinct
+        self.starts = (grid * seq_len)[rank::world_size]
+        self.seq_len, self.batch_size = seq_len, batch_size
+        if bytes_per_token is None and isinstance(tokens, TokenStream):
+            bytes_per_token = tokens.bytes_per_token
+        self.bytes_per_token = bytes_per_token
+
+    @property
+    def num_windows(self) -> int:
+        return int(self.starts.shape[0])
+
+    @property
+    def n_target_tokens(self) -> int:
+        return self.num_windows * self.seq_len
+
+    def __len__(self) -> int:
+        return math.ceil(self.num_windows / self.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for i in range(0, self.num_windows, self.batch_size):
+            yield _windows(self.tokens, self.starts[i : i + self.batch_size], self.seq_len)
+
+    def bits_per_byte(self, mean_loss: float) -> float:
+        """Bits per byte of a mean token NLL (nats) over these windows."""
+        if self.bytes_per_token is None:
+            raise ValueError("bytes_per_token unknown: pass it, or build EvalWindows from a TokenStream")
+        return bits_per_byte(mean_loss, self.bytes_per_token)

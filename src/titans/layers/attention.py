@@ -1,0 +1,397 @@
+"""Attention layers of the Titans architectures: sliding-window / full causal self-attention (MAG, MAL,
+Transformer++, SWA baselines) and segment attention over ``[persistent || memory tokens || segment]``
+(MAC), each with a streaming state so that feeding a sequence in pieces equals one parallel call.
+
+Shapes: x is (batch, seq, dim); inside, heads are (batch, heads, seq, head_dim).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from titans.layers.rotary import RotaryEmbedding
+from titans.ops.attention import causal_attention, segment_attention
+
+__all__ = ["AttentionState", "SegmentAttention", "SegmentAttentionState", "SelfAttention"]
+
+
+@dataclass(frozen=True)
+class AttentionState:
+    """Streaming state of :class:`SelfAttention`: a KV cache.
+
+    k, v: (batch, heads, n, head_dim), keys already rotated (RoPE). ``n = min(position, window - 1)`` for a
+    sliding window (the next query at ``position`` sees keys ``position - window + 1 .. position``, the last
+    of which it brings itself), ``n = position`` for full attention.
+    position: absolute position of the next token.
+    """
+
+    k: Tensor
+    v: Tensor
+    position: int
+
+    def detach(self) -> AttentionState:
+        return AttentionState(self.k.detach(), self.v.detach(), self.position)
+
+
+@dataclass(frozen=True)
+class SegmentAttentionState:
+    """Streaming state of :class:`SegmentAttention`: keys/values of the current, unfinished segment.
+
+    k, v: (batch, heads, n, head_dim) from the segment's tokens; ctx_k, ctx_v: the same from the memory
+    tokens h. ``n = position % segment_len`` (0 right after a segment boundary: the cache resets).
+    position: absolute position of the next token.
+    """
+
+    k: Tensor
+    v: Tensor
+    ctx_k: Tensor
+    ctx_v: Tensor
+    position: int
+
+    def detach(self) -> SegmentAttentionState:
+        return SegmentAttentionState(
+            self.k.detach(), self.v.detach(), self.ctx_k.detach(), self.ctx_v.detach(), self.position
+        )
+
+
+def _l2_normalize(t: Tensor, eps: float = 1e-6) -> Tensor:
+    """l2-normalise the last dim, computed in float32 (or wider) and returned in t's dtype."""
+    tf = t.to(torch.promote_types(t.dtype, torch.float32))
+    return (tf * torch.rsqrt(tf.pow(2).sum(-1, keepdim=True).clamp_min(eps * eps))).to(t.dtype)
+
+
+def _check_int(name: str, value: int, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_position(state: AttentionState | SegmentAttentionState | None) -> int:
+    if state is None:
+        return 0
+    position = state.position
+    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        raise ValueError(f"state.position must be an int >= 0, got {position!r}")
+    return position
+
+
+def _take_last(t: Tensor, n: int) -> Tensor:
+    """The last n positions of (B, H, T, D), as a fresh tensor (a view would pin the whole input)."""
+    total = t.shape[2]
+    return t[:, :, total - n :].clone() if n < total else t
+
+
+class _ProjectedAttention(nn.Module):
+    """Shared parts: q/k/v/o projections, SiLU + l2 norm + RoPE on heads, persistent tokens, output."""
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        head_dim: int,
+        *,
+        persistent_tokens: int,
+        rope_base: float,
+        qk_norm: bool,
+        silu_qkv: bool,
+        output_gate: bool,
+    ):
+        super().__init__()
+        _check_int("dim", dim, 1)
+        _check_int("heads", heads, 1)
+        _check_int("head_dim", head_dim, 1)
+        _check_int("persistent_tokens", persistent_tokens, 0)
+        self.dim, self.heads, self.head_dim = dim, heads, head_dim
+        self.qk_norm, self.silu_qkv = qk_norm, silu_qkv
+        inner = heads * head_dim
+        self.q_proj = nn.Linear(dim, inner, bias=False)
+        self.k_proj = nn.Linear(dim, inner, bias=False)
+        self.v_proj = nn.Linear(dim, inner, bias=False)
+        self.o_proj = nn.Linear(inner, dim, bias=False)
+        self.rotary = RotaryEmbedding(head_dim, base=rope_base)
+        # Persistent memory (Titans §3.3): learned tokens in model space, shaped like normalised block inputs
+        # (unit-variance entries), that go through the same k/v projections as the sequence.
+        self.persistent = nn.Parameter(torch.randn(persistent_tokens, dim)) if persistent_tokens > 0 else None
+        # With l2-normalised q and k every logit lies in [-1, 1]: with the usual 1/sqrt(d) scale the softmax
+        # would be almost uniform and could barely attend to one token. So the logits get a learnable
+        # per-head temperature, initialised to sqrt(head_dim): the logit range of standard attention with
+        # unit-variance q, k entries. It is parameterised as sqrt(head_dim) * exp(s) with s = 0 at init, so
+        # weight decay on s pulls it back to that sensible default rather than towards a flat softmax.
+        self.qk_log_scale = nn.Parameter(torch.zeros(heads)) if qk_norm else None
+        # Optional normalise-and-gate before the output projection (Titans §4.4, after Mehta et al.).
+        self.gate_proj = nn.Linear(dim, inner, bias=False) if output_gate else None
+
+    @property
+    def persistent_tokens(self) -> int:
+        return 0 if self.persistent is None else self.persistent.shape[0]
+
+    def _check_x(self, x: Tensor, name: str = "x") -> None:
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"{name} must be (batch, seq, dim={self.dim}), got shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+
+    def _split_heads(self, t: Tensor) -> Tensor:
+        """(B, T, H*D) -> (B, H, T, D)."""
+        b, t_len, _ = t.shape
+        return t.view(b, t_len, self.heads, self.head_dim).transpose(1, 2)
+
+    def _keys(self, x: Tensor) -> Tensor:
+        """Keys before RoPE: (..., T, dim) -> (..., T, H*D)."""
+        k = self.k_proj(x)
+        if self.silu_qkv:
+            k = F.silu(k)
+        return k
+
+    def _values(self, x: Tensor) -> Tensor:
+        v = self.v_proj(x)
+        return F.silu(v) if self.silu_qkv else v
+
+    def _queries(self, x: Tensor, positions: Tensor, max_position: int) -> Tensor:
+        """(B, T, dim) -> (B, H, T, D): projected, activated, normalised, scaled and rotated queries."""
+        q = self.q_proj(x)
+        if self.silu_qkv:
+            q = F.silu(q)
+        q = self._split_heads(q)
+        if self.qk_norm:
+            scale = math.sqrt(self.head_dim) * self.qk_log_scale.exp()
+            q = (_l2_normalize(q) * scale.view(-1, 1, 1)).to(q.dtype)
+        return self.rotary(q, positions, max_position)
+
+    def _keys_values(self, x: Tensor, positions: Tensor, max_position: int) -> tuple[Tensor, Tensor]:
+        """(B, T, dim) -> k, v: (B, H, T, D), k rotated."""
+        k = self._split_heads(self._keys(x))
+        if self.qk_norm:
+            k = _l2_normalize(k)
+        v = self._split_heads(self._values(x))
+        return self.rotary(k, positions, max_position), v
+
+    def _persistent_kv(self) -> tuple[Tensor | None, Tensor | None]:
+        """Keys/values of the persistent tokens, (H, P, D) each; no RoPE (they have no position)."""
+        if self.persistent is None:
+            return None, None
+        p = self.persistent.shape[0]
+        k = self._keys(self.persistent).view(p, self.heads, self.head_dim).transpose(0, 1)
+        if self.qk_norm:
+            k = _l2_normalize(k)
+        v = self._values(self.persistent).view(p, self.heads, self.head_dim).transpose(0, 1)
+        return k, v
+
+    @property
+    def _softmax_scale(self) -> float | None:
+        # qk_norm: the per-head temperature is already folded into q.
+        return 1.0 if self.qk_norm else None
+
+    def _output(self, o: Tensor, x: Tensor) -> Tensor:
+        """(B, H, T, D) attention output -> (B, T, dim)."""
+        b, _, t_len, _ = o.shape
+        o = o.transpose(1, 2)  # (B, T, H, D)
+        if self.gate_proj is not None:
+            gate = torch.sigmoid(self.gate_proj(x)).view(b, t_len, self.heads, self.head_dim)
+            o = F.rms_norm(o, (self.head_dim,)) * gate
+        return self.o_proj(o.reshape(b, t_len, self.heads * self.head_dim))
+
+    def _check_cache(self, name: str, t: Tensor, x: Tensor, length: int, like: Tensor) -> None:
+        expected = (x.shape[0], self.heads, length, self.head_dim)
+        if tuple(t.shape) != expected:
+            raise ValueError(
+                f"state.{name} has shape {tuple(t.shape)}, expected {expected} for this input "
+                "and state.position"
+            )
+        if t.dtype != like.dtype or t.device != like.device:
+            raise TypeError(
+                f"state.{name} is {t.dtype} on {t.device} but this call computes {like.dtype} on "
+                f"{like.device}; stream with the same dtype/autocast and device"
+            )
+
+
+class SelfAttention(_ProjectedAttention):
+    """Causal multi-head self-attention, full or sliding-window, with persistent tokens and a KV cache.
+
+    q, k, v are bias-free projections of x; with ``silu_qkv`` they pass through SiLU and with ``qk_norm``
+    q and k are l2-normalised (Titans §4.4) and scaled by a learnable per-head temperature. RoPE is
+    applied to q and k at absolute positions. ``persistent_tokens`` learned vectors (P, dim) go through the
+    same k/v projections (no RoPE) and are visible to every query.
+
+    ``forward(x, state)`` with x: (B, T, dim) returns y: (B, T, dim) and the new state; feeding a sequence
+    in pieces, threading the state, gives the outputs of one call on the whole sequence.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        head_dim: int,
+        *,
+        window: int | None,
+        persistent_tokens: int = 0,
+        rope_base: float = 10000.0,
+        qk_norm: bool = True,
+        silu_qkv: bool = True,
+        output_gate: bool = False,
+        block_size: int | None = None,
+    ):
+        super().__init__(
+            dim,
+            heads,
+            head_dim,
+            persistent_tokens=persistent_tokens,
+            rope_base=rope_base,
+            qk_norm=qk_norm,
+            silu_qkv=silu_qkv,
+            output_gate=output_gate,
+        )
+        if window is not None:
+            _check_int("window", window, 1)
+        if block_size is not None:
+            _check_int("block_size", block_size, 1)
+        self.window = window
+        self.block_size = block_size
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim={self.dim}, heads={self.heads}, head_dim={self.head_dim}, window={self.window}, "
+            f"persistent_tokens={self.persistent_tokens}, qk_norm={self.qk_norm}, silu_qkv={self.silu_qkv}"
+        )
+
+    def _cache_len(self, position: int) -> int:
+        return position if self.window is None else min(position, self.window - 1)
+
+    def forward(self, x: Tensor, state: AttentionState | None = None) -> tuple[Tensor, AttentionState]:
+        """x: (B, T, dim) -> y: (B, T, dim), new state. ``state`` is not modified."""
+        self._check_x(x)
+        b, t_len, _ = x.shape
+        start = _check_position(state)
+        positions = torch.arange(start, start + t_len, device=x.device)
+        q = self._queries(x, positions, start + t_len)
+        k, v = self._keys_values(x, positions, start + t_len)
+        if state is not None:
+            n = self._cache_len(start)
+            self._check_cache("k", state.k, x, n, k)
+            self._check_cache("v", state.v, x, n, v)
+            k = torch.cat([state.k, k], dim=2)
+            v = torch.cat([state.v, v], dim=2)
+        if t_len == 0:
+            y = x.new_zeros(b, 0, self.dim)
+        else:
+            pk, pv = self._persistent_kv()
+            o = causal_attention(
+                q,
+                k,
+                v,
+                window=self.window,
+                persistent_k=pk,
+                persistent_v=pv,
+                block_size=self.block_size,
+                scale=self._softmax_scale,
+            )
+            y = self._output(o, x)
+        keep = self._cache_len(start + t_len)
+        return y, AttentionState(_take_last(k, keep), _take_last(v, keep), start + t_len)
+
+
+class SegmentAttention(_ProjectedAttention):
+    """Segment attention for Titans MAC (memory as context, §4.1).
+
+    The sequence is cut into segments of ``segment_len``. The token at position i attends to the persistent
+    tokens, to the memory tokens h_j (``ctx``) and to the tokens x_j of its own segment with j <= i, and to
+    nothing in other segments (the long-term memory carries that). Keys/values of h and x come from the same
+    projections; queries come from x only. RoPE uses segment-local positions: h_j and x_j both sit at the
+    local index of j.
+
+    ``forward(x, ctx, state)`` with x, ctx: (B, T, dim) returns y: (B, T, dim) and the new state (the
+    current segment's keys/values); streaming in pieces equals one call.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        head_dim: int,
+        *,
+        segment_len: int,
+        persistent_tokens: int = 0,
+        rope_base: float = 10000.0,
+        qk_norm: bool = True,
+        silu_qkv: bool = True,
+        output_gate: bool = False,
+    ):
+        super().__init__(
+            dim,
+            heads,
+            head_dim,
+            persistent_tokens=persistent_tokens,
+            rope_base=rope_base,
+            qk_norm=qk_norm,
+            silu_qkv=silu_qkv,
+            output_gate=output_gate,
+        )
+        _check_int("segment_len", segment_len, 1)
+        self.segment_len = segment_len
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim={self.dim}, heads={self.heads}, head_dim={self.head_dim}, segment_len={self.segment_len}, "
+            f"persistent_tokens={self.persistent_tokens}, qk_norm={self.qk_norm}, silu_qkv={self.silu_qkv}"
+        )
+
+    def forward(
+        self, x: Tensor, ctx: Tensor, state: SegmentAttentionState | None = None
+    ) -> tuple[Tensor, SegmentAttentionState]:
+        """x, ctx: (B, T, dim) -> y: (B, T, dim), new state. ``state`` is not modified."""
+        self._check_x(x)
+        self._check_x(ctx, "ctx")
+        if ctx.shape != x.shape:
+            raise ValueError(
+                f"ctx must have the shape of x (one memory token per position), got "
+                f"{tuple(ctx.shape)} and {tuple(x.shape)}"
+            )
+        b, t_len, _ = x.shape
+        c = self.segment_len
+        start = _check_position(state)
+        local = torch.arange(start, start + t_len, device=x.device) % c
+        max_local = min(c, start % c + t_len)  # bound on local positions, lets RoPE use its cache
+        q = self._queries(x, local, max_local)
+        k, v = self._keys_values(x, local, max_local)
+        ctx_k, ctx_v = self._keys_values(ctx, local, max_local)
+        if state is not None:
+            n = start % c
+            for name, cached, new in (
+                ("k", state.k, k),
+                ("v", state.v, v),
+                ("ctx_k", state.ctx_k, ctx_k),
+                ("ctx_v", state.ctx_v, ctx_v),
+            ):
+                self._check_cache(name, cached, x, n, new)
+            k, v = torch.cat([state.k, k], dim=2), torch.cat([state.v, v], dim=2)
+            ctx_k, ctx_v = torch.cat([state.ctx_k, ctx_k], dim=2), torch.cat([state.ctx_v, ctx_v], dim=2)
+        if t_len == 0:
+            y = x.new_zeros(b, 0, self.dim)
+        else:
+            pk, pv = self._persistent_kv()
+            # The keys start at the current segment's first position, as segment_attention requires.
+            o = segment_attention(
+                q,
+                k,
+                v,
+                ctx_k,
+                ctx_v,
+                segment_len=c,
+                persistent_k=pk,
+                persistent_v=pv,
+                scale=self._softmax_scale,
+            )
+            y = self._output(o, x)
+        keep = (start + t_len) % c
+        new_state = SegmentAttentionState(
+            _take_last(k, keep),
+            _take_last(v, keep),
+            _take_last(ctx_k, keep),
+            _take_last(ctx_v, keep),
+            start + t_len,
+        )
+        return y, new_state

@@ -1,0 +1,382 @@
+"""Crash-safe training checkpoints.
+
+Layout: ``run_dir/checkpoints/step_XXXXXXXX/`` (step zero-padded to 8 digits) holding
+
+- ``model.safetensors``: the model weights. Tensors that are exact aliases of an earlier entry (tied
+  weights: same storage, offset, shape, strides) are stored once and listed in the file's metadata
+  (``titans.aliases``), and come back as the very same tensor object; other tensors that share storage or
+  are non-contiguous views are saved as contiguous copies (safetensors refuses shared storage).
+- ``trainer.pt``: ``trainer_state`` via ``torch.save`` (optimizer, scheduler, data position, RNG states
+  from ``capture_rng_state()``, ...). numpy arrays become tensors and numpy scalars Python numbers, so the
+  file loads with ``torch.load(weights_only=True)``.
+- ``meta.json``: ``{"format", "step", "config", "files": {name: {"size", "sha256"}}, "torch", "created"}``.
+
+Atomicity: everything is written into a hidden temp folder in ``checkpoints/`` (same filesystem), each
+file and the folder are fsynced, then the folder is renamed into place with ``os.replace``; a kill at any
+moment leaves either the complete new checkpoint or none (a leftover ``.tmp-*`` folder is ignored by
+every reader and removed by the next successful save). Older checkpoints are pruned to ``keep_last`` only
+after the new one is in place. One process (rank 0) writes a run's checkpoints.
+
+Public API (names are stable): ``save_checkpoint``, ``load_checkpoint``, ``verify_checkpoint``,
+``latest_checkpoint``, ``list_checkpoints``, ``Checkpoint``, ``CheckpointError``, ``capture_rng_state``,
+``restore_rng_state``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import random
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+CHECKPOINTS = "checkpoints"
+MODEL_FILE = "model.safetensors"
+TRAINER_FILE = "trainer.pt"
+META_FILE = "meta.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_ALIASES_KEY = "titans.aliases"
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, truncated or corrupted (the message names the file)."""
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    model_state: dict[str, torch.Tensor]
+    trainer_state: dict[str, Any]
+    config: dict[str, Any]
+    path: Path
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------- RNG state
+def capture_rng_state() -> dict[str, Any]:
+    """The state of Python ``random``, numpy's global RNG, torch CPU and (if available) every CUDA device."""
+    np_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {
+            "bit_generator": np_state["bit_generator"],
+            "key": torch.from_numpy(np.asarray(np_state["state"]["key"]).astype(np.int64)),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Restore what ``capture_rng_state`` captured; the CUDA part only where CUDA is available."""
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    np_state = state["numpy"]
+    np.random.set_state(
+        {
+            "bit_generator": np_state["bit_generator"],
+            "state": {"key": np.asarray(np_state["key"], dtype=np.uint32), "pos": int(np_state["pos"])},
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        }
+    )
+    torch.set_rng_state(state["torch"].cpu())
+    cuda = state.get("cuda")
+    if cuda is not None:
+        if not torch.cuda.is_available():
+            log.warning("checkpoint holds CUDA RNG states but CUDA is not available; not restored")
+        else:
+            if len(cuda) != torch.cuda.device_count():
+                log.warning(
+                    "checkpoint has %d CUDA RNG states, %d devices", len(cuda), torch.cuda.device_count()
+                )
+            for i, s in enumerate(cuda[: torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(s.cpu(), i)
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _fsync(path: Path, directory: bool = False) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    except OSError:
+        if directory:  # some platforms cannot open folders; the rename is still atomic there
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not directory:
+            raise
+    finally:
+        os.close(fd)
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _prepare_tensors(model_state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors safetensors accepts, {alias name: stored name}); see the module docstring."""
+    out: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    storages: set[tuple] = set()
+    for name, t in model_state.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"model_state[{name!r}] is a {type(t).__name__}, not a tensor")
+        t = t.detach()
+        if t.numel() == 0:
+            out[name] = t.cpu().clone()
+            continue
+        storage = (t.device, t.untyped_storage().data_ptr())
+        view = (storage, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if view in seen:
+            aliases[name] = seen[view]
+            continue
+        seen[view] = name
+        whole = (
+            t.is_contiguous()
+            and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        )
+        if whole and storage not in storages:
+            out[name] = t.cpu()
+        else:  # a view into, or a second view of, some storage: save an independent copy
+            out[name] = t.cpu().contiguous().clone()
+        storages.add(storage)
+    return out, aliases
+
+
+def _numpy_free(obj: Any) -> Any:
+    """numpy arrays -> tensors, numpy scalars -> Python numbers, recursively (for weights_only loading)."""
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj).copy())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return type(obj)((k, _numpy_free(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_numpy_free(v) for v in obj)
+    return obj
+
+
+def _step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return sorted(found)
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Checkpoint folders of a run, oldest step first (not verified)."""
+    return [p for _, p in _step_dirs(Path(run_dir))]
+
+
+# --------------------------------------------------------------------------------------------- save
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    *,
+    model_state: dict[str, torch.Tensor],
+    trainer_state: dict[str, Any],
+    config: dict[str, Any],
+    keep_last: int | None = 3,
+) -> Path:
+    """Write the checkpoint for ``step`` atomically and prune to the newest ``keep_last`` (None: keep all).
+
+    Returns the checkpoint folder ``run_dir/checkpoints/step_XXXXXXXX``. Saving a step that already has a
+    checkpoint replaces it.
+    """
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    try:
+        json.dumps(config)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config must be JSON-serializable: {e}") from e
+    tensors, aliases = _prepare_tensors(model_state)
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    old = None
+    try:
+        from safetensors.torch import save_file
+
+        save_file(tensors, tmp / MODEL_FILE, metadata={"format": "pt", _ALIASES_KEY: json.dumps(aliases)})
+        with open(tmp / TRAINER_FILE, "wb") as f:
+            torch.save(_numpy_free(trainer_state), f)
+        files = {}
+        for name in (MODEL_FILE, TRAINER_FILE):
+            _fsync(tmp / name)
+            files[name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256_file(tmp / name)}
+        meta = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "config": config,
+            "files": files,
+            "torch": torch.__version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        _fsync(tmp / META_FILE)
+        _fsync(tmp, directory=True)
+        if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
+            old = Path(tempfile.mkdtemp(prefix=f".old-{final.name}-", dir=root))
+            os.replace(final, old / final.name)
+        os.replace(tmp, final)
+        _fsync(root, directory=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not final.exists():
+            os.replace(old / final.name, final)  # put the previous checkpoint of this step back
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    _prune(root, keep_last)
+    return final
+
+
+def _prune(root: Path, keep_last: int | None) -> None:
+    steps = _step_dirs(root.parent)
+    if keep_last is not None:
+        for _, path in steps[:-keep_last]:
+            shutil.rmtree(path, ignore_errors=True)
+    for p in root.iterdir():  # leftovers of writes killed mid-way (one writer per run)
+        if p.name.startswith((".tmp-step_", ".old-step_")) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------- load
+def _read_meta(path: Path) -> dict[str, Any]:
+    meta_path = path / META_FILE
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint folder {str(path)!r} does not exist")
+    if not meta_path.is_file():
+        raise CheckpointError(f"{str(meta_path)!r} is missing: incomplete checkpoint")
+    try:
+        meta = json.loads(meta_path.read_text())
+        files = meta["files"]
+        for name in (MODEL_FILE, TRAINER_FILE):
+            int(files[name]["size"]), str(files[name]["sha256"])
+        int(meta["step"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"{str(meta_path)!r} is corrupted or incomplete ({type(e).__name__}: {e})"
+        ) from e
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{str(meta_path)!r}: unsupported checkpoint format {meta.get('format')!r}")
+    return meta
+
+
+def _check_file(path: Path, expected: dict, data: bytes | None = None) -> None:
+    if not path.is_file():
+        raise CheckpointError(f"{str(path)!r} is missing")
+    size = path.stat().st_size if data is None else len(data)
+    if size != expected["size"]:
+        raise CheckpointError(
+            f"{str(path)!r} is truncated or damaged: {size} bytes, expected {expected['size']}"
+        )
+    digest = _sha256_file(path) if data is None else hashlib.sha256(data).hexdigest()
+    if digest != expected["sha256"]:
+        raise CheckpointError(f"{str(path)!r} is corrupted: sha256 {digest[:16]}... does not match meta.json")
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Check a checkpoint's files against the sizes and hashes in its meta.json; returns the meta."""
+    path = Path(path)
+    meta = _read_meta(path)
+    for name in (MODEL_FILE, TRAINER_FILE):
+        _check_file(path / name, meta["files"][name])
+    return meta
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    # safetensors layout: 8-byte little-endian header length, then a JSON header
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+
+
+def load_checkpoint(
+    path: str | Path, *, map_location: str | torch.device = "cpu", weights_only: bool = True
+) -> Checkpoint:
+    """Load and verify a checkpoint folder; raises CheckpointError naming the damaged file.
+
+    ``weights_only=False`` (unpickling arbitrary objects in trainer.pt) only for checkpoints you trust.
+    """
+    path = Path(path)
+    meta = _read_meta(path)
+    blobs = {}
+    for name in (MODEL_FILE, TRAINER_FILE):
+        try:
+            blobs[name] = (path / name).read_bytes()
+        except FileNotFoundError:
+            raise CheckpointError(f"{str(path / name)!r} is missing") from None
+        _check_file(path / name, meta["files"][name], blobs[name])
+    try:
+        from safetensors.torch import load as load_safetensors
+
+        model_state = load_safetensors(blobs[MODEL_FILE])
+        aliases = json.loads(_safetensors_metadata(blobs[MODEL_FILE]).get(_ALIASES_KEY, "{}"))
+    except Exception as e:  # the hash matched, so this is a file written by something else
+        raise CheckpointError(f"{str(path / MODEL_FILE)!r} is not a readable safetensors file: {e}") from e
+    if str(map_location) != "cpu":
+        model_state = {k: v.to(map_location) for k, v in model_state.items()}
+    for alias, target in aliases.items():
+        model_state[alias] = model_state[target]
+    try:
+        trainer_state = torch.load(
+            io.BytesIO(blobs[TRAINER_FILE]), map_location=map_location, weights_only=weights_only
+        )
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{str(path / TRAINER_FILE)!r} holds objects that weights_only loading refuses ({e}); "
+            "if you trust this checkpoint, load it with weights_only=False"
+        ) from e
+    return Checkpoint(
+        step=int(meta["step"]),
+        model_state=model_state,
+        trainer_state=trainer_state,
+        config=meta.get("config") or {},
+        path=path,
+        meta=meta,
+    )
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest checkpoint of ``run_dir`` that passes ``verify_checkpoint``; damaged ones are skipped
+    with a warning. None when there is no good checkpoint."""
+    for _, path in reversed(_step_dirs(Path(run_dir))):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as e:
+            log.warning("skipping damaged checkpoint %s: %s", path, e)
+            continue
+        return path
+    return None

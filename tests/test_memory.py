@@ -1,0 +1,288 @@
+"""The neural memory: fast chunked path vs the literal float64 reference, causality, state, memorization."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titans import MemoryState, NeuralMemory
+from titans.ops.memory import memory_forward, neural_memory_chunked
+from titans.ops.memory_ref import neural_memory_ref
+
+F64 = torch.float64
+
+
+def random_problem(
+    batch, heads, seq, d, depth, expansion=2, dtype=F64, seed=0, momentum=True, forgetting=True
+):
+    """Random q/k/v, random gates and random initial weights/momentum (not just zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, heads, seq, d, generator=g, dtype=dtype) for _ in range(3))
+    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    theta = 0.2 * torch.rand(batch, heads, seq, generator=g, dtype=dtype)
+    log_eta = F.logsigmoid(2 * torch.randn(batch, heads, seq, generator=g, dtype=dtype))
+    log_keep = F.logsigmoid(2 * torch.randn(batch, heads, seq, generator=g, dtype=dtype) + 3)
+    if not momentum:
+        log_eta = torch.full_like(log_eta, float("-inf"))
+    if not forgetting:
+        log_keep = torch.zeros_like(log_keep)
+    sizes = [d] + [d * expansion] * (depth - 1) + [d]
+    w = tuple(
+        torch.randn(batch, heads, sizes[i], sizes[i + 1], generator=g, dtype=dtype) / math.sqrt(sizes[i])
+        for i in range(depth)
+    )
+    s = tuple(0.1 * torch.randn(x.shape, generator=g, dtype=dtype) for x in w)
+    return (q, k, v, theta, log_eta, log_keep), w, s
+
+
+def assert_close_rel(a, b, rtol):
+    scale = b.abs().max().clamp_min(1.0)
+    assert (a - b).abs().max() <= rtol * scale, (
+        f"max diff {(a - b).abs().max().item():.3e} (scale {scale:.3e})"
+    )
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("chunk", [1, 7, 16])
+@pytest.mark.parametrize("seq", [1, 15, 33, 100])
+def test_chunked_equals_reference_float64(depth, chunk, seq):
+    args, w, s = random_problem(2, 2, seq, 5, depth, seed=depth * 100 + chunk + seq)
+    fast = neural_memory_chunked(*args, w, s, chunk_size=chunk)
+    ref = neural_memory_ref(*args, w, s, chunk_size=chunk)
+    for a, b in zip([fast[0], *fast[1], *fast[2], fast[3]], [ref[0], *ref[1], *ref[2], ref[3]]):
+        assert_close_rel(a, b, 1e-10)
+
+
+@pytest.mark.parametrize("momentum,forgetting", [(False, True), (True, False), (False, False)])
+@pytest.mark.parametrize("options", [{}, {"residual": True, "activation": "gelu"}, {"surprise_clip": 0.3}])
+def test_ablations_and_options_match_reference(momentum, forgetting, options):
+    args, w, s = random_problem(2, 3, 29, 4, 2, seed=7, momentum=momentum, forgetting=forgetting)
+    fast = neural_memory_chunked(*args, w, s, chunk_size=8, **options)
+    ref = neural_memory_ref(*args, w, s, chunk_size=8, **options)
+    for a, b in zip([fast[0], *fast[1], *fast[2], fast[3]], [ref[0], *ref[1], *ref[2], ref[3]]):
+        assert_close_rel(a, b, 1e-10)
+
+
+def test_no_momentum_is_plain_gradient_step():
+    """eta = 0, alpha = 0, chunk 1: W_t = W_{t-1} - theta_t u_t (the delta rule for a linear memory)."""
+    args, w, s = random_problem(1, 1, 5, 3, 1, momentum=False, forgetting=False)
+    q, k, v, theta, _, _ = args
+    _, w_end, _, _ = neural_memory_chunked(*args, w, tuple(torch.zeros_like(x) for x in s), chunk_size=1)
+    W = w[0][0, 0].clone()
+    for t in range(5):
+        kt, vt = k[0, 0, t], v[0, 0, t]
+        W = W - theta[0, 0, t] * 2 * torch.outer(kt, kt @ W - vt)
+    torch.testing.assert_close(w_end[0][0, 0], W)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_chunked_equals_reference_float32(depth):
+    args, w, s = random_problem(2, 2, 45, 8, depth, dtype=torch.float32, seed=3)
+    fast = neural_memory_chunked(*args, w, s, chunk_size=16)
+    args64 = [a.double() for a in args]
+    ref = neural_memory_ref(
+        *args64, tuple(x.double() for x in w), tuple(x.double() for x in s), chunk_size=16
+    )
+    for a, b in zip([fast[0], *fast[1], *fast[2]], [ref[0], *ref[1], *ref[2]]):
+        assert_close_rel(a.double(), b, 1e-4)
+
+
+def make_pair(**kw):
+    torch.manual_seed(0)
+    fast = NeuralMemory(max_lr=0.3, **kw).double()
+    with torch.no_grad():  # random gate weights so gates differ per token and head
+        fast.to_gates.weight.normal_(0, 0.3)
+    ref = copy.deepcopy(fast)
+    ref.impl = "reference"
+    return fast, ref
+
+
+@pytest.mark.parametrize("depth,chunk,seq", [(1, 7, 15), (2, 7, 33), (3, 16, 33), (2, 1, 9), (2, 16, 100)])
+def test_module_outputs_and_gradients_match_reference(depth, chunk, seq):
+    fast, ref = make_pair(dim=12, heads=2, head_dim=5, depth=depth, expansion=2, chunk_size=chunk)
+    x = torch.randn(2, seq, 12, dtype=F64, requires_grad=True)
+    y1, s1, st1 = fast(x, return_stats=True)
+    y2, s2, st2 = ref(x, return_stats=True)
+    assert torch.isfinite(y1).all()
+    assert_close_rel(y1, y2, 1e-10)
+    assert_close_rel(st1.surprise, st2.surprise, 1e-10)
+    for a, b in zip(s1.weights + s1.momentum, s2.weights + s2.momentum):
+        assert_close_rel(a, b, 1e-10)
+    params_f, params_r = list(fast.parameters()), list(ref.parameters())
+    loss_w = torch.randn_like(y1)
+    g1 = torch.autograd.grad((y1 * loss_w).sum() + s1.weights[0].sum(), [x, *params_f], allow_unused=True)
+    g2 = torch.autograd.grad((y2 * loss_w).sum() + s2.weights[0].sum(), [x, *params_r], allow_unused=True)
+    names = ["input"] + [n for n, _ in fast.named_parameters()]
+    for name, a, b in zip(names, g1, g2):
+        assert a is not None and b is not None, f"no gradient for {name}"
+        assert a.abs().sum() > 0, f"zero gradient for {name}"
+        assert_close_rel(a, b, 1e-9)
+
+
+def test_gradcheck_chunked_op():
+    args, w, s = random_problem(1, 1, 6, 3, 2, expansion=1, seed=11)
+    args = [a.requires_grad_() if a.dtype.is_floating_point and i != 4 else a for i, a in enumerate(args)]
+    w = tuple(x.requires_grad_() for x in w)
+
+    def fn(q, k, v, theta, log_keep, w0, w1):
+        y, wn, _, _ = neural_memory_chunked(q, k, v, theta, args[4], log_keep, (w0, w1), s, chunk_size=4)
+        return y, wn[0]
+
+    assert torch.autograd.gradcheck(fn, (args[0], args[1], args[2], args[3], args[5], *w))
+
+
+@pytest.mark.parametrize("j", [0, 5, 8, 13, 20, 31])
+def test_causality(j):
+    """Changing token j leaves every output before j unchanged (j at and inside chunks of 8)."""
+    torch.manual_seed(1)
+    mem = NeuralMemory(16, heads=2, depth=2, chunk_size=8).double()
+    x = torch.randn(2, 32, 16, dtype=F64)
+    y, _ = mem(x)
+    x2 = x.clone()
+    x2[:, j] += torch.randn(2, 16, dtype=F64)
+    y2, _ = mem(x2)
+    assert torch.equal(y[:, :j], y2[:, :j]) or (y[:, :j] - y2[:, :j]).abs().max() < 1e-12
+    assert (y[:, j:] - y2[:, j:]).abs().max() > 1e-6  # the change does reach token j onwards
+
+
+def test_reading_end_of_chunk_weights_would_be_caught():
+    """The causality test must be able to fail: a memory that reads the weights at the END of its
+    chunk (the classic leak) lets an early token see later ones."""
+    args, w, s = random_problem(1, 1, 16, 4, 1, seed=5)
+    _, w_end, _, _ = neural_memory_chunked(*args, w, s, chunk_size=8)
+    leaky = memory_forward(args[0][:, :, :8], w_end, "silu", False)  # tokens 0..7 read W after the chunk
+    args2 = list(args)
+    args2[1] = args[1].clone()
+    args2[1][:, :, 6] += 1.0
+    _, w_end2, _, _ = neural_memory_chunked(*args2, w, s, chunk_size=8)
+    leaky2 = memory_forward(args[0][:, :, :8], w_end2, "silu", False)
+    assert (leaky[:, :, :6] - leaky2[:, :, :6]).abs().max() > 1e-6  # the leak shows
+    y1 = neural_memory_chunked(*args, w, s, chunk_size=8)[0]
+    y2 = neural_memory_chunked(*args2, w, s, chunk_size=8)[0]
+    assert (y1[:, :, :8] - y2[:, :, :8]).abs().max() == 0  # ours reads chunk-start weights
+
+
+@pytest.mark.parametrize("splits", [[10, 21], [8, 16], [1, 2, 3], [5], [16, 17, 30]])
+def test_state_continues_exactly(splits):
+    torch.manual_seed(2)
+    mem = NeuralMemory(16, heads=2, depth=2, chunk_size=8).double()
+    x = torch.randn(2, 37, 16, dtype=F64)
+    y_full, s_full = mem(x)
+    ys, state = [], None
+    for a, b in zip([0, *splits], [*splits, 37]):
+        y, state = mem(x[:, a:b], state)
+        ys.append(y)
+    assert_close_rel(torch.cat(ys, 1), y_full, 1e-12)
+    assert state.position == s_full.position == 37
+    for a, b in zip(state.weights + state.momentum, s_full.weights + s_full.momentum):
+        assert_close_rel(a, b, 1e-12)
+    assert torch.equal(state.pending_k, s_full.pending_k)
+    assert torch.allclose(state.conv_tail, s_full.conv_tail)
+
+
+def test_state_detach_and_map():
+    mem = NeuralMemory(8, heads=2, depth=2, chunk_size=4)
+    x = torch.randn(1, 6, 8, requires_grad=True)
+    _, state = mem(x)
+    assert state.weights[0].requires_grad
+    d = state.detach()
+    assert not any(t.requires_grad for t in d.weights + d.momentum)
+    assert d.position == 6 and isinstance(d, MemoryState)
+
+
+def write_and_recall(keys, values, depth, expansion, epochs=4, theta=0.5, chunk=1, seed=0):
+    """Write k_i -> v_i into a fresh memory (no outer training); return recall MSE before and after."""
+    torch.manual_seed(seed)
+    n, d = keys.shape
+    sizes = [d] + [max(1, int(d * expansion))] * (depth - 1) + [d]
+    w = tuple(
+        torch.randn(1, 1, sizes[i], sizes[i + 1], dtype=F64) / math.sqrt(sizes[i]) for i in range(depth)
+    )
+    s = tuple(torch.zeros_like(x) for x in w)
+    k = keys[None, None].repeat(1, 1, epochs, 1)
+    v = values[None, None].repeat(1, 1, epochs, 1)
+    total = k.shape[2]
+    gates = (
+        torch.full((1, 1, total), theta, dtype=F64),
+        torch.full((1, 1, total), math.log(0.5), dtype=F64),
+        torch.zeros(1, 1, total, dtype=F64),
+    )
+    before = (memory_forward(keys[None, None], w, "silu", False) - values).pow(2).sum(-1).mean()
+    _, w_end, _, _ = neural_memory_chunked(k, k, v, *gates, w, s, chunk_size=chunk)
+    after = (memory_forward(keys[None, None], w_end, "silu", False) - values).pow(2).sum(-1).mean()
+    return before.item(), after.item()
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_memory_memorizes_at_test_time(depth):
+    """With no outer training, written random associations are recalled far better than by an empty memory."""
+    g = torch.Generator().manual_seed(0)
+    d, n = 32, 16
+    keys = F.normalize(torch.randn(n, d, generator=g, dtype=F64), dim=-1)
+    values = torch.randn(n, d, generator=g, dtype=F64)
+    before, after = write_and_recall(
+        keys, values, depth, expansion=4, epochs=8, theta=0.05 if depth > 1 else 0.25
+    )
+    assert after < 0.05 * before, (before, after)
+
+
+def test_long_stream_stays_finite():
+    torch.manual_seed(0)
+    mem = NeuralMemory(32, heads=2, depth=2, chunk_size=64)
+    with torch.no_grad():
+        y, state = mem(torch.randn(1, 8192, 32) * 3)
+    assert torch.isfinite(y).all() and all(torch.isfinite(w).all() for w in state.weights)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def test_bad_inputs_raise_clear_errors():
+    mem = NeuralMemory(16, heads=2, depth=2, chunk_size=8)
+    with pytest.raises(ValueError, match="last dim is 12"):
+        mem(torch.randn(2, 5, 12))
+    with pytest.raises(ValueError, match=r"\(batch, seq, dim\)"):
+        mem(torch.randn(5, 16))
+    with pytest.raises(TypeError, match="floating point"):
+        mem(torch.ones(2, 5, 16, dtype=torch.long))
+    other = NeuralMemory(16, heads=4, depth=2, chunk_size=8)
+    _, state = other(torch.randn(2, 5, 16))
+    with pytest.raises(ValueError, match="does not match this memory"):
+        mem(torch.randn(2, 5, 16), state)
+    _, state = mem(torch.randn(2, 5, 16))
+    with pytest.raises(ValueError, match="does not match"):
+        mem(torch.randn(3, 5, 16), state)
+    small_chunk = NeuralMemory(16, heads=2, depth=2, chunk_size=4)
+    with pytest.raises(ValueError, match="chunk size"):
+        small_chunk(torch.randn(2, 5, 16), state)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"depth": 0}, "depth"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"activation": "tanh"}, "activation"),
+        ({"eta_init": 1.5}, "eta_init"),
+        ({"impl": "cuda"}, "impl"),
+        ({"heads": -1}, "heads"),
+    ],
+)
+def test_bad_config_names_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        NeuralMemory(16, **kwargs)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bf16_matches_float32():
+    torch.manual_seed(0)
+    mem = NeuralMemory(64, heads=2, depth=2, chunk_size=16).cuda()
+    x = torch.randn(2, 100, 64, device="cuda")
+    y32, _ = mem(x)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y16, _ = mem(x)
+    assert torch.isfinite(y16).all()
+    assert (y16.float() - y32).abs().max() < 0.1 * y32.abs().max()
