@@ -1,0 +1,3 @@
+from titans.cli import main
+
+raise SystemExit(main())

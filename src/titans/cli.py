@@ -1,0 +1,46 @@
+"""The `titans` command line: `titans train | eval ... | generate | read | demo`.
+
+Each command lives in the module of the part of the library it drives and registers itself through
+`register(commands, evals)`; `commands` and `evals` are argparse sub-parser collections for top-level
+commands and for `titans eval <task>`. A registered parser sets `func=callable(args) -> int | None`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMAND_MODULES = (
+    "titans.demo",  # demo: the neural memory memorizing at test time
+    "titans.training.cli",  # train, eval ppl
+    "titans.inference.cli",  # generate, read
+    "titans.evaluation.cli",  # eval niah | babilong | tasks | ablate | depth
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="titans", description="Titans: neural long-term memory models.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+    eval_parser = commands.add_parser("eval", help="evaluate a checkpoint (ppl, niah, babilong, ...)")
+    evals = eval_parser.add_subparsers(dest="task", metavar="TASK")
+    evals.required = True
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:  # a part not installed in this build: skip its commands
+            if e.name != name:
+                raise
+            continue
+        module.register(commands, evals)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

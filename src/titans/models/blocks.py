@@ -1,0 +1,226 @@
+"""Residual blocks of the Titans variants (SPEC §4). Every block: `x, state = block(x, state)`.
+
+x: (B, T, dim). A block's state is whatever its mixers need to continue the same sequences in a later
+call (KV caches, memory weights), so streaming a sequence in pieces equals one parallel pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from titans.layers.attention import AttentionState, SegmentAttention, SegmentAttentionState, SelfAttention
+from titans.layers.memory import MemoryState, MemoryStats, NeuralMemory
+from titans.layers.mlp import SwiGLU
+from titans.models.config import TitansConfig
+
+
+def make_memory(cfg: TitansConfig) -> NeuralMemory:
+    heads = cfg.memory_heads or cfg.heads
+    return NeuralMemory(
+        cfg.dim,
+        heads=heads,
+        head_dim=cfg.memory_head_dim or cfg.dim // heads,
+        depth=cfg.memory_depth,
+        expansion=cfg.memory_expansion,
+        chunk_size=cfg.chunk_size,
+        activation=cfg.memory_activation,
+        conv_kernel=cfg.memory_conv_kernel,
+        momentum=cfg.memory_momentum,
+        forgetting=cfg.memory_forgetting,
+        max_lr=cfg.memory_max_lr,
+        theta_init=cfg.memory_theta_init,
+        surprise_clip=cfg.memory_surprise_clip,
+        residual=cfg.memory_residual,
+    )
+
+
+def make_attention(cfg: TitansConfig, window: int | None) -> SelfAttention:
+    return SelfAttention(
+        cfg.dim,
+        cfg.heads,
+        cfg.attn_head_dim,
+        window=window,
+        persistent_tokens=cfg.persistent_tokens,
+        rope_base=cfg.rope_base,
+        qk_norm=cfg.qk_norm,
+    )
+
+
+class GatedCombine(nn.Module):
+    """o = W (norm(a) * sigmoid(norm(b))): normalise both branches with learned weights, gate one by the other."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.norm_a, self.norm_b = nn.RMSNorm(dim, eps=eps), nn.RMSNorm(dim, eps=eps)
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        return self.proj(self.norm_a(a) * torch.sigmoid(self.norm_b(b)))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + mixer(norm(x)), then x + SwiGLU(norm(x)). Subclasses define the mixer."""
+
+    def __init__(self, cfg: TitansConfig):
+        super().__init__()
+        self.norm_mix = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.norm_mlp = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.dim, cfg.mlp_hidden)
+
+    def mix(self, x: Tensor, state, stats: list | None) -> tuple[Tensor, object]:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor, state=None, stats: list | None = None):
+        h, state = self.mix(self.norm_mix(x), state, stats)
+        x = x + h
+        return x + self.mlp(self.norm_mlp(x)), state
+
+
+def _run_memory(mem: NeuralMemory, x: Tensor, state: MemoryState | None, stats: list | None):
+    if stats is None:
+        return mem(x, state)
+    y, state, st = mem(x, state, return_stats=True)
+    stats.append(st)
+    return y, state
+
+
+class AttentionBlock(Block):
+    """Transformer++ (window None) or sliding-window attention, with persistent tokens."""
+
+    def __init__(self, cfg: TitansConfig, window: int | None):
+        super().__init__(cfg)
+        self.attn = make_attention(cfg, window)
+
+    def mix(self, x, state: AttentionState | None, stats):
+        return self.attn(x, state)
+
+
+class MemoryBlock(Block):
+    """LMM: the neural memory alone as the token mixer."""
+
+    def __init__(self, cfg: TitansConfig):
+        super().__init__(cfg)
+        self.memory = make_memory(cfg)
+
+    def mix(self, x, state: MemoryState | None, stats):
+        return _run_memory(self.memory, x, state, stats)
+
+
+@dataclass
+class MAGState:
+    attention: AttentionState | None
+    memory: MemoryState | None
+
+
+class MAGBlock(Block):
+    """Memory as gate: sliding-window attention and the memory read the same input; o = gate(attn, mem)."""
+
+    def __init__(self, cfg: TitansConfig):
+        super().__init__(cfg)
+        self.attn = make_attention(cfg, cfg.window)
+        self.memory = make_memory(cfg)
+        self.combine = GatedCombine(cfg.dim, cfg.norm_eps)
+
+    def mix(self, x, state: MAGState | None, stats):
+        state = state or MAGState(None, None)
+        y, attn_state = self.attn(x, state.attention)
+        m, mem_state = _run_memory(self.memory, x, state.memory, stats)
+        return self.combine(y, m), MAGState(attn_state, mem_state)
+
+
+class MALBlock(Block):
+    """Memory as layer: x + M(norm x), then x + SWA(norm x), then the MLP (an H3-like stack)."""
+
+    def __init__(self, cfg: TitansConfig):
+        super().__init__(cfg)
+        self.norm_mem = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.memory = make_memory(cfg)
+        self.attn = make_attention(cfg, cfg.window)
+
+    def forward(self, x: Tensor, state: MAGState | None = None, stats: list | None = None):
+        state = state or MAGState(None, None)
+        m, mem_state = _run_memory(self.memory, self.norm_mem(x), state.memory, stats)
+        x = x + m
+        y, attn_state = self.attn(self.norm_mix(x), state.attention)
+        x = x + y
+        return x + self.mlp(self.norm_mlp(x)), MAGState(attn_state, mem_state)
+
+
+@dataclass
+class MACState:
+    memory: MemoryState
+    segment_weights: tuple[Tensor, ...]  # memory weights at the start of the current segment (for retrieval)
+    attention: SegmentAttentionState | None
+
+
+class MACBlock(Block):
+    """Memory as context (SPEC §4).
+
+    For each segment s: retrieve h = M_{s-1}(q(x)) with the weights from before the segment; causal attention
+    over [persistent || h || segment] (h_j visible only to tokens >= j); write the attention output y into the
+    memory chunk by chunk; output o = gate(y, M(y)), each token reading the memory before its chunk's write.
+    """
+
+    def __init__(self, cfg: TitansConfig):
+        super().__init__(cfg)
+        self.segment_len = cfg.segment_len
+        self.memory = make_memory(cfg)
+        mem = self.memory
+        self.retrieve_q = nn.Linear(cfg.dim, mem.heads * mem.head_dim, bias=False)
+        self.attn = SegmentAttention(
+            cfg.dim,
+            cfg.heads,
+            cfg.attn_head_dim,
+            segment_len=cfg.segment_len,
+            persistent_tokens=cfg.persistent_tokens,
+            rope_base=cfg.rope_base,
+            qk_norm=cfg.qk_norm,
+        )
+        self.combine = GatedCombine(cfg.dim, cfg.norm_eps)
+
+    def retrieve(self, x: Tensor, weights: tuple[Tensor, ...]) -> Tensor:
+        """h = M(q(x); W) for every token of a segment piece, read-only. x: (B, n, dim) -> (B, n, dim)."""
+        b, n, _ = x.shape
+        mem = self.memory
+        q = F.silu(self.retrieve_q(x)).view(b, n, mem.heads, mem.head_dim).transpose(1, 2)
+        q = F.normalize(q, dim=-1)
+        return mem.combine_heads(mem.read(q, weights), x)
+
+    def mix(self, x, state: MACState | None, stats):
+        b, t, _ = x.shape
+        if state is None:
+            mem_state = self.memory.initial_state(b, x.device, x.dtype)
+            state = MACState(mem_state, mem_state.weights, None)
+        mem_state, seg_w, attn_state = state.memory, state.segment_weights, state.attention
+        pos = mem_state.position
+        outs = []
+        start = 0
+        while start < t:
+            # pieces end at segment boundaries, counted in absolute positions
+            end = min(t, start + self.segment_len - (pos + start) % self.segment_len)
+            xs = x[:, start:end]
+            h = self.retrieve(xs, seg_w)
+            y, attn_state = self.attn(xs, h, attn_state)
+            m, mem_state = _run_memory(self.memory, y, mem_state, stats)
+            outs.append(self.combine(y, m))
+            if (pos + end) % self.segment_len == 0:  # segment complete: chunks divide it, nothing pending
+                seg_w = mem_state.weights
+            start = end
+        return torch.cat(outs, dim=1), MACState(mem_state, seg_w, attn_state)
+
+
+def make_block(cfg: TitansConfig, layer: int) -> Block:
+    if cfg.variant == "transformer":
+        return AttentionBlock(cfg, None)
+    if cfg.variant == "swa":
+        return AttentionBlock(cfg, cfg.window)
+    if not cfg.has_memory(layer):
+        return AttentionBlock(cfg, cfg.segment_len if cfg.variant == "mac" else cfg.window)
+    return {"mac": MACBlock, "mag": MAGBlock, "mal": MALBlock, "lmm": MemoryBlock}[cfg.variant](cfg)
+
+
+__all__ = ["Block", "MACState", "MAGState", "MemoryStats", "make_block"]

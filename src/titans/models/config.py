@@ -1,0 +1,199 @@
+"""`TitansConfig`: everything that defines a Titans language model, as data (JSON file round trip)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+VARIANTS = ("mac", "mag", "mal", "lmm", "transformer", "swa")
+MEMORY_VARIANTS = ("mac", "mag", "mal", "lmm")
+
+
+@dataclass
+class TitansConfig:
+    """A Titans causal LM (SPEC §3-4). Core fields keep the issue's names; the rest have defaults.
+
+    variant: "mac" (memory as context), "mag" (memory as gate), "mal" (memory as layer), "lmm" (memory
+        alone), or the baselines "transformer" (full causal attention) and "swa" (sliding window).
+    depth: number of residual blocks. heads: attention heads. segment_len: MAC segment length.
+    window: sliding-window size (mag, mal, swa, and non-memory layers). chunk_size: memory chunk size.
+    persistent_tokens: learned tokens prepended to every attention.
+    memory_layers: indices of the blocks that carry a neural memory (None: all); the other blocks of a
+        memory variant use sliding-window attention (window `window`, or `segment_len` for mac).
+    """
+
+    variant: str = "mac"
+    vocab_size: int = 256
+    dim: int = 256
+    depth: int = 4
+    heads: int = 4
+    head_dim: int | None = None
+    mlp_mult: float = 4.0
+    segment_len: int = 128
+    window: int = 128
+    chunk_size: int = 16
+    persistent_tokens: int = 4
+    memory_layers: list[int] | None = None
+    # neural memory
+    memory_heads: int | None = None
+    memory_head_dim: int | None = None
+    memory_depth: int = 2
+    memory_expansion: float = 2.0
+    memory_activation: str = "silu"
+    memory_conv_kernel: int = 4
+    memory_momentum: bool = True
+    memory_forgetting: bool = True
+    memory_max_lr: float = 1.0
+    memory_theta_init: float = 0.1
+    memory_surprise_clip: float | None = 1.0
+    memory_residual: bool = False
+    # attention and the rest
+    qk_norm: bool = True
+    rope_base: float = 10000.0
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"TitansConfig.variant must be one of {VARIANTS}, got {self.variant!r}")
+        for name in (
+            "vocab_size",
+            "dim",
+            "depth",
+            "heads",
+            "segment_len",
+            "window",
+            "chunk_size",
+            "memory_depth",
+        ):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"TitansConfig.{name} must be a positive integer, got {val!r}")
+        if self.persistent_tokens < 0:
+            raise ValueError(f"TitansConfig.persistent_tokens must be >= 0, got {self.persistent_tokens}")
+        if self.head_dim is None and self.dim % self.heads:
+            raise ValueError(
+                f"TitansConfig.heads={self.heads} does not divide dim={self.dim}; set head_dim explicitly"
+            )
+        if self.variant == "mac" and self.segment_len % self.chunk_size:
+            raise ValueError(
+                f"TitansConfig.chunk_size={self.chunk_size} must divide segment_len={self.segment_len} for "
+                "mac (the memory is written chunk by chunk inside each segment)"
+            )
+        if self.memory_layers is not None:
+            self.memory_layers = [int(i) for i in self.memory_layers]
+            bad = [i for i in self.memory_layers if not 0 <= i < self.depth]
+            if bad:
+                raise ValueError(f"TitansConfig.memory_layers {bad} out of range for depth={self.depth}")
+        if self.mlp_mult <= 0:
+            raise ValueError(f"TitansConfig.mlp_mult must be > 0, got {self.mlp_mult}")
+
+    # ------------------------------------------------------------------------------------- derived
+    @property
+    def attn_head_dim(self) -> int:
+        return self.head_dim or self.dim // self.heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        """SwiGLU width: 2/3 of mlp_mult * dim (same parameters as a plain MLP), rounded up to 8."""
+        return -(-int(self.mlp_mult * self.dim * 2 / 3) // 8) * 8
+
+    def has_memory(self, layer: int) -> bool:
+        if self.variant not in MEMORY_VARIANTS:
+            return False
+        return self.memory_layers is None or layer in self.memory_layers
+
+    # ------------------------------------------------------------------------------------ file i/o
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TitansConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"TitansConfig: unknown field(s) {unknown}")
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> TitansConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"TitansConfig: no config file at {path}")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"TitansConfig: {path} is not valid JSON: {e}") from e
+        return cls.from_dict(data)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> TitansConfig:
+        """A named size (see PRESETS) with any field overridden, e.g. preset("tiny", variant="mag")."""
+        if name not in PRESETS:
+            raise ValueError(f"TitansConfig: unknown preset {name!r}; choose from {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], "name": name, **overrides})
+
+
+# Paper scales use a 32K vocabulary (Llama-2 style); small presets train on 2 CPU cores in minutes.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        dim=128,
+        depth=2,
+        heads=4,
+        segment_len=64,
+        window=64,
+        chunk_size=16,
+        persistent_tokens=4,
+        memory_expansion=2.0,
+    ),
+    "small": dict(dim=256, depth=4, heads=4, segment_len=128, window=128, chunk_size=16, persistent_tokens=4),
+    "base": dict(dim=384, depth=6, heads=6, segment_len=256, window=256, chunk_size=32, persistent_tokens=8),
+    "170M": dict(
+        vocab_size=32000,
+        dim=768,
+        depth=12,
+        heads=12,
+        segment_len=512,
+        window=512,
+        chunk_size=64,
+        persistent_tokens=16,
+    ),
+    "340M": dict(
+        vocab_size=32000,
+        dim=1024,
+        depth=20,
+        heads=16,
+        segment_len=512,
+        window=512,
+        chunk_size=64,
+        persistent_tokens=16,
+    ),
+    "400M": dict(
+        vocab_size=32000,
+        dim=1024,
+        depth=24,
+        heads=16,
+        segment_len=512,
+        window=512,
+        chunk_size=64,
+        persistent_tokens=16,
+    ),
+    "760M": dict(
+        vocab_size=32000,
+        dim=1536,
+        depth=22,
+        heads=16,
+        head_dim=96,
+        segment_len=512,
+        window=512,
+        chunk_size=64,
+        persistent_tokens=16,
+    ),
+}

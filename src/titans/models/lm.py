@@ -1,0 +1,137 @@
+"""`TitansLM`: a causal language model built from Titans blocks.
+
+    logits, state = model(tokens, state=None)     tokens: (B, T) int64 -> logits: (B, T, vocab)
+
+Feeding a sequence in pieces and threading `state` gives the logits of one pass over the whole sequence,
+at a cost per token that does not grow with context for the memory and sliding-window variants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from titans.layers.memory import MemoryStats, NeuralMemory
+from titans.models.blocks import make_block
+from titans.models.config import TitansConfig
+
+
+@dataclass
+class TitansState:
+    """Per-block streaming states (see each block), the number of tokens consumed, and the config of the
+    model they belong to (a state is refused by a model with another config).
+
+    `state.save(path)` / `TitansState.load(path)` persist it (safetensors + a metadata header);
+    see `titans.inference.state_io`.
+    """
+
+    layers: list = field(default_factory=list)
+    position: int = 0
+    config: dict | None = None
+
+    def save(self, path) -> None:
+        from titans.inference.state_io import save_state
+
+        save_state(self, path)
+
+    @classmethod
+    def load(cls, path, map_location="cpu") -> TitansState:
+        from titans.inference.state_io import load_state
+
+        return load_state(path, map_location=map_location)
+
+    def detach(self) -> TitansState:
+        from titans.inference.state_io import map_state
+
+        return map_state(self, lambda t: t.detach())
+
+
+class TitansLM(nn.Module):
+    def __init__(self, config: TitansConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        self.blocks = nn.ModuleList(make_block(config, i) for i in range(config.depth))
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.reset_parameters()
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    def reset_parameters(self) -> None:
+        """GPT-style init: N(0, init_std) for embeddings and projections, residual outputs scaled by depth.
+
+        The neural memory's gate biases and initial weights keep their own initialisation.
+        """
+        std = self.config.init_std
+        memory_gates = {id(m.to_gates) for m in self.modules() if isinstance(m, NeuralMemory)}
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear) and id(module) not in memory_gates:
+                residual_out = name.endswith(("o_proj", "down_proj", "to_out", "combine.proj"))
+                scale = (2 * self.config.depth) ** -0.5 if residual_out else 1.0
+                nn.init.normal_(module.weight, std=std * scale)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.embed.weight.numel()
+        return n
+
+    def check_state(self, state: TitansState) -> None:
+        """Refuse a state from a model with another configuration, naming the fields that differ."""
+        if not isinstance(state, TitansState):
+            raise TypeError(f"TitansLM: state must be a TitansState, got {type(state).__name__}")
+        mine = self.config.to_dict()
+        if state.config is not None:
+            diff = sorted(
+                k for k in set(mine) | set(state.config) if k != "name" and mine.get(k) != state.config.get(k)
+            )
+            if diff:
+                detail = ", ".join(
+                    f"{k}: state {state.config.get(k)!r} vs model {mine.get(k)!r}" for k in diff
+                )
+                raise ValueError(f"TitansLM: state belongs to a model with another config ({detail})")
+        if len(state.layers) != len(self.blocks):
+            raise ValueError(
+                f"TitansLM: state has {len(state.layers)} layers, this model has {len(self.blocks)}"
+            )
+
+    @torch.no_grad()
+    def generate(self, prompt: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
+        """Sample continuations of a batch of prompts (B, T); see `titans.inference.generation.generate`."""
+        from titans.inference.generation import generate
+
+        return generate(self, prompt, max_new_tokens, **kwargs)
+
+    def forward(self, tokens: Tensor, state: TitansState | None = None, return_stats: bool = False):
+        """tokens (B, T) -> (logits (B, T, vocab), state); with return_stats also a list of MemoryStats,
+        one per memory call (per memory layer, per MAC segment piece)."""
+        if not isinstance(tokens, Tensor) or tokens.dim() != 2:
+            shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+            raise ValueError(f"TitansLM: tokens must be a (batch, seq) tensor, got {shape}")
+        if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise TypeError(f"TitansLM: tokens must be integer ids, got dtype {tokens.dtype}")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
+            raise ValueError(
+                f"TitansLM: token ids must lie in [0, {self.config.vocab_size}), got "
+                f"[{int(tokens.min())}, {int(tokens.max())}]"
+            )
+        if state is not None:
+            self.check_state(state)
+        layer_states = state.layers if state is not None else [None] * len(self.blocks)
+        stats: list[MemoryStats] | None = [] if return_stats else None
+        x = self.embed(tokens.long())
+        new_states = []
+        for block, s in zip(self.blocks, layer_states):
+            x, s = block(x, s, stats)
+            new_states.append(s)
+        logits = self.head(self.norm(x))
+        position = (state.position if state is not None else 0) + tokens.shape[1]
+        new_state = TitansState(new_states, position, self.config.to_dict())
+        return (logits, new_state, stats) if return_stats else (logits, new_state)
