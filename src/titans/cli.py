@@ -13,6 +13,7 @@ import sys
 
 COMMAND_MODULES = (
     "titans.demo",  # demo: the neural memory memorizing at test time
+    "titans.models.cli",  # presets: parameter counts
     "titans.training.cli",  # train, eval ppl
     "titans.inference.cli",  # generate, read
     "titans.evaluation.cli",  # eval niah | babilong | tasks | ablate | depth

@@ -99,7 +99,9 @@ class NeuralMemory(nn.Module):
             it bounds every token's write, which keeps deep memories finite over very long streams
             (without it, gradients that grow with W feed back into W and diverge). None turns it off.
         output_gate: normalise the read and gate it with a linear function of x (paper §4.4).
-        learned_init: W_0 is a learned parameter (False: fixed at its random/zero init).
+        learned_init: W_0 is a learned parameter (False: fixed at its random init).
+        write: False makes the memory read-only (theta = 0: it never learns at test time) — an ablation twin
+            with the same parameters and compute.
         impl: "chunked" (fast path) or "reference" (the per-token float64-grade loop, for tests).
     """
 
@@ -124,6 +126,7 @@ class NeuralMemory(nn.Module):
         surprise_clip: float | None = 1.0,
         output_gate: bool = True,
         learned_init: bool = True,
+        write: bool = True,
         impl: str = "chunked",
     ) -> None:
         super().__init__()
@@ -158,6 +161,7 @@ class NeuralMemory(nn.Module):
         self.chunk_size, self.activation, self.conv_kernel = chunk_size, activation, conv_kernel
         self.qk_norm, self.momentum, self.forgetting = qk_norm, momentum, forgetting
         self.max_lr, self.residual, self.surprise_clip, self.impl = max_lr, residual, surprise_clip, impl
+        self.write = write
 
         inner = heads * head_dim
         self.to_qkv = nn.Linear(dim, 3 * inner, bias=False)
@@ -257,6 +261,8 @@ class NeuralMemory(nn.Module):
         """x (B, T, dim) -> (B, H, T, 3): theta, log(eta), log(1 - alpha) per token and head."""
         logits = self.to_gates(x).float().view(*x.shape[:2], 3, self.heads).permute(0, 3, 1, 2)
         theta = self.max_lr * torch.sigmoid(logits[..., 0])
+        if not self.write:
+            theta = torch.zeros_like(theta)
         if self.momentum:
             log_eta = F.logsigmoid(logits[..., 1])
         else:

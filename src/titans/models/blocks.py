@@ -35,6 +35,7 @@ def make_memory(cfg: TitansConfig) -> NeuralMemory:
         theta_init=cfg.memory_theta_init,
         surprise_clip=cfg.memory_surprise_clip,
         residual=cfg.memory_residual,
+        write=cfg.memory_write,
     )
 
 
@@ -51,7 +52,7 @@ def make_attention(cfg: TitansConfig, window: int | None) -> SelfAttention:
 
 
 class GatedCombine(nn.Module):
-    """o = W (norm(a) * sigmoid(norm(b))): normalise both branches with learned weights, gate one by the other."""
+    """o = W (norm(a) * sigmoid(norm(b))): both branches normalised with learned weights; b gates a."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()

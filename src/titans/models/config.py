@@ -49,6 +49,7 @@ class TitansConfig:
     memory_theta_init: float = 0.1
     memory_surprise_clip: float | None = 1.0
     memory_residual: bool = False
+    memory_write: bool = True  # False: read-only memory (no test-time learning), an ablation twin
     # attention and the rest
     qk_norm: bool = True
     rope_base: float = 10000.0
@@ -141,7 +142,9 @@ class TitansConfig:
         return cls(**{**PRESETS[name], "name": name, **overrides})
 
 
-# Paper scales use a 32K vocabulary (Llama-2 style); small presets train on 2 CPU cores in minutes.
+# Paper scales use a 32K vocabulary (Llama-2 style) and are sized for the default variant, mac (the
+# baselines at the same preset are smaller: `titans presets` prints every count). Small presets train on
+# 2 CPU cores in minutes.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         dim=128,
@@ -168,7 +171,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "340M": dict(
         vocab_size=32000,
         dim=1024,
-        depth=20,
+        depth=15,
         heads=16,
         segment_len=512,
         window=512,
@@ -178,7 +181,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "400M": dict(
         vocab_size=32000,
         dim=1024,
-        depth=24,
+        depth=18,
         heads=16,
         segment_len=512,
         window=512,
@@ -188,7 +191,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "760M": dict(
         vocab_size=32000,
         dim=1536,
-        depth=22,
+        depth=16,
         heads=16,
         head_dim=96,
         segment_len=512,

@@ -1,0 +1,89 @@
+"""Training throughput (tokens/s, forward+backward) and peak memory of every variant vs sequence length.
+
+Each (variant, seq) runs in a fresh subprocess, so its peak RSS is its own. All variants share one size
+(dim, depth, heads, window = segment_len), so the comparison is like for like. The memory variants
+should keep flat tokens/s as the sequence grows; full attention should not.
+
+    python benchmarks/variants_throughput.py [--seqs 1024,4096,16384] [--variants mac,mag,...] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def measure(variant: str, seq: int, args: argparse.Namespace) -> dict:
+    from titans import TitansConfig, TitansLM
+
+    torch.manual_seed(0)
+    cfg = TitansConfig(variant=variant, vocab_size=256, dim=args.dim, depth=args.depth, heads=args.heads,
+                       segment_len=args.window, window=args.window, chunk_size=args.chunk_size,
+                       persistent_tokens=4)
+    model = TitansLM(cfg)
+    tokens = torch.randint(0, 256, (args.batch, seq + 1))
+    times = []
+    for i in range(args.steps + 1):  # the first step warms up allocators and caches
+        start = time.perf_counter()
+        logits, _ = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        if i:
+            times.append(time.perf_counter() - start)
+    med = statistics.median(times)
+    return {"variant": variant, "seq": seq, "batch": args.batch, "tokens_per_s": args.batch * seq / med,
+            "step_s": med, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "params": model.num_parameters()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default="mac,mag,mal,lmm,swa,transformer")
+    p.add_argument("--seqs", default="1024,4096,16384")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--chunk-size", type=int, default=32)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/results/variants_throughput.json")
+    p.add_argument("--child", nargs=2, metavar=("VARIANT", "SEQ"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child[0], int(args.child[1]), args)))
+        return
+    rows = []
+    passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                   if k in ("dim", "depth", "heads", "window", "chunk_size", "batch", "steps")]
+    print(f"fwd+bwd, batch {args.batch}, dim {args.dim}, depth {args.depth}, window/segment {args.window}, "
+          f"chunk {args.chunk_size}, {torch.get_num_threads()} threads; median of {args.steps} steps")
+    print(f"{'variant':12s} {'seq':>7s} {'tokens/s':>10s} {'step s':>8s} {'peak RSS MB':>12s}")
+    for variant in args.variants.split(","):
+        for seq in (int(s) for s in args.seqs.split(",")):
+            out = subprocess.run([sys.executable, __file__, "--child", variant, str(seq), *passthrough],
+                                 capture_output=True, text=True)
+            if out.returncode:
+                row = {"variant": variant, "seq": seq, "error": out.stderr.strip().splitlines()[-1]}
+                print(f"{variant:12s} {seq:7d}  failed: {row['error']}")
+            else:
+                row = json.loads(out.stdout.strip().splitlines()[-1])
+                print(f"{variant:12s} {seq:7d} {row['tokens_per_s']:10.0f} {row['step_s']:8.2f} "
+                      f"{row['peak_rss_mb']:12.0f}")
+            rows.append(row)
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"args": vars(args), "results": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
