@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 EXTRAS ?= dev,tokenizers,train
 
-.PHONY: setup main test lint eval-essays
+.PHONY: setup main test lint compare eval-essays
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -15,8 +15,14 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# the main job: a small MAC trained ~10 min on the Python stdlib source, then evaluated and sampled
+# (running it again resumes the same run, or re-reports a finished one)
 main: setup
-	$(VENV)/bin/titans demo
+	$(VENV)/bin/titans train --config configs/main.json --resume
+
+# MAC vs transformer vs swa: same budget, data, size and tokenizer; prints the held-out bpb table
+compare: setup
+	PYTHON=$(PY) scripts/compare.sh
 
 test: setup
 	$(PY) -m ruff check src tests benchmarks

@@ -1,0 +1,169 @@
+"""`titans train` and `titans eval ppl`.
+
+    titans train                                    # defaults: small MAC, builtin:stdlib, bytes, CPU
+    titans train --config configs/main.json --resume
+    titans train --config configs/main.json --steps 200 --set model.depth=2 --set lr=1e-3
+    torchrun --nproc_per_node 2 -m titans train --config configs/main.json      # DDP (gloo / nccl)
+    titans train --compare configs/compare_mac.json configs/compare_transformer.json configs/compare_swa.json
+    titans eval ppl --checkpoint runs/main
+
+Precedence: defaults < --config file < explicit flags < --set key=value (``model.<field>`` for the model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from titans.training.checkpoint import CheckpointError
+from titans.training.config import TrainConfig, parse_set
+
+# explicit flag (argparse dest) -> TrainConfig field
+_FLAGS: dict[str, str] = {
+    "preset": "preset",
+    "variant": "variant",
+    "data": "data",
+    "tokenizer": "tokenizer",
+    "steps": "steps",
+    "tokens": "tokens",
+    "seq_len": "seq_len",
+    "batch_size": "batch_size",
+    "lr": "lr",
+    "seed": "seed",
+    "run_dir": "run_dir",
+    "device": "device",
+    "time_budget": "time_budget_min",
+}
+_USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, CheckpointError, ImportError)
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for flag, key in _FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            out[key] = value
+    if getattr(args, "fsdp", False):
+        out["fsdp"] = True
+    if getattr(args, "no_progress", False):
+        out["progress"] = False
+    out.update(parse_set(getattr(args, "set", None) or []))
+    return out
+
+
+def _train_one(cfg: TrainConfig, resume: bool, overwrite: bool):
+    from titans.training.report import format_report
+    from titans.training.trainer import Trainer
+
+    trainer = Trainer(cfg, resume=resume, overwrite=overwrite)
+    if trainer.info.is_main:
+        n = trainer.model_config_parameters()
+        print(
+            f"training {cfg.variant} ({cfg.preset}, {n:,} parameters) on {cfg.data} [{cfg.tokenizer}], "
+            f"{cfg.total_steps:,} steps x {cfg.tokens_per_step:,} tokens, "
+            f"world size {trainer.info.world_size}, "
+            f"device {trainer.device}, run_dir {cfg.run_dir}",
+            flush=True,
+        )
+    result = trainer.train()
+    if trainer.info.is_main:
+        print(format_report(result, f"{cfg.variant} on {cfg.data}"), flush=True)
+    return trainer, result
+
+
+def _comparable(configs: list[TrainConfig], paths: list[str]) -> None:
+    """Runs compared side by side must share data, tokenizer, budget, size and optimizer."""
+    free = {"variant", "model", "run_dir"}
+    base = configs[0].to_dict()
+    for cfg, path in zip(configs[1:], paths[1:]):
+        d = cfg.to_dict()
+        diff = sorted(k for k in base if k not in free and base[k] != d[k])
+        if diff:
+            raise ValueError(f"--compare: {path} differs from {paths[0]} in {diff}; compared runs must match")
+    dirs = [c.run_dir for c in configs]
+    if len(set(dirs)) != len(dirs):
+        raise ValueError(f"--compare: the configs must have distinct run_dir values, got {dirs}")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    logging.getLogger("titans").setLevel(logging.INFO)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    from titans.training import distributed as D
+
+    try:
+        if args.resume and args.overwrite:
+            raise ValueError("--resume and --overwrite contradict each other: choose one")
+        overrides = overrides_from_args(args)
+        if args.compare:
+            from titans.training.report import compare_table
+
+            configs = [TrainConfig.from_file(p, overrides) for p in args.compare]
+            _comparable(configs, args.compare)
+            for cfg in configs:
+                trainer, _ = _train_one(cfg, args.resume, args.overwrite)
+            if trainer.info.is_main:
+                print("\n" + compare_table([c.run_dir for c in configs]))
+        else:
+            cfg = TrainConfig.from_file(args.config, overrides)
+            _train_one(cfg, args.resume, args.overwrite)
+    except _USER_ERRORS as e:
+        print(f"titans train: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        D.shutdown()
+    return 0
+
+
+def register(commands, evals) -> None:
+    p = commands.add_parser("train", help="train a Titans language model (also under torchrun)")
+    p.add_argument("--config", default=None, help="JSON TrainConfig file (see configs/)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field (model.<field> too)")
+    p.add_argument("--preset", help="model size preset (tiny, small, base, 170M, ...)")
+    p.add_argument("--variant", help="mac, mag, mal, lmm, transformer or swa")
+    p.add_argument(
+        "--data", help="text source: builtin:stdlib, builtin:prose, a file, folder, glob, .jsonl, hf:..."
+    )
+    p.add_argument("--tokenizer", help="bytes, gpt2, mistral-32k or a tokenizer file")
+    p.add_argument("--steps", type=int, help="optimizer steps")
+    p.add_argument("--tokens", type=int, help="token budget (sets the steps)")
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--batch-size", type=int, help="global batch (all ranks together)")
+    p.add_argument("--lr", type=float, help="peak learning rate")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--run-dir", help="where checkpoints, metrics and plots go")
+    p.add_argument("--device", help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument(
+        "--time-budget", type=float, metavar="MINUTES", help="stop (and checkpoint) after this long"
+    )
+    p.add_argument(
+        "--fsdp", action="store_true", help="shard the model with FSDP2 (under torchrun, for CUDA)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the newest good checkpoint of run_dir"
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="discard an earlier run in run_dir and start again"
+    )
+    p.add_argument(
+        "--compare", nargs="+", metavar="CONFIG", help="train each config in turn, print a bpb table"
+    )
+    p.set_defaults(func=run_train)
+
+    from titans.evaluation.perplexity import add_ppl_parser
+
+    add_ppl_parser(evals)
+    evals.choices["ppl"].set_defaults(func=run_eval_ppl)
+
+
+def run_eval_ppl(args: argparse.Namespace) -> int:
+    from titans.evaluation.perplexity import run_ppl
+
+    try:
+        return run_ppl(args)
+    except _USER_ERRORS as e:
+        print(f"titans eval ppl: error: {e}", file=sys.stderr)
+        return 2

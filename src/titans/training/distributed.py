@@ -1,0 +1,147 @@
+"""Multi-process training through PyTorch's own engine (torchrun + torch.distributed).
+
+``titans train`` under ``torchrun --nproc_per_node N`` finds RANK / WORLD_SIZE / LOCAL_RANK in the
+environment and joins a process group: gloo on CPU, nccl on CUDA (one GPU per process, by local rank).
+Each rank takes rows ``rank::world_size`` of the same global batch (``TokenBatches``), so N processes
+take the same optimizer step one process would on the whole batch.
+
+Wrapping (``wrap_model``):
+- DDP (default): every rank holds the whole model; gradients are averaged across ranks in backward.
+- FSDP (``fsdp=True``; for presets that do not fit one device): PyTorch's FSDP2 ``fully_shard`` on every
+  residual block and then on the whole model, so parameters, gradients and optimizer state are sharded
+  and each block's weights are gathered only while it runs. Checkpoints still hold full (unsharded)
+  tensors, gathered with ``torch.distributed.checkpoint.state_dict`` (see ``titans.training.trainer``).
+  Meant for CUDA; on CPU it is only useful to check the code path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands: rank of world_size (1 and 0 when not distributed) and its device."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1 or dist.is_initialized()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
+    """``auto`` -> cuda (this rank's GPU) when available, else cpu; any other spec as torch reads it."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("TrainConfig.device: 'cuda' requested but CUDA is not available")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+    return device
+
+
+def init_distributed(device_spec: str = "auto") -> DistInfo:
+    """Join the torchrun process group if the environment says so; a single process otherwise."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(device_spec, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    if dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def main_first(info: DistInfo) -> Iterator[None]:
+    """Rank 0 runs the body first (e.g. builds the token cache); the others run it after a barrier."""
+    if not info.is_main:
+        barrier(info)
+    yield
+    if info.is_main:
+        barrier(info)
+
+
+def all_reduce_sum(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum of ``values`` over ranks (a copy; unchanged when not distributed)."""
+    values = values.detach().clone()
+    if info.enabled:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def any_rank(flag: bool, info: DistInfo) -> bool:
+    """True on every rank when ``flag`` is true on some rank (so all ranks stop at the same step)."""
+    if not info.enabled:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def wrap_model(model: nn.Module, info: DistInfo, fsdp: bool = False) -> nn.Module:
+    """DDP, FSDP2 or the model itself (single process without FSDP). The model is on ``info.device``."""
+    if fsdp:
+        if not info.enabled:
+            raise ValueError("TrainConfig.fsdp needs a process group: launch with torchrun")
+        import warnings
+
+        from torch.distributed.fsdp import fully_shard
+
+        # The returned memory/attention states hold views; training discards them and nothing writes
+        # into them in place, which is the case this warning is about.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        for block in getattr(model, "blocks", []):
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    if not info.enabled:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    device_ids = [info.device.index] if info.device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside a DDP wrapper (FSDP2 shards in place: nothing to unwrap)."""
+    return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+
+
+def no_sync(model: nn.Module, skip: bool) -> contextlib.AbstractContextManager:
+    """Skip the gradient all-reduce of a micro-batch that is not the last one (DDP only)."""
+    if skip and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()

@@ -1,0 +1,488 @@
+"""The training loop: `Trainer(config).train()` -> `TrainResult`.
+
+One optimizer step = one global batch (``TokenBatches`` step ``s``; under torchrun each rank takes its rows).
+Every training sequence starts from a fresh memory state (``state=None``): the memory learns at test time
+*within* a sequence, the outer parameters learn across sequences.
+
+Checkpoints (``titans.training.checkpoint``; rank 0 writes) hold the model weights (safetensors), the
+optimizer, the lr schedule, the data position and the RNG states, every ``ckpt_every`` steps, at the end,
+and when the wall-clock budget runs out. ``Trainer(config, resume=True)`` continues from the newest good
+checkpoint of ``run_dir`` exactly where it stopped: the same batches, the same per-step losses and the same
+weights as a run that was never interrupted. A resume whose config differs in a field that matters is
+refused, naming the field (see ``TrainConfig.resume_mismatches``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from titans.data.loader import EvalWindows, TokenBatches
+from titans.data.stream import load_token_streams
+from titans.data.tokenizers import load_tokenizer
+from titans.evaluation.perplexity import PerplexityResult, evaluate_perplexity
+from titans.models.lm import TitansLM
+from titans.training import distributed as D
+from titans.training.checkpoint import (
+    CHECKPOINTS,
+    capture_rng_state,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
+from titans.training.config import TrainConfig
+from titans.training.metrics import (
+    METRICS_FILE,
+    PLOT_FILE,
+    MetricsLogger,
+    plot_losses,
+    read_metrics,
+    truncate_metrics,
+)
+from titans.training.model_io import TOKENIZER_DIR, keep_tokenizer_copy, load_weights, tokenizer_record
+from titans.training.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger(__name__)
+REPORT_FILE = "report.json"
+CONFIG_FILE = "config.json"
+
+
+@dataclass
+class TrainResult:
+    """What a training session did. ``train_loss``: mean loss of the last logged interval;
+    ``tokens_per_s``: training throughput of this session (evaluation and checkpoint time excluded)."""
+
+    step: int
+    total_steps: int
+    tokens: int
+    num_parameters: int
+    train_loss: float | None
+    eval: PerplexityResult | None
+    tokens_per_s: float
+    train_time_s: float
+    stopped_early: bool
+    checkpoint: str | None
+    sample: str | None = None
+    step_losses: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("step_losses")
+        return d
+
+
+class Trainer:
+    """Builds everything a run needs from a TrainConfig (model, data, optimizer, logging) and trains it."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        resume: bool = False,
+        overwrite: bool = False,
+        info: D.DistInfo | None = None,
+    ):
+        """``resume``: continue from the newest good checkpoint of ``run_dir`` (from scratch if none).
+        ``overwrite``: first delete what an earlier run wrote in ``run_dir``. Neither: refuse a ``run_dir``
+        that already holds checkpoints."""
+        if resume and overwrite:
+            raise ValueError("resume and overwrite contradict each other: choose one")
+        self.config = cfg = config
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
+        self.info = info or D.init_distributed(cfg.device)
+        self.device = self.info.device
+        self.run_dir = Path(cfg.run_dir)
+        rows = cfg.batch_size // self.info.world_size
+        if cfg.batch_size % self.info.world_size or rows % cfg.grad_accum:
+            raise ValueError(
+                f"TrainConfig.batch_size={cfg.batch_size} must split into world_size={self.info.world_size} "
+                f"ranks x grad_accum={cfg.grad_accum} equal micro-batches"
+            )
+        if cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and self.device.type == "cuda"):
+            self.autocast_dtype: torch.dtype | None = torch.bfloat16
+        else:
+            self.autocast_dtype = None
+
+        if overwrite:
+            if self.info.is_main:
+                clear_run(self.run_dir)
+            D.barrier(self.info)  # no rank looks at run_dir before it is cleared
+        checkpoint = self._find_checkpoint(resume)
+        torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+        self.tokenizer = load_tokenizer(cfg.tokenizer)
+        with D.main_first(self.info):  # rank 0 tokenizes and writes the cache; the others read it
+            streams = load_token_streams(
+                cfg.data,
+                self.tokenizer,
+                heldout_fraction=cfg.heldout_fraction,
+                cache_dir=cfg.cache_dir,
+                text_field=cfg.text_field,
+            )
+        self.model_config = cfg.model_config(self.tokenizer.vocab_size)
+        self.model = TitansLM(self.model_config)
+        saved = load_checkpoint(checkpoint, map_location="cpu") if checkpoint else None
+        if saved is not None:
+            self._check_resumable(saved.config, checkpoint)
+            load_weights(self.model, saved.model_state)
+        self.model.to(self.device)
+        self.engine = D.wrap_model(self.model, self.info, fsdp=cfg.fsdp)
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.batches = TokenBatches(
+            streams.train,
+            batch_size=cfg.batch_size,
+            seq_len=cfg.seq_len,
+            seed=cfg.seed,
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+        )
+        self.eval_windows = EvalWindows(
+            streams.heldout,
+            seq_len=cfg.seq_len,
+            num_windows=cfg.eval_windows,
+            batch_size=cfg.eval_batch_size,
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+        )
+        self.step = 0
+        self.step_losses: list[float] = []  # global loss of every step taken by this Trainer
+        self.last_checkpoint: Path | None = checkpoint
+        if saved is not None:
+            self._load_trainer_state(saved.trainer_state)
+            if self.info.is_main:
+                print(f"resumed {self.run_dir} at step {self.step} from {checkpoint}", flush=True)
+        if self.info.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            keep_tokenizer_copy(cfg.tokenizer, self.run_dir)
+            cfg.save(self.run_dir / CONFIG_FILE)
+            truncate_metrics(self.run_dir / METRICS_FILE, self.step)
+        self.metrics = MetricsLogger(
+            self.run_dir, enabled=self.info.is_main, tensorboard=cfg.tensorboard, resume_step=self.step
+        )
+
+    # ---------------------------------------------------------------------------------------- resume
+    def _find_checkpoint(self, resume: bool) -> Path | None:
+        if not resume:
+            existing = list_checkpoints(self.run_dir)
+            if existing:
+                raise FileExistsError(
+                    f"run_dir {str(self.run_dir)!r} already holds checkpoints (newest {existing[-1].name}): "
+                    "pass --resume to continue that run, --overwrite to start it again, or another run_dir"
+                )
+            return None
+        found = latest_checkpoint(self.run_dir)  # skips damaged checkpoints (with a warning)
+        if found is None and self.info.is_main:
+            print(f"no checkpoint in {self.run_dir}: starting from scratch", flush=True)
+        return found
+
+    def _check_resumable(self, saved: dict[str, Any], path: Path) -> None:
+        if "train" not in saved or "model" not in saved:
+            raise ValueError(f"cannot resume from {str(path)!r}: it was not written by the titans trainer")
+        bad = self.config.resume_mismatches(saved["train"])
+        if bad:
+            mine = self.config.to_dict()
+
+            def value(d: dict, key: str) -> Any:
+                return d.get("model", {}).get(key[6:]) if key.startswith("model.") else d.get(key)
+
+            detail = "; ".join(
+                f"{k}: checkpoint {value(saved['train'], k)!r}, now {value(mine, k)!r}" for k in bad
+            )
+            raise ValueError(f"cannot resume from {str(path)!r}: the config differs in {detail}")
+        mine_model = self.model_config.to_dict()
+        diff = sorted(k for k in mine_model if k != "name" and mine_model[k] != saved["model"].get(k))
+        if diff:
+            raise ValueError(f"cannot resume from {str(path)!r}: the model config differs in {diff}")
+
+    def _load_trainer_state(self, state: dict[str, Any]) -> None:
+        if self.config.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(
+                self.model, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
+            )
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        # The lr of the next step from the schedule of *this* config (it differs from the saved one only
+        # when `steps`/`tokens` changed to extend the run); identical to the saved lr otherwise.
+        for group, base, fn in zip(
+            self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas
+        ):
+            group["lr"] = base * fn(self.scheduler.last_epoch)
+        self.batches.load_state_dict(state["data"])
+        restore_rng_state(state["rng"])
+        self.step = int(state["step"])
+        if self.batches.step != self.step:
+            raise ValueError(f"checkpoint data position {self.batches.step} != its step {self.step}")
+
+    # ---------------------------------------------------------------------------------------- saving
+    def _state_dicts(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Full (unsharded) model and optimizer state; under FSDP a collective (every rank calls it)."""
+        if self.config.fsdp:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+                get_optimizer_state_dict,
+            )
+
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return (
+                get_model_state_dict(self.model, options=opts),
+                get_optimizer_state_dict(self.model, self.optimizer, options=opts),
+            )
+        return self.model.state_dict(), self.optimizer.state_dict()
+
+    def save_checkpoint(self) -> Path | None:
+        """Write a checkpoint of the current step (rank 0; the others wait). Returns its folder on rank 0."""
+        model_state, optim_state = self._state_dicts()
+        path = None
+        if self.info.is_main:
+            trainer_state = {
+                "step": self.step,
+                "optimizer": optim_state,
+                "scheduler": self.scheduler.state_dict(),
+                "data": self.batches.state_dict(),
+                "rng": capture_rng_state(),
+                "world_size": self.info.world_size,
+            }
+            config = {
+                "train": self.config.to_dict(),
+                "model": self.model_config.to_dict(),
+                "tokenizer": tokenizer_record(self.config.tokenizer, self.tokenizer),
+            }
+            path = save_checkpoint(
+                self.run_dir,
+                self.step,
+                model_state=model_state,
+                trainer_state=trainer_state,
+                config=config,
+                keep_last=self.config.keep_last,
+            )
+            self.last_checkpoint = path
+        D.barrier(self.info)
+        return path
+
+    # ---------------------------------------------------------------------------------------- steps
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on global batch ``step``: (this rank's mean loss, the gradient norm)."""
+        inputs, targets = self.batches.get_batch(step)
+        self.batches.step = step + 1  # the data position a checkpoint records
+        accum = self.config.grad_accum
+        self.engine.train()
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
+            with D.no_sync(self.engine, skip=i < accum - 1):
+                with self._autocast():
+                    logits, _ = self.engine(x.to(self.device, non_blocking=True))  # fresh memory state
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(self.device).flatten())
+                (loss / accum).backward()
+            loss_sum += loss.detach() / accum
+        max_norm = self.config.grad_clip if self.config.grad_clip is not None else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, grad_norm.detach()
+
+    def evaluate(self) -> PerplexityResult:
+        """Held-out loss / perplexity / bits per byte over the run's evaluation windows (all ranks)."""
+        # DDP: each rank scores its windows with the bare model (no gradient hooks); FSDP: the sharded
+        # model, whose forward is a collective, so every rank runs the same number of passes.
+        model = self.model if self.config.fsdp else D.unwrap(self.engine)
+        return evaluate_perplexity(
+            model,
+            self.eval_windows,
+            device=self.device,
+            autocast_dtype=self.autocast_dtype,
+            lockstep=self.config.fsdp,
+        )
+
+    # ---------------------------------------------------------------------------------------- loop
+    def train(self, stop_at: int | None = None) -> TrainResult:
+        """Train to ``config.total_steps`` (or the time budget, or step ``stop_at`` of the same schedule:
+        an interruption that ``resume`` continues), then evaluate, checkpoint, plot and sample."""
+        cfg, info = self.config, self.info
+        total = cfg.total_steps
+        end = total if stop_at is None else min(stop_at, total)
+        bar = _progress(cfg.progress and info.is_main, total, self.step)
+        session_start = time.perf_counter()
+        train_time = interval_time = 0.0
+        pending: list[torch.Tensor] = []
+        last_logged: float | None = None
+        stopped_early = False
+        saved_step = self.step if self.last_checkpoint is not None else -1
+        start_step = self.step
+        lr = self.optimizer.param_groups[0]["lr"]
+        try:
+            while self.step < end:
+                t0 = time.perf_counter()
+                lr = self.optimizer.param_groups[0]["lr"]  # the lr this step uses
+                loss, grad_norm = self.train_step(self.step)
+                self.step += 1
+                pending.append(loss)
+                if self.device.type == "cuda" and self.step % cfg.log_every == 0:
+                    torch.cuda.synchronize(self.device)  # honest timing at log points
+                dt = time.perf_counter() - t0
+                train_time += dt
+                interval_time += dt
+                bar.update(1)
+                if self.step % cfg.log_every == 0 or self.step == end:
+                    last_logged = self._log_train(pending, lr, grad_norm, interval_time, bar)
+                    pending, interval_time = [], 0.0
+                if self.step % cfg.eval_every == 0 and self.step < end:
+                    self._log_eval(self.evaluate(), bar)
+                if self.step % cfg.ckpt_every == 0 and self.step < end:
+                    self.save_checkpoint()
+                    saved_step = self.step
+                if cfg.time_budget_min is not None:
+                    over = time.perf_counter() - session_start >= cfg.time_budget_min * 60
+                    if D.any_rank(over, info) and self.step < end:
+                        stopped_early = True
+                        if info.is_main:
+                            bar.write(
+                                f"time budget of {cfg.time_budget_min:g} min reached at step {self.step}"
+                            )
+                        break
+            if pending:
+                last_logged = self._log_train(pending, lr, None, interval_time, bar)
+            stopped_early = stopped_early or self.step < total
+        finally:
+            bar.close()
+        final_eval = self.evaluate()
+        self._log_eval(final_eval, None)
+        if saved_step != self.step:
+            self.save_checkpoint()
+        session_tokens = (self.step - start_step) * cfg.tokens_per_step
+        tokens_per_s = session_tokens / train_time if train_time > 0 else 0.0
+        if last_logged is None:  # nothing left to train (a finished run resumed): report its last log
+            last = [r for r in read_metrics(self.run_dir / METRICS_FILE) if r.get("split") == "train"]
+            if last:
+                last_logged, tokens_per_s = last[-1].get("loss"), last[-1].get("tokens_per_s", 0.0)
+        result = TrainResult(
+            step=self.step,
+            total_steps=total,
+            tokens=self.step * cfg.tokens_per_step,
+            num_parameters=self.model_config_parameters(),
+            train_loss=last_logged,
+            eval=final_eval,
+            tokens_per_s=tokens_per_s,
+            train_time_s=train_time,
+            stopped_early=stopped_early,
+            checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
+            step_losses=list(self.step_losses),
+        )
+        if info.is_main:
+            self.metrics.close()
+            if cfg.plot:
+                plot_losses(self.run_dir / METRICS_FILE, self.run_dir / PLOT_FILE, title=self._title())
+            if cfg.sample_tokens > 0:
+                result.sample = self.sample()
+            report = {"config": cfg.to_dict(), **result.to_dict()}
+            report["eval"] = final_eval.to_dict()
+            (self.run_dir / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+        return result
+
+    def model_config_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def _title(self) -> str:
+        c = self.model_config
+        return f"{c.variant} dim={c.dim} depth={c.depth} | {self.config.data} | {self.config.tokenizer}"
+
+    def _log_train(self, pending, lr, grad_norm, interval_time, bar) -> float:
+        """Gather the global per-step losses of the interval (one collective), log their mean."""
+        local = torch.stack(pending).float()
+        losses = (D.all_reduce_sum(local, self.info) / self.info.world_size).tolist()
+        self.step_losses.extend(losses)
+        mean = sum(losses) / len(losses)
+        if not math.isfinite(mean):
+            raise FloatingPointError(
+                f"training loss became {mean} by step {self.step}; the last good checkpoint is "
+                f"{self.last_checkpoint} (try a lower lr or memory_max_lr)"
+            )
+        tok_s = len(losses) * self.config.tokens_per_step / max(interval_time, 1e-9)
+        values = {
+            "loss": mean,
+            "lr": lr,
+            "tokens": self.step * self.config.tokens_per_step,
+            "tokens_per_s": tok_s,
+        }
+        if grad_norm is not None:
+            values["grad_norm"] = float(grad_norm)
+        self.metrics.log("train", self.step, **values)
+        bar.set_postfix(loss=f"{mean:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+        return mean
+
+    def _log_eval(self, result: PerplexityResult, bar) -> None:
+        self.metrics.log("eval", self.step, loss=result.loss, ppl=result.ppl, bpb=result.bpb)
+        if self.info.is_main:
+            bpb = f"{result.bpb:.4f}" if result.bpb is not None else "n/a"
+            line = f"step {self.step}: held-out loss {result.loss:.4f}  ppl {result.ppl:.3f}  bpb {bpb}"
+            (bar.write if bar is not None else print)(line)
+
+    # ---------------------------------------------------------------------------------------- sample
+    def sample(self) -> str | None:
+        """A continuation of ``sample_prompt`` from the trained model (rank 0, not under FSDP)."""
+        cfg = self.config
+        if cfg.fsdp:
+            print("(no sample under FSDP: the sharded model needs every rank to run it)")
+            return None
+        try:
+            from titans.inference.generation import generate
+        except ImportError as e:
+            print(f"(no sample: titans.inference.generation is not available: {e})")
+            return None
+        ids = self.tokenizer.encode(cfg.sample_prompt) or [self.batches.tokens[0].item()]
+        prompt = torch.tensor([ids], dtype=torch.long, device=self.device)
+        generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        model = D.unwrap(self.engine)
+        model.eval()
+        with torch.no_grad(), self._autocast():
+            out = generate(
+                model,
+                prompt,
+                cfg.sample_tokens,
+                temperature=cfg.sample_temperature,
+                top_k=cfg.sample_top_k,
+                generator=generator,
+            )
+        model.train()
+        return cfg.sample_prompt + self.tokenizer.decode(out[0, prompt.shape[1] :].tolist())
+
+
+def clear_run(run_dir: Path) -> None:
+    """Delete what a training run wrote in ``run_dir`` (only the trainer's own files and folders)."""
+    for name in (CHECKPOINTS, "tb", TOKENIZER_DIR):
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    for name in (METRICS_FILE, PLOT_FILE, REPORT_FILE, CONFIG_FILE):
+        (run_dir / name).unlink(missing_ok=True)
+
+
+def _progress(enabled: bool, total: int, initial: int):
+    """A tqdm bar (loss, tokens/s in the postfix; tqdm shows the ETA), or a silent stand-in."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True, smoothing=0.1
+    )

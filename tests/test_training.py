@@ -1,0 +1,299 @@
+"""Training: exact resume, damaged checkpoints, config errors, the CLI, optimizer groups, learning."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from titans.cli import main as titans_main
+from titans.training.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
+from titans.training.config import TrainConfig, parse_set
+from titans.training.model_io import load_model
+from titans.training.optim import lr_factor, parameter_groups
+from titans.training.trainer import Trainer
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+# A MAC small enough to take a step in well under a second on a busy CPU.
+MICRO_MODEL = dict(dim=64, depth=1, heads=2, segment_len=32, window=32, chunk_size=8, mlp_mult=2.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: with the suite's parallel workers on a busy CPU, OpenMP threads spin-waiting for
+    each other make these small ops 10-50x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("token-cache")
+
+
+def micro_config(run_dir: Path, cache_dir: Path, **overrides) -> TrainConfig:
+    base = dict(
+        preset="tiny",
+        variant="mac",
+        model=dict(MICRO_MODEL),
+        data="builtin:prose",
+        cache_dir=str(cache_dir),
+        seq_len=32,
+        batch_size=4,
+        steps=6,
+        warmup_steps=2,
+        lr=3e-3,
+        log_every=1,
+        eval_every=1000,
+        eval_windows=2,
+        eval_batch_size=2,
+        ckpt_every=1000,
+        progress=False,
+        tensorboard=False,
+        plot=False,
+        sample_tokens=0,
+        run_dir=str(run_dir),
+    )
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def max_weight_diff(a: nn.Module, b: nn.Module) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
+
+
+# ------------------------------------------------------------------------------------------- resume
+def test_resume_matches_uninterrupted_run(tmp_path, cache_dir):
+    straight = Trainer(micro_config(tmp_path / "straight", cache_dir))
+    ref = straight.train()
+
+    first = Trainer(micro_config(tmp_path / "split", cache_dir))
+    part = first.train(stop_at=3)
+    assert part.step == 3 and part.stopped_early
+    del first
+    torch.manual_seed(1234)  # disturb the global RNG: the resume must restore it
+    second = Trainer(micro_config(tmp_path / "split", cache_dir), resume=True)
+    assert second.step == 3
+    rest = second.train()
+
+    assert rest.step == 6 and not rest.stopped_early
+    assert part.step_losses + rest.step_losses == pytest.approx(ref.step_losses, abs=1e-6)
+    assert max_weight_diff(straight.model, second.model) <= 1e-6
+    # the resumed run's metrics log each step once
+    steps = [
+        r["step"]
+        for r in map(json.loads, (tmp_path / "split" / "metrics.jsonl").open())
+        if r["split"] == "train"
+    ]
+    assert steps == list(range(1, 7))
+
+
+def test_resume_refuses_a_config_that_matters(tmp_path, cache_dir):
+    Trainer(micro_config(tmp_path, cache_dir, steps=1)).train()
+    with pytest.raises(ValueError, match="seq_len"):
+        Trainer(micro_config(tmp_path, cache_dir, steps=1, seq_len=16), resume=True)
+    with pytest.raises(ValueError, match=r"model\.dim"):
+        Trainer(micro_config(tmp_path, cache_dir, steps=1, model={**MICRO_MODEL, "dim": 32}), resume=True)
+    # logging, budgets and a longer run are fine
+    t = Trainer(micro_config(tmp_path, cache_dir, steps=2, log_every=5, eval_windows=1), resume=True)
+    assert t.step == 1
+    # a fresh start over an existing run is refused rather than mixing checkpoints, unless asked for
+    with pytest.raises(FileExistsError, match="--resume"):
+        Trainer(micro_config(tmp_path, cache_dir, steps=1))
+    fresh = Trainer(micro_config(tmp_path, cache_dir, steps=1), overwrite=True)
+    assert fresh.step == 0 and list_checkpoints(tmp_path) == []
+
+
+def test_time_budget_stops_cleanly_with_a_checkpoint(tmp_path, cache_dir):
+    result = Trainer(micro_config(tmp_path, cache_dir, steps=50, time_budget_min=1e-4)).train()
+    assert result.stopped_early and 1 <= result.step < 50
+    assert latest_checkpoint(tmp_path).name == f"step_{result.step:08d}"
+    assert result.eval is not None and result.eval.bpb > 0
+    assert Trainer(micro_config(tmp_path, cache_dir, steps=50), resume=True).step == result.step
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_damaged_checkpoint_is_refused_and_resume_falls_back(tmp_path, cache_dir, damage):
+    cfg = micro_config(tmp_path, cache_dir, steps=4, ckpt_every=2)
+    ref = Trainer(cfg).train()
+    good, bad = list_checkpoints(tmp_path)
+    weights = bad / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    if damage == "truncate":
+        weights.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        data[len(data) // 2] ^= 0xFF
+        weights.write_bytes(bytes(data))
+
+    expected = "truncated" if damage == "truncate" else "corrupted"
+    with pytest.raises(CheckpointError, match=expected):
+        load_checkpoint(bad)
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_model(bad)
+    assert latest_checkpoint(tmp_path) == good
+    model, loaded_cfg, _ = load_model(tmp_path)  # the run folder -> the newest good checkpoint
+    assert loaded_cfg.steps == 4
+
+    resumed = Trainer(micro_config(tmp_path, cache_dir, steps=4, ckpt_every=2), resume=True)
+    assert resumed.step == 2
+    assert max_weight_diff(resumed.model, model) == 0.0
+    rest = resumed.train()
+    assert rest.step_losses == pytest.approx(ref.step_losses[2:], abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------------- configs
+def test_config_errors_name_the_problem(tmp_path, cache_dir):
+    bad_file = tmp_path / "bad.json"
+    bad_file.write_text(json.dumps({"steps": 3, "stepz": 4}))
+    with pytest.raises(ValueError, match="stepz"):
+        TrainConfig.from_file(bad_file)
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        TrainConfig.from_file(tmp_path / "nope.json")
+    with pytest.raises(ValueError, match="'lrr'"):
+        TrainConfig.from_file(None, {"lrr": 1.0})
+    with pytest.raises(ValueError, match="bogus"):
+        TrainConfig.from_file(None, {"model.bogus": 1})
+    with pytest.raises(ValueError, match="seq_len"):
+        TrainConfig.from_file(None, {"seq_len": 0})
+    with pytest.raises(ValueError, match="grad_accum"):
+        TrainConfig(batch_size=6, grad_accum=4)
+    with pytest.raises(ValueError, match="preset"):
+        TrainConfig(preset="huge")
+    with pytest.raises(ValueError, match="chunk_size"):  # the model config's own checks still apply
+        micro_config(tmp_path, cache_dir, model={**MICRO_MODEL, "chunk_size": 5}).model_config(256)
+    assert parse_set(["steps=5", "model.dim=64", "data=a b.txt", "grad_clip=null"]) == {
+        "steps": 5,
+        "model.dim": 64,
+        "data": "a b.txt",
+        "grad_clip": None,
+    }
+    missing = tmp_path / "no-such-corpus.txt"
+    with pytest.raises(FileNotFoundError, match="no-such-corpus.txt"):
+        Trainer(micro_config(tmp_path / "run", cache_dir, data=str(missing)))
+
+
+def test_cli_errors_are_reported_not_raised(tmp_path, capsys):
+    code = titans_main(["train", "--set", "stepz=3", "--run-dir", str(tmp_path)])
+    assert code == 2
+    assert "stepz" in capsys.readouterr().err
+    code = titans_main(["train", "--data", str(tmp_path / "missing.txt"), "--run-dir", str(tmp_path)])
+    assert code == 2
+    assert "missing.txt" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- CLI
+def test_cli_train_then_eval_ppl(tmp_path, cache_dir, capsys):
+    run_dir = tmp_path / "run"
+    cfg = micro_config(run_dir, cache_dir, steps=3, plot=True, sample_tokens=8, sample_prompt="The ")
+    cfg_file = tmp_path / "tiny.json"
+    cfg.save(cfg_file)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "titans", "train", "--config", str(cfg_file), "--no-progress"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "bpb" in proc.stdout and "sample:" in proc.stdout
+    assert (run_dir / "checkpoints" / "step_00000003" / "model.safetensors").is_file()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2, 3]
+    assert any(r["split"] == "eval" and r["bpb"] > 0 for r in rows)
+    assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["step"] == 3 and report["eval"]["bpb"] > 0
+
+    assert titans_main(["eval", "ppl", "--checkpoint", str(run_dir), "--windows", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "bpb" in out
+    result = json.loads((run_dir / "eval_ppl.json").read_text())
+    # the checkpoint's own held-out split with the training windows: the trainer's final evaluation
+    assert result["loss"] == pytest.approx(report["eval"]["loss"], rel=1e-5)
+    assert result["bpb"] == pytest.approx(
+        result["loss"] / 0.6931471805599453, rel=1e-6
+    )  # bytes: 1 byte/token
+
+    # eval on a file the model never saw
+    text = tmp_path / "other.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 20)
+    assert (
+        titans_main(["eval", "ppl", "--checkpoint", str(run_dir), "--data", str(text), "--seq-len", "16"])
+        == 0
+    )
+    assert "other.txt" in capsys.readouterr().out
+
+
+def test_load_model_reproduces_the_trained_model(tmp_path, cache_dir):
+    trainer = Trainer(micro_config(tmp_path, cache_dir, steps=2))
+    trainer.train()
+    model, cfg, tokenizer = load_model(tmp_path)
+    assert not model.training and cfg.steps == 2 and tokenizer.vocab_size == 256
+    x = torch.randint(0, 256, (2, 40))
+    trainer.model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x)[0], trainer.model(x)[0])
+    assert model.head.weight is model.embed.weight  # the tie survives the round trip
+
+
+# ------------------------------------------------------------------------------------------- optimizer
+def test_weight_decay_only_on_weight_matrices(tmp_path, cache_dir):
+    cfg = micro_config(tmp_path, cache_dir)
+    from titans.models.lm import TitansLM
+
+    model = TitansLM(cfg.model_config(256))
+    decay, no_decay = parameter_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    plain = {names[id(p)] for p in no_decay["params"]}
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    assert not decayed & plain
+    assert "embed.weight" in plain  # also the tied head
+    assert all(n.endswith(".weight") for n in decayed)
+    for n in plain:
+        assert (
+            n == "embed.weight"
+            or model.get_parameter(n).dim() == 1
+            or "persistent" in n
+            or "init_weights" in n
+        )
+    assert any("q_proj" in n for n in decayed) and any("down_proj" in n for n in decayed)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    f = [lr_factor(s, warmup_steps=10, total_steps=110, min_lr_ratio=0.1) for s in range(120)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert f[10] == pytest.approx(1.0) and f[60] == pytest.approx(0.55) and f[110] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))  # non-increasing after warmup
+    assert f[119] == pytest.approx(0.1)
+
+
+# ------------------------------------------------------------------------------------------- learning
+def test_loss_goes_down_on_real_text(tmp_path, cache_dir):
+    cfg = micro_config(
+        tmp_path, cache_dir, steps=60, batch_size=8, warmup_steps=5, eval_windows=8, eval_every=60
+    )
+    trainer = Trainer(cfg)
+    before = trainer.evaluate()
+    result = trainer.train()
+    losses = result.step_losses
+    assert len(losses) == 60
+    assert sum(losses[-10:]) / 10 < sum(losses[:5]) / 5 - 1.0
+    assert result.eval.loss < before.loss - 1.0  # held-out text: it learned the language, not the batches
+    assert result.eval.bpb < 5.0  # bytes of English prose; chance is 8 bits
