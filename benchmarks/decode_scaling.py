@@ -1,0 +1,147 @@
+"""Decode speed and peak memory vs context length: does the cost per generated token stay flat?
+
+For each (variant, context) a fresh subprocess builds a model (random weights, float32), reads a context of
+random tokens with chunked prefill (`titans.inference.prefill`, tokens produced piece by piece, so the
+context never exists in memory at once), then times `--bursts` x `--steps` single-token decode steps
+through the state. Reported: prefill tokens/s, decode ms/token and tokens/s, state size, and the
+subprocess's peak RSS.
+The memory and sliding-window variants should be flat in all of these; the full-attention baseline's KV
+cache (and its per-token cost) grows with the context.
+
+    python benchmarks/decode_scaling.py [--variants mac,mag,lmm,swa,transformer] [--contexts 1024,16384,...]
+        [--preset tiny] [--steps 32] [--bursts 5] [--threads 1] [--transformer-max 131072] [--json out.json]
+
+Timings on a shared CPU are noisy: decode time is reported as the median over all timed steps and as the
+best median of one burst (the least disturbed by other jobs); each row is one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def random_pieces(n: int, vocab: int, piece: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    for start in range(0, n, piece):
+        yield torch.randint(0, vocab, (1, min(piece, n - start)), generator=gen)
+
+
+def measure(variant: str, context: int, args: argparse.Namespace) -> dict:
+    from titans import TitansConfig, TitansLM
+    from titans.inference import decode_step, default_piece_len, prefill, state_nbytes
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = TitansLM(TitansConfig.preset(args.preset, variant=variant)).eval()
+    vocab = model.config.vocab_size
+    piece = default_piece_len(model)
+    t0 = time.perf_counter()
+    logits, state = prefill(model, random_pieces(context, vocab, piece, seed=1), piece_len=piece)
+    prefill_s = time.perf_counter() - t0
+    token = logits.argmax(-1, keepdim=True)
+    bursts = []  # several bursts of steps: the best burst median is least disturbed by other jobs
+    with torch.no_grad():
+        for i in range(args.warmup + args.bursts * args.steps):
+            t = time.perf_counter()
+            logits, state = decode_step(model, token, state)
+            token = logits.argmax(-1, keepdim=True)
+            if i >= args.warmup:
+                if (i - args.warmup) % args.steps == 0:
+                    bursts.append([])
+                bursts[-1].append(time.perf_counter() - t)
+    ms = 1000 * statistics.median([t for burst in bursts for t in burst])
+    best_ms = 1000 * min(statistics.median(burst) for burst in bursts)
+    return {
+        "variant": variant,
+        "preset": args.preset,
+        "params": model.num_parameters(),
+        "context": context,
+        "prefill_s": round(prefill_s, 2),
+        "prefill_tok_s": round(context / prefill_s),
+        "decode_ms_median": round(ms, 3),
+        "decode_tok_s": round(1000 / ms, 1),
+        "decode_ms_best_burst": round(best_ms, 3),
+        "state_mib": round(state_nbytes(state) / 2**20, 3),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "threads": args.threads,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default="mac,mag,mal,lmm,swa,transformer")
+    p.add_argument("--contexts", default="1024,16384,131072,1048576")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per burst")
+    p.add_argument("--bursts", type=int, default=5, help="bursts of timed steps")
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--transformer-max", type=int, default=131072, help="largest context for full attention")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per configuration")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--worker", nargs=2, metavar=("VARIANT", "CONTEXT"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        print(json.dumps(measure(args.worker[0], int(args.worker[1]), args)))
+        return
+
+    rows = []
+    header = (
+        f"{'variant':<12}{'context':>10}{'prefill tok/s':>15}{'decode ms/tok':>15}{'best burst':>12}"
+        f"{'decode tok/s':>14}"
+        f"{'state MiB':>11}{'peak RSS MiB':>14}"
+    )
+    print(header)
+    for variant in args.variants.split(","):
+        for context in (int(c) for c in args.contexts.split(",")):
+            if variant == "transformer" and context > args.transformer_max:
+                continue
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                variant,
+                str(context),
+                "--preset",
+                args.preset,
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--threads",
+                str(args.threads),
+            ]
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=True)
+            except subprocess.TimeoutExpired:
+                print(f"{variant:<12}{context:>10}   timed out after {args.timeout} s")
+                rows.append({"variant": variant, "context": context, "timeout_s": args.timeout})
+                continue
+            except subprocess.CalledProcessError as e:
+                print(f"{variant:<12}{context:>10}   failed: {e.stderr.strip().splitlines()[-1:]}")
+                continue
+            r = json.loads(done.stdout.strip().splitlines()[-1])
+            rows.append(r)
+            print(
+                f"{variant:<12}{context:>10}{r['prefill_tok_s']:>15,}{r['decode_ms_median']:>15.2f}"
+                f"{r['decode_ms_best_burst']:>12.2f}"
+                f"{r['decode_tok_s']:>14.1f}{r['state_mib']:>11.3f}{r['peak_rss_mib']:>14.1f}",
+                flush=True,
+            )
+    result = {"benchmark": "decode_scaling", "torch": torch.__version__, "rows": rows}
+    print(json.dumps(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

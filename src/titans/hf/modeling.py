@@ -1,0 +1,165 @@
+"""`TitansForCausalLM`: a `transformers` causal LM around `TitansLM`, with the state as the cache.
+
+`generate()` drives the model one forward per step; our forward threads a `TitansState` through
+`past_key_values` (wrapped in a `TitansCache`), so transformers' decoding costs what ours does. The state
+can also come from outside: `past_key_values=TitansCache(load_state("doc.safetensors"))` continues after
+a document read earlier; `input_ids` then holds only the new tokens (the cache counts as "seen" only the
+tokens it consumed since it was wrapped, which is the convention `generate()` slices inputs by).
+
+Not supported (refused with a clear error): padded batches (an attention mask with zeros: Titans states
+are per-row streams), `inputs_embeds`.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from titans.hf.configuration import TitansHFConfig
+from titans.inference.state_io import expand_state, select_rows, state_batch_size
+from titans.models.lm import TitansLM, TitansState
+
+
+class TitansCache:
+    """`past_key_values` for transformers: a `TitansState` and the position it had when wrapped.
+
+    get_seq_length(): tokens consumed since wrapping (what `generate()` expects `input_ids` to repeat).
+    """
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, state: TitansState | None = None, base_position: int | None = None):
+        if state is not None and not isinstance(state, TitansState):
+            raise TypeError(f"TitansCache: expected a TitansState, got {type(state).__name__}")
+        self.state = state
+        if base_position is None:
+            base_position = state.position if state is not None else 0
+        self.base_position = base_position
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.state is None else self.state.position - self.base_position
+
+    def advanced(self, state: TitansState) -> TitansCache:
+        """The cache after a forward pass produced `state` (same base)."""
+        return TitansCache(state, self.base_position)
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        if self.state is not None:
+            self.state = select_rows(self.state, beam_idx)
+
+    def __repr__(self) -> str:
+        pos = None if self.state is None else self.state.position
+        return f"TitansCache(position={pos}, base_position={self.base_position})"
+
+
+class TitansForCausalLM(PreTrainedModel, GenerationMixin):
+    """A `TitansLM` (as `.model`) under the transformers API: from_pretrained, save_pretrained, generate.
+
+    forward(input_ids (B, T), past_key_values=None | TitansCache | TitansState, labels=None)
+        -> CausalLMOutputWithPast(loss, logits (B, T, vocab), past_key_values=TitansCache)
+    labels follow the transformers convention (same as input_ids, shifted inside; -100 is ignored).
+    """
+
+    config_class = TitansHFConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _tied_weights_keys = {"model.head.weight": "model.embed.weight"}
+    _is_stateful = True  # no assisted decoding: a state cannot be rolled back
+    supports_gradient_checkpointing = False
+
+    def __init__(self, config: TitansHFConfig):
+        super().__init__(config)
+        self.model = TitansLM(config.to_titans())
+        self.post_init()
+
+    def _init_weights(self, module) -> None:
+        """Titans modules initialise themselves (TitansLM.reset_parameters and the memory's own init)."""
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # our forward creates and returns its own cache (a TitansCache)
+
+    @classmethod
+    def from_titans(cls, model: TitansLM, **config_kwargs) -> TitansForCausalLM:
+        """Wrap an existing TitansLM; the wrapper shares its parameters. config_kwargs: e.g. eos_token_id."""
+        if not isinstance(model, TitansLM):
+            raise TypeError(f"from_titans: expected a TitansLM, got {type(model).__name__}")
+        hf = cls(TitansHFConfig.from_titans(model.config, **config_kwargs))
+        hf.model = model
+        return hf.to(next(model.parameters()).dtype)
+
+    def to_titans(self) -> TitansLM:
+        return self.model
+
+    def get_input_embeddings(self):
+        return self.model.embed
+
+    def set_input_embeddings(self, value) -> None:
+        self.model.embed = value
+
+    def get_output_embeddings(self):
+        return self.model.head
+
+    def set_output_embeddings(self, value) -> None:
+        self.model.head = value
+
+    def _reorder_cache(self, past_key_values: TitansCache, beam_idx: Tensor) -> TitansCache:
+        return TitansCache(select_rows(past_key_values.state, beam_idx), past_key_values.base_position)
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        past_key_values: TitansCache | TitansState | None = None,
+        inputs_embeds: Tensor | None = None,
+        labels: Tensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,  # position_ids, cache_position, ...: positions live in the state
+    ):
+        if inputs_embeds is not None:
+            raise ValueError("TitansForCausalLM: inputs_embeds is not supported; pass input_ids")
+        if input_ids is None:
+            raise ValueError("TitansForCausalLM: input_ids is required")
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError(
+                "TitansForCausalLM: padded batches are not supported (the attention mask has zeros); Titans "
+                "states are per-row streams: batch prompts of equal length or generate them one by one"
+            )
+        if isinstance(past_key_values, TitansState):
+            past_key_values = TitansCache(past_key_values)
+        elif past_key_values is not None and not isinstance(past_key_values, TitansCache):
+            raise TypeError(
+                f"TitansForCausalLM: past_key_values must be a TitansCache or TitansState, got "
+                f"{type(past_key_values).__name__}"
+            )
+        cache = past_key_values or TitansCache()
+        state = cache.state
+        if state is not None and state_batch_size(state) == 1 and input_ids.shape[0] > 1:
+            state = expand_state(state, input_ids.shape[0])  # one read document, many rows
+        logits, new_state = self.model(input_ids, state)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                labels[:, 1:].reshape(-1).to(logits.device),
+                ignore_index=-100,
+            )
+        use_cache = True if use_cache is None else use_cache
+        new_cache = cache.advanced(new_state) if use_cache else None
+        if return_dict is False:
+            out = (logits, new_cache) if new_cache is not None else (logits,)
+            return (loss, *out) if loss is not None else out
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=new_cache)
+
+
+def register() -> None:
+    """Register model_type "titans" with AutoConfig and AutoModelForCausalLM (idempotent)."""
+    AutoConfig.register("titans", TitansHFConfig, exist_ok=True)
+    AutoModelForCausalLM.register(TitansHFConfig, TitansForCausalLM, exist_ok=True)
+
+
+__all__ = ["TitansCache", "TitansForCausalLM", "register"]

@@ -1,0 +1,39 @@
+"""Inference: learning at test time in practice.
+
+- `prefill(model, tokens, state=None, piece_len=None)`: read a prompt of any length (or a stream of pieces)
+  with memory bounded by the state.
+- `generate(model, prompt, max_new_tokens, ...)`: sampling / greedy decoding through the streaming state.
+- `save_state(state, path)` / `load_state(path)` / `map_state(state, fn)`: the state as a value to keep.
+"""
+
+from titans.inference.generation import decode_step, generate, sample_next
+from titans.inference.prefill import default_piece_len, iter_pieces, prefill
+from titans.inference.state_io import (
+    StateFileError,
+    expand_state,
+    load_state,
+    map_state,
+    read_state_header,
+    save_state,
+    select_rows,
+    state_batch_size,
+    state_nbytes,
+)
+
+__all__ = [
+    "StateFileError",
+    "decode_step",
+    "default_piece_len",
+    "expand_state",
+    "generate",
+    "iter_pieces",
+    "load_state",
+    "map_state",
+    "prefill",
+    "read_state_header",
+    "sample_next",
+    "save_state",
+    "select_rows",
+    "state_batch_size",
+    "state_nbytes",
+]

@@ -1,0 +1,181 @@
+"""`titans read` and `titans generate`: read a long document once, then query it many times.
+
+    titans read --checkpoint runs/main --input book.txt --save-state book.safetensors
+    titans generate --checkpoint runs/main --state book.safetensors --prompt "Who is Ahab?" --num-samples 3
+
+`read` streams the file (text blocks cut at line ends, tokenized block by block) through chunked prefill,
+so memory is bounded by the model's state, not the document; it prints tokens/s and peak RSS.
+`generate` starts every sample from the same saved state (the file is never modified unless
+--save-state names it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+DEFAULT_BLOCK_CHARS = 1 << 20  # characters read and tokenized at a time by `titans read`
+
+
+def load_model(checkpoint: str, map_location: str = "cpu"):
+    """(model, train_config, tokenizer) from a checkpoint or run folder (see titans.training.model_io)."""
+    from titans.training.model_io import load_model as _load
+
+    return _load(checkpoint, map_location=map_location)
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far, MiB (Linux reports ru_maxrss in KiB, macOS in bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
+
+
+def read_text_blocks(path: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> Iterator[str]:
+    """The text of `path` ("-" for stdin) in blocks of about `block_chars` characters, each ending at a line
+    end (so a tokenizer sees whole lines); block_chars <= 0 reads the whole file as one block."""
+    stream = sys.stdin if path == "-" else open(path, encoding="utf-8", errors="replace")  # noqa: SIM115
+    try:
+        if block_chars <= 0:
+            yield stream.read()
+            return
+        carry = ""
+        while True:
+            block = stream.read(block_chars)
+            if not block:
+                break
+            block = carry + block
+            cut = block.rfind("\n") + 1
+            if cut == 0:  # a single line longer than a block: keep reading
+                carry = block
+                continue
+            carry = block[cut:]
+            yield block[:cut]
+        if carry:
+            yield carry
+    finally:
+        if stream is not sys.stdin:
+            stream.close()
+
+
+def _device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def run_read(args: argparse.Namespace) -> int:
+    from titans.inference.prefill import prefill
+    from titans.inference.state_io import load_state, save_state, state_nbytes
+
+    path = Path(args.input)
+    if args.input != "-" and not path.is_file():
+        raise SystemExit(f"titans read: no input file at {str(path)!r}")
+    device = _device(args.device)
+    model, _, tokenizer = load_model(args.checkpoint, map_location=device)
+    state = load_state(args.state, map_location=device, model=model) if args.state else None
+    start_position = state.position if state is not None else 0
+
+    def pieces() -> Iterator[torch.Tensor]:
+        for block in read_text_blocks(args.input, args.block_chars):
+            yield torch.tensor(tokenizer.encode(block), dtype=torch.int64)
+
+    t0 = time.perf_counter()
+    _, state = prefill(model, pieces(), state, piece_len=args.piece_len, progress=not args.no_progress)
+    seconds = time.perf_counter() - t0
+    if state is None or state.position == start_position:
+        raise SystemExit(f"titans read: {str(path)!r} holds no tokens")
+    n = state.position - start_position
+    save_state(state, args.save_state)
+    print(
+        f"read {n:,} tokens in {seconds:.1f} s ({n / max(seconds, 1e-9):,.0f} tokens/s); state now at "
+        f"position {state.position:,}, {state_nbytes(state) / 2**20:.2f} MiB, saved to {args.save_state}; "
+        f"peak RSS {peak_rss_mib():,.0f} MiB"
+    )
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from titans.inference.generation import generate
+    from titans.inference.state_io import load_state, save_state
+
+    device = _device(args.device)
+    model, _, tokenizer = load_model(args.checkpoint, map_location=device)
+    state = load_state(args.state, map_location=device, model=model) if args.state else None
+    ids = tokenizer.encode(args.prompt)
+    if not ids:
+        raise SystemExit("titans generate: --prompt must not be empty (the next token is predicted from it)")
+    if args.num_samples < 1:
+        raise SystemExit(f"titans generate: --num-samples must be >= 1, got {args.num_samples}")
+    prompt = torch.tensor([ids] * args.num_samples, dtype=torch.int64, device=device)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(args.seed)
+    stop = None
+    if not args.no_stop and tokenizer.eos_id is not None:
+        stop = [tokenizer.eos_id]
+    out, final_state = generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        greedy=args.greedy,
+        stop_tokens=stop,
+        generator=generator,
+        state=state,
+        return_state=True,
+    )
+    for i, row in enumerate(out[:, len(ids) :].tolist()):
+        if stop is not None and stop[0] in row:
+            row = row[: row.index(stop[0])]
+        if args.num_samples > 1:
+            print(f"--- sample {i + 1}")
+        print(args.prompt + tokenizer.decode(row), flush=True)
+    if args.save_state:
+        if args.num_samples > 1:
+            raise SystemExit("titans generate: --save-state needs --num-samples 1 (one state per sample)")
+        save_state(final_state, args.save_state)
+    return 0
+
+
+def register(commands, evals) -> None:
+    p = commands.add_parser("read", help="read a long document into the model's state and save the state")
+    p.add_argument("--checkpoint", required=True, help="checkpoint folder or run folder")
+    p.add_argument("--input", required=True, help="UTF-8 text file ('-' for stdin)")
+    p.add_argument("--save-state", required=True, help="where to write the state (.safetensors)")
+    p.add_argument("--state", help="continue from this saved state (e.g. a second document)")
+    p.add_argument("--piece-len", type=int, default=None, help="tokens per model call (default: automatic)")
+    p.add_argument(
+        "--block-chars",
+        type=int,
+        default=DEFAULT_BLOCK_CHARS,
+        help="characters tokenized at a time, cut at line ends (<= 0: the whole file at once)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 or auto")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_read)
+
+    g = commands.add_parser("generate", help="generate text, optionally from a saved state")
+    g.add_argument("--checkpoint", required=True, help="checkpoint folder or run folder")
+    g.add_argument("--state", help="a state saved by `titans read` (or generate --save-state)")
+    g.add_argument("--prompt", required=True, help="text to continue (at least one token)")
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same samples)")
+    g.add_argument("--num-samples", type=int, default=1, help="samples, each from the same starting state")
+    g.add_argument("--no-stop", action="store_true", help="do not stop at the tokenizer's end-of-text token")
+    g.add_argument("--save-state", help="write the state after the generated text here")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 or auto")
+    g.set_defaults(func=run_generate)
+
+
+__all__ = ["load_model", "peak_rss_mib", "read_text_blocks", "register", "run_generate", "run_read"]

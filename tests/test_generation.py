@@ -1,0 +1,235 @@
+"""generate(): greedy == teacher-forced argmax, determinism, top-k/top-p, seeds, stop tokens, states;
+and the `titans read` / `titans generate` commands on a checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titans import VARIANTS, TitansConfig, TitansLM
+from titans.inference import generate, load_state, prefill, sample_next
+
+F64 = torch.float64
+VOCAB = 47
+
+
+def tiny_model(variant: str = "mac", seed: int = 0, dtype=F64, **overrides) -> TitansLM:
+    torch.manual_seed(seed)
+    cfg = dict(
+        variant=variant,
+        vocab_size=VOCAB,
+        dim=24,
+        depth=2,
+        heads=2,
+        segment_len=8,
+        window=6,
+        chunk_size=4,
+        persistent_tokens=2,
+    )
+    return TitansLM(TitansConfig(**{**cfg, **overrides})).to(dtype).eval()
+
+
+def tokens(batch: int, length: int, seed: int = 1, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_is_the_teacher_forced_argmax(variant):
+    model = tiny_model(variant)
+    prompt = tokens(2, 9)
+    out = generate(model, prompt, 15, greedy=True)
+    assert out.shape == (2, 24) and torch.equal(out[:, :9], prompt)
+    with torch.no_grad():
+        logits, _ = model(out[:, :-1])
+    assert torch.equal(logits[:, 8:].argmax(-1), out[:, 9:])
+    assert torch.equal(generate(model, prompt, 15, greedy=True), out)  # deterministic
+    assert torch.equal(generate(model, prompt, 15, temperature=0), out)  # temperature 0 is greedy
+    assert torch.equal(model.generate(prompt, 15, greedy=True), out)  # TitansLM.generate
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    model = tiny_model("mag")
+    prompt = tokens(3, 5)
+    greedy = generate(model, prompt, 12, greedy=True)
+    assert torch.equal(generate(model, prompt, 12, top_k=1, temperature=1.3, generator=seeded(0)), greedy)
+    assert torch.equal(generate(model, prompt, 12, top_p=1e-9, generator=seeded(1)), greedy)
+
+
+def test_seeds_reproduce_samples():
+    model = tiny_model("lmm")
+    prompt = tokens(2, 4)
+    a = generate(model, prompt, 25, temperature=1.0, generator=seeded(123))
+    b = generate(model, prompt, 25, temperature=1.0, generator=seeded(123))
+    c = generate(model, prompt, 25, temperature=1.0, generator=seeded(124))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_sample_next_respects_top_k_and_top_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=F64)
+    logits = probs.log().expand(4000, -1)
+    draw = sample_next(logits, top_k=2, generator=seeded(0))
+    assert set(draw.tolist()) == {0, 1}
+    draw = sample_next(logits, top_p=0.75, generator=seeded(0))  # 0.5 + 0.3 reaches 0.75
+    assert set(draw.tolist()) == {0, 1}
+    draw = sample_next(logits, top_p=0.85, generator=seeded(0))
+    assert set(draw.tolist()) == {0, 1, 2}
+    draw = sample_next(logits, generator=seeded(0))
+    freq = torch.bincount(draw, minlength=4).double() / draw.numel()
+    torch.testing.assert_close(freq, probs[0], atol=0.03, rtol=0)
+    assert torch.equal(sample_next(logits[:3], greedy=True), torch.zeros(3, dtype=torch.int64))
+
+
+def test_stop_tokens_stop_each_row_and_pad_it():
+    model = tiny_model("mac")
+    prompt = tokens(2, 6)
+    full = generate(model, prompt, 20, greedy=True)
+    stop = int(full[0, 6 + 3])  # row 0 emits it at its 4th new token
+    out = generate(model, prompt, 20, greedy=True, stop_tokens=[stop])
+    ends = []
+    for row in range(2):
+        hits = (full[row, 6:] == stop).nonzero()
+        end = 6 + int(hits[0]) + 1 if len(hits) else full.shape[1]
+        ends.append(end)
+        assert torch.equal(out[row, :end], full[row, :end])
+        assert (out[row, end:] == stop).all()
+    assert out.shape[1] == max(ends)  # stops early once every row is finished
+    # stopping on the first token: only one new column
+    first = generate(model, prompt, 20, greedy=True, stop_tokens=full[:, 6].tolist())
+    assert first.shape[1] == 7
+
+
+def test_return_state_continues_exactly():
+    model = tiny_model("mal")
+    prompt = tokens(1, 7)
+    out, state = generate(model, prompt, 10, greedy=True, return_state=True)
+    assert state.position == out.shape[1]
+    more = tokens(1, 5, seed=9)
+    with torch.no_grad():
+        full, _ = model(torch.cat([out, more], dim=1))
+        cont, _ = model(more, state)
+    torch.testing.assert_close(cont, full[:, out.shape[1] :], atol=1e-10, rtol=0)
+
+
+def test_generate_from_a_state_shared_by_rows():
+    model = tiny_model("mac")
+    doc, question = tokens(1, 30, seed=3), tokens(1, 4, seed=4)
+    _, state = prefill(model, doc)
+    one = generate(model, question, 8, greedy=True, state=state)
+    three = generate(model, question.expand(3, -1), 8, greedy=True, state=state)
+    assert all(torch.equal(three[r], one[0]) for r in range(3))
+    whole = generate(model, torch.cat([doc, question], dim=1), 8, greedy=True)
+    assert torch.equal(whole[:, 30:], one)  # reading the doc first == having it in the prompt
+
+
+def test_on_token_and_zero_new_tokens():
+    model = tiny_model("swa")
+    prompt = tokens(2, 5)
+    seen = []
+    out = generate(model, prompt, 6, greedy=True, on_token=seen.append)
+    assert torch.equal(torch.stack(seen, dim=1), out[:, 5:])
+    assert torch.equal(generate(model, prompt, 0), prompt)
+
+
+def test_generate_refuses_bad_arguments():
+    model = tiny_model("lmm")
+    prompt = tokens(1, 3)
+    with pytest.raises(ValueError, match="empty"):
+        generate(model, prompt[:, :0], 5)
+    with pytest.raises(ValueError, match="batch, seq"):
+        generate(model, prompt[0], 5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, prompt, -1)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(model, prompt, 3, temperature=-0.5)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(model, prompt, 3, top_p=1.5)
+    with pytest.raises(ValueError, match="top_k"):
+        generate(model, prompt, 3, top_k=0)
+    with pytest.raises(TypeError, match="integer token ids"):
+        generate(model, prompt.double(), 3)
+    assert generate(model, prompt.int(), 2, greedy=True).dtype == torch.int64
+    with pytest.raises(ValueError, match="stop_tokens"):
+        generate(model, prompt, 3, stop_tokens=[VOCAB])
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+@pytest.fixture
+def checkpoint(tmp_path):
+    """A trainer-style checkpoint (see titans.training.model_io) of a tiny byte-level model."""
+    from titans.data.tokenizers import ByteTokenizer
+    from titans.training.checkpoint import save_checkpoint
+    from titans.training.config import TrainConfig
+    from titans.training.model_io import tokenizer_record
+
+    model = tiny_model("mac", dtype=torch.float32, vocab_size=256, segment_len=16, chunk_size=8)
+    config = {
+        "train": TrainConfig().to_dict(),
+        "model": model.config.to_dict(),
+        "tokenizer": tokenizer_record("bytes", ByteTokenizer()),
+    }
+    save_checkpoint(tmp_path / "run", 1, model_state=model.state_dict(), trainer_state={}, config=config)
+    return tmp_path / "run", model
+
+
+def test_cli_read_then_generate_from_the_same_state(checkpoint, tmp_path, capsys):
+    from titans.cli import main
+
+    run, model = checkpoint
+    doc = tmp_path / "doc.txt"
+    text = "".join(f"line {i}: the whale is white.\n" for i in range(150))
+    doc.write_text(text)
+    state_path = tmp_path / "doc.safetensors"
+    args = ["read", "--checkpoint", str(run), "--input", str(doc), "--save-state", str(state_path)]
+    assert main([*args, "--no-progress", "--block-chars", "100"]) == 0
+    report = capsys.readouterr().out
+    assert "tokens/s" in report and "peak RSS" in report
+    state = load_state(state_path, model=model)
+    assert state.position == len(text.encode())
+    _, want = prefill(model, torch.tensor([list(text.encode())]))
+    with torch.no_grad():
+        a, _ = model(torch.tensor([[1, 2, 3]]), state)
+        b, _ = model(torch.tensor([[1, 2, 3]]), want)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # block-wise reading == reading at once
+
+    gen = [
+        "generate",
+        "--checkpoint",
+        str(run),
+        "--state",
+        str(state_path),
+        "--prompt",
+        "Ahab",
+        "--max-new-tokens",
+        "12",
+        "--seed",
+        "7",
+        "--top-k",
+        "20",
+    ]
+    outputs = []
+    for _ in range(2):  # the same saved state, twice: same samples
+        assert main(gen) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and outputs[0].startswith("Ahab")
+    assert main([*gen, "--num-samples", "3"]) == 0
+    assert capsys.readouterr().out.count("--- sample") == 3
+    assert main([*gen[:-4], "--greedy"]) == 0  # greedy CLI == library generate from the state
+    want_ids = generate(model, torch.tensor([list(b"Ahab")]), 12, greedy=True, state=state)[0, 4:].tolist()
+    assert capsys.readouterr().out == "Ahab" + bytes(want_ids).decode("utf-8", errors="replace") + "\n"
+
+
+def test_read_text_blocks_cut_at_line_ends(tmp_path):
+    from titans.inference.cli import read_text_blocks
+
+    text = "short\n" + "x" * 50 + "\nmore lines\nno newline at the end"
+    path = tmp_path / "t.txt"
+    path.write_text(text)
+    blocks = list(read_text_blocks(str(path), block_chars=8))
+    assert "".join(blocks) == text
+    assert all(b.endswith("\n") for b in blocks[:-1])
+    assert list(read_text_blocks(str(path), block_chars=0)) == [text]

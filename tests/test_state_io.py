@@ -1,0 +1,228 @@
+"""The state as a value: save -> load -> continue == continue; map/expand/select; refusals of foreign
+states and damaged files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from titans import VARIANTS, TitansConfig, TitansLM, TitansState
+from titans.inference import (
+    StateFileError,
+    expand_state,
+    load_state,
+    map_state,
+    prefill,
+    read_state_header,
+    save_state,
+    select_rows,
+    state_batch_size,
+)
+from titans.inference.state_io import state_tensors
+
+F64 = torch.float64
+
+
+def tiny_config(variant: str, **overrides) -> TitansConfig:
+    cfg = dict(
+        variant=variant,
+        vocab_size=53,
+        dim=24,
+        depth=2,
+        heads=2,
+        segment_len=8,
+        window=6,
+        chunk_size=4,
+        persistent_tokens=2,
+    )
+    return TitansConfig(**{**cfg, **overrides})
+
+
+def tiny_model(variant: str, seed: int = 0, **overrides) -> TitansLM:
+    torch.manual_seed(seed)
+    return TitansLM(tiny_config(variant, **overrides)).to(F64).eval()
+
+
+def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 53, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_same_structure(a, b):
+    """Same nested types, ints and tensors (dtype, shape, values)."""
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same_structure(x, y)
+    elif dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            assert_same_structure(getattr(a, f.name), getattr(b, f.name))
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("prefix", [3, 19])  # 3: still the initial (expanded) memory weights; 19: mid chunk
+def test_save_load_continue_equals_continue(variant, prefix, tmp_path):
+    model = tiny_model(variant)
+    x = tokens(2, prefix + 13)
+    _, state = prefill(model, x[:, :prefix], piece_len=5)
+    path = save_state(state, tmp_path / "s.safetensors")
+    loaded = TitansState.load(path)
+    assert_same_structure(loaded, state)
+    assert loaded.config == model.config.to_dict() and loaded.position == prefix
+    with torch.no_grad():
+        want, want_state = model(x[:, prefix:], state)
+        got, got_state = model(x[:, prefix:], loaded)
+    assert torch.equal(got, want)
+    assert_same_structure(got_state, want_state)
+    assert [p.name for p in tmp_path.iterdir()] == ["s.safetensors"]  # no temp file left behind
+
+
+def test_shared_tensors_are_stored_once_and_come_back_shared(tmp_path):
+    model = tiny_model("mac")
+    _, state = prefill(model, tokens(1, 16))  # at a segment boundary: segment weights == memory weights
+    layer = state.layers[0]
+    assert layer.segment_weights[0] is layer.memory.weights[0]
+    loaded = load_state(save_state(state, tmp_path / "s.safetensors"))
+    assert loaded.layers[0].segment_weights[0] is loaded.layers[0].memory.weights[0]
+    names = set(state_tensors(state))
+    assert not any(n.startswith("layers.0.segment_weights") for n in names)
+
+
+def test_dtype_is_kept(tmp_path):
+    model = tiny_model("mag")
+    _, state = prefill(model, tokens(1, 10))
+    half = map_state(state, lambda t: t.to(torch.bfloat16))
+    loaded = load_state(save_state(half, tmp_path / "s.safetensors"))
+    assert_same_structure(loaded, half)
+
+
+def test_map_state_detach_and_positions():
+    model = tiny_model("mal")
+    model.train()
+    _, state = model(tokens(1, 9))  # with autograd
+    assert any(t.requires_grad for t in state_tensors(state).values())
+    detached = state.detach()
+    assert not any(t.requires_grad for t in state_tensors(detached).values())
+    assert detached.position == 9 and detached.config == state.config
+    f32 = map_state(state, lambda t: t.float())
+    assert {t.dtype for t in state_tensors(f32).values()} == {torch.float32}
+    assert [s.memory.position for s in f32.layers] == [s.memory.position for s in state.layers]
+
+
+def test_expand_and_select_rows():
+    model = tiny_model("mac")
+    doc, query = tokens(1, 21), tokens(1, 6, seed=2)
+    _, state = prefill(model, doc)
+    wide = expand_state(state, 3)
+    assert state_batch_size(wide) == 3
+    with torch.no_grad():
+        one, _ = model(query, state)
+        three, s3 = model(query.expand(3, -1), wide)
+    for row in range(3):
+        torch.testing.assert_close(three[row], one[0], atol=1e-12, rtol=0)
+    picked = select_rows(s3, torch.tensor([2]))
+    assert state_batch_size(picked) == 1
+    with pytest.raises(ValueError, match="batch-1"):
+        expand_state(wide, 5)
+
+
+# ------------------------------------------------------------------------------------------ refusals
+def test_state_from_another_config_is_refused(tmp_path):
+    a = tiny_model("mac")
+    _, state = prefill(a, tokens(1, 10))
+    path = save_state(state, tmp_path / "a.safetensors")
+    other = tiny_model("mac", chunk_size=2)
+    with pytest.raises(ValueError, match=r"a\.safetensors.*chunk_size"):
+        load_state(path, model=other)
+    with pytest.raises(ValueError, match="another config"):
+        other(tokens(1, 3), load_state(path))
+    with pytest.raises(ValueError, match="variant"):
+        load_state(path, model=tiny_model("mag"))
+    load_state(path, model=tiny_model("mac", seed=5))  # same config, other weights: accepted
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = tiny_model("mag")
+    _, state = prefill(model, tokens(1, 11))
+    return save_state(state, tmp_path / "state.safetensors")
+
+
+def test_truncated_file_is_refused(saved):
+    data = saved.read_bytes()
+    for cut in (4, len(data) // 2, len(data) - 1):
+        saved.write_bytes(data[:cut])
+        with pytest.raises(StateFileError, match="state.safetensors"):
+            load_state(saved)
+
+
+def test_bad_header_is_refused(saved):
+    data = bytearray(saved.read_bytes())
+    n = struct.unpack("<Q", data[:8])[0]
+    data[8 : 8 + n] = b"{" + b"x" * (n - 1)  # same length, not JSON
+    saved.write_bytes(bytes(data))
+    with pytest.raises(StateFileError, match="state.safetensors"):
+        load_state(saved)
+
+
+def test_damaged_titans_header_is_refused(saved, tmp_path):
+    tensors = load_file(saved)
+    meta = read_state_header(saved)
+    from safetensors import safe_open
+
+    with safe_open(str(saved), framework="pt") as f:
+        raw_meta = f.metadata()
+    broken = dict(raw_meta, **{"titans.layers": raw_meta["titans.layers"][:-3]})
+    save_file(tensors, tmp_path / "bad.safetensors", metadata=broken)
+    with pytest.raises(StateFileError, match="damaged state header"):
+        load_state(tmp_path / "bad.safetensors")
+    newer = dict(raw_meta, **{"titans.state_format": "99"})
+    save_file(tensors, tmp_path / "new.safetensors", metadata=newer)
+    with pytest.raises(StateFileError, match="format"):
+        load_state(tmp_path / "new.safetensors")
+    save_file(tensors, tmp_path / "plain.safetensors")
+    with pytest.raises(StateFileError, match="not a Titans state file"):
+        load_state(tmp_path / "plain.safetensors")
+    assert meta["position"] == 11
+
+
+def test_missing_tensor_is_refused(saved, tmp_path):
+    from safetensors import safe_open
+
+    with safe_open(str(saved), framework="pt") as f:
+        raw_meta = f.metadata()
+    tensors = load_file(saved)
+    victim = sorted(tensors)[0]
+    del tensors[victim]
+    save_file(tensors, tmp_path / "missing.safetensors", metadata=raw_meta)
+    with pytest.raises(StateFileError, match=f"missing.safetensors.*{victim}.*missing"):
+        load_state(tmp_path / "missing.safetensors")
+
+
+def test_flipped_bits_are_refused(saved):
+    data = bytearray(saved.read_bytes())
+    data[-3] ^= 0xFF  # inside the last tensor's bytes
+    saved.write_bytes(bytes(data))
+    with pytest.raises(StateFileError, match="corrupted"):
+        load_state(saved)
+
+
+def test_missing_file_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothing.safetensors"):
+        load_state(tmp_path / "nothing.safetensors")
+
+
+def test_header_is_json_readable(saved):
+    meta = read_state_header(saved)
+    assert meta["config"]["variant"] == "mag"
+    assert [layer["type"] for layer in meta["layers"]] == ["MAGState", "MAGState"]
+    json.dumps(meta["layers"])

@@ -1,0 +1,150 @@
+"""Streaming == parallel: one forward pass, random-size pieces, chunked prefill and the incremental decode
+path all give the same logits, for every variant, at lengths that are not multiples of chunk or segment."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from titans import VARIANTS, TitansConfig, TitansLM
+from titans.inference import decode_step, default_piece_len, iter_pieces, prefill, state_nbytes
+
+F64 = torch.float64
+ATOL = 1e-10
+
+
+def tiny_model(variant: str, seed: int = 0, **overrides) -> TitansLM:
+    torch.manual_seed(seed)
+    cfg = dict(
+        variant=variant,
+        vocab_size=61,
+        dim=24,
+        depth=2,
+        heads=2,
+        segment_len=8,
+        window=6,
+        chunk_size=4,
+        persistent_tokens=2,
+        memory_expansion=2.0,
+    )
+    return TitansLM(TitansConfig(**{**cfg, **overrides})).to(F64).eval()
+
+
+def tokens(batch: int, length: int, vocab: int = 61, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def random_cuts(length: int, seed: int) -> list[int]:
+    """Piece sizes summing to `length`: many single tokens, some pieces longer than a chunk or segment."""
+    rng = np.random.default_rng(seed)
+    sizes = []
+    while sum(sizes) < length:
+        sizes.append(int(rng.choice([1, 1, 2, 3, 5, 9, 13])))
+    sizes[-1] -= sum(sizes) - length
+    return [s for s in sizes if s > 0]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pieces_and_decode_equal_one_pass(variant):
+    model = tiny_model(variant)
+    x = tokens(2, 37)  # 37: not a multiple of chunk (4), segment (8) or window (6)
+    with torch.no_grad():
+        full, full_state = model(x)
+        # random-size pieces, single tokens included
+        outs, state, start = [], None, 0
+        for size in random_cuts(37, seed=3):
+            logits, state = model(x[:, start : start + size], state)
+            outs.append(logits)
+            start += size
+        torch.testing.assert_close(torch.cat(outs, dim=1), full, atol=ATOL, rtol=0)
+        assert state.position == full_state.position == 37
+        # generate's incremental path, teacher-forced: prefill 11 tokens, then one token at a time
+        last, state = prefill(model, x[:, :11], piece_len=5)
+        torch.testing.assert_close(last, full[:, 10], atol=ATOL, rtol=0)
+        for t in range(11, 37):
+            last, state = decode_step(model, x[:, t : t + 1], state)
+            torch.testing.assert_close(last, full[:, t], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["mac", "lmm", "swa"])
+@pytest.mark.parametrize("piece_len", [1, 3, 8, 64])
+def test_prefill_piece_len_does_not_change_the_result(variant, piece_len):
+    model = tiny_model(variant)
+    x = tokens(1, 45)
+    with torch.no_grad():
+        full, _ = model(x)
+    last, state = prefill(model, x, piece_len=piece_len)
+    torch.testing.assert_close(last, full[:, -1], atol=ATOL, rtol=0)
+    assert state.position == 45
+
+
+def test_prefill_reads_a_stream_of_pieces():
+    """A reader yielding lists, numpy arrays, 1-D and 2-D tensors and empty pieces == one tensor."""
+    model = tiny_model("mag")
+    x = tokens(1, 40)
+    flat = x[0]
+    reader = [
+        flat[:3].tolist(),
+        flat[3:3].numpy(),
+        flat[3:17].numpy(),
+        flat[17:18],
+        flat[18:30][None],
+        [],
+        flat[30:].tolist(),
+    ]
+    with torch.no_grad():
+        full, _ = model(x)
+    last, state = prefill(model, iter(reader), piece_len=7)
+    torch.testing.assert_close(last, full[:, -1], atol=ATOL, rtol=0)
+    assert state.position == 40
+
+
+def test_iter_pieces_recuts_exactly():
+    pieces = [torch.arange(n) + 100 * i for i, n in enumerate([5, 0, 1, 12, 3])]
+    out = list(iter_pieces(iter(pieces), 4))
+    assert [p.shape[1] for p in out] == [4, 4, 4, 4, 4, 1]
+    assert torch.equal(torch.cat(out, dim=1)[0], torch.cat(pieces))
+
+
+def test_long_stream_prefill_matches_smaller_pieces_and_state_stays_bounded():
+    """20K tokens through a tiny MAC model: big pieces == a reader of small uneven pieces, and the state
+    after 20K tokens is exactly as large as after 2K (it does not grow with the context)."""
+    model = tiny_model("mac", dim=16, heads=2, depth=1, segment_len=64, chunk_size=16)
+    n = 20_000
+    x = tokens(1, n, seed=7)
+    last_big, state_big = prefill(model, x, piece_len=4096)
+    rng = np.random.default_rng(0)
+    cuts = np.cumsum(rng.integers(200, 700, size=80))
+    cuts = [0, *[int(c) for c in cuts if c < n], n]
+    reader = (x[:, a:b] for a, b in zip(cuts[:-1], cuts[1:]))
+    last_small, state_small = prefill(model, reader, piece_len=512)
+    torch.testing.assert_close(last_small, last_big, atol=1e-9, rtol=0)
+    assert state_big.position == state_small.position == n
+    _, state_2k = prefill(model, x[:, :2080], piece_len=512)  # 2080 = 20000 mod 16 and mod 64
+    assert state_nbytes(state_big) == state_nbytes(state_2k)
+    assert torch.isfinite(last_big).all()
+
+
+def test_default_piece_len_respects_chunk_and_segment():
+    model = tiny_model("mac", segment_len=12, chunk_size=4)
+    p = default_piece_len(model)
+    assert p % 12 == 0 and p % 4 == 0
+    big_vocab = TitansLM(
+        TitansConfig(variant="lmm", vocab_size=32000, dim=16, depth=1, heads=2, chunk_size=16)
+    )
+    assert default_piece_len(big_vocab) * 32000 <= 2**24 + 16 * 32000
+
+
+def test_prefill_refuses_bad_input():
+    model = tiny_model("lmm")
+    with pytest.raises(ValueError, match="piece_len"):
+        prefill(model, tokens(1, 5), piece_len=0)
+    with pytest.raises(TypeError, match="integer token ids"):
+        prefill(model, iter([torch.rand(4)]))
+    with pytest.raises(ValueError, match="batch"):
+        prefill(model, iter([tokens(1, 3), tokens(2, 3)]))
+    with pytest.raises(TypeError, match="tokenize"):
+        prefill(model, "some text")
+    last, state = prefill(model, iter([]))
+    assert last is None and state is None
