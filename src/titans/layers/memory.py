@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +104,9 @@ class NeuralMemory(nn.Module):
         write: False makes the memory read-only (theta = 0: it never learns at test time) — an ablation twin
             with the same parameters and compute.
         impl: "chunked" (fast path) or "reference" (the per-token float64-grade loop, for tests).
+        checkpoint_every: opt-in activation checkpointing of the chunked path in groups of this many chunks
+            (training on very long sequences: O(T / checkpoint_every) saved states instead of O(T), for
+            about one extra forward pass). None (default) keeps every chunk's state.
     """
 
     def __init__(
@@ -128,6 +132,7 @@ class NeuralMemory(nn.Module):
         learned_init: bool = True,
         write: bool = True,
         impl: str = "chunked",
+        checkpoint_every: int | None = None,
     ) -> None:
         super().__init__()
         head_dim = head_dim or dim // heads
@@ -144,6 +149,10 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"NeuralMemory: activation must be one of {ACTIVATIONS}, got {activation!r}")
         if conv_kernel < 0:
             raise ValueError(f"NeuralMemory: conv_kernel must be >= 0, got {conv_kernel}")
+        if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+            raise ValueError(
+                f"NeuralMemory: checkpoint_every must be a positive integer or None, got {checkpoint_every!r}"
+            )
         if impl not in ("chunked", "reference"):
             raise ValueError(f"NeuralMemory: impl must be 'chunked' or 'reference', got {impl!r}")
         for name, val in (
@@ -161,6 +170,7 @@ class NeuralMemory(nn.Module):
         self.chunk_size, self.activation, self.conv_kernel = chunk_size, activation, conv_kernel
         self.qk_norm, self.momentum, self.forgetting = qk_norm, momentum, forgetting
         self.max_lr, self.residual, self.surprise_clip, self.impl = max_lr, residual, surprise_clip, impl
+        self.checkpoint_every = checkpoint_every
         self.write = write
 
         inner = heads * head_dim
@@ -322,7 +332,10 @@ class NeuralMemory(nn.Module):
         v_all = torch.cat([state.pending_v.to(v.dtype), v], dim=2)
         g_all = torch.cat([state.pending_gates.to(gates.dtype), gates], dim=2)
         q_all = F.pad(q, (0, 0, r, 0))
-        fn = neural_memory_chunked if self.impl == "chunked" else neural_memory_ref
+        if self.impl == "chunked":
+            fn = partial(neural_memory_chunked, checkpoint_every=self.checkpoint_every)
+        else:
+            fn = neural_memory_ref
         y, weights, momentum, surprise = fn(
             q_all,
             k_all,

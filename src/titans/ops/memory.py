@@ -86,45 +86,176 @@ def chunk_coefficients(theta: Tensor, log_eta: Tensor, log_keep: Tensor) -> tupl
     """
     seg_e = segsum(log_eta)  # (..., b+1, b+1): log E_m / E_j
     seg_a_end = segsum(log_keep)[..., -1, :]  # (..., b+1): log A_b / A_m
-    # sum over m = max(j, 1) .. b of (A_b / A_m) (E_m / E_j), for j = 0 (the S_0 term) .. b
-    w = torch.logsumexp(seg_a_end[..., 1:].unsqueeze(-1) + seg_e[..., 1:, :], dim=-2)
-    c, gamma = w[..., 0].exp(), theta * w[..., 1:].exp()
+    # sum over m = max(j, 1) .. b of (A_b / A_m) (E_m / E_j), for j = 0 (the S_0 term) .. b. Every term is
+    # exp(<= 0) <= 1, so a plain sum of exps cannot overflow; unlike logsumexp its backward stays finite
+    # when all terms are exp(-inf) = 0 (momentum off: eta = 0).
+    w = (seg_a_end[..., 1:].unsqueeze(-1) + seg_e[..., 1:, :]).exp().sum(-2)
+    c, gamma = w[..., 0], theta * w[..., 1:]
     beta = theta * seg_e[..., -1, 1:].exp()
     return gamma, beta, seg_a_end[..., 0].exp(), c, seg_e[..., -1, 0].exp()
 
 
-def _dot(a: Tensor, b: Tensor) -> Tensor:
-    """Per-(batch, head) Frobenius inner product of (B, H, m, n) tensors -> (B, H, 1, 1), no temporaries.
+def _act_and_derivs(x: Tensor, name: str) -> tuple[Tensor, Tensor, Tensor]:
+    """act, act' and act'' (the last carries the outer gradient through the inner gradient)."""
+    if name == "silu":
+        s = torch.sigmoid(x)
+        s1 = s * (1 - s)
+        return x * s, s + x * s1, s1 * (2 + x * (1 - 2 * s))
+    if name == "gelu":
+        cdf = 0.5 * (1 + torch.erf(x * 0.7071067811865476))
+        pdf = torch.exp(-0.5 * x * x) * 0.3989422804014327
+        return x * cdf, cdf + x * pdf, pdf * (2 - x * x)
+    return F.relu(x), (x > 0).to(x.dtype), torch.zeros_like(x)
 
-    (vecdot, not a (1 x N) @ (N x 1) bmm: on CPU the latter is a slow matrix-vector path, ~20x slower.)"""
-    return torch.linalg.vecdot(a.flatten(-2), b.flatten(-2))[..., None, None]
+
+def _chunk_forward(q, k, v, gamma, beta, mix, activation, residual, clip, states, out=None):
+    """The forward math of `_ChunkStep` (shapes there): y, the surprise norms, the new states, and what
+    the backward pass needs. `out`: buffers to write the new states into (only where nothing is saved)."""
+    n, depth = k.shape[1], len(states)
+    ws = [x[:, 0] for x in states]
+    hs, zs = [torch.cat([k, q], 1)], []  # hs[l]: input of layer l for keys then queries (N, 2n, d_in)
+    z = hs[0]
+    for i, w in enumerate(ws):
+        z = torch.bmm(hs[-1], w)
+        if i < depth - 1:
+            zs.append(z)
+            hs.append(_act(z, activation))
+    out_all = z + hs[0] if residual else z
+    delta = 2 * (out_all[:, :n] - v)
+    deltas, es = [delta], []  # es[l] = delta_{l+1} W_{l+1}^T, the error before layer l's activation
+    for i in range(depth - 1, 0, -1):
+        e = torch.bmm(delta, ws[i].transpose(1, 2))
+        delta = e * _act_grad(zs[i - 1][:, :n], activation)
+        es.append(e)
+        deltas.append(delta)
+    deltas.reverse()
+    es.reverse()
+    sq = sum(h[:, :n].pow(2).sum(-1) * d.pow(2).sum(-1) for h, d in zip(hs, deltas))
+    norm = sq.clamp_min(1e-30).sqrt()  # ||u_t|| = sqrt(sum_l ||a_l||^2 ||delta_l||^2)
+    scale = clip_scale(norm, clip) if clip is not None else torch.ones_like(norm)
+    coef = torch.stack([gamma * scale, beta * scale], 1).neg_().unsqueeze(-1)  # (N, 2, n, 1)
+    new_states = []
+    for i, (h, d, x) in enumerate(zip(hs, deltas, states)):
+        new = torch.bmm(mix, x.flatten(2)).view_as(x) if out is None else out[i]
+        if out is not None:
+            torch.bmm(mix, x.flatten(2), out=new.flatten(2))
+        # both weighted sums of per-token outer products, accumulated in place: (2N, d_in, d_out)
+        a_t = h[:, :n].transpose(1, 2).unsqueeze(1).expand(-1, 2, -1, -1).flatten(0, 1)
+        new.flatten(0, 1).baddbmm_(a_t, (coef * d.unsqueeze(1)).flatten(0, 1))
+        new_states.append(new)
+    # the hidden activations and errors are cheap to recompute from zs and es: not kept
+    return out_all[:, n:], norm, new_states, (sq, norm, scale, hs[0], deltas[-1], *zs, *es)
 
 
-class _StateUpdate(torch.autograd.Function):
-    """W' = decay * W + carry * S + dW,  S' = mom_decay * S + dS  (decay, carry, mom_decay: (B, H, 1, 1)).
+class _ChunkStep(torch.autograd.Function):
+    """One complete chunk: read M(q; W_0), take every key's inner gradient at W_0, write the chunk.
 
-    The per-chunk state update touches every memory weight several times; written out by hand it costs
-    3 passes over the weights forward and 6 backward, against twice that through generic autograd.
+    N = batch * heads. q, k, v: (N, n, d); gamma, beta: (N, n); mix: (N, 2, 2) = [[A_b, c], [0, E_b]];
+    states: per layer X = [W; S] stacked, (N, 2, d_in, d_out). Returns y (N, n, d), the surprise norms
+    (N, n) and per layer X' = mix @ X - [a^T (gamma * delta); a^T (beta * delta)].
+
+    Forward and backward are written out by hand so that every weight-sized tensor is touched as few times
+    as possible (on CPU they are memory-bound passes, the cost that matters besides the matmuls):
+    stacking W and S makes the state update one bmm (one pass) and the three gate-gradient inner products
+    one (2 x N) @ (N x 2) bmm, and each layer's weight gradient from its read, its inner-gradient backprop
+    and the state update is ONE baddbmm into the state gradient, with no autograd accumulation passes.
     """
 
     @staticmethod
-    def forward(ctx, w, s, decay, carry, mom_decay, dw, ds):
-        ctx.save_for_backward(w, s, decay, carry, mom_decay)
-        new_s = torch.addcmul(ds, s, mom_decay)
-        new_w = torch.addcmul(dw, w, decay).addcmul_(s, carry)
-        return new_w, new_s
+    def forward(ctx, q, k, v, gamma, beta, mix, activation, residual, clip, *states):
+        ctx.set_materialize_grads(False)
+        y, norm, new_states, saved = _chunk_forward(
+            q, k, v, gamma, beta, mix, activation, residual, clip, states
+        )
+        ctx.activation, ctx.residual, ctx.clip, ctx.depth = activation, residual, clip, len(states)
+        ctx.save_for_backward(gamma, beta, mix, *saved, *states)
+        return (y, norm, *new_states)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g_w, g_s):
-        w, s, decay, carry, mom_decay = ctx.saved_tensors
-        if g_w is None:
-            g_w = torch.zeros_like(w)
-        if g_s is None:
-            g_s = torch.zeros_like(s)
-        grad_w = g_w * decay
-        grad_s = torch.addcmul(g_s * mom_decay, g_w, carry)
-        return grad_w, grad_s, _dot(g_w, w), _dot(g_w, s), _dot(g_s, s), g_w, g_s
+    def backward(ctx, g_y, g_norm, *g_new):
+        depth, act = ctx.depth, ctx.activation
+        saved = list(ctx.saved_tensors)
+        gamma, beta, mix, sq, norm, scale, h0, delta_out = saved[:8]
+        zs, es, states = saved[8 : 7 + depth], saved[7 + depth : 6 + 2 * depth], saved[6 + 2 * depth :]
+        n = gamma.shape[1]
+        derivs = [_act_and_derivs(z, act) for z in zs]  # per hidden layer: act, act', act''
+        hs = [h0] + [d[0] for d in derivs]
+        deltas = [e * d[1][:, :n] for e, d in zip(es, derivs)] + [delta_out]
+        ws = [x[:, 0] for x in states]
+        n_seq, n = gamma.shape
+        needs = ctx.needs_input_grad
+        coef = torch.stack([gamma * scale, beta * scale], 1).neg_().unsqueeze(-1)  # (N, 2, n, 1)
+
+        # 1. X' = mix @ X + U: grads of mix (all four inner products in one pass), of X and of U (= g_new)
+        g_mix = torch.zeros_like(mix) if needs[5] else None
+        g_states, g_a, g_delta = [], [], []
+        g_coef = torch.zeros(n_seq, 2, n, dtype=gamma.dtype, device=gamma.device)
+        for i, (x, gx) in enumerate(zip(states, g_new)):
+            h, d = hs[i][:, :n], deltas[i]
+            if gx is None:
+                g_states.append(None)
+                g_a.append(torch.zeros_like(h))
+                g_delta.append(torch.zeros_like(d))
+                continue
+            g_flat = gx.reshape(n_seq, 2, -1)
+            if g_mix is not None:
+                g_mix.baddbmm_(g_flat, x.flatten(2).transpose(1, 2))
+            g_states.append(torch.bmm(mix.transpose(1, 2), g_flat).view_as(x) if needs[9 + i] else None)
+            gx = g_flat.view_as(x)
+            # 2. U = a^T G with G = coef * delta (both halves at once)
+            g_big = torch.matmul(h.unsqueeze(1), gx)  # dL/dG: (N, 2, n, d_out)
+            g_a.append(torch.matmul(coef * d.unsqueeze(1), gx.transpose(-1, -2)).sum(1))
+            g_coef += (g_big * d.unsqueeze(1)).sum(-1)
+            g_delta.append((g_big * coef).sum(1))
+
+        # 3. coef = -(gamma, beta) * scale
+        g_gamma = -g_coef[:, 0] * scale if needs[3] else None
+        g_beta = -g_coef[:, 1] * scale if needs[4] else None
+        g_norm = torch.zeros_like(norm) if g_norm is None else g_norm
+        if ctx.clip is not None:
+            g_scale = -(g_coef[:, 0] * gamma + g_coef[:, 1] * beta)
+            # scale = min(1, clip / max(norm, 1e-12)), with the gradient masks autograd would apply
+            nc = norm.clamp_min(1e-12)
+            ratio = ctx.clip / nc
+            active = (ratio <= 1) & (norm >= 1e-12)
+            g_norm = g_norm + torch.where(active, -g_scale * ratio / nc, 0.0)
+        # 4. norm = sqrt(max(sq, 1e-30)), sq = sum_l ||a_l||^2 ||delta_l||^2
+        g_sq = torch.where(sq >= 1e-30, g_norm * 0.5 / norm, 0.0).unsqueeze(-1)
+        for i in range(depth):
+            h, d = hs[i][:, :n], deltas[i]
+            g_a[i] = g_a[i] + (2 * g_sq * d.pow(2).sum(-1, keepdim=True)) * h
+            g_delta[i] = g_delta[i] + (2 * g_sq * h.pow(2).sum(-1, keepdim=True)) * d
+
+        # 5. the inner backprop: delta_l = e_l * act'(p_l), e_l = delta_{l+1} W_{l+1}^T
+        g_e, g_pre_keys = [], []
+        for i in range(depth - 1):
+            _, d1, d2 = derivs[i]
+            g_e.append(g_delta[i] * d1[:, :n])
+            g_pre_keys.append(g_delta[i] * es[i] * d2[:, :n])
+            g_delta[i + 1] = g_delta[i + 1].baddbmm(g_e[i], ws[i + 1])
+        g_v = -2 * g_delta[-1]
+        g_y = torch.zeros_like(g_v) if g_y is None else g_y
+        g_z = torch.cat([-g_v, g_y], 1)  # (N, 2n, d): keys' outputs, then queries'
+
+        # 6. the read (and the keys' forward), last layer first
+        g_h0 = g_z if ctx.residual else None
+        for i in range(depth - 1, -1, -1):
+            if needs[9 + i]:
+                # the three uses of W_l (read, inner backprop, state update) in one baddbmm
+                lhs, rhs = hs[i], g_z
+                if i > 0:
+                    lhs, rhs = torch.cat([lhs, g_e[i - 1]], 1), torch.cat([rhs, deltas[i]], 1)
+                if g_states[i] is None:
+                    g_states[i] = torch.zeros_like(states[i])
+                g_states[i][:, 0].baddbmm_(lhs.transpose(1, 2), rhs)
+            g_h = torch.bmm(g_z, ws[i].transpose(1, 2))
+            g_h[:, :n] += g_a[i]
+            if i > 0:
+                g_z = g_h * derivs[i - 1][1]
+                g_z[:, :n] += g_pre_keys[i - 1]
+        g_h0 = g_h if g_h0 is None else g_h + g_h0
+        return (g_h0[:, n:], g_h0[:, :n], g_v, g_gamma, g_beta, g_mix, None, None, None, *g_states)
 
 
 def _read_and_grads(
@@ -136,25 +267,87 @@ def _read_and_grads(
     and per layer the inputs a_l (B, H, n, d_in) and errors delta_l (B, H, n, d_out) such that
     grad_{W_l} ||M(k_j) - v_j||^2 = a_l[j]^T delta_l[j].
     """
-    n = k.shape[2]
+    n = k.shape[-2]
     inputs, pre = [], []
     # split(), not slicing: a slice backpropagates as a zero-filled full-size tensor, split as one cat
-    h = torch.cat([k, q], dim=2)
+    h = torch.cat([k, q], dim=-2)
     for i, w in enumerate(weights):
         if i > 0:
-            pre.append(h.split(n, dim=2)[0])
+            pre.append(h.split(n, dim=-2)[0])
             h = _act(h, activation)
-        inputs.append(h.split(n, dim=2)[0])
+        inputs.append(h.split(n, dim=-2)[0])
         h = h @ w
     if residual:
-        h = h + torch.cat([k, q], dim=2)
-    out, y = h.split(n, dim=2)
+        h = h + torch.cat([k, q], dim=-2)
+    out, y = h.split(n, dim=-2)
     delta = 2 * (out - v)
     deltas = [delta]
     for i in range(len(weights) - 1, 0, -1):
         delta = (delta @ weights[i].transpose(-1, -2)) * _act_grad(pre[i - 1], activation)
         deltas.append(delta)
     return y, inputs, deltas[::-1]
+
+
+def _surprise(inputs: list[Tensor], deltas: list[Tensor]) -> Tensor:
+    """||u_t|| = sqrt(sum_l ||a_l||^2 ||delta_l||^2) per token: (..., n)."""
+    sq = sum(a.pow(2).sum(-1) * d.pow(2).sum(-1) for a, d in zip(inputs, deltas))
+    return sq.clamp_min(1e-30).sqrt()
+
+
+def _run_chunks(
+    activation: str, residual: bool, clip: float | None, chunk_size: int, q, k, v, gamma, beta, mix, *states
+):
+    """Consecutive complete chunks. q, k, v: (N, m * b, d); gamma, beta: (N, m, b); mix: (N, m, 2, 2)."""
+    ys, norms = [], []
+    splits = (t.split(chunk_size, dim=1) for t in (q, k, v))
+    # Without autograd no state is kept, so two buffers per layer take turns. Besides sparing a fresh
+    # weight-sized allocation per chunk, this keeps glibc's heap from fragmenting: freed state-sized holes
+    # that small long-lived tensors land in cannot take the next state, and the heap would grow by about
+    # a state per chunk (tens of GiB over a long checkpointed sequence).
+    buffers = None if torch.is_grad_enabled() else [[torch.empty_like(x) for x in states] for _ in range(2)]
+    for i, (q_c, k_c, v_c, g_c, b_c, m_c) in enumerate(
+        zip(*splits, gamma.unbind(1), beta.unbind(1), mix.unbind(1))
+    ):
+        args = (q_c, k_c, v_c, g_c, b_c, m_c, activation, residual, clip)
+        if buffers is None:
+            y, norm, *states = _ChunkStep.apply(*args, *states)
+        else:
+            y, norm, states, _ = _chunk_forward(*args, states, out=buffers[i % 2])
+        ys.append(y)
+        norms.append(norm)
+    return (torch.cat(ys, 1), torch.cat(norms, 1), *states)
+
+
+class _CheckpointedChunks(torch.autograd.Function):
+    """A group of chunks that keeps only its inputs for the backward pass (activation checkpointing).
+
+    Forward runs the group without autograd; backward recomputes it with autograd from the saved inputs
+    (the state at the group's start) and backpropagates through the recomputation. Works with both
+    `.backward()` and `torch.autograd.grad`.
+    """
+
+    @staticmethod
+    def forward(ctx, config, q, k, v, gamma, beta, mix, *states):
+        ctx.set_materialize_grads(False)
+        ctx.config = config
+        ctx.save_for_backward(q, k, v, gamma, beta, mix, *states)
+        return _run_chunks(*config, q, k, v, gamma, beta, mix, *states)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        needs = ctx.needs_input_grad[1:]
+        inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
+        with torch.enable_grad():
+            outputs = _run_chunks(*ctx.config, *inputs)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        wanted = [t for t in inputs if t.requires_grad]
+        result = [None] * len(inputs)
+        if pairs and wanted:
+            outs, grad_outs = zip(*pairs)
+            got = iter(torch.autograd.grad(outs, wanted, grad_outs, allow_unused=True))
+            result = [next(got) if t.requires_grad else None for t in inputs]
+        return (None, *result)
 
 
 def neural_memory_chunked(
@@ -171,8 +364,15 @@ def neural_memory_chunked(
     activation: str = "silu",
     residual: bool = False,
     surprise_clip: float | None = None,
+    checkpoint_every: int | None = None,
 ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
     """Read and write the neural memory over a sequence, chunk by chunk.
+
+    checkpoint_every: if set (and gradients are being recorded), complete chunks run in groups of this
+        many under activation checkpointing: only the state at group boundaries is kept for the backward
+        pass, each group's forward is recomputed during it. Outputs and gradients are unchanged; training
+        memory drops from O(T) states to O(T / checkpoint_every + checkpoint_every), for about one more
+        forward pass of time.
 
     Returns:
         y: (B, H, T, d) retrievals, token t reading the weights at the start of its chunk.
@@ -180,41 +380,48 @@ def neural_memory_chunked(
             not written: the caller keeps its tokens pending until the chunk completes).
         surprise: (B, H, T) the norm of each token's inner gradient u_t.
     """
-    batch, heads, seq, _ = q.shape
+    if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+        raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
+    batch, heads, seq, dim = q.shape
     b = chunk_size
     n_full = seq // b
-    gamma = beta = decay = carry = mom_decay = None
-    if n_full:
-        shape = (batch, heads, n_full, b)
-        gamma, beta, decay, carry, mom_decay = chunk_coefficients(
-            theta[..., : n_full * b].reshape(shape),
-            log_eta[..., : n_full * b].reshape(shape),
-            log_keep[..., : n_full * b].reshape(shape),
-        )
-        # per-chunk views made once; indexing inside the loop would backpropagate full-size zeros per chunk
-        gamma, beta, decay, carry, mom_decay = (x.unbind(2) for x in (gamma, beta, decay, carry, mom_decay))
-    w, s = tuple(weights), tuple(momentum)
-    ys, surprises = [], []
-    for ci, (q_c, k_c, v_c) in enumerate(zip(q.split(b, dim=2), k.split(b, dim=2), v.split(b, dim=2))):
-        n = q_c.shape[2]
-        # Read-before-write: queries and keys both see the chunk-start weights.
-        y, inputs, deltas = _read_and_grads(q_c, k_c, v_c, w, activation, residual)
+    weights, momentum = tuple(weights), tuple(momentum)
+    if not n_full:  # nothing to write: a read of the current weights
+        y, inputs, deltas = _read_and_grads(q, k, v, weights, activation, residual)
+        return y, weights, momentum, _surprise(inputs, deltas)
+
+    n_seq, dtype = batch * heads, weights[0].dtype
+    shape = (batch, heads, n_full, b)
+    gamma, beta, decay, carry, mom_decay = chunk_coefficients(
+        theta[..., : n_full * b].reshape(shape),
+        log_eta[..., : n_full * b].reshape(shape),
+        log_keep[..., : n_full * b].reshape(shape),
+    )
+    # mix = [[A_b, c], [0, E_b]] per chunk: X' = mix @ [W; S] + U
+    mix = torch.stack([decay, carry, torch.zeros_like(decay), mom_decay], -1)
+    mix = mix.to(dtype).reshape(n_seq, n_full, 2, 2)
+    gamma, beta = (x.to(dtype).reshape(n_seq, n_full, b) for x in (gamma, beta))
+    states = tuple(torch.stack([w, s], 2).reshape(n_seq, 2, *w.shape[-2:]) for w, s in zip(weights, momentum))
+    # (N, T, d) views; split() rather than indexing, whose backward is a full-size zero tensor per piece
+    q_full, k_full, v_full = (x.reshape(n_seq, seq, dim).split(n_full * b, dim=1) for x in (q, k, v))
+    config = (activation, residual, surprise_clip, b)
+    group = checkpoint_every if checkpoint_every and torch.is_grad_enabled() else n_full
+    ys, norms = [], []
+    pieces = (x[0].split(group * b, dim=1) for x in (q_full, k_full, v_full))
+    coefs = (x.split(group, dim=1) for x in (gamma, beta, mix))
+    for q_g, k_g, v_g, g_g, b_g, m_g in zip(*pieces, *coefs):
+        if group < n_full:
+            y, norm, *states = _CheckpointedChunks.apply(config, q_g, k_g, v_g, g_g, b_g, m_g, *states)
+        else:
+            y, norm, *states = _run_chunks(*config, q_g, k_g, v_g, g_g, b_g, m_g, *states)
         ys.append(y)
-        sq = sum(a.pow(2).sum(-1) * d.pow(2).sum(-1) for a, d in zip(inputs, deltas))
-        norm = sq.clamp_min(1e-30).sqrt()  # (B, H, n): ||u_t|| = sqrt(sum_l ||a_l||^2 ||delta_l||^2)
-        surprises.append(norm)
-        if n < b:
-            break
-        if surprise_clip is not None:
-            deltas = [d * clip_scale(norm, surprise_clip).unsqueeze(-1) for d in deltas]
-        g, bt = -gamma[ci].unsqueeze(-1), -beta[ci].unsqueeze(-1)
-        dc, cc, md = (x[ci][..., None, None] for x in (decay, carry, mom_decay))
-        new_w, new_s = [], []
-        for w_l, s_l, a, d in zip(w, s, inputs, deltas):
-            a_t = a.transpose(-1, -2)
-            # the weighted sums of per-token outer products, one matmul each: -a^T (gamma * delta)
-            nw, ns = _StateUpdate.apply(w_l, s_l, dc, cc, md, a_t @ (g * d), a_t @ (bt * d))
-            new_w.append(nw)
-            new_s.append(ns)
-        w, s = tuple(new_w), tuple(new_s)
-    return torch.cat(ys, 2), w, s, torch.cat(surprises, 2)
+        norms.append(norm)
+    weights = tuple(x[:, 0].reshape(batch, heads, *x.shape[2:]).contiguous() for x in states)
+    momentum = tuple(x[:, 1].reshape(batch, heads, *x.shape[2:]).contiguous() for x in states)
+    if seq > n_full * b:  # trailing partial chunk: read (and report surprise), written by a later call
+        tail = (x[1].reshape(batch, heads, -1, dim) for x in (q_full, k_full, v_full))
+        y, inputs, deltas = _read_and_grads(*tail, weights, activation, residual)
+        ys.append(y.reshape(n_seq, -1, dim))
+        norms.append(_surprise(inputs, deltas).reshape(n_seq, -1))
+    y = torch.cat(ys, 1).view(batch, heads, seq, dim)
+    return y, weights, momentum, torch.cat(norms, 1).view(batch, heads, seq)

@@ -1,0 +1,230 @@
+"""The paper's ablation (Table 5): take one component out of the model at a time, same training budget.
+
+Rows (``ABLATIONS``; each a set of ``TitansConfig`` overrides on the base model):
+
+- ``full``: the base model as configured.
+- ``linear_memory``: memory depth 1 (a matrix) instead of an MLP.
+- ``no_conv``: no causal convolution on the memory's q/k/v.
+- ``no_momentum``: eta = 0, the surprise is the momentary gradient only.
+- ``no_weight_decay``: alpha = 0, the memory never forgets.
+- ``no_persistent``: no persistent-memory tokens (only meaningful where the model has attention).
+
+Each row is (1) trained as a language model with the project's ``Trainer`` (same data, seed, steps and
+schedule for every row) and scored on held-out text, then (2), when ``task_steps > 0``, fine-tuned on the
+S-NIAH pass-key task with the ``task_training`` recipe and evaluated at ``eval_lengths``.
+The paper ablates the LMM at 400M parameters; our base default is MAC (persistent tokens only matter
+where there is attention), at the tiny preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "full": {},
+    "linear_memory": {"memory_depth": 1},
+    "no_conv": {"memory_conv_kernel": 0},
+    "no_momentum": {"memory_momentum": False},
+    "no_weight_decay": {"memory_forgetting": False},
+    "no_persistent": {"persistent_tokens": 0},
+}
+
+
+def lm_train_config(args: argparse.Namespace, run_dir: Path, overrides: dict[str, Any]):
+    """The Trainer config of one row: identical for every row except the model overrides."""
+    from titans.training.config import TrainConfig
+
+    return TrainConfig(
+        preset=args.preset,
+        variant=args.variant,
+        model=overrides,
+        data=args.data,
+        tokenizer=args.tokenizer,
+        heldout_fraction=args.heldout_fraction,
+        seq_len=args.seq_len,
+        batch_size=args.lm_batch_size,
+        steps=args.lm_steps,
+        lr=args.lm_lr,
+        warmup_steps=min(args.lm_warmup_steps, args.lm_steps),
+        seed=args.seed,
+        device=args.device,
+        threads=args.threads,
+        run_dir=str(run_dir),
+        log_every=max(1, args.lm_steps // 10),
+        eval_every=10**9,  # only the final evaluation
+        eval_windows=args.heldout_windows,
+        ckpt_every=10**9,
+        keep_last=1,
+        progress=False,
+        tensorboard=False,
+        plot=False,
+        sample_tokens=0,
+    )
+
+
+def run_row(args: argparse.Namespace, name: str, overrides: dict[str, Any], run_root: Path) -> dict:
+    """Train and evaluate one ablation row; returns its JSON-able record."""
+    from titans.data.tokenizers import load_tokenizer
+    from titans.evaluation.cli import niah_samples, task_config
+    from titans.evaluation.runner import evaluate
+    from titans.evaluation.task_training import set_memory_gate_init, train_on_task
+    from titans.models import TitansConfig, TitansLM
+    from titans.training.trainer import Trainer
+
+    overrides = {**args.base_overrides, **overrides}
+    record: dict[str, Any] = {"name": name, "overrides": overrides}
+    t0 = time.perf_counter()
+    if args.lm_steps > 0:
+        trainer = Trainer(lm_train_config(args, run_root / name, overrides))
+        model, tokenizer = trainer.model, trainer.tokenizer
+        set_memory_gate_init(model, eta=args.memory_eta_init, alpha=args.memory_alpha_init)
+        result = trainer.train()
+        record.update(
+            heldout_loss=result.eval.loss,
+            heldout_bpb=result.eval.bpb,
+            train_loss=result.train_loss,
+            lm_tokens_per_s=result.tokens_per_s,
+        )
+        print(f"[{name}] held-out loss {result.eval.loss:.4f} after {result.step} LM steps")
+    else:
+        tokenizer = load_tokenizer(args.tokenizer)
+        cfg = TitansConfig.preset(
+            args.preset, variant=args.variant, vocab_size=tokenizer.vocab_size, **overrides
+        )
+        model = TitansLM(cfg).to(args.device)
+        set_memory_gate_init(model, eta=args.memory_eta_init, alpha=args.memory_alpha_init)
+    record["parameters"] = model.num_parameters()
+    if args.steps > 0:
+        task_cfg = task_config(args, "niah", kind="passkey", haystack=None)
+        history = train_on_task(model, tokenizer, task_cfg, max_seconds=args.task_time_budget)
+        samples = niah_samples(tokenizer, args, args.eval_lengths)
+        res = evaluate(model, tokenizer, samples, by="depth", batch_size=args.eval_batch_size)
+        record.update(
+            niah_accuracy=res.table.overall,
+            niah_by_length={str(length): res.table.row_accuracy(length) for length in res.table.rows},
+            niah_final_task_loss=history[-1]["loss_avg"] if history else None,
+        )
+        print(f"[{name}] NIAH accuracy {100 * res.table.overall:.1f}%")
+    record["seconds"] = time.perf_counter() - t0
+    return record
+
+
+def format_rows(rows: list[dict], eval_lengths: list[int]) -> str:
+    head = ["row", "params", "heldout loss", "NIAH all"] + [f"NIAH@{n}" for n in eval_lengths]
+    lines = [head]
+    for r in rows:
+        loss = r.get("heldout_loss")
+        acc = r.get("niah_accuracy")
+        by = r.get("niah_by_length", {})
+        lines.append(
+            [
+                r["name"],
+                f"{r['parameters']:,}",
+                "-" if loss is None else f"{loss:.4f}",
+                "-" if acc is None else f"{100 * acc:.1f}",
+            ]
+            + ["-" if by.get(str(n)) is None else f"{100 * by[str(n)]:.1f}" for n in eval_lengths]
+        )
+    widths = [max(len(c) for c in col) for col in zip(*lines)]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
+
+
+def plot_rows(rows: list[dict], png_path: Path, title: str) -> Path:
+    """Two bar charts side by side: held-out loss (lower is better) and NIAH accuracy per row."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = [r["name"] for r in rows]
+    fig = Figure(figsize=(10, 3.6))
+    FigureCanvasAgg(fig)
+    panels = [("heldout_loss", "held-out loss (nats/token)"), ("niah_accuracy", "NIAH pass-key accuracy")]
+    for i, (key, label) in enumerate(panels):
+        ax = fig.add_subplot(1, 2, i + 1)
+        values = [r.get(key) for r in rows]
+        shown = [0.0 if v is None else v for v in values]
+        ax.bar(range(len(rows)), shown, color=["tab:green"] + ["tab:gray"] * (len(rows) - 1))
+        for x, v in enumerate(values):
+            ax.text(x, shown[x], "n/a" if v is None else f"{v:.3f}", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        known = [v for v in values if v is not None]
+        if key == "heldout_loss" and known:
+            ax.set_ylim(min(known) * 0.95, max(known) * 1.03)
+        if key == "niah_accuracy":
+            ax.set_ylim(0, 1.05)
+    fig.suptitle(title)
+    fig.tight_layout()
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=120)
+    return png_path
+
+
+def run_ablate(args: argparse.Namespace) -> int:
+    import json
+
+    from titans.evaluation.cli import command_line, output_paths, parse_overrides, set_threads
+
+    set_threads(args)
+    unknown = [r for r in args.rows if r not in ABLATIONS]
+    if unknown:
+        raise ValueError(f"unknown ablation row(s) {unknown}: choose from {list(ABLATIONS)}")
+    if args.lm_steps <= 0 and args.steps <= 0:
+        raise ValueError("nothing to train: set --lm-steps and/or --task-steps above 0")
+    args.base_overrides = parse_overrides(args.set)
+    args.task_time_budget = None if args.time_budget is None else 60.0 * args.time_budget
+    own_root = args.run_root is None
+    run_root = Path(tempfile.mkdtemp(prefix="titans-ablate-")) if own_root else Path(args.run_root)
+    try:
+        rows = [run_row(args, name, ABLATIONS[name], run_root) for name in args.rows]
+    finally:
+        if own_root:
+            shutil.rmtree(run_root, ignore_errors=True)
+    json_path, png_path = output_paths(args, "ablate", f"ablate_{args.variant}")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"rows": rows, "command": command_line(args)}
+    json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    title = f"ablation of {args.variant} ({args.preset}): {args.lm_steps} LM steps, {args.steps} NIAH steps"
+    plot_rows(rows, png_path, title)
+    print(title)
+    print(format_rows(rows, args.eval_lengths))
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def add_parser(evals) -> None:
+    from titans.evaluation.cli import (
+        _guarded,
+        add_eval_args,
+        add_model_args,
+        add_recipe_args,
+        add_runtime_args,
+        float_list,
+        int_list,
+        str_list,
+    )
+
+    p = evals.add_parser("ablate", help="the paper's Table 5: one memory component removed per row")
+    p.add_argument("--variant", default="mac", help="the base model's variant")
+    p.add_argument("--rows", type=str_list, default=list(ABLATIONS), help=f"subset of {','.join(ABLATIONS)}")
+    g = p.add_argument_group("language-model training (the Trainer)")
+    g.add_argument("--data", default="builtin:prose", help="text source for the LM stage")
+    g.add_argument("--heldout-fraction", type=float, default=0.05)
+    g.add_argument("--seq-len", type=int, default=256)
+    g.add_argument("--lm-batch-size", type=int, default=8)
+    g.add_argument("--lm-steps", type=int, default=200, help="LM steps per row (0: skip the LM stage)")
+    g.add_argument("--lm-lr", type=float, default=3e-3)
+    g.add_argument("--lm-warmup-steps", type=int, default=20)
+    g.add_argument("--heldout-windows", type=int, default=32)
+    g.add_argument("--run-root", default=None, help="keep each row's run folder here (default: temporary)")
+    p.add_argument("--eval-lengths", type=int_list, default=[512, 1024], help="NIAH evaluation lengths")
+    p.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="NIAH depths")
+    add_model_args(p)
+    add_recipe_args(p, default_length=512, steps_flag="--task-steps", default_steps=0)
+    add_eval_args(p)
+    add_runtime_args(p)
+    p.set_defaults(func=_guarded(run_ablate, "ablate"), kind="passkey", haystack=None)

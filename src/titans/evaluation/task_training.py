@@ -1,0 +1,344 @@
+"""The fine-tuning recipe of the long-context tasks: train on generated samples, loss on the answers only.
+
+    cfg = TaskTrainConfig(task="niah", train_length=1024, steps=300)
+    history = train_on_task(model, tokenizer, cfg)
+
+Every step draws a fresh batch from the generators' "train" stream (disjoint from the evaluation samples):
+NIAH pass-key prompts with the needle at a uniform random depth, or BABILong stories. The loss is the
+cross-entropy of the answer tokens alone (``TrainingExample.target_mask``). AdamW with linear warm-up then a
+cosine decay, gradient clipping.
+
+Length curriculum: the longest length used ramps linearly from ``start_length`` to ``train_length`` over
+the first ``curriculum`` share of the steps, or, with ``curriculum_loss`` set, grows by 25% whenever the
+running answer loss is under that value (lengths grow once the task is solved at the current ones). Every
+step draws its length uniformly between the task's minimum and that maximum (a batch shares one length, so
+no padding is needed). Short samples put the needle near the question: the model first learns *what* to
+retrieve, then to keep it over more and more haystack.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from titans.evaluation.babilong import TASKS as BABI_TASKS
+from titans.evaluation.babilong import babilong_training_example, make_babilong_sample
+from titans.evaluation.haystack import TextTokenizer, TrainingExample
+from titans.evaluation.niah import NEEDLE_KINDS, make_niah_sample, niah_training_example
+from titans.layers.memory import NeuralMemory
+from titans.training.optim import lr_factor, parameter_groups
+
+TASK_NAMES = ("niah", "babilong")
+
+
+@dataclass
+class TaskTrainConfig:
+    """How to train on a generated task. Lengths are in tokens, prompt + answer.
+
+    task: "niah" (``kind``: passkey | number | uuid) or "babilong" (``babi_tasks``, mixed evenly;
+        ``num_facts`` facts per story, None for each task's default).
+    haystack: the haystack name, None for the task's default (noise for passkey, moby_dick for babilong).
+    length_multiple: every drawn length is rounded down to a multiple of it (and kept >= the minimum).
+    curriculum_loss: None for the linear length ramp, else the adaptive curriculum's loss threshold.
+    lm_loss_weight: adds this times the next-token loss of *every* position (haystack, needle, question) to
+        the answer loss; 0 (the default) is the answer-only recipe. A small weight gives the model the local
+        text features it needs before retrieval can be learned (a stand-in for LM pre-training).
+    """
+
+    task: str = "niah"
+    kind: str = "passkey"
+    babi_tasks: tuple[str, ...] = ("qa1", "qa2")
+    num_facts: int | None = None
+    haystack: str | None = None
+    train_length: int = 1024
+    start_length: int = 256
+    curriculum: float = 0.5
+    curriculum_loss: float | None = None
+    length_multiple: int = 16
+    steps: int = 300
+    batch_size: int = 8
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    lm_loss_weight: float = 0.0
+    seed: int = 0
+    log_every: int = 25
+
+    def __post_init__(self) -> None:
+        if self.task not in TASK_NAMES:
+            raise ValueError(f"TaskTrainConfig.task must be one of {TASK_NAMES}, got {self.task!r}")
+        if self.task == "niah" and self.kind not in NEEDLE_KINDS:
+            raise ValueError(f"TaskTrainConfig.kind must be one of {tuple(NEEDLE_KINDS)}, got {self.kind!r}")
+        self.babi_tasks = tuple(self.babi_tasks)
+        bad = [t for t in self.babi_tasks if t not in BABI_TASKS]
+        if self.task == "babilong" and (bad or not self.babi_tasks):
+            raise ValueError(
+                f"TaskTrainConfig.babi_tasks must be a non-empty subset of {BABI_TASKS}, got {bad}"
+            )
+        for name in ("train_length", "start_length", "steps", "batch_size", "length_multiple"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"TaskTrainConfig.{name} must be a positive integer, got {val!r}")
+        if not 0.0 <= self.curriculum <= 1.0:
+            raise ValueError(f"TaskTrainConfig.curriculum must lie in [0, 1], got {self.curriculum}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def task_example(
+    tokenizer: TextTokenizer, cfg: TaskTrainConfig, *, length: int, seed: int
+) -> TrainingExample:
+    """One training sequence of exactly ``length`` tokens for ``cfg.task`` (seeded, from the train stream)."""
+    if cfg.task == "niah":
+        return niah_training_example(
+            tokenizer, length=length, kind=cfg.kind, haystack=cfg.haystack, seed=seed
+        )
+    task = cfg.babi_tasks[seed % len(cfg.babi_tasks)]
+    return babilong_training_example(
+        tokenizer,
+        length=length,
+        task=task,
+        haystack=cfg.haystack or "moby_dick",
+        seed=seed,
+        num_facts=cfg.num_facts,
+    )
+
+
+def min_task_length(tokenizer: TextTokenizer, cfg: TaskTrainConfig, probes: int = 64) -> int:
+    """A length every sample of the task fits in (preamble, needle or facts, question, answer): the most
+    non-haystack tokens over ``probes`` training seeds, plus a margin of one ``length_multiple``, rounded
+    up to a multiple of it (stories vary in length from seed to seed)."""
+    fixed = 0
+    for seed in range(probes):
+        if cfg.task == "niah":
+            sample = make_niah_sample(
+                tokenizer,
+                length=4096,
+                depth=0.5,
+                kind=cfg.kind,
+                haystack=cfg.haystack,
+                seed=seed,
+                split="train",
+            )
+        else:
+            sample = make_babilong_sample(
+                tokenizer,
+                length=4096,
+                task=cfg.babi_tasks[seed % len(cfg.babi_tasks)],
+                haystack=cfg.haystack or "moby_dick",
+                seed=seed,
+                num_facts=cfg.num_facts,
+                split="train",
+            )
+        fixed = max(fixed, sample.length - sample.haystack_tokens)
+    m = cfg.length_multiple
+    return (-(-fixed // m) + 1) * m
+
+
+def collate(examples: Sequence[TrainingExample]) -> tuple[Tensor, Tensor, Tensor]:
+    """Examples of one length -> inputs, targets (B, T-1) int64 and the target mask (B, T-1) bool."""
+    lengths = {len(e.tokens) for e in examples}
+    if len(lengths) != 1:
+        raise ValueError(f"collate: examples of one batch must share a length, got {sorted(lengths)}")
+    inputs = torch.tensor([e.input_ids for e in examples], dtype=torch.long)
+    targets = torch.tensor([e.target_ids for e in examples], dtype=torch.long)
+    mask = torch.tensor([e.target_mask for e in examples], dtype=torch.bool)
+    return inputs, targets, mask
+
+
+def masked_loss(
+    model: nn.Module, inputs: Tensor, targets: Tensor, mask: Tensor, lm_weight: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """Mean cross-entropy of the targets where ``mask`` is set (inputs, targets, mask: (B, T)), plus
+    ``lm_weight`` times the mean over all positions. Returns (loss to minimise, answer-only loss)."""
+    logits, _ = model(inputs)
+    picked = logits[mask]  # (n, vocab): only the answer positions
+    if picked.shape[0] == 0:
+        raise ValueError("masked_loss: the mask selects no target")
+    answer = F.cross_entropy(picked.float(), targets[mask])
+    if lm_weight == 0:
+        return answer, answer
+    lm = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return answer + lm_weight * lm, answer
+
+
+def make_optimizer(model: nn.Module, cfg: TaskTrainConfig) -> tuple[torch.optim.AdamW, LambdaLR]:
+    """AdamW and its warm-up + cosine schedule, with the LM trainer's weight-decay policy (matrices of
+    linear and conv layers only; see ``titans.training.optim``)."""
+    opt = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
+    sched = LambdaLR(
+        opt,
+        lambda s: lr_factor(
+            s, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio
+        ),
+    )
+    return opt, sched
+
+
+@dataclass
+class LengthCurriculum:
+    """Per-step sequence length: uniform in [min_length, cap], rounded down to ``multiple``.
+
+    Linear mode (``loss_threshold`` None): the cap ramps from ``start_length`` to ``max_length`` over
+    ``ramp_steps``. Adaptive mode: the cap starts at ``start_length`` and grows by ``growth`` each time
+    ``update`` sees a running loss under ``loss_threshold`` (at most once every ``patience`` steps): lengths
+    grow only once the task is solved at the current ones.
+    """
+
+    min_length: int
+    start_length: int
+    max_length: int
+    ramp_steps: int
+    multiple: int = 16
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+    loss_threshold: float | None = None
+    growth: float = 1.25
+    patience: int = 10
+    _cap: int = field(init=False, default=0)
+    _last_growth: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self._cap = max(self.min_length, min(self.start_length, self.max_length))
+
+    def cap(self, step: int) -> int:
+        if self.loss_threshold is not None:
+            return self._cap
+        if self.ramp_steps <= 0 or step >= self.ramp_steps:
+            return self.max_length
+        return int(self._cap + (self.max_length - self._cap) * step / self.ramp_steps)
+
+    def update(self, step: int, running_loss: float) -> None:
+        """Adaptive mode: grow the cap when the running loss is under the threshold."""
+        if self.loss_threshold is None or running_loss >= self.loss_threshold:
+            return
+        if step - self._last_growth >= self.patience and self._cap < self.max_length:
+            self._cap = min(self.max_length, max(self._cap + self.multiple, int(self._cap * self.growth)))
+            self._last_growth = step
+
+    def length(self, step: int) -> int:
+        cap = self.cap(step)
+        length = self.rng.randint(min(self.min_length, cap), cap)
+        return max(self.min_length, length // self.multiple * self.multiple)
+
+
+def train_on_task(
+    model: nn.Module,
+    tokenizer: TextTokenizer,
+    cfg: TaskTrainConfig,
+    *,
+    log: Callable[[str], None] | None = print,
+    max_seconds: float | None = None,
+) -> list[dict]:
+    """Train ``model`` in place on ``cfg.task``; returns the logged history (step, length, loss, lr, s).
+
+    ``max_seconds`` stops early (the schedule still spans ``cfg.steps``) and records it in the history.
+    """
+    min_length = min_task_length(tokenizer, cfg)
+    if cfg.train_length < min_length:
+        raise ValueError(f"train_length={cfg.train_length} is shorter than the task's minimum {min_length}")
+    torch.manual_seed(cfg.seed)
+    curriculum = LengthCurriculum(
+        min_length,
+        cfg.start_length,
+        cfg.train_length,
+        int(cfg.curriculum * cfg.steps),
+        cfg.length_multiple,
+        random.Random(f"curriculum-{cfg.seed}"),
+        loss_threshold=cfg.curriculum_loss,
+    )
+    opt, sched = make_optimizer(model, cfg)
+    device = next(model.parameters()).device
+    model.train()
+    history: list[dict] = []
+    t0 = time.perf_counter()
+    running = None
+    for step in range(cfg.steps):
+        length = curriculum.length(step)
+        seeds = range(step * cfg.batch_size, (step + 1) * cfg.batch_size)
+        seeds = [cfg.seed * 10_000_019 + s for s in seeds]  # distinct training streams per seed
+        batch = collate([task_example(tokenizer, cfg, length=length, seed=s) for s in seeds])
+        inputs, targets, mask = (t.to(device) for t in batch)
+        loss, answer_loss = masked_loss(model, inputs, targets, mask, cfg.lm_loss_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+        opt.step()
+        sched.step()
+        value = float(answer_loss.detach())
+        running = value if running is None else 0.9 * running + 0.1 * value
+        curriculum.update(step, running)
+        elapsed = time.perf_counter() - t0
+        last = step == cfg.steps - 1
+        out_of_time = max_seconds is not None and elapsed > max_seconds
+        if step % cfg.log_every == 0 or last or out_of_time:
+            record = {
+                "step": step,
+                "length": length,
+                "max_length": curriculum.cap(step),
+                "loss": value,
+                "loss_avg": running,
+                "grad_norm": grad_norm,
+                "lr": sched.get_last_lr()[0],
+                "seconds": elapsed,
+            }
+            history.append(record)
+            if log is not None:
+                log(
+                    f"step {step:5d}  len {length:5d}/{record['max_length']:5d}  "
+                    f"loss {value:.3f} (avg {running:.3f})  "
+                    f"gnorm {grad_norm:.2f}  lr {record['lr']:.2e}  {elapsed:.0f}s"
+                )
+        if out_of_time:
+            history[-1]["stopped_early"] = True
+            if log is not None:
+                log(f"stopped after {step + 1} of {cfg.steps} steps: time budget {max_seconds:.0f}s spent")
+            break
+    model.eval()
+    return history
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Memory gate initialisation (a recipe knob: how fast a fresh memory forgets and how much it writes).
+
+
+def _logit(p: float) -> float:
+    return math.log(p) - math.log1p(-p)
+
+
+def set_memory_gate_init(
+    model: nn.Module, *, theta: float | None = None, eta: float | None = None, alpha: float | None = None
+) -> int:
+    """Set the initial gate values of every ``NeuralMemory`` in ``model`` (through the gate biases).
+
+    theta: inner learning rate (in (0, max_lr)); eta: momentum decay; alpha: forgetting per token. A small
+    alpha (e.g. 1e-4) keeps a write for ~1/alpha tokens at initialisation. Returns how many memories changed.
+    """
+    n = 0
+    for mem in model.modules():
+        if not isinstance(mem, NeuralMemory):
+            continue
+        h = mem.heads
+        with torch.no_grad():
+            bias = mem.to_gates.bias
+            for i, (name, value, scale) in enumerate(
+                (("theta", theta, mem.max_lr), ("eta", eta, 1.0), ("alpha", alpha, 1.0))
+            ):
+                if value is None:
+                    continue
+                if not 0 < value / scale < 1:
+                    raise ValueError(f"set_memory_gate_init: {name}={value} must lie in (0, {scale})")
+                bias[i * h : (i + 1) * h] = _logit(value / scale)
+        n += 1
+    return n

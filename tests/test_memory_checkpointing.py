@@ -1,0 +1,143 @@
+"""The chunked memory's hand-written backward and its opt-in activation checkpointing.
+
+The fast path (`titans.ops.memory._ChunkStep`) computes its gradients by hand, so every output (reads,
+surprise, final weights and momentum) is differentiated against the float64 reference here, under each
+option. `checkpoint_every` must change memory use only: outputs and gradients stay the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_memory import assert_close_rel, random_problem
+from titans import NeuralMemory
+from titans.ops.memory import neural_memory_chunked
+from titans.ops.memory_ref import neural_memory_ref
+
+F64 = torch.float64
+
+
+def outputs_and_grads(fn, args, w, s, **kw):
+    """Run fn on fresh leaves; return its outputs and the gradient of a random weighting of ALL of them
+    with respect to every input (q, k, v, theta, log_eta, log_keep, weights, momentum)."""
+    args = [a.clone().requires_grad_(bool(torch.isfinite(a).all())) for a in args]
+    w = tuple(x.clone().requires_grad_() for x in w)
+    s = tuple(x.clone().requires_grad_() for x in s)
+    y, w_end, s_end, surprise = fn(*args, w, s, **kw)
+    outs = [y, surprise, *w_end, *s_end]
+    g = torch.Generator().manual_seed(123)
+    loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in outs)
+    leaves = [a for a in args if a.requires_grad] + [*w, *s]
+    return outs, torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize(
+    "depth,options",
+    [
+        (1, {}),
+        (2, {"activation": "gelu"}),
+        (2, {"activation": "relu", "surprise_clip": 0.5}),
+        (2, {"residual": True, "surprise_clip": 0.3}),
+        (3, {"activation": "silu", "surprise_clip": 0.3}),
+    ],
+)
+@pytest.mark.parametrize("momentum,forgetting", [(True, True), (False, True), (True, False)])
+def test_backward_matches_reference(depth, options, momentum, forgetting):
+    """Gradients of reads, surprise, final weights and momentum, w.r.t. every input, vs float64 autograd
+    through the literal per-token loop (19 tokens, chunks of 6: a partial chunk at the end)."""
+    # hidden width 16: a relu memory whose hidden units are all off at a key has surprise exactly 0, where
+    # the reference's sqrt has an infinite derivative (ours clamps); wide enough that this never happens
+    args, w, s = random_problem(
+        2, 2, 19, 4, depth, expansion=4, seed=depth, momentum=momentum, forgetting=forgetting
+    )
+    fast_out, fast_grads = outputs_and_grads(neural_memory_chunked, args, w, s, chunk_size=6, **options)
+    ref_out, ref_grads = outputs_and_grads(neural_memory_ref, args, w, s, chunk_size=6, **options)
+    for a, b in zip(fast_out, ref_out):
+        assert_close_rel(a, b, 1e-10)
+    for a, b in zip(fast_grads, ref_grads):
+        assert torch.isfinite(a).all()
+        assert_close_rel(a, b, 1e-9)
+
+
+def test_gate_gradients_finite_without_momentum():
+    """eta = 0 exactly (log_eta = -inf): the chunk coefficients' exps of -inf must backpropagate zeros,
+    not NaN (a logsumexp over all -inf terms would)."""
+    args, w, s = random_problem(1, 2, 16, 4, 2, momentum=False)
+    _, grads = outputs_and_grads(neural_memory_chunked, args, w, s, chunk_size=8)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("every,seq,chunk", [(1, 40, 5), (3, 40, 5), (2, 37, 4), (5, 20, 4), (4, 9, 4)])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_checkpointed_equals_plain(every, seq, chunk, depth):
+    """Groups that do and do not divide the number of chunks, a trailing partial chunk, a single group."""
+    args, w, s = random_problem(2, 2, seq, 4, depth, seed=every + seq)
+    kw = {"chunk_size": chunk, "surprise_clip": 0.5}
+    plain_out, plain_grads = outputs_and_grads(neural_memory_chunked, args, w, s, **kw)
+    ckpt_out, ckpt_grads = outputs_and_grads(neural_memory_chunked, args, w, s, checkpoint_every=every, **kw)
+    for a, b in zip(ckpt_out + list(ckpt_grads), plain_out + list(plain_grads)):
+        assert_close_rel(a, b, 1e-12)
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of the tensors autograd keeps for the backward pass of fn()."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
+def test_checkpointing_keeps_only_group_boundaries():
+    """32 chunks in groups of 8 keep about 4 states instead of 32 (the memory bound, not just equal
+    outputs: a 'checkpoint' that saved everything would pass the equality test)."""
+    args, w, s = random_problem(1, 2, 32 * 4, 16, 2, dtype=torch.float32)
+    w = tuple(x.requires_grad_() for x in w)
+
+    def run(every):
+        return lambda: neural_memory_chunked(*args, w, s, chunk_size=4, checkpoint_every=every)
+
+    plain, ckpt = saved_bytes(run(None)), saved_bytes(run(8))
+    state_bytes = sum(2 * x.numel() * 4 for x in w)  # weights + momentum
+    assert plain > 32 * state_bytes
+    assert ckpt < 8 * state_bytes, (plain, ckpt, state_bytes)
+
+
+def test_module_checkpointing_matches_and_continues_state():
+    torch.manual_seed(0)
+    plain = NeuralMemory(16, heads=2, depth=2, chunk_size=4).double()
+    ckpt = NeuralMemory(16, heads=2, depth=2, chunk_size=4, checkpoint_every=3).double()
+    ckpt.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 30, 16, dtype=F64)
+    results = []
+    for mem in (plain, ckpt):
+        y1, state = mem(x[:, :13])
+        y2, state = mem(x[:, 13:], state)
+        loss = (y1.sin().sum() + y2.cos().sum()) + state.weights[1].sum()
+        grads = torch.autograd.grad(loss, list(mem.parameters()))
+        results.append([y1, y2, *state.weights, *state.momentum, *grads])
+    for a, b in zip(*results):
+        assert_close_rel(a, b, 1e-12)
+
+
+def test_checkpointing_is_a_no_op_without_grad():
+    args, w, s = random_problem(1, 2, 24, 4, 2)
+    with torch.no_grad():
+        a = neural_memory_chunked(*args, w, s, chunk_size=4)
+        b = neural_memory_chunked(*args, w, s, chunk_size=4, checkpoint_every=2)
+    assert torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, "4"])
+def test_bad_checkpoint_every_names_it(bad):
+    args, w, s = random_problem(1, 1, 8, 4, 1)
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        neural_memory_chunked(*args, w, s, chunk_size=4, checkpoint_every=bad)
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        NeuralMemory(16, heads=2, checkpoint_every=bad)
