@@ -133,18 +133,28 @@ def _chunk_forward(q, k, v, gamma, beta, mix, activation, residual, clip, states
     sq = sum(h[:, :n].pow(2).sum(-1) * d.pow(2).sum(-1) for h, d in zip(hs, deltas))
     norm = sq.clamp_min(1e-30).sqrt()  # ||u_t|| = sqrt(sum_l ||a_l||^2 ||delta_l||^2)
     scale = clip_scale(norm, clip) if clip is not None else torch.ones_like(norm)
-    coef = torch.stack([gamma * scale, beta * scale], 1).neg_().unsqueeze(-1)  # (N, 2, n, 1)
+    coef = _write_coefficients(gamma, beta, scale)
     new_states = []
     for i, (h, d, x) in enumerate(zip(hs, deltas, states)):
         new = torch.bmm(mix, x.flatten(2)).view_as(x) if out is None else out[i]
         if out is not None:
             torch.bmm(mix, x.flatten(2), out=new.flatten(2))
-        # both weighted sums of per-token outer products, accumulated in place: (2N, d_in, d_out)
-        a_t = h[:, :n].transpose(1, 2).unsqueeze(1).expand(-1, 2, -1, -1).flatten(0, 1)
-        new.flatten(0, 1).baddbmm_(a_t, (coef * d.unsqueeze(1)).flatten(0, 1))
+        # both weighted sums of per-token outer products, [U_W; U_S] = [c_W a | c_S a]^T delta, in ONE
+        # matmul accumulated in place: [U_W; U_S] is exactly the (2 d_in, d_out) layout of the state
+        new.view(x.shape[0], -1, x.shape[-1]).baddbmm_(_scaled_inputs(h[:, :n], coef).transpose(1, 2), d)
         new_states.append(new)
     # the hidden activations and errors are cheap to recompute from zs and es: not kept
     return out_all[:, n:], norm, new_states, (sq, norm, scale, hs[0], deltas[-1], *zs, *es)
+
+
+def _write_coefficients(gamma: Tensor, beta: Tensor, scale: Tensor) -> Tensor:
+    """(N, n) gates and clip scale -> (N, n, 2, 1): the signed weights of each token's gradient in W, S."""
+    return torch.stack([gamma * scale, beta * scale], -1).neg_().unsqueeze(-1)
+
+
+def _scaled_inputs(a: Tensor, coef: Tensor) -> Tensor:
+    """a (N, n, d_in), coef (N, n, 2, 1) -> [c_W a | c_S a] (N, n, 2 d_in)."""
+    return (a.unsqueeze(-2) * coef).flatten(-2)
 
 
 class _ChunkStep(torch.autograd.Function):
@@ -185,12 +195,12 @@ class _ChunkStep(torch.autograd.Function):
         ws = [x[:, 0] for x in states]
         n_seq, n = gamma.shape
         needs = ctx.needs_input_grad
-        coef = torch.stack([gamma * scale, beta * scale], 1).neg_().unsqueeze(-1)  # (N, 2, n, 1)
+        coef = _write_coefficients(gamma, beta, scale)
 
         # 1. X' = mix @ X + U: grads of mix (all four inner products in one pass), of X and of U (= g_new)
         g_mix = torch.zeros_like(mix) if needs[5] else None
         g_states, g_a, g_delta = [], [], []
-        g_coef = torch.zeros(n_seq, 2, n, dtype=gamma.dtype, device=gamma.device)
+        g_coef = torch.zeros(n_seq, n, 2, dtype=gamma.dtype, device=gamma.device)
         for i, (x, gx) in enumerate(zip(states, g_new)):
             h, d = hs[i][:, :n], deltas[i]
             if gx is None:
@@ -202,19 +212,19 @@ class _ChunkStep(torch.autograd.Function):
             if g_mix is not None:
                 g_mix.baddbmm_(g_flat, x.flatten(2).transpose(1, 2))
             g_states.append(torch.bmm(mix.transpose(1, 2), g_flat).view_as(x) if needs[9 + i] else None)
-            gx = g_flat.view_as(x)
-            # 2. U = a^T G with G = coef * delta (both halves at once)
-            g_big = torch.matmul(h.unsqueeze(1), gx)  # dL/dG: (N, 2, n, d_out)
-            g_a.append(torch.matmul(coef * d.unsqueeze(1), gx.transpose(-1, -2)).sum(1))
-            g_coef += (g_big * d.unsqueeze(1)).sum(-1)
-            g_delta.append((g_big * coef).sum(1))
+            # 2. [U_W; U_S] = A^T delta with A = [c_W a | c_S a]: two matmuls, both halves at once
+            g_u = g_flat.view(n_seq, -1, x.shape[-1])  # (N, 2 d_in, d_out)
+            g_delta.append(torch.bmm(_scaled_inputs(h, coef), g_u))
+            g_scaled = torch.bmm(d, g_u.transpose(1, 2)).view(n_seq, n, 2, -1)  # dL/dA: (N, n, 2, d_in)
+            g_a.append((g_scaled * coef).sum(-2))
+            g_coef += (g_scaled * h.unsqueeze(-2)).sum(-1)
 
         # 3. coef = -(gamma, beta) * scale
-        g_gamma = -g_coef[:, 0] * scale if needs[3] else None
-        g_beta = -g_coef[:, 1] * scale if needs[4] else None
+        g_gamma = -g_coef[..., 0] * scale if needs[3] else None
+        g_beta = -g_coef[..., 1] * scale if needs[4] else None
         g_norm = torch.zeros_like(norm) if g_norm is None else g_norm
         if ctx.clip is not None:
-            g_scale = -(g_coef[:, 0] * gamma + g_coef[:, 1] * beta)
+            g_scale = -(g_coef[..., 0] * gamma + g_coef[..., 1] * beta)
             # scale = min(1, clip / max(norm, 1e-12)), with the gradient masks autograd would apply
             nc = norm.clamp_min(1e-12)
             ratio = ctx.clip / nc
