@@ -95,17 +95,19 @@ def chunk_coefficients(theta: Tensor, log_eta: Tensor, log_keep: Tensor) -> tupl
     return gamma, beta, seg_a_end[..., 0].exp(), c, seg_e[..., -1, 0].exp()
 
 
-def _act_and_derivs(x: Tensor, name: str) -> tuple[Tensor, Tensor, Tensor]:
-    """act, act' and act'' (the last carries the outer gradient through the inner gradient)."""
+def _act_and_derivs(x: Tensor, name: str, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """act(x), act'(x) and act''(x[:, :n]): the last carries the outer gradient through the inner one
+    and is needed at the n key rows only."""
+    xk = x[:, :n]
     if name == "silu":
         s = torch.sigmoid(x)
-        s1 = s * (1 - s)
-        return x * s, s + x * s1, s1 * (2 + x * (1 - 2 * s))
+        sk = s[:, :n]
+        return x * s, s + x * s * (1 - s), sk * (1 - sk) * (2 + xk * (1 - 2 * sk))
     if name == "gelu":
         cdf = 0.5 * (1 + torch.erf(x * 0.7071067811865476))
         pdf = torch.exp(-0.5 * x * x) * 0.3989422804014327
-        return x * cdf, cdf + x * pdf, pdf * (2 - x * x)
-    return F.relu(x), (x > 0).to(x.dtype), torch.zeros_like(x)
+        return x * cdf, cdf + x * pdf, pdf[:, :n] * (2 - xk * xk)
+    return F.relu(x), (x > 0).to(x.dtype), torch.zeros_like(xk)
 
 
 def _chunk_forward(q, k, v, gamma, beta, mix, activation, residual, clip, states, out=None):
@@ -189,7 +191,7 @@ class _ChunkStep(torch.autograd.Function):
         gamma, beta, mix, sq, norm, scale, h0, delta_out = saved[:8]
         zs, es, states = saved[8 : 7 + depth], saved[7 + depth : 6 + 2 * depth], saved[6 + 2 * depth :]
         n = gamma.shape[1]
-        derivs = [_act_and_derivs(z, act) for z in zs]  # per hidden layer: act, act', act''
+        derivs = [_act_and_derivs(z, act, n) for z in zs]  # per hidden layer: act, act', act'' (keys)
         hs = [h0] + [d[0] for d in derivs]
         deltas = [e * d[1][:, :n] for e, d in zip(es, derivs)] + [delta_out]
         ws = [x[:, 0] for x in states]
@@ -222,27 +224,29 @@ class _ChunkStep(torch.autograd.Function):
         # 3. coef = -(gamma, beta) * scale
         g_gamma = -g_coef[..., 0] * scale if needs[3] else None
         g_beta = -g_coef[..., 1] * scale if needs[4] else None
-        g_norm = torch.zeros_like(norm) if g_norm is None else g_norm
         if ctx.clip is not None:
-            g_scale = -(g_coef[..., 0] * gamma + g_coef[..., 1] * beta)
             # scale = min(1, clip / max(norm, 1e-12)), with the gradient masks autograd would apply
             nc = norm.clamp_min(1e-12)
             ratio = ctx.clip / nc
             active = (ratio <= 1) & (norm >= 1e-12)
-            g_norm = g_norm + torch.where(active, -g_scale * ratio / nc, 0.0)
-        # 4. norm = sqrt(max(sq, 1e-30)), sq = sum_l ||a_l||^2 ||delta_l||^2
-        g_sq = torch.where(sq >= 1e-30, g_norm * 0.5 / norm, 0.0).unsqueeze(-1)
-        for i in range(depth):
-            h, d = hs[i][:, :n], deltas[i]
-            g_a[i] = g_a[i] + (2 * g_sq * d.pow(2).sum(-1, keepdim=True)) * h
-            g_delta[i] = g_delta[i] + (2 * g_sq * h.pow(2).sum(-1, keepdim=True)) * d
+            if active.any():  # else no token is clipped: the scale is the constant 1
+                g_scale = -(g_coef[..., 0] * gamma + g_coef[..., 1] * beta)
+                g_clip = torch.where(active, -g_scale * ratio / nc, 0.0)
+                g_norm = g_clip if g_norm is None else g_norm + g_clip
+        if g_norm is not None:
+            # 4. norm = sqrt(max(sq, 1e-30)), sq = sum_l ||a_l||^2 ||delta_l||^2
+            g_sq = torch.where(sq >= 1e-30, g_norm * 0.5 / norm, 0.0).unsqueeze(-1)
+            for i in range(depth):
+                h, d = hs[i][:, :n], deltas[i]
+                g_a[i] = g_a[i] + (2 * g_sq * d.pow(2).sum(-1, keepdim=True)) * h
+                g_delta[i] = g_delta[i] + (2 * g_sq * h.pow(2).sum(-1, keepdim=True)) * d
 
         # 5. the inner backprop: delta_l = e_l * act'(p_l), e_l = delta_{l+1} W_{l+1}^T
         g_e, g_pre_keys = [], []
         for i in range(depth - 1):
             _, d1, d2 = derivs[i]
             g_e.append(g_delta[i] * d1[:, :n])
-            g_pre_keys.append(g_delta[i] * es[i] * d2[:, :n])
+            g_pre_keys.append(g_delta[i] * es[i] * d2)
             g_delta[i + 1] = g_delta[i + 1].baddbmm(g_e[i], ws[i + 1])
         g_v = -2 * g_delta[-1]
         g_y = torch.zeros_like(g_v) if g_y is None else g_y
