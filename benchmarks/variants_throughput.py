@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -24,24 +25,29 @@ import torch
 def measure(variant: str, seq: int, args: argparse.Namespace) -> dict:
     from titans import TitansConfig, TitansLM
 
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = TitansConfig(variant=variant, vocab_size=256, dim=args.dim, depth=args.depth, heads=args.heads,
                        segment_len=args.window, window=args.window, chunk_size=args.chunk_size,
                        persistent_tokens=4)
     model = TitansLM(cfg)
     tokens = torch.randint(0, 256, (args.batch, seq + 1))
-    times = []
+    times, cpu_times = [], []
     for i in range(args.steps + 1):  # the first step warms up allocators and caches
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         logits, _ = model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         model.zero_grad(set_to_none=True)
         if i:
             times.append(time.perf_counter() - start)
-    med = statistics.median(times)
+            cpu_times.append(time.process_time() - cpu_start)
+    med, cpu_med = statistics.median(times), statistics.median(cpu_times)
+    # tokens per CPU-second: with one thread, the rate the run has on a core of its own (robust on a
+    # shared machine, where wall time also counts the neighbours)
     return {"variant": variant, "seq": seq, "batch": args.batch, "tokens_per_s": args.batch * seq / med,
-            "step_s": med, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "tokens_per_cpu_s": args.batch * seq / cpu_med, "step_s": med,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "params": model.num_parameters()}
 
 
@@ -56,6 +62,7 @@ def main() -> None:
     p.add_argument("--chunk-size", type=int, default=32)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch threads in each worker")
     p.add_argument("--out", default="benchmarks/results/variants_throughput.json")
     p.add_argument("--child", nargs=2, metavar=("VARIANT", "SEQ"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -64,10 +71,12 @@ def main() -> None:
         return
     rows = []
     passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                   if k in ("dim", "depth", "heads", "window", "chunk_size", "batch", "steps")]
+                   if k in ("dim", "depth", "heads", "window", "chunk_size", "batch", "steps", "threads")]
     print(f"fwd+bwd, batch {args.batch}, dim {args.dim}, depth {args.depth}, window/segment {args.window}, "
-          f"chunk {args.chunk_size}, {torch.get_num_threads()} threads; median of {args.steps} steps")
-    print(f"{'variant':12s} {'seq':>7s} {'tokens/s':>10s} {'step s':>8s} {'peak RSS MB':>12s}")
+          f"chunk {args.chunk_size}, {args.threads} threads; median of {args.steps} steps; load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print(f"{'variant':12s} {'seq':>7s} {'tokens/s':>10s} {'tok/CPU-s':>10s} {'step s':>8s} "
+          f"{'peak RSS MB':>12s}")
     for variant in args.variants.split(","):
         for seq in (int(s) for s in args.seqs.split(",")):
             out = subprocess.run([sys.executable, __file__, "--child", variant, str(seq), *passthrough],
@@ -77,12 +86,14 @@ def main() -> None:
                 print(f"{variant:12s} {seq:7d}  failed: {row['error']}")
             else:
                 row = json.loads(out.stdout.strip().splitlines()[-1])
-                print(f"{variant:12s} {seq:7d} {row['tokens_per_s']:10.0f} {row['step_s']:8.2f} "
+                print(f"{variant:12s} {seq:7d} {row['tokens_per_s']:10.0f} {row['tokens_per_cpu_s']:10.0f} "
+                      f"{row['step_s']:8.2f} "
                       f"{row['peak_rss_mb']:12.0f}")
             rows.append(row)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"args": vars(args), "results": rows}, indent=2) + "\n")
+    machine = {"load_average_end": os.getloadavg(), "torch": torch.__version__}
+    path.write_text(json.dumps({"args": vars(args), "machine": machine, "results": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

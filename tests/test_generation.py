@@ -3,34 +3,24 @@ and the `titans read` / `titans generate` commands on a checkpoint."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
-from titans import VARIANTS, TitansConfig, TitansLM
+from tiny_lm import random_tokens
+from tiny_lm import tiny_model as shared_model
+from titans import VARIANTS
 from titans.inference import generate, load_state, prefill, sample_next
 
 F64 = torch.float64
 VOCAB = 47
 
-
-def tiny_model(variant: str = "mac", seed: int = 0, dtype=F64, **overrides) -> TitansLM:
-    torch.manual_seed(seed)
-    cfg = dict(
-        variant=variant,
-        vocab_size=VOCAB,
-        dim=24,
-        depth=2,
-        heads=2,
-        segment_len=8,
-        window=6,
-        chunk_size=4,
-        persistent_tokens=2,
-    )
-    return TitansLM(TitansConfig(**{**cfg, **overrides})).to(dtype).eval()
+tiny_model = partial(shared_model, vocab_size=VOCAB)
+tokens = partial(random_tokens, vocab=VOCAB)
 
 
-def tokens(batch: int, length: int, seed: int = 1, vocab: int = VOCAB) -> torch.Tensor:
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
 
 
 def seeded(seed: int) -> torch.Generator:

@@ -4,37 +4,26 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from titans import VARIANTS, TitansConfig, TitansLM  # noqa: E402
+from tiny_lm import random_tokens  # noqa: E402
+from tiny_lm import tiny_model as shared_model  # noqa: E402
+from titans import VARIANTS  # noqa: E402
 from titans.hf import TitansCache, TitansForCausalLM, TitansHFConfig  # noqa: E402
 from titans.inference import generate, prefill  # noqa: E402
 
 VOCAB = 41
 
-
-def tiny_model(variant: str = "mac", seed: int = 0) -> TitansLM:
-    torch.manual_seed(seed)
-    cfg = TitansConfig(
-        variant=variant,
-        vocab_size=VOCAB,
-        dim=24,
-        depth=2,
-        heads=2,
-        segment_len=8,
-        window=6,
-        chunk_size=4,
-        persistent_tokens=2,
-    )
-    return TitansLM(cfg).eval()
+tiny_model = partial(shared_model, vocab_size=VOCAB, dtype=torch.float32)
+tokens = partial(random_tokens, vocab=VOCAB)
 
 
-def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from titans import MemoryState, NeuralMemory
+from titans.layers.memory import causal_depthwise_conv
 from titans.ops.memory import memory_forward, neural_memory_chunked
 from titans.ops.memory_ref import neural_memory_ref
 
@@ -133,6 +134,19 @@ def test_gradcheck_chunked_op():
         return y, wn[0]
 
     assert torch.autograd.gradcheck(fn, (args[0], args[1], args[2], args[3], args[5], *w))
+
+
+@pytest.mark.parametrize("kernel, seq, bias", [(4, 13, True), (1, 5, True), (3, 1, False)])
+def test_causal_depthwise_conv_matches_conv1d(kernel, seq, bias):
+    torch.manual_seed(0)
+    channels = 7
+    conv = torch.nn.Conv1d(channels, channels, kernel, groups=channels, bias=bias).double()
+    padded = torch.randn(2, seq + kernel - 1, channels, dtype=torch.float64, requires_grad=True)
+    expected = conv(padded.transpose(1, 2)).transpose(1, 2)
+    got = causal_depthwise_conv(padded, conv.weight, conv.bias)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    args = (padded, conv.weight, conv.bias) if bias else (padded, conv.weight)
+    assert torch.autograd.gradcheck(lambda p, w, b=None: causal_depthwise_conv(p, w, b), args)
 
 
 @pytest.mark.parametrize("j", [0, 5, 8, 13, 20, 31])

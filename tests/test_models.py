@@ -2,33 +2,20 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
+from tiny_lm import tiny_config, tiny_model
 from titans import PRESETS, VARIANTS, TitansConfig, TitansLM
 
 F64 = torch.float64
 
-
-def tiny(variant: str, **kw) -> TitansConfig:
-    base = dict(
-        variant=variant,
-        vocab_size=64,
-        dim=32,
-        depth=2,
-        heads=2,
-        segment_len=8,
-        window=6,
-        chunk_size=4,
-        persistent_tokens=2,
-        memory_expansion=2.0,
-    )
-    return TitansConfig(**{**base, **kw})
+tiny = partial(tiny_config, vocab_size=64, dim=32)
+model64 = partial(tiny_model, vocab_size=64, dim=32, train=True)
 
 
-def model64(variant: str, seed: int = 0, **kw) -> TitansLM:
-    torch.manual_seed(seed)
-    return TitansLM(tiny(variant, **kw)).double()
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -6,12 +6,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
+from functools import partial
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from titans import VARIANTS, TitansConfig, TitansLM, TitansState
+from tiny_lm import random_tokens
+from tiny_lm import tiny_config as shared_config
+from tiny_lm import tiny_model as shared_model
+from titans import VARIANTS, TitansState
 from titans.inference import (
     StateFileError,
     expand_state,
@@ -26,30 +30,14 @@ from titans.inference import (
 from titans.inference.state_io import state_tensors
 
 F64 = torch.float64
+VOCAB = 53
+
+tiny_config = partial(shared_config, vocab_size=VOCAB)
+tiny_model = partial(shared_model, vocab_size=VOCAB)
+tokens = partial(random_tokens, vocab=VOCAB)
 
 
-def tiny_config(variant: str, **overrides) -> TitansConfig:
-    cfg = dict(
-        variant=variant,
-        vocab_size=53,
-        dim=24,
-        depth=2,
-        heads=2,
-        segment_len=8,
-        window=6,
-        chunk_size=4,
-        persistent_tokens=2,
-    )
-    return TitansConfig(**{**cfg, **overrides})
 
-
-def tiny_model(variant: str, seed: int = 0, **overrides) -> TitansLM:
-    torch.manual_seed(seed)
-    return TitansLM(tiny_config(variant, **overrides)).to(F64).eval()
-
-
-def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 53, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def assert_same_structure(a, b):

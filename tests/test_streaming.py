@@ -3,36 +3,23 @@ path all give the same logits, for every variant, at lengths that are not multip
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
 
+from tiny_lm import random_tokens, tiny_model
 from titans import VARIANTS, TitansConfig, TitansLM
 from titans.inference import decode_step, default_piece_len, iter_pieces, prefill, state_nbytes
 
 F64 = torch.float64
 ATOL = 1e-10
 
-
-def tiny_model(variant: str, seed: int = 0, **overrides) -> TitansLM:
-    torch.manual_seed(seed)
-    cfg = dict(
-        variant=variant,
-        vocab_size=61,
-        dim=24,
-        depth=2,
-        heads=2,
-        segment_len=8,
-        window=6,
-        chunk_size=4,
-        persistent_tokens=2,
-        memory_expansion=2.0,
-    )
-    return TitansLM(TitansConfig(**{**cfg, **overrides})).to(F64).eval()
+tokens = partial(random_tokens, vocab=61)
 
 
-def tokens(batch: int, length: int, vocab: int = 61, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
 
 
 def random_cuts(length: int, seed: int) -> list[int]:
@@ -59,6 +46,10 @@ def test_pieces_and_decode_equal_one_pass(variant):
             start += size
         torch.testing.assert_close(torch.cat(outs, dim=1), full, atol=ATOL, rtol=0)
         assert state.position == full_state.position == 37
+        # last_only: the head on the last position alone, same state
+        last_only, last_state = model(x, last_only=True)
+        assert last_only.shape == (2, 1, full.shape[-1]) and last_state.position == 37
+        torch.testing.assert_close(last_only, full[:, -1:], atol=ATOL, rtol=0)
         # generate's incremental path, teacher-forced: prefill 11 tokens, then one token at a time
         last, state = prefill(model, x[:, :11], piece_len=5)
         torch.testing.assert_close(last, full[:, 10], atol=ATOL, rtol=0)

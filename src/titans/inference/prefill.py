@@ -123,9 +123,8 @@ def prefill(
         bar = tqdm(total=total, unit="tok", unit_scale=True, desc="prefill", dynamic_ncols=True)
     try:
         for piece in iter_pieces(tokens, piece_len):
-            logits, state = model(piece.to(device), state)
-            last = logits[:, -1].clone()  # drop the piece's (B, t, vocab) logits, keep the last row
-            del logits
+            logits, state = model(piece.to(device), state, last_only=True)
+            last = logits[:, -1]
             if bar is not None:
                 bar.update(piece.shape[1])
     finally:

@@ -45,8 +45,10 @@ class TitansConfig:
     memory_conv_kernel: int = 4
     memory_momentum: bool = True
     memory_forgetting: bool = True
-    memory_max_lr: float = 1.0
-    memory_theta_init: float = 0.1
+    # inner learning rate: bound and initial value. Larger values (the old 1.0 / 0.1) make the outer
+    # gradient through the memory grow exponentially with the number of chunks (docs/evaluations.md)
+    memory_max_lr: float = 0.03
+    memory_theta_init: float = 0.01
     memory_surprise_clip: float | None = 1.0
     memory_residual: bool = False
     memory_write: bool = True  # False: read-only memory (no test-time learning), an ablation twin

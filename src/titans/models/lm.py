@@ -109,9 +109,16 @@ class TitansLM(nn.Module):
 
         return generate(self, prompt, max_new_tokens, **kwargs)
 
-    def forward(self, tokens: Tensor, state: TitansState | None = None, return_stats: bool = False):
+    def forward(
+        self,
+        tokens: Tensor,
+        state: TitansState | None = None,
+        return_stats: bool = False,
+        last_only: bool = False,
+    ):
         """tokens (B, T) -> (logits (B, T, vocab), state); with return_stats also a list of MemoryStats,
-        one per memory call (per memory layer, per MAC segment piece)."""
+        one per memory call (per memory layer, per MAC segment piece). ``last_only``: logits of the last
+        position only, (B, 1, vocab), which spares the output head on the rest (prefill)."""
         if not isinstance(tokens, Tensor) or tokens.dim() != 2:
             shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
             raise ValueError(f"TitansLM: tokens must be a (batch, seq) tensor, got {shape}")
@@ -131,6 +138,8 @@ class TitansLM(nn.Module):
         for block, s in zip(self.blocks, layer_states):
             x, s = block(x, s, stats)
             new_states.append(s)
+        if last_only:
+            x = x[:, -1:]
         logits = self.head(self.norm(x))
         position = (state.position if state is not None else 0) + tokens.shape[1]
         new_state = TitansState(new_states, position, self.config.to_dict())
