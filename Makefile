@@ -20,7 +20,7 @@ setup: $(VENV)/.installed
 main: setup
 	$(VENV)/bin/titans train --config configs/main.json --resume
 
-# MAC vs transformer vs swa: same budget, data, size and tokenizer; prints the held-out bpb table
+# MAC vs transformer vs swa (and MAG): same budget, data, size and tokenizer; prints the held-out bpb table
 compare: setup
 	PYTHON=$(PY) scripts/compare.sh
 

@@ -45,7 +45,8 @@ def train_and_eval(write: bool, args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     cfg = TitansConfig(variant="mac", vocab_size=args.vocab, dim=args.dim, depth=2, heads=4,
                        segment_len=args.segment_len, window=args.segment_len, chunk_size=args.chunk_size,
-                       persistent_tokens=4, memory_depth=args.memory_depth, memory_write=write)
+                       persistent_tokens=4, memory_depth=args.memory_depth, memory_write=write,
+                       memory_max_lr=args.memory_max_lr, memory_theta_init=args.memory_theta_init)
     model = TitansLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
@@ -77,6 +78,8 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--memory-depth", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--memory-max-lr", type=float, default=TitansConfig.memory_max_lr)
+    p.add_argument("--memory-theta-init", type=float, default=TitansConfig.memory_theta_init)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/mac_memory_twin.json")
     args = p.parse_args()

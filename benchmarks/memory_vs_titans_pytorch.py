@@ -143,6 +143,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--skip-theirs", action="store_true", help="measure our rows only")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--name", default="memory_vs_titans_pytorch", help="results file stem")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -244,7 +245,7 @@ def main() -> None:
         f"{peak_cpu:.0f} per CPU-second."
     )
     path = save_json(
-        "memory_vs_titans_pytorch",
+        args.name,
         {
             "machine": info,
             "config": {

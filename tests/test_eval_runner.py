@@ -367,3 +367,8 @@ def test_cli_reports_bad_arguments(tmp_path, capsys):
     argv = ["eval", "ablate", "--rows", "full,no_brain", "--out", str(tmp_path)]
     assert run_cli(argv) == 2
     assert "no_brain" in capsys.readouterr().err
+    # options that configure a fresh model are refused next to a checkpoint, which has its own config
+    argv = ["eval", "niah", "--checkpoint", str(tmp_path), "--set", "memory_depth=3", "--out", str(tmp_path)]
+    assert run_cli(argv) == 2
+    err = capsys.readouterr().err
+    assert "--set" in err and "--checkpoint" in err

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from titans import MemoryState, NeuralMemory
-from titans.layers.memory import causal_depthwise_conv
+from titans.ops.conv import causal_conv_silu, causal_conv_silu_ref
 from titans.ops.memory import memory_forward, neural_memory_chunked
 from titans.ops.memory_ref import neural_memory_ref
 
@@ -137,16 +137,16 @@ def test_gradcheck_chunked_op():
 
 
 @pytest.mark.parametrize("kernel, seq, bias", [(4, 13, True), (1, 5, True), (3, 1, False)])
-def test_causal_depthwise_conv_matches_conv1d(kernel, seq, bias):
+def test_causal_conv_silu_matches_conv1d(kernel, seq, bias):
+    """The (B, T, C) conv + SiLU with its recomputing backward == F.conv1d on (B, C, T), values and grads."""
     torch.manual_seed(0)
     channels = 7
     conv = torch.nn.Conv1d(channels, channels, kernel, groups=channels, bias=bias).double()
     padded = torch.randn(2, seq + kernel - 1, channels, dtype=torch.float64, requires_grad=True)
-    expected = conv(padded.transpose(1, 2)).transpose(1, 2)
-    got = causal_depthwise_conv(padded, conv.weight, conv.bias)
-    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
-    args = (padded, conv.weight, conv.bias) if bias else (padded, conv.weight)
-    assert torch.autograd.gradcheck(lambda p, w, b=None: causal_depthwise_conv(p, w, b), args)
+    args = (padded, conv.weight, conv.bias)
+    torch.testing.assert_close(causal_conv_silu(*args), causal_conv_silu_ref(*args), rtol=1e-12, atol=1e-12)
+    inputs = args if bias else args[:2]
+    assert torch.autograd.gradcheck(lambda p, w, b=None: causal_conv_silu(p, w, b), inputs)
 
 
 @pytest.mark.parametrize("j", [0, 5, 8, 13, 20, 31])

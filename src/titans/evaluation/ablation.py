@@ -173,6 +173,10 @@ def run_ablate(args: argparse.Namespace) -> int:
     unknown = [r for r in args.rows if r not in ABLATIONS]
     if unknown:
         raise ValueError(f"unknown ablation row(s) {unknown}: choose from {list(ABLATIONS)}")
+    if args.variant == "lmm" and "no_persistent" in args.rows:
+        # persistent tokens are attention keys: the memory-only variant has none, the row would equal `full`
+        args.rows = [r for r in args.rows if r != "no_persistent"]
+        print("skipping no_persistent: the lmm variant has no attention, hence no persistent tokens")
     if args.lm_steps <= 0 and args.steps <= 0:
         raise ValueError("nothing to train: set --lm-steps and/or --task-steps above 0")
     args.base_overrides = parse_overrides(args.set)

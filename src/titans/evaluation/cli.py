@@ -179,6 +179,8 @@ def train_with_recipe(args: argparse.Namespace, model, tokenizer, task_cfg) -> d
     history = train_on_task(model, tokenizer, task_cfg, max_seconds=budget)
     return {
         "recipe": task_cfg.to_dict(),
+        # the gate biases a fresh model started from (None: the config's defaults), kept for reproduction
+        "memory_gate_init": {"alpha": args.memory_alpha_init, "eta": args.memory_eta_init},
         "seconds": time.perf_counter() - t0,
         "steps_done": history[-1]["step"] + 1 if history else 0,
         "final": history[-1] if history else None,
@@ -248,6 +250,20 @@ def obtain_model(args: argparse.Namespace, task_cfg_factory) -> tuple[Any, Any, 
     if not args.checkpoint and not args.train_recipe:
         raise ValueError("give --checkpoint (a model to evaluate or fine-tune) and/or --train-recipe")
     if args.checkpoint:
+        fresh_only = [
+            flag
+            for flag, value in (
+                ("--set", args.set),
+                ("--memory-alpha-init", args.memory_alpha_init),
+                ("--memory-eta-init", args.memory_eta_init),
+            )
+            if value is not None
+        ]
+        if fresh_only:
+            raise ValueError(
+                f"{', '.join(fresh_only)} configure a fresh model, but --checkpoint {args.checkpoint} brings "
+                "its own config: drop them, or train a fresh model (--train-recipe without --checkpoint)"
+            )
         model, tokenizer, info = load_task_model(args.checkpoint, args.device)
         if not args.train_recipe:
             return model, tokenizer, info

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from titans.ops.conv import causal_conv_silu
 from titans.ops.memory import ACTIVATIONS, memory_forward, neural_memory_chunked
 from titans.ops.memory_ref import neural_memory_ref
 
@@ -76,22 +77,6 @@ class MemoryStats:
 
 def _logit(p: float) -> float:
     return math.log(p) - math.log1p(-p)
-
-
-def causal_depthwise_conv(padded: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """Depthwise conv along time in (B, T, C) layout: padded (B, T + K - 1, C), weight (C, 1, K) -> (B, T, C).
-
-    Same result as ``nn.Conv1d(C, C, K, groups=C)`` on the transposed input, but as K shifted
-    multiply-adds on contiguous rows: the transposed (B, C, T) copies and the strided elementwise
-    passes after them cost more than the convolution itself on CPU.
-    """
-    k = weight.shape[-1]
-    t = padded.shape[1] - k + 1
-    w = weight.view(-1, k).t().to(padded.dtype)  # (K, C)
-    out = padded[:, :t] * w[0] if bias is None else torch.addcmul(bias.to(padded.dtype), padded[:, :t], w[0])
-    for j in range(1, k):
-        out = out.addcmul(padded[:, j : j + t], w[j])
-    return out
 
 
 class NeuralMemory(nn.Module):
@@ -277,8 +262,9 @@ class NeuralMemory(nn.Module):
         if self.conv is not None:
             padded = torch.cat([conv_tail.to(qkv.dtype), qkv], dim=1)
             new_tail = padded[:, padded.shape[1] - (self.conv_kernel - 1) :]
-            qkv = causal_depthwise_conv(padded, self.conv.weight, self.conv.bias)
-        qkv = F.silu(qkv)
+            qkv = causal_conv_silu(padded, self.conv.weight, self.conv.bias)
+        else:
+            qkv = F.silu(qkv)
         b, t, _ = x.shape
         q, k, v = qkv.view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         if self.qk_norm:
@@ -346,10 +332,13 @@ class NeuralMemory(nn.Module):
         """
         r = state.pending_k.shape[2]
         t = q.shape[2]
-        k_all = torch.cat([state.pending_k.to(k.dtype), k], dim=2)
-        v_all = torch.cat([state.pending_v.to(v.dtype), v], dim=2)
-        g_all = torch.cat([state.pending_gates.to(gates.dtype), gates], dim=2)
-        q_all = F.pad(q, (0, 0, r, 0))
+        if r:
+            k_all = torch.cat([state.pending_k.to(k.dtype), k], dim=2)
+            v_all = torch.cat([state.pending_v.to(v.dtype), v], dim=2)
+            g_all = torch.cat([state.pending_gates.to(gates.dtype), gates], dim=2)
+            q_all = F.pad(q, (0, 0, r, 0))
+        else:  # nothing pending (a fresh sequence, or a call that starts on a chunk boundary)
+            k_all, v_all, g_all, q_all = k, v, gates, q
         if self.impl == "chunked":
             fn = partial(neural_memory_chunked, checkpoint_every=self.checkpoint_every)
         else:
