@@ -231,8 +231,11 @@ def test_cli_niah_trains_saves_and_reloads(tmp_path, capsys):
     ]
     argv += ["--samples", "1", "--out", str(out), "--name", "b", "--threads", "1"]
     assert run_cli(argv) == 0
-    reloaded = read_json(out / "b.json")["metadata"]["samples"]
-    assert [s["prediction"] for s in reloaded] == [s["prediction"] for s in data["metadata"]["samples"]]
+    reloaded = read_json(out / "b.json")["metadata"]
+    predictions = [s["prediction"] for s in data["metadata"]["samples"]]
+    assert [s["prediction"] for s in reloaded["samples"]] == predictions
+    # the record names the checkpoint's variant, not the unused fresh-model default (mac)
+    assert reloaded["variant"] == "lmm" and "variant" not in reloaded["command"]
     # --checkpoint with --train-recipe fine-tunes the saved model (a second stage) and saves it again
     argv = [
         "eval",

@@ -304,8 +304,16 @@ def output_paths(args: argparse.Namespace, task: str, default_name: str) -> tupl
     return out / f"{name}.json", out / f"{name}.png"
 
 
+# options that only shape a fresh model: a checkpoint brings its own, so they are left out of its record
+_FRESH_MODEL_OPTIONS = ("variant", "preset", "set", "tokenizer", "memory_alpha_init", "memory_eta_init")
+
+
 def command_line(args: argparse.Namespace) -> dict:
-    return {k: v for k, v in vars(args).items() if k != "func"}
+    """The options of this run, for its result file (without defaults that did not apply)."""
+    skip = {"func"}
+    if getattr(args, "checkpoint", None):
+        skip.update(_FRESH_MODEL_OPTIONS)
+    return {k: v for k, v in vars(args).items() if k not in skip}
 
 
 def fits_attention(model_config, length: int, max_attention_length: int) -> bool:
