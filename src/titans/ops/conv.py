@@ -34,16 +34,19 @@ class _CausalConvSiLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, padded: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(padded, weight, bias)
-        return F.silu(causal_depthwise_conv(padded, weight, bias))
+        return F.silu(causal_depthwise_conv(padded, weight, bias), inplace=True)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor):
         padded, weight, bias = ctx.saved_tensors
-        pre = causal_depthwise_conv(padded, weight, bias)  # recomputed: cheaper than keeping it
-        s = torch.sigmoid(pre)
-        g_pre = g * s * (1 + pre * (1 - s))  # silu'(x) = s (1 + x (1 - s))
-        del pre, s
+        # recompute the pre-activation x (cheaper than keeping it), then, in place to hold at most two
+        # (B, T, C) temporaries: silu'(x) = s + silu(x) (1 - s), s = sigmoid(x)
+        g_pre = causal_depthwise_conv(padded, weight, bias)
+        s = torch.sigmoid(g_pre)
+        g_pre.mul_(s)  # silu(x)
+        g_pre.addcmul_(g_pre, s, value=-1).add_(s).mul_(g)
+        del s
         k, t = weight.shape[-1], g_pre.shape[1]
         w = weight.view(-1, k).t().to(g_pre.dtype)
         g_padded = g_weight = g_bias = None
