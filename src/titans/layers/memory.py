@@ -261,12 +261,15 @@ class NeuralMemory(nn.Module):
         new_tail = None
         if self.conv is not None:
             padded = torch.cat([conv_tail.to(qkv.dtype), qkv], dim=1)
-            new_tail = padded[:, padded.shape[1] - (self.conv_kernel - 1) :]
+            # a copy: a view would keep the whole padded input alive inside the returned state
+            new_tail = padded[:, padded.shape[1] - (self.conv_kernel - 1) :].clone()
             qkv = causal_conv_silu(padded, self.conv.weight, self.conv.bias)
         else:
             qkv = F.silu(qkv)
         b, t, _ = x.shape
-        q, k, v = qkv.view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        # one copy into (3, B, H, T, d): q, k, v come out contiguous, so the memory op needs no copies of
+        # its own and nothing pins the (B, T, 3 H d) activation
+        q, k, v = qkv.view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).contiguous()
         if self.qk_norm:
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         return q, k, v, new_tail
