@@ -28,11 +28,7 @@ from pathlib import Path
 
 import torch
 
-
-def random_pieces(n: int, vocab: int, piece: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    for start in range(0, n, piece):
-        yield torch.randint(0, vocab, (1, min(piece, n - start)), generator=gen)
+from bench_utils import random_pieces
 
 
 def measure(variant: str, context: int, args: argparse.Namespace) -> dict:

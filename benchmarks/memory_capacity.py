@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from memory_bench_utils import machine_info, print_table, save_json
+from bench_utils import machine_info, print_table, save_json
 from titans.ops.memory import memory_forward, neural_memory_chunked
 
 THETAS = (0.003, 0.01, 0.03, 0.1, 0.3, 0.5, 1.0, 2.0)

@@ -24,7 +24,7 @@ import argparse
 import json
 import sys
 
-from memory_bench_utils import (
+from bench_utils import (
     current_rss_gib,
     machine_info,
     median,

@@ -28,7 +28,7 @@ import argparse
 import json
 import sys
 
-from memory_bench_utils import (
+from bench_utils import (
     current_rss_gib,
     fast_path_flops_per_token,
     machine_info,

@@ -24,19 +24,7 @@ from pathlib import Path
 
 import torch
 
-
-def current_rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def random_pieces(n: int, vocab: int, piece: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    for start in range(0, n, piece):
-        yield torch.randint(0, vocab, (1, min(piece, n - start)), generator=gen)
+from bench_utils import current_rss_gib, random_pieces
 
 
 def measure(variant: str, length: int, args: argparse.Namespace) -> dict:
@@ -47,7 +35,7 @@ def measure(variant: str, length: int, args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     model = TitansLM(TitansConfig.preset(args.preset, variant=variant)).eval()
     piece = args.piece_len or default_piece_len(model)
-    rss_model = current_rss_mib()
+    rss_model = current_rss_gib() * 1024
     t0 = time.perf_counter()
     logits, state = prefill(model, random_pieces(length, model.config.vocab_size, piece, 1), piece_len=piece)
     seconds = time.perf_counter() - t0

@@ -9,50 +9,21 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
+from micro_train import micro_config
 from titans.training.config import TrainConfig
 from titans.training.model_io import load_model
 from titans.training.trainer import Trainer
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-MICRO_MODEL = dict(dim=64, depth=1, heads=2, segment_len=32, window=32, chunk_size=8, mlp_mult=2.0)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: with the suite's parallel workers on a busy CPU, OpenMP threads spin-waiting for
-    each other make these small ops 10-50x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def config(run_dir: Path, cache_dir: Path, **overrides) -> TrainConfig:
-    base = dict(
-        preset="tiny",
-        model=dict(MICRO_MODEL),
-        data="builtin:prose",
-        cache_dir=str(cache_dir),
-        seq_len=32,
-        batch_size=8,
-        steps=3,
-        warmup_steps=1,
-        lr=3e-3,
-        log_every=1,
-        eval_windows=4,
-        eval_batch_size=2,
-        progress=False,
-        tensorboard=False,
-        plot=False,
-        sample_tokens=0,
-        run_dir=str(run_dir),
-    )
-    return TrainConfig(**{**base, **overrides})
+    base = dict(batch_size=8, steps=3, warmup_steps=1, eval_windows=4)
+    return micro_config(run_dir, cache_dir, **{**base, **overrides})
 
 
 def train_losses(run_dir: Path) -> tuple[list[float], float]:

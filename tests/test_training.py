@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from micro_train import MICRO_MODEL
+from micro_train import micro_config as shared_micro_config
 from titans.cli import main as titans_main
 from titans.training.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 from titans.training.config import TrainConfig, parse_set
@@ -20,18 +22,6 @@ from titans.training.optim import lr_factor, parameter_groups
 from titans.training.trainer import Trainer
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-# A MAC small enough to take a step in well under a second on a busy CPU.
-MICRO_MODEL = dict(dim=64, depth=1, heads=2, segment_len=32, window=32, chunk_size=8, mlp_mult=2.0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: with the suite's parallel workers on a busy CPU, OpenMP threads spin-waiting for
-    each other make these small ops 10-50x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -40,30 +30,8 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 def micro_config(run_dir: Path, cache_dir: Path, **overrides) -> TrainConfig:
-    base = dict(
-        preset="tiny",
-        variant="mac",
-        model=dict(MICRO_MODEL),
-        data="builtin:prose",
-        cache_dir=str(cache_dir),
-        seq_len=32,
-        batch_size=4,
-        steps=6,
-        warmup_steps=2,
-        lr=3e-3,
-        log_every=1,
-        eval_every=1000,
-        eval_windows=2,
-        eval_batch_size=2,
-        ckpt_every=1000,
-        progress=False,
-        tensorboard=False,
-        plot=False,
-        sample_tokens=0,
-        run_dir=str(run_dir),
-    )
-    base.update(overrides)
-    return TrainConfig(**base)
+    base = dict(batch_size=4, steps=6, warmup_steps=2, eval_every=1000, eval_windows=2, ckpt_every=1000)
+    return shared_micro_config(run_dir, cache_dir, **{**base, **overrides})
 
 
 def max_weight_diff(a: nn.Module, b: nn.Module) -> float:

@@ -38,9 +38,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Errors in what the user asked for (a bad option or config value, a missing or damaged file, a missing
+# optional package): one line on stderr and exit status 2, not a traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, ImportError, KeyError)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from titans.training.checkpoint import CheckpointError  # imported only once something went wrong
+
+    return (*USER_ERRORS, CheckpointError)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except _user_errors() as e:
+        name = f"eval {args.task}" if args.command == "eval" else args.command
+        print(f"titans {name}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -136,12 +136,10 @@ def format_rows(rows: list[dict], eval_lengths: list[int]) -> str:
 
 def plot_rows(rows: list[dict], png_path: Path, title: str) -> Path:
     """Two bar charts side by side: held-out loss (lower is better) and NIAH accuracy per row."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from titans.evaluation.scoring import new_figure, save_figure
 
     names = [r["name"] for r in rows]
-    fig = Figure(figsize=(10, 3.6))
-    FigureCanvasAgg(fig)
+    fig = new_figure((10, 3.6))
     panels = [("heldout_loss", "held-out loss (nats/token)"), ("niah_accuracy", "NIAH pass-key accuracy")]
     for i, (key, label) in enumerate(panels):
         ax = fig.add_subplot(1, 2, i + 1)
@@ -158,10 +156,7 @@ def plot_rows(rows: list[dict], png_path: Path, title: str) -> Path:
         if key == "niah_accuracy":
             ax.set_ylim(0, 1.05)
     fig.suptitle(title)
-    fig.tight_layout()
-    png_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, dpi=120)
-    return png_path
+    return save_figure(fig, png_path)
 
 
 def run_ablate(args: argparse.Namespace) -> int:
@@ -202,7 +197,6 @@ def run_ablate(args: argparse.Namespace) -> int:
 
 def add_parser(evals) -> None:
     from titans.evaluation.cli import (
-        _guarded,
         add_eval_args,
         add_model_args,
         add_recipe_args,
@@ -231,4 +225,4 @@ def add_parser(evals) -> None:
     add_recipe_args(p, default_length=512, steps_flag="--task-steps", default_steps=0)
     add_eval_args(p)
     add_runtime_args(p)
-    p.set_defaults(func=_guarded(run_ablate, "ablate"), kind="passkey", haystack=None)
+    p.set_defaults(func=run_ablate, kind="passkey", haystack=None)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,6 @@ import torch
 from titans.evaluation.scoring import AccuracyTable, format_table, plot_heatmap, write_results
 
 # The errors a user can cause with a bad argument or file: printed as one line, exit status 2.
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, ImportError, KeyError)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -316,6 +314,15 @@ def command_line(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if k not in skip}
 
 
+def report_table(json_path: Path, png_path: Path, table: AccuracyTable, title: str, **metadata) -> None:
+    """Every evaluation's ending: the JSON (table + metadata), the heat map, and the table on stdout."""
+    write_results(json_path, table, **metadata)
+    plot_heatmap(table, png_path, title=title)
+    print(title)
+    print(format_table(table))
+    print(f"wrote {json_path} and {png_path}")
+
+
 def fits_attention(model_config, length: int, max_attention_length: int) -> bool:
     """False for full attention (the transformer baseline) past ``max_attention_length`` tokens."""
     return not (model_config.variant == "transformer" and length > max_attention_length)
@@ -385,9 +392,11 @@ def run_niah(args: argparse.Namespace) -> int:
     json_path, png_path = output_paths(args, "niah", f"niah_{args.kind}_{variant}")
     haystack = samples[0].haystack
     title = f"{variant}, {args.kind} in {haystack}: {100 * result.table.overall:.1f}%"
-    write_results(
+    report_table(
         json_path,
+        png_path,
         result.table,
+        title,
         task="niah",
         kind=args.kind,
         haystack=haystack,
@@ -398,10 +407,6 @@ def run_niah(args: argparse.Namespace) -> int:
         samples=result.records(kept, "depth"),
         command=command_line(args),
     )
-    plot_heatmap(result.table, png_path, title=title)
-    print(title)
-    print(format_table(result.table))
-    print(f"wrote {json_path} and {png_path}")
     return 0
 
 
@@ -419,7 +424,7 @@ def add_niah_parser(evals) -> None:
     )
     add_eval_args(p)
     add_runtime_args(p)
-    p.set_defaults(func=_guarded(run_niah, "niah"))
+    p.set_defaults(func=run_niah)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -457,9 +462,11 @@ def run_babilong(args: argparse.Namespace) -> int:
     variant = model.config.variant
     json_path, png_path = output_paths(args, "babilong", f"babilong_{'_'.join(args.tasks)}_{variant}")
     title = f"{variant}, BABILong: {100 * result.table.overall:.1f}%"
-    write_results(
+    report_table(
         json_path,
+        png_path,
         result.table,
+        title,
         task="babilong",
         tasks=args.tasks,
         haystack=args.haystack,
@@ -470,10 +477,6 @@ def run_babilong(args: argparse.Namespace) -> int:
         samples=result.records(kept, "task"),
         command=command_line(args),
     )
-    plot_heatmap(result.table, png_path, title=title)
-    print(title)
-    print(format_table(result.table))
-    print(f"wrote {json_path} and {png_path}")
     return 0
 
 
@@ -489,7 +492,7 @@ def add_babilong_parser(evals) -> None:
     p.add_argument("--num-facts", type=int, default=None, help="facts per story (default: per task)")
     add_eval_args(p)
     add_runtime_args(p)
-    p.set_defaults(func=_guarded(run_babilong, "babilong"))
+    p.set_defaults(func=run_babilong)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -549,27 +552,24 @@ def run_tasks(args: argparse.Namespace) -> int:
         raise ValueError("every evaluation was skipped: nothing to report")
     name = f"tasks_{args.eval_task}_{'_'.join(args.variants)}"
     json_path, png_path = output_paths(args, "tasks", name)
-    write_results(
-        json_path,
-        combined,
-        task=args.eval_task,
-        variants=per_variant,
-        recipe=None if args.from_models else task_cfg.to_dict(),
-        command=command_line(args),
-    )
     source = (
         f"models from {args.from_models}"
         if args.from_models
         else f"trained at <= {task_cfg.train_length} tokens"
     )
-    title = f"{args.eval_task}: accuracy by variant ({source})"
-    plot_heatmap(combined, png_path, title=title)
-    print(title)
-    print(format_table(combined))
     for variant, entry in per_variant.items():
         if entry["skipped_lengths"]:
             print(f"  {variant}: not evaluated at {entry['skipped_lengths']} (marked '-')")
-    print(f"wrote {json_path} and {png_path}")
+    report_table(
+        json_path,
+        png_path,
+        combined,
+        f"{args.eval_task}: accuracy by variant ({source})",
+        task=args.eval_task,
+        variants=per_variant,
+        recipe=None if args.from_models else task_cfg.to_dict(),
+        command=command_line(args),
+    )
     return 0
 
 
@@ -600,24 +600,11 @@ def add_tasks_parser(evals) -> None:
     add_recipe_args(p, default_length=1024)
     add_eval_args(p)
     add_runtime_args(p)
-    p.set_defaults(func=_guarded(run_tasks, "tasks"))
+    p.set_defaults(func=run_tasks)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Registration.
-
-
-def _guarded(fn, name: str):
-    """Run ``fn(args)``; a user error prints one line and exits with status 2 (no traceback)."""
-
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return fn(args)
-        except USER_ERRORS as e:
-            print(f"titans eval {name}: error: {e}", file=sys.stderr)
-            return 2
-
-    return run
 
 
 def register(commands, evals) -> None:

@@ -123,11 +123,9 @@ def format_rows(rows: list[dict], eval_lengths: list[int], throughput_lengths: l
 
 def plot_rows(rows: list[dict], png_path: Path, title: str) -> Path:
     """Left: held-out loss vs window length per depth (Figure 7); right: throughput vs length (Figure 8)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from titans.evaluation.scoring import new_figure, save_figure
 
-    fig = Figure(figsize=(10, 3.8))
-    FigureCanvasAgg(fig)
+    fig = new_figure((10, 3.8))
     ax_loss, ax_speed = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     for r in rows:
         label = f"L_M={r['memory_depth']}"
@@ -143,10 +141,7 @@ def plot_rows(rows: list[dict], png_path: Path, title: str) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    png_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, dpi=120)
-    return png_path
+    return save_figure(fig, png_path)
 
 
 def run_depth_study(args: argparse.Namespace) -> int:
@@ -194,7 +189,7 @@ def run_depth_study(args: argparse.Namespace) -> int:
 
 
 def add_parser(evals) -> None:
-    from titans.evaluation.cli import _guarded, add_model_args, add_runtime_args, int_list
+    from titans.evaluation.cli import add_model_args, add_runtime_args, int_list
 
     p = evals.add_parser("depth", help="memory depth 1-4: loss vs length and throughput (Figures 7-8)")
     p.add_argument("--variant", default="lmm")
@@ -215,4 +210,4 @@ def add_parser(evals) -> None:
     p.add_argument("--run-root", default=None, help="keep each depth's run folder here (default: temporary)")
     add_model_args(p)
     add_runtime_args(p)
-    p.set_defaults(func=_guarded(run_depth_study, "depth"))
+    p.set_defaults(func=run_depth_study)

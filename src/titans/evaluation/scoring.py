@@ -234,19 +234,32 @@ def print_table(table: AccuracyTable) -> None:
     print(format_table(table))
 
 
-def plot_heatmap(table: AccuracyTable, png_path: str | Path, *, title: str | None = None) -> Path:
-    """Save a heat map: ``row_name`` (context length) on x, ``col_name`` (depth or task) on y, accuracy as
-    colour (red 0% .. green 100%), each cell annotated; empty cells are left blank. Needs matplotlib."""
+def new_figure(figsize: tuple[float, float]):
+    """A matplotlib Figure without pyplot (no global state, no display backend). Needs matplotlib."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as e:  # matplotlib is in the "train" extra
-        raise ImportError("plot_heatmap needs matplotlib: pip install titans[train]") from e
+        raise ImportError("the evaluation plots need matplotlib: pip install titans[train]") from e
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig
 
+
+def save_figure(fig, png_path: str | Path) -> Path:
+    fig.tight_layout()
+    path = Path(png_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plot_heatmap(table: AccuracyTable, png_path: str | Path, *, title: str | None = None) -> Path:
+    """Save a heat map: ``row_name`` (context length) on x, ``col_name`` (depth or task) on y, accuracy as
+    colour (red 0% .. green 100%), each cell annotated; empty cells are left blank. Needs matplotlib."""
     rows, cols = table.rows, table.cols
     grid = [[table.accuracy(r, c) for r in rows] for c in cols]  # (n_cols, n_rows): y = column label
-    fig = Figure(figsize=(1.0 + 0.9 * len(rows), 1.2 + 0.45 * len(cols)))
-    FigureCanvasAgg(fig)  # Figure alone, no pyplot: no global state, no display backend needed
+    fig = new_figure((1.0 + 0.9 * len(rows), 1.2 + 0.45 * len(cols)))
     ax = fig.add_subplot()
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     for y, line in enumerate(grid):
@@ -260,8 +273,4 @@ def plot_heatmap(table: AccuracyTable, png_path: str | Path, *, title: str | Non
         ax.set_ylabel(table.col_name)
     ax.set_title(title or f"accuracy {100 * table.overall:.1f}%")
     fig.colorbar(image, ax=ax, label="accuracy")
-    fig.tight_layout()
-    path = Path(png_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return path
+    return save_figure(fig, png_path)

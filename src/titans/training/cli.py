@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from typing import Any
 
-from titans.training.checkpoint import CheckpointError
 from titans.training.config import TrainConfig, parse_set
 
 # explicit flag (argparse dest) -> TrainConfig field
@@ -36,7 +34,6 @@ _FLAGS: dict[str, str] = {
     "device": "device",
     "time_budget": "time_budget_min",
 }
-_USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, CheckpointError, ImportError)
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -109,9 +106,6 @@ def run_train(args: argparse.Namespace) -> int:
         else:
             cfg = TrainConfig.from_file(args.config, overrides)
             _train_one(cfg, args.resume, args.overwrite)
-    except _USER_ERRORS as e:
-        print(f"titans train: error: {e}", file=sys.stderr)
-        return 2
     finally:
         D.shutdown()
     return 0
@@ -153,17 +147,7 @@ def register(commands, evals) -> None:
     )
     p.set_defaults(func=run_train)
 
-    from titans.evaluation.perplexity import add_ppl_parser
+    from titans.evaluation.perplexity import add_ppl_parser, run_ppl
 
     add_ppl_parser(evals)
-    evals.choices["ppl"].set_defaults(func=run_eval_ppl)
-
-
-def run_eval_ppl(args: argparse.Namespace) -> int:
-    from titans.evaluation.perplexity import run_ppl
-
-    try:
-        return run_ppl(args)
-    except _USER_ERRORS as e:
-        print(f"titans eval ppl: error: {e}", file=sys.stderr)
-        return 2
+    evals.choices["ppl"].set_defaults(func=run_ppl)

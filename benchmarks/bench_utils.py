@@ -1,4 +1,4 @@
-"""Shared helpers of the neural-memory benchmarks: isolated worker runs, timing, FLOP counts, tables.
+"""Shared helpers of the benchmarks: isolated worker runs, timing, FLOP counts, tables.
 
 Every measured configuration runs in a fresh subprocess (`run_worker`) so its peak RSS is its own and
 one run's allocations, caches and threads cannot pollute the next.
@@ -45,6 +45,15 @@ def peak_rss_gib() -> float:
 def current_rss_gib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def random_pieces(n: int, vocab: int, piece: int, seed: int):
+    """n random token ids as (1, <= piece) tensors, generated piece by piece (a long stream never exists)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    for start in range(0, n, piece):
+        yield torch.randint(0, vocab, (1, min(piece, n - start)), generator=gen)
 
 
 def time_runs(fn, reps: int, warmup: int = 1, cpu_times: list[float] | None = None) -> list[float]:
