@@ -278,18 +278,14 @@ def test_cli_babilong(tmp_path):
     assert (tmp_path / "b.png").exists()
 
 
+# lengths 300 and 400, with full attention allowed only up to 350
+EVAL_300_400 = ["--eval-lengths", "300,400", "--depths", "0.5", "--samples", "1"]
+EVAL_300_400 += ["--max-attention-length", "350"]
+
+
 def test_cli_tasks_marks_skipped_full_attention_and_reloads(tmp_path, capsys):
     argv = ["eval", "tasks", "--task", "niah", "--variants", "lmm,transformer", *TINY_SET, *RECIPE]
-    argv += [
-        "--eval-lengths",
-        "300,400",
-        "--depths",
-        "0.5",
-        "--samples",
-        "1",
-        "--max-attention-length",
-        "350",
-    ]
+    argv += EVAL_300_400
     argv += ["--out", str(tmp_path), "--name", "t", "--save-models", str(tmp_path / "models")]
     assert run_cli(argv) == 0
     data = read_json(tmp_path / "t.json")
@@ -300,16 +296,7 @@ def test_cli_tasks_marks_skipped_full_attention_and_reloads(tmp_path, capsys):
     assert (tmp_path / "t.png").exists()
     # evaluating the saved models again gives the same table, without training
     argv = ["eval", "tasks", "--variants", "lmm,transformer", "--from-models", str(tmp_path / "models")]
-    argv += [
-        "--eval-lengths",
-        "300,400",
-        "--depths",
-        "0.5",
-        "--samples",
-        "1",
-        "--max-attention-length",
-        "350",
-    ]
+    argv += EVAL_300_400
     argv += ["--out", str(tmp_path), "--name", "t2", "--threads", "1"]
     assert run_cli(argv) == 0
     again = read_json(tmp_path / "t2.json")

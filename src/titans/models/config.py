@@ -11,6 +11,20 @@ VARIANTS = ("mac", "mag", "mal", "lmm", "transformer", "swa")
 MEMORY_VARIANTS = ("mac", "mag", "mal", "lmm")
 
 
+def read_json_object(path: str | Path, owner: str) -> dict[str, Any]:
+    """The JSON object in a config file, with errors that name the file and the config class."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{owner}: no config file at {str(path)!r}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{owner}: {str(path)!r} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{owner}: {str(path)!r} must hold a JSON object")
+    return data
+
+
 @dataclass
 class TitansConfig:
     """A Titans causal LM (SPEC §3-4). Core fields keep the issue's names; the rest have defaults.
@@ -127,14 +141,7 @@ class TitansConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> TitansConfig:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"TitansConfig: no config file at {path}")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"TitansConfig: {path} is not valid JSON: {e}") from e
-        return cls.from_dict(data)
+        return cls.from_dict(read_json_object(path, "TitansConfig"))
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> TitansConfig:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from titans.models.config import PRESETS, VARIANTS, TitansConfig
+from titans.models.config import PRESETS, VARIANTS, TitansConfig, read_json_object
 
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -200,15 +200,7 @@ class TrainConfig:
         """Defaults, then the JSON file (if any), then ``overrides`` ({"key": v, "model.field": v})."""
         data: dict[str, Any] = {}
         if path is not None:
-            path = Path(path)
-            if not path.is_file():
-                raise FileNotFoundError(f"TrainConfig: no config file at {str(path)!r}")
-            try:
-                data = json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise ValueError(f"TrainConfig: {str(path)!r} is not valid JSON: {e}") from e
-            if not isinstance(data, dict):
-                raise ValueError(f"TrainConfig: {str(path)!r} must hold a JSON object")
+            data = read_json_object(path, "TrainConfig")
             data.pop("_comment", None)  # configs may carry a human note
             unknown = sorted(set(data) - {f.name for f in fields(cls)})
             if unknown:
