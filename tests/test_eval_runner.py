@@ -39,7 +39,7 @@ class OracleModel:
         self.prompt_lengths = sorted({len(p) for p in self.answers}, reverse=True)
         self.calls = 0
 
-    def __call__(self, tokens, state=None):
+    def __call__(self, tokens, state=None, last_only=False):
         self.calls += 1
         history = [[] for _ in range(tokens.shape[0])] if state is None else state
         history = [h + row for h, row in zip(history, tokens.tolist())]
@@ -50,7 +50,7 @@ class OracleModel:
                 if answer is not None and 0 <= len(h) - n < len(answer):
                     logits[b, -1, answer[len(h) - n]] = 1.0
                     break
-        return logits, history
+        return (logits[:, -1:] if last_only else logits), history
 
 
 class ConstantGuessModel:
@@ -59,7 +59,7 @@ class ConstantGuessModel:
     def __init__(self, guess: str, marker: str = "Answer:"):
         self.guess, self.marker = guess, marker
 
-    def __call__(self, tokens, state=None):
+    def __call__(self, tokens, state=None, last_only=False):
         history = [""] * tokens.shape[0] if state is None else state
         history = [h + TOK.decode(row) for h, row in zip(history, tokens.tolist())]
         logits = torch.zeros(tokens.shape[0], tokens.shape[1], VOCAB)
@@ -67,7 +67,7 @@ class ConstantGuessModel:
             said = h.rsplit(self.marker, 1)[-1] if self.marker in h else ""
             nxt = self.guess[len(said)] if len(said) < len(self.guess) else "."
             logits[b, -1, ord(nxt)] = 1.0
-        return logits, history
+        return (logits[:, -1:] if last_only else logits), history
 
 
 def tiny_config(variant: str, **kw) -> TitansConfig:

@@ -70,10 +70,9 @@ def lm_train_config(args: argparse.Namespace, run_dir: Path, overrides: dict[str
 def run_row(args: argparse.Namespace, name: str, overrides: dict[str, Any], run_root: Path) -> dict:
     """Train and evaluate one ablation row; returns its JSON-able record."""
     from titans.data.tokenizers import load_tokenizer
-    from titans.evaluation.cli import niah_samples, task_config
+    from titans.evaluation.cli import build_model, niah_samples, task_config
     from titans.evaluation.runner import evaluate
     from titans.evaluation.task_training import set_memory_gate_init, train_on_task
-    from titans.models import TitansConfig, TitansLM
     from titans.training.trainer import Trainer
 
     overrides = {**args.base_overrides, **overrides}
@@ -93,11 +92,7 @@ def run_row(args: argparse.Namespace, name: str, overrides: dict[str, Any], run_
         print(f"[{name}] held-out loss {result.eval.loss:.4f} after {result.step} LM steps")
     else:
         tokenizer = load_tokenizer(args.tokenizer)
-        cfg = TitansConfig.preset(
-            args.preset, variant=args.variant, vocab_size=tokenizer.vocab_size, **overrides
-        )
-        model = TitansLM(cfg).to(args.device)
-        set_memory_gate_init(model, eta=args.memory_eta_init, alpha=args.memory_alpha_init)
+        model = build_model(args, args.variant, tokenizer.vocab_size, overrides)  # seeded: rows start alike
     record["parameters"] = model.num_parameters()
     if args.steps > 0:
         task_cfg = task_config(args, "niah", kind="passkey", haystack=None)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -155,12 +154,13 @@ def task_config(args: argparse.Namespace, task: str, **task_fields: Any):
     )
 
 
-def build_model(args: argparse.Namespace, variant: str, vocab_size: int):
-    """A fresh TitansLM: ``--preset``, ``variant``, ``--set`` overrides and the memory gate inits."""
+def build_model(args: argparse.Namespace, variant: str, vocab_size: int, overrides: dict | None = None):
+    """A fresh TitansLM (seeded by ``--seed``): ``--preset``, ``variant``, ``--set`` and then ``overrides``
+    (TitansConfig fields), and the memory gate inits."""
     from titans.evaluation.task_training import set_memory_gate_init
     from titans.models import TitansConfig, TitansLM
 
-    overrides = parse_overrides(args.set)
+    overrides = {**parse_overrides(args.set), **(overrides or {})}
     overrides.setdefault("vocab_size", vocab_size)
     torch.manual_seed(args.seed)
     model = TitansLM(TitansConfig.preset(args.preset, variant=variant, **overrides))
@@ -618,5 +618,3 @@ def register(commands, evals) -> None:
     depth_study.add_parser(evals)
 
 
-def nan_to_none(value: float) -> float | None:
-    return None if value is None or math.isnan(value) else value

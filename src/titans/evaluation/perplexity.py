@@ -135,12 +135,11 @@ def whole_source_stream(spec: str, tokenizer: Tokenizer, text_field: str = "text
 def run_ppl(args) -> int:
     """``titans eval ppl``: load a checkpoint, score held-out text, print and write JSON."""
     from titans.data.stream import load_token_streams
+    from titans.training.distributed import resolve_device
     from titans.training.model_io import load_model, resolve_checkpoint
 
     checkpoint = resolve_checkpoint(args.checkpoint)
-    device = torch.device(
-        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    )
+    device = resolve_device(args.device)
     model, cfg, tokenizer = load_model(checkpoint, map_location=device)
     seq_len = args.seq_len or cfg.seq_len
     if args.data is None:

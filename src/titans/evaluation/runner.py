@@ -62,7 +62,7 @@ def prefill(model: StreamingModel, prompt: Tensor, *, prefill_chunk: int = 2048)
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     state = None
     for start in range(0, prompt.shape[1], prefill_chunk):
-        logits, state = model(prompt[:, start : start + prefill_chunk], state=state)
+        logits, state = model(prompt[:, start : start + prefill_chunk], state=state, last_only=True)
     return logits[:, -1], state
 
 

@@ -230,10 +230,6 @@ def _percent(accuracy: float) -> str:
     return "-" if math.isnan(accuracy) else f"{100 * accuracy:.1f}"
 
 
-def print_table(table: AccuracyTable) -> None:
-    print(format_table(table))
-
-
 def new_figure(figsize: tuple[float, float]):
     """A matplotlib Figure without pyplot (no global state, no display backend). Needs matplotlib."""
     try:

@@ -138,7 +138,7 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
             )
         cache = past_key_values or TitansCache()
         state = cache.state
-        if state is not None and state_batch_size(state) == 1 and input_ids.shape[0] > 1:
+        if state is not None and input_ids.shape[0] > 1 and state_batch_size(state) == 1:
             state = expand_state(state, input_ids.shape[0])  # one read document, many rows
         logits, new_state = self.model(input_ids, state)
         loss = None

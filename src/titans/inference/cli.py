@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from titans.training.distributed import resolve_device
+
 DEFAULT_BLOCK_CHARS = 1 << 20  # characters read and tokenized at a time by `titans read`
 
 
@@ -63,12 +65,6 @@ def read_text_blocks(path: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> Itera
             stream.close()
 
 
-def _device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
-
-
 def run_read(args: argparse.Namespace) -> int:
     from titans.inference.prefill import prefill
     from titans.inference.state_io import load_state, save_state, state_nbytes
@@ -76,7 +72,7 @@ def run_read(args: argparse.Namespace) -> int:
     path = Path(args.input)
     if args.input != "-" and not path.is_file():
         raise SystemExit(f"titans read: no input file at {str(path)!r}")
-    device = _device(args.device)
+    device = resolve_device(args.device)
     model, _, tokenizer = load_model(args.checkpoint, map_location=device)
     state = load_state(args.state, map_location=device, model=model) if args.state else None
     start_position = state.position if state is not None else 0
@@ -104,7 +100,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from titans.inference.generation import generate
     from titans.inference.state_io import load_state, save_state
 
-    device = _device(args.device)
+    device = resolve_device(args.device)
     model, _, tokenizer = load_model(args.checkpoint, map_location=device)
     state = load_state(args.state, map_location=device, model=model) if args.state else None
     ids = tokenizer.encode(args.prompt)

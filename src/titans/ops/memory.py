@@ -116,7 +116,6 @@ def _chunk_forward(q, k, v, gamma, beta, mix, activation, residual, clip, states
     n, depth = k.shape[1], len(states)
     ws = [x[:, 0] for x in states]
     hs, zs = [torch.cat([k, q], 1)], []  # hs[l]: input of layer l for keys then queries (N, 2n, d_in)
-    z = hs[0]
     for i, w in enumerate(ws):
         z = torch.bmm(hs[-1], w)
         if i < depth - 1:
@@ -190,12 +189,11 @@ class _ChunkStep(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         gamma, beta, mix, sq, norm, scale, h0, delta_out = saved[:8]
         zs, es, states = saved[8 : 7 + depth], saved[7 + depth : 6 + 2 * depth], saved[6 + 2 * depth :]
-        n = gamma.shape[1]
+        n_seq, n = gamma.shape
         derivs = [_act_and_derivs(z, act, n) for z in zs]  # per hidden layer: act, act', act'' (keys)
         hs = [h0] + [d[0] for d in derivs]
         deltas = [e * d[1][:, :n] for e, d in zip(es, derivs)] + [delta_out]
         ws = [x[:, 0] for x in states]
-        n_seq, n = gamma.shape
         needs = ctx.needs_input_grad
         coef = _write_coefficients(gamma, beta, scale)
 

@@ -52,7 +52,7 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
     device = torch.device(spec)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("TrainConfig.device: 'cuda' requested but CUDA is not available")
+            raise ValueError(f"device {spec!r}: CUDA is not available on this machine")
         if device.index is None:
             device = torch.device("cuda", local_rank)
     return device
