@@ -43,18 +43,30 @@ def second_segment_metrics(model: TitansLM, tokens: torch.Tensor, seg: int) -> t
 
 def train_and_eval(write: bool, args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
-    cfg = TitansConfig(variant="mac", vocab_size=args.vocab, dim=args.dim, depth=2, heads=4,
-                       segment_len=args.segment_len, window=args.segment_len, chunk_size=args.chunk_size,
-                       persistent_tokens=4, memory_depth=args.memory_depth, memory_write=write,
-                       memory_max_lr=args.memory_max_lr, memory_theta_init=args.memory_theta_init)
+    cfg = TitansConfig(
+        variant="mac",
+        vocab_size=args.vocab,
+        dim=args.dim,
+        depth=2,
+        heads=4,
+        segment_len=args.segment_len,
+        window=args.segment_len,
+        chunk_size=args.chunk_size,
+        persistent_tokens=4,
+        memory_depth=args.memory_depth,
+        memory_write=write,
+        memory_max_lr=args.memory_max_lr,
+        memory_theta_init=args.memory_theta_init,
+    )
     model = TitansLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
     gen = torch.Generator().manual_seed(args.seed)
     start = time.perf_counter()
     for _ in range(args.steps):
-        loss, _ = second_segment_metrics(model, batch(args.batch, args.segment_len, args.vocab, gen),
-                                         args.segment_len)
+        loss, _ = second_segment_metrics(
+            model, batch(args.batch, args.segment_len, args.vocab, gen), args.segment_len
+        )
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -86,8 +98,10 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = [train_and_eval(True, args), train_and_eval(False, args)]
     chance_loss = math.log(args.vocab - 1)
-    print(f"MAC memory-induction task: segment {args.segment_len}, vocab {args.vocab}, {args.steps} steps, "
-          f"batch {args.batch}; chance accuracy {1 / args.vocab:.3f}, uniform loss {chance_loss:.2f}")
+    print(
+        f"MAC memory-induction task: segment {args.segment_len}, vocab {args.vocab}, {args.steps} steps, "
+        f"batch {args.batch}; chance accuracy {1 / args.vocab:.3f}, uniform loss {chance_loss:.2f}"
+    )
     print(f"{'model':24s} {'loss':>7s} {'accuracy':>9s} {'train s':>8s}")
     for r in rows:
         name = "MAC" if r["memory_write"] else "MAC, memory off (twin)"

@@ -27,9 +27,17 @@ def measure(variant: str, seq: int, args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    cfg = TitansConfig(variant=variant, vocab_size=256, dim=args.dim, depth=args.depth, heads=args.heads,
-                       segment_len=args.window, window=args.window, chunk_size=args.chunk_size,
-                       persistent_tokens=4)
+    cfg = TitansConfig(
+        variant=variant,
+        vocab_size=256,
+        dim=args.dim,
+        depth=args.depth,
+        heads=args.heads,
+        segment_len=args.window,
+        window=args.window,
+        chunk_size=args.chunk_size,
+        persistent_tokens=4,
+    )
     model = TitansLM(cfg)
     tokens = torch.randint(0, 256, (args.batch, seq + 1))
     times, cpu_times = [], []
@@ -45,10 +53,16 @@ def measure(variant: str, seq: int, args: argparse.Namespace) -> dict:
     med, cpu_med = statistics.median(times), statistics.median(cpu_times)
     # tokens per CPU-second: with one thread, the rate the run has on a core of its own (robust on a
     # shared machine, where wall time also counts the neighbours)
-    return {"variant": variant, "seq": seq, "batch": args.batch, "tokens_per_s": args.batch * seq / med,
-            "tokens_per_cpu_s": args.batch * seq / cpu_med, "step_s": med,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "params": model.num_parameters()}
+    return {
+        "variant": variant,
+        "seq": seq,
+        "batch": args.batch,
+        "tokens_per_s": args.batch * seq / med,
+        "tokens_per_cpu_s": args.batch * seq / cpu_med,
+        "step_s": med,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "params": model.num_parameters(),
+    }
 
 
 def main() -> None:
@@ -70,25 +84,37 @@ def main() -> None:
         print(json.dumps(measure(args.child[0], int(args.child[1]), args)))
         return
     rows = []
-    passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                   if k in ("dim", "depth", "heads", "window", "chunk_size", "batch", "steps", "threads")]
-    print(f"fwd+bwd, batch {args.batch}, dim {args.dim}, depth {args.depth}, window/segment {args.window}, "
-          f"chunk {args.chunk_size}, {args.threads} threads; median of {args.steps} steps; load average "
-          f"{os.getloadavg()[0]:.1f}")
-    print(f"{'variant':12s} {'seq':>7s} {'tokens/s':>10s} {'tok/CPU-s':>10s} {'step s':>8s} "
-          f"{'peak RSS MB':>12s}")
+    passthrough = [
+        f"--{k.replace('_', '-')}={v}"
+        for k, v in vars(args).items()
+        if k in ("dim", "depth", "heads", "window", "chunk_size", "batch", "steps", "threads")
+    ]
+    print(
+        f"fwd+bwd, batch {args.batch}, dim {args.dim}, depth {args.depth}, window/segment {args.window}, "
+        f"chunk {args.chunk_size}, {args.threads} threads; median of {args.steps} steps; load average "
+        f"{os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"{'variant':12s} {'seq':>7s} {'tokens/s':>10s} {'tok/CPU-s':>10s} {'step s':>8s} "
+        f"{'peak RSS MB':>12s}"
+    )
     for variant in args.variants.split(","):
         for seq in (int(s) for s in args.seqs.split(",")):
-            out = subprocess.run([sys.executable, __file__, "--child", variant, str(seq), *passthrough],
-                                 capture_output=True, text=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", variant, str(seq), *passthrough],
+                capture_output=True,
+                text=True,
+            )
             if out.returncode:
                 row = {"variant": variant, "seq": seq, "error": out.stderr.strip().splitlines()[-1]}
                 print(f"{variant:12s} {seq:7d}  failed: {row['error']}")
             else:
                 row = json.loads(out.stdout.strip().splitlines()[-1])
-                print(f"{variant:12s} {seq:7d} {row['tokens_per_s']:10.0f} {row['tokens_per_cpu_s']:10.0f} "
-                      f"{row['step_s']:8.2f} "
-                      f"{row['peak_rss_mb']:12.0f}")
+                print(
+                    f"{variant:12s} {seq:7d} {row['tokens_per_s']:10.0f} {row['tokens_per_cpu_s']:10.0f} "
+                    f"{row['step_s']:8.2f} "
+                    f"{row['peak_rss_mb']:12.0f}"
+                )
             rows.append(row)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)

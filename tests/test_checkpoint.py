@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -166,6 +167,38 @@ def test_truncated_and_bit_flipped_files_are_refused(tmp_path):
         load_checkpoint(path)
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(tmp_path / "nowhere")
+
+
+def test_run_folder_checkpoint_is_hashed_once(tmp_path, monkeypatch):
+    """latest_checkpoint hashes the files; loading what it picked (verified=True) does not hash them
+    again, but still refuses a file whose size no longer matches."""
+    from titans.training.model_io import load_checkpoint_from
+
+    model, _, trainer = _trained_state()
+    path = _save(tmp_path, 1, model, trainer)
+    hashed: list[str] = []
+    file_hash, bytes_hash = ckpt._sha256_file, ckpt.hashlib.sha256
+
+    def count_file(p):
+        hashed.append(Path(p).name)
+        return file_hash(p)
+
+    def count_bytes(*data):  # hashlib.sha256(data): a whole file in memory (_sha256_file streams)
+        if data:
+            hashed.append("bytes")
+        return bytes_hash(*data)
+
+    monkeypatch.setattr(ckpt, "_sha256_file", count_file)
+    monkeypatch.setattr(ckpt, "hashlib", SimpleNamespace(sha256=count_bytes))
+    assert load_checkpoint_from(tmp_path).step == 1
+    assert sorted(hashed) == ["model.safetensors", "trainer.pt"]
+    hashed.clear()
+    assert load_checkpoint_from(path).step == 1  # a folder named directly: hashed by the load itself
+    assert hashed == ["bytes", "bytes"]
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-3])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*truncated"):
+        load_checkpoint(path, verified=True)
 
 
 def test_latest_falls_back_to_previous_good_checkpoint(tmp_path, caplog):

@@ -17,7 +17,6 @@ from titans.evaluation.task_training import (
     collate,
     masked_loss,
     min_task_length,
-    set_memory_gate_init,
     task_example,
     train_on_task,
 )
@@ -174,8 +173,7 @@ def test_curriculum_lengths_ramp_and_stay_in_bounds():
 
 def test_recipe_lowers_the_answer_loss_and_gates_are_set():
     torch.manual_seed(0)
-    model = TitansLM(tiny_config("lmm", depth=1))
-    assert set_memory_gate_init(model, alpha=1e-3, eta=0.5) == 1
+    model = TitansLM(tiny_config("lmm", depth=1, memory_alpha_init=1e-3, memory_eta_init=0.5))
     bias = model.blocks[0].memory.to_gates.bias.detach()
     assert torch.sigmoid(bias[-1]).item() == pytest.approx(1e-3, rel=1e-4)
     cfg = TaskTrainConfig(
@@ -211,7 +209,7 @@ def test_cli_niah_trains_saves_and_reloads(tmp_path, capsys):
     out = tmp_path / "res"
     argv = ["eval", "niah", "--train-recipe", "--variant", "lmm", *TINY_SET, *RECIPE]
     argv += ["--lengths", "300,400", "--depths", "0,1", "--samples", "1", "--out", str(out), "--name", "a"]
-    argv += ["--save-model", str(tmp_path / "model")]
+    argv += ["--save-model", str(tmp_path / "model"), "--memory-alpha-init", "1e-3"]
     assert run_cli(argv) == 0
     data = read_json(out / "a.json")
     assert (out / "a.png").stat().st_size > 0
@@ -236,6 +234,8 @@ def test_cli_niah_trains_saves_and_reloads(tmp_path, capsys):
     assert [s["prediction"] for s in reloaded["samples"]] == predictions
     # the record names the checkpoint's variant, not the unused fresh-model default (mac)
     assert reloaded["variant"] == "lmm" and "variant" not in reloaded["command"]
+    # the gate-init flag is a config field: the checkpoint carries it
+    assert reloaded["model"]["model_config"]["memory_alpha_init"] == 1e-3
     # --checkpoint with --train-recipe fine-tunes the saved model (a second stage) and saves it again
     argv = [
         "eval",

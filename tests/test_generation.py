@@ -20,9 +20,6 @@ tiny_model = partial(shared_model, vocab_size=VOCAB)
 tokens = partial(random_tokens, vocab=VOCAB)
 
 
-
-
-
 def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

@@ -23,9 +23,6 @@ tiny_model = partial(shared_model, vocab_size=VOCAB, dtype=torch.float32)
 tokens = partial(random_tokens, vocab=VOCAB)
 
 
-
-
-
 @pytest.fixture(scope="module")
 def saved_dir(tmp_path_factory):
     model = tiny_model("mac")
@@ -76,11 +73,21 @@ def test_generate_continues_a_saved_state(saved_dir, tmp_path):
     assert many.shape == (3, 9)
 
 
-def test_beam_search_runs(saved_dir):
+def test_beam_search_runs(saved_dir, monkeypatch):
+    """Beam search reorders the state through the cache's reorder_cache hook."""
     path, _ = saved_dir
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    reorders = []
+    reorder = TitansCache.reorder_cache
+
+    def counting_reorder(cache, beam_idx):
+        reorders.append(beam_idx)
+        reorder(cache, beam_idx)
+
+    monkeypatch.setattr(TitansCache, "reorder_cache", counting_reorder)
     out = hf.generate(tokens(2, 5), max_new_tokens=6, num_beams=3, do_sample=False)
     assert out.shape == (2, 11)
+    assert reorders and all(idx.shape == (6,) for idx in reorders)  # 2 prompts x 3 beams
 
 
 def test_loss_and_refusals(saved_dir):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 from titans import MemoryState, NeuralMemory
 from titans.ops.conv import causal_conv_silu, causal_conv_silu_ref
-from titans.ops.memory import memory_forward, neural_memory_chunked
+from titans.ops.memory import memory_forward, neural_memory_chunked, segsum, suffix_sum
 from titans.ops.memory_ref import neural_memory_ref
 
 F64 = torch.float64
@@ -124,6 +125,14 @@ def test_module_outputs_and_gradients_match_reference(depth, chunk, seq):
         assert_close_rel(a, b, 1e-9)
 
 
+def test_suffix_sum_is_the_last_row_of_segsum():
+    log_x = -torch.rand(3, 4, 9, dtype=torch.float64)
+    log_x[0, 1, 4] = float("-inf")  # a gate of exactly 0 stays -inf in every sum that includes it
+    full, fast = segsum(log_x)[..., -1, :], suffix_sum(log_x)
+    assert torch.equal(full.isinf(), fast.isinf())
+    torch.testing.assert_close(fast[~fast.isinf()], full[~full.isinf()], rtol=0, atol=1e-14)
+
+
 def test_gradcheck_chunked_op():
     args, w, s = random_problem(1, 1, 6, 3, 2, expansion=1, seed=11)
     args = [a.requires_grad_() if a.dtype.is_floating_point and i != 4 else a for i, a in enumerate(args)]
@@ -149,35 +158,62 @@ def test_causal_conv_silu_matches_conv1d(kernel, seq, bias):
     assert torch.autograd.gradcheck(lambda p, w, b=None: causal_conv_silu(p, w, b), inputs)
 
 
+def causality_check(fn, x: torch.Tensor, j: int) -> tuple[float, float]:
+    """Perturb token j of x; return the largest change of fn's outputs before j (must be 0 for a causal
+    fn) and from j on (must not be, or the perturbation did nothing)."""
+    x2 = x.clone()
+    x2[:, j] += torch.randn(x.shape[0], x.shape[2], generator=torch.Generator().manual_seed(j), dtype=x.dtype)
+    y, y2 = fn(x), fn(x2)
+    before = (y[:, :j] - y2[:, :j]).abs().max().item() if j else 0.0
+    return before, (y[:, j:] - y2[:, j:]).abs().max().item()
+
+
+def causal_memory() -> tuple[NeuralMemory, torch.Tensor]:
+    torch.manual_seed(1)
+    return NeuralMemory(16, heads=2, depth=2, chunk_size=8).double(), torch.randn(2, 32, 16, dtype=F64)
+
+
 @pytest.mark.parametrize("j", [0, 5, 8, 13, 20, 31])
 def test_causality(j):
     """Changing token j leaves every output before j unchanged (j at and inside chunks of 8)."""
-    torch.manual_seed(1)
-    mem = NeuralMemory(16, heads=2, depth=2, chunk_size=8).double()
-    x = torch.randn(2, 32, 16, dtype=F64)
-    y, _ = mem(x)
-    x2 = x.clone()
-    x2[:, j] += torch.randn(2, 16, dtype=F64)
-    y2, _ = mem(x2)
-    assert torch.equal(y[:, :j], y2[:, :j]) or (y[:, :j] - y2[:, :j]).abs().max() < 1e-12
-    assert (y[:, j:] - y2[:, j:]).abs().max() > 1e-6  # the change does reach token j onwards
+    mem, x = causal_memory()
+    before, after = causality_check(lambda x: mem(x)[0], x, j)
+    assert before < 1e-12
+    assert after > 1e-6  # the change does reach token j onwards
 
 
-def test_reading_end_of_chunk_weights_would_be_caught():
-    """The causality test must be able to fail: a memory that reads the weights at the END of its
-    chunk (the classic leak) lets an early token see later ones."""
-    args, w, s = random_problem(1, 1, 16, 4, 1, seed=5)
-    _, w_end, _, _ = neural_memory_chunked(*args, w, s, chunk_size=8)
-    leaky = memory_forward(args[0][:, :, :8], w_end, "silu", False)  # tokens 0..7 read W after the chunk
-    args2 = list(args)
-    args2[1] = args[1].clone()
-    args2[1][:, :, 6] += 1.0
-    _, w_end2, _, _ = neural_memory_chunked(*args2, w, s, chunk_size=8)
-    leaky2 = memory_forward(args[0][:, :, :8], w_end2, "silu", False)
-    assert (leaky[:, :, :6] - leaky2[:, :, :6]).abs().max() > 1e-6  # the leak shows
-    y1 = neural_memory_chunked(*args, w, s, chunk_size=8)[0]
-    y2 = neural_memory_chunked(*args2, w, s, chunk_size=8)[0]
-    assert (y1[:, :, :8] - y2[:, :, :8]).abs().max() == 0  # ours reads chunk-start weights
+def read_chunk_by_chunk(mem: NeuralMemory, x: torch.Tensor, end_of_chunk: bool) -> torch.Tensor:
+    """The memory's forward written out one chunk at a time (x: whole chunks, fresh state). Each chunk's
+    tokens read the weights from before its write, as they must, or with `end_of_chunk` from after it:
+    the classic leak, where a token sees the later tokens of its own chunk."""
+    state = mem.initial_state(x.shape[0], dtype=x.dtype)
+    q, k, v, _ = mem.project(x, state.conv_tail)
+    theta, log_eta, log_keep = mem.gates(x).unbind(-1)
+    w, s = state.weights, state.momentum
+    opts = dict(activation=mem.activation, residual=mem.residual, surprise_clip=mem.surprise_clip)
+    ys = []
+    for start in range(0, x.shape[1], mem.chunk_size):
+        c = slice(start, start + mem.chunk_size)
+        w_start = w
+        chunk = (t[:, :, c] for t in (q, k, v, theta, log_eta, log_keep))
+        _, w, s, _ = neural_memory_chunked(*chunk, w, s, chunk_size=mem.chunk_size, **opts)
+        ys.append(mem.read(q[:, :, c], w if end_of_chunk else w_start))
+    return mem.combine_heads(torch.cat(ys, dim=2), x)
+
+
+@pytest.mark.parametrize("j", [5, 13, 31])
+def test_reading_end_of_chunk_weights_would_be_caught(j):
+    """The causality check above must be able to fail: a memory that reads the weights at the END of its
+    chunk lets an early token see later ones of the same chunk, and the check reports it; the same code
+    reading chunk-start weights is the real memory, and passes."""
+    mem, x = causal_memory()
+    with torch.no_grad():
+        right = partial(read_chunk_by_chunk, mem, end_of_chunk=False)
+        assert_close_rel(right(x), mem(x)[0], 1e-12)  # the variant differs from ours in the read only
+        leaky_before, _ = causality_check(partial(read_chunk_by_chunk, mem, end_of_chunk=True), x, j)
+        real_before, real_after = causality_check(lambda x: mem(x)[0], x, j)
+    assert leaky_before > 1e-6  # the leak shows
+    assert real_before < 1e-12 and real_after > 1e-6
 
 
 @pytest.mark.parametrize("splits", [[10, 21], [8, 16], [1, 2, 3], [5], [16, 17, 30]])

@@ -12,6 +12,7 @@ import torch
 
 from test_memory import assert_close_rel, random_problem
 from titans import NeuralMemory
+from titans.ops import memory as ops_memory
 from titans.ops.memory import neural_memory_chunked
 from titans.ops.memory_ref import neural_memory_ref
 
@@ -68,10 +69,12 @@ def test_gate_gradients_finite_without_momentum():
     assert all(torch.isfinite(g).all() for g in grads)
 
 
-@pytest.mark.parametrize("every,seq,chunk", [(1, 40, 5), (3, 40, 5), (2, 37, 4), (5, 20, 4), (4, 9, 4)])
+@pytest.mark.parametrize("every,seq,chunk", [(1, 40, 5), (3, 43, 5), (2, 37, 4), (5, 27, 4), (4, 35, 4)])
 @pytest.mark.parametrize("depth", [1, 2])
 def test_checkpointed_equals_plain(every, seq, chunk, depth):
-    """Groups that do and do not divide the number of chunks, a trailing partial chunk, a single group."""
+    """Groups that do (1 of 8, 4 of 8) and do not (3 of 8, 2 of 9, 5 of 6: a last group of one chunk)
+    divide the number of complete chunks, mostly with a trailing partial chunk."""
+    assert every < seq // chunk  # more than one group: checkpointing really runs (one group is plain)
     args, w, s = random_problem(2, 2, seq, 4, depth, seed=every + seq)
     kw = {"chunk_size": chunk, "surprise_clip": 0.5}
     plain_out, plain_grads = outputs_and_grads(neural_memory_chunked, args, w, s, **kw)
@@ -126,12 +129,35 @@ def test_module_checkpointing_matches_and_continues_state():
         assert_close_rel(a, b, 1e-12)
 
 
-def test_checkpointing_is_a_no_op_without_grad():
-    args, w, s = random_problem(1, 2, 24, 4, 2)
+def test_checkpointing_is_a_no_op_without_grad(monkeypatch):
+    """Under no_grad a checkpointing memory takes the plain path: no checkpointed group runs, and the
+    outputs and state equal those of a memory without checkpointing, bit for bit."""
+    groups = []
+    checkpointed = ops_memory._CheckpointedChunks.apply
+
+    def counting_apply(*args):
+        groups.append(args)
+        return checkpointed(*args)
+
+    monkeypatch.setattr(ops_memory._CheckpointedChunks, "apply", counting_apply)
+    torch.manual_seed(0)
+    plain = NeuralMemory(16, heads=2, depth=2, chunk_size=4).double()
+    ckpt = NeuralMemory(16, heads=2, depth=2, chunk_size=4, checkpoint_every=2).double()
+    ckpt.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 26, 16, dtype=F64)  # 6 chunks in groups of 2, and a partial chunk
     with torch.no_grad():
-        a = neural_memory_chunked(*args, w, s, chunk_size=4)
-        b = neural_memory_chunked(*args, w, s, chunk_size=4, checkpoint_every=2)
-    assert torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+        y_plain, s_plain = plain(x)
+        y_ckpt, s_ckpt = ckpt(x)
+    assert not groups and y_ckpt.grad_fn is None
+    assert torch.equal(y_ckpt, y_plain)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(s_ckpt.weights + s_ckpt.momentum, s_plain.weights + s_plain.momentum)
+    )
+    # the counter works: with gradients the same call runs its 3 groups checkpointed
+    y_grad, _ = ckpt(x)
+    assert len(groups) == 3
+    assert_close_rel(y_grad, y_plain, 1e-12)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, "4"])

@@ -16,8 +16,6 @@ tiny = partial(tiny_config, vocab_size=64, dim=32)
 model64 = partial(tiny_model, vocab_size=64, dim=32, train=True)
 
 
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("j", [0, 8, 11, 16, 21])
 def test_causality(variant, j):
@@ -102,9 +100,34 @@ def test_config_round_trip(tmp_path):
     assert TitansConfig.load(path).to_dict() == cfg.to_dict()
 
 
+def test_memory_gate_inits_are_config_fields():
+    """memory_eta_init / memory_alpha_init reach every memory's gate biases: at zero input the gates
+    are exactly those values."""
+    model = TitansLM(tiny("mag", memory_eta_init=0.5, memory_alpha_init=0.2))
+    memories = [block.memory for block in model.blocks]
+    assert len(memories) == 2
+    for mem in memories:
+        log_eta, log_keep = mem.gates(torch.zeros(1, 3, mem.dim))[..., 1:].unbind(-1)
+        assert torch.allclose(log_eta.exp(), torch.tensor(0.5))
+        assert torch.allclose(1 - log_keep.exp(), torch.tensor(0.2))
+    default = TitansLM(tiny("mag")).blocks[0].memory.to_gates.bias.detach()
+    assert not torch.allclose(default, memories[0].to_gates.bias.detach())
+
+
+def test_config_without_gate_inits_loads_with_defaults():
+    """A model config saved before the gate inits were fields (old checkpoints) still loads."""
+    old = TitansConfig(variant="lmm").to_dict()
+    del old["memory_eta_init"], old["memory_alpha_init"]
+    cfg = TitansConfig.from_dict(old)
+    assert (cfg.memory_eta_init, cfg.memory_alpha_init) == (0.9, 0.01)
+
+
 @pytest.mark.parametrize(
     "kwargs,field",
     [
+        ({"memory_eta_init": 1.0}, "memory_eta_init"),
+        ({"memory_alpha_init": 0}, "memory_alpha_init"),
+        ({"memory_alpha_init": "small"}, "memory_alpha_init"),
         ({"window": 0}, "window"),
         ({"segment_len": -4}, "segment_len"),
         ({"variant": "mac", "segment_len": 10, "chunk_size": 4}, "chunk_size"),

@@ -37,9 +37,6 @@ tiny_model = partial(shared_model, vocab_size=VOCAB)
 tokens = partial(random_tokens, vocab=VOCAB)
 
 
-
-
-
 def assert_same_structure(a, b):
     """Same nested types, ints and tensors (dtype, shape, values)."""
     assert type(a) is type(b)

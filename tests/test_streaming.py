@@ -19,9 +19,6 @@ ATOL = 1e-10
 tokens = partial(random_tokens, vocab=61)
 
 
-
-
-
 def random_cuts(length: int, seed: int) -> list[int]:
     """Piece sizes summing to `length`: many single tokens, some pieces longer than a chunk or segment."""
     rng = np.random.default_rng(seed)

@@ -72,7 +72,7 @@ def run_row(args: argparse.Namespace, name: str, overrides: dict[str, Any], run_
     from titans.data.tokenizers import load_tokenizer
     from titans.evaluation.cli import build_model, niah_samples, task_config
     from titans.evaluation.runner import evaluate
-    from titans.evaluation.task_training import set_memory_gate_init, train_on_task
+    from titans.evaluation.task_training import train_on_task
     from titans.training.trainer import Trainer
 
     overrides = {**args.base_overrides, **overrides}
@@ -81,7 +81,6 @@ def run_row(args: argparse.Namespace, name: str, overrides: dict[str, Any], run_
     if args.lm_steps > 0:
         trainer = Trainer(lm_train_config(args, run_root / name, overrides))
         model, tokenizer = trainer.model, trainer.tokenizer
-        set_memory_gate_init(model, eta=args.memory_eta_init, alpha=args.memory_alpha_init)
         result = trainer.train()
         record.update(
             heldout_loss=result.eval.loss,
@@ -157,7 +156,7 @@ def plot_rows(rows: list[dict], png_path: Path, title: str) -> Path:
 def run_ablate(args: argparse.Namespace) -> int:
     import json
 
-    from titans.evaluation.cli import command_line, output_paths, parse_overrides, set_threads
+    from titans.evaluation.cli import command_line, model_overrides, output_paths, set_threads
 
     set_threads(args)
     unknown = [r for r in args.rows if r not in ABLATIONS]
@@ -169,7 +168,7 @@ def run_ablate(args: argparse.Namespace) -> int:
         print("skipping no_persistent: the lmm variant has no attention, hence no persistent tokens")
     if args.lm_steps <= 0 and args.steps <= 0:
         raise ValueError("nothing to train: set --lm-steps and/or --task-steps above 0")
-    args.base_overrides = parse_overrides(args.set)
+    args.base_overrides = model_overrides(args)
     args.task_time_budget = None if args.time_budget is None else 60.0 * args.time_budget
     own_root = args.run_root is None
     run_root = Path(tempfile.mkdtemp(prefix="titans-ablate-")) if own_root else Path(args.run_root)

@@ -85,9 +85,28 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a TitansConfig field")
     p.add_argument("--tokenizer", default="bytes", help="tokenizer of a fresh model (bytes, gpt2, a file)")
     p.add_argument(
-        "--memory-alpha-init", type=float, default=None, help="initial forgetting gate (e.g. 1e-4)"
+        "--memory-alpha-init",
+        type=float,
+        default=None,
+        help="initial forgetting gate, e.g. 1e-4 (same as --set memory_alpha_init=...)",
     )
-    p.add_argument("--memory-eta-init", type=float, default=None, help="initial momentum gate")
+    p.add_argument(
+        "--memory-eta-init",
+        type=float,
+        default=None,
+        help="initial momentum gate (same as --set memory_eta_init=...)",
+    )
+
+
+def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The TitansConfig overrides of a fresh model: ``--set``, then the gate-init shortcuts (config fields,
+    so they land in the saved config and a checkpoint carries them)."""
+    out = parse_overrides(args.set)
+    for key in ("memory_eta_init", "memory_alpha_init"):
+        value = getattr(args, key, None)
+        if value is not None:
+            out[key] = value
+    return out
 
 
 def add_recipe_args(
@@ -155,17 +174,14 @@ def task_config(args: argparse.Namespace, task: str, **task_fields: Any):
 
 
 def build_model(args: argparse.Namespace, variant: str, vocab_size: int, overrides: dict | None = None):
-    """A fresh TitansLM (seeded by ``--seed``): ``--preset``, ``variant``, ``--set`` and then ``overrides``
-    (TitansConfig fields), and the memory gate inits."""
-    from titans.evaluation.task_training import set_memory_gate_init
+    """A fresh TitansLM (seeded by ``--seed``): ``--preset``, ``variant``, ``--set`` and the gate inits
+    (``model_overrides``), and then ``overrides`` (TitansConfig fields)."""
     from titans.models import TitansConfig, TitansLM
 
-    overrides = {**parse_overrides(args.set), **(overrides or {})}
+    overrides = {**model_overrides(args), **(overrides or {})}
     overrides.setdefault("vocab_size", vocab_size)
     torch.manual_seed(args.seed)
-    model = TitansLM(TitansConfig.preset(args.preset, variant=variant, **overrides))
-    set_memory_gate_init(model, eta=args.memory_eta_init, alpha=args.memory_alpha_init)
-    return model.to(args.device)
+    return TitansLM(TitansConfig.preset(args.preset, variant=variant, **overrides)).to(args.device)
 
 
 def train_with_recipe(args: argparse.Namespace, model, tokenizer, task_cfg) -> dict:
@@ -177,7 +193,7 @@ def train_with_recipe(args: argparse.Namespace, model, tokenizer, task_cfg) -> d
     history = train_on_task(model, tokenizer, task_cfg, max_seconds=budget)
     return {
         "recipe": task_cfg.to_dict(),
-        # the gate biases a fresh model started from (None: the config's defaults), kept for reproduction
+        # the gate-init flags of a fresh model (None: not given); the values themselves are in its config
         "memory_gate_init": {"alpha": args.memory_alpha_init, "eta": args.memory_eta_init},
         "seconds": time.perf_counter() - t0,
         "steps_done": history[-1]["step"] + 1 if history else 0,
@@ -226,11 +242,11 @@ def save_task_model(
 
 def load_task_model(path: str | Path, device: str) -> tuple[Any, Any, dict]:
     """(model, tokenizer, info) from a checkpoint; ``info`` carries the recipe it was trained with, if any."""
-    from titans.training.checkpoint import load_checkpoint
-    from titans.training.model_io import load_model, resolve_checkpoint
+    from titans.training.model_io import load_checkpoint_from, load_model
 
-    model, _, tokenizer = load_model(path, map_location=device)
-    saved = load_checkpoint(resolve_checkpoint(path), map_location="cpu").config
+    checkpoint = load_checkpoint_from(path)  # read and verified once, for the model and the record
+    model, _, tokenizer = load_model(checkpoint, map_location=device)
+    saved = checkpoint.config
     info = {
         "checkpoint": str(path),
         "model_config": model.config.to_dict(),
@@ -616,5 +632,3 @@ def register(commands, evals) -> None:
     add_tasks_parser(evals)
     ablation.add_parser(evals)
     depth_study.add_parser(evals)
-
-

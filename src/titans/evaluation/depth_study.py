@@ -80,13 +80,11 @@ def heldout_loss_by_length(model, heldout, lengths: list[int], windows: int, bat
 
 def run_depth(args: argparse.Namespace, depth: int, run_root: Path, heldout) -> dict[str, Any]:
     from titans.evaluation.ablation import lm_train_config
-    from titans.evaluation.task_training import set_memory_gate_init
     from titans.training.trainer import Trainer
 
     overrides = {**args.base_overrides, "memory_depth": depth}
     record: dict[str, Any] = {"memory_depth": depth, "overrides": overrides}
     trainer = Trainer(lm_train_config(args, run_root / f"depth{depth}", overrides))
-    set_memory_gate_init(trainer.model, eta=args.memory_eta_init, alpha=args.memory_alpha_init)
     result = trainer.train()
     model = trainer.model
     record.update(
@@ -147,13 +145,13 @@ def plot_rows(rows: list[dict], png_path: Path, title: str) -> Path:
 def run_depth_study(args: argparse.Namespace) -> int:
     from titans.data.stream import load_token_streams
     from titans.data.tokenizers import load_tokenizer
-    from titans.evaluation.cli import command_line, output_paths, parse_overrides, set_threads
+    from titans.evaluation.cli import command_line, model_overrides, output_paths, set_threads
     from titans.models import TitansConfig, TitansLM
 
     set_threads(args)
     if any(d < 1 for d in args.depths):
         raise ValueError(f"--depths must be >= 1, got {args.depths}")
-    args.base_overrides = parse_overrides(args.set)
+    args.base_overrides = model_overrides(args)
     heldout = load_token_streams(
         args.data, load_tokenizer(args.tokenizer), heldout_fraction=args.heldout_fraction
     ).heldout

@@ -48,7 +48,8 @@ class PerplexityResult:
         return asdict(self)
 
 
-def _autocast(device: torch.device, dtype: torch.dtype | None):
+def autocast_context(device: torch.device, dtype: torch.dtype | None):
+    """torch.autocast to ``dtype`` on ``device``'s type; a no-op context when ``dtype`` is None."""
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
@@ -89,7 +90,7 @@ def evaluate_perplexity(
                 inputs, targets = batches[-1]
             else:  # this rank has no windows at all (fewer windows than ranks)
                 inputs = targets = torch.zeros(1, windows.seq_len, dtype=torch.long)
-            with _autocast(device, autocast_dtype):
+            with autocast_context(device, autocast_dtype):
                 logits, _ = model(inputs.to(device))
             nll = F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum")
             if counted:
@@ -136,11 +137,12 @@ def run_ppl(args) -> int:
     """``titans eval ppl``: load a checkpoint, score held-out text, print and write JSON."""
     from titans.data.stream import load_token_streams
     from titans.training.distributed import resolve_device
-    from titans.training.model_io import load_model, resolve_checkpoint
+    from titans.training.model_io import load_checkpoint_from, load_model
 
-    checkpoint = resolve_checkpoint(args.checkpoint)
+    loaded = load_checkpoint_from(args.checkpoint)
+    checkpoint = loaded.path
     device = resolve_device(args.device)
-    model, cfg, tokenizer = load_model(checkpoint, map_location=device)
+    model, cfg, tokenizer = load_model(loaded, map_location=device)
     seq_len = args.seq_len or cfg.seq_len
     if args.data is None:
         stream = load_token_streams(

@@ -18,7 +18,6 @@ retrieve, then to keep it over more and more haystack.
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +32,6 @@ from titans.evaluation.babilong import TASKS as BABI_TASKS
 from titans.evaluation.babilong import babilong_training_example, make_babilong_sample
 from titans.evaluation.haystack import TextTokenizer, TrainingExample
 from titans.evaluation.niah import NEEDLE_KINDS, make_niah_sample, niah_training_example
-from titans.layers.memory import NeuralMemory
 from titans.training.optim import lr_factor, parameter_groups
 
 TASK_NAMES = ("niah", "babilong")
@@ -307,38 +305,3 @@ def train_on_task(
             break
     model.eval()
     return history
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Memory gate initialisation (a recipe knob: how fast a fresh memory forgets and how much it writes).
-
-
-def _logit(p: float) -> float:
-    return math.log(p) - math.log1p(-p)
-
-
-def set_memory_gate_init(
-    model: nn.Module, *, theta: float | None = None, eta: float | None = None, alpha: float | None = None
-) -> int:
-    """Set the initial gate values of every ``NeuralMemory`` in ``model`` (through the gate biases).
-
-    theta: inner learning rate (in (0, max_lr)); eta: momentum decay; alpha: forgetting per token. A small
-    alpha (e.g. 1e-4) keeps a write for ~1/alpha tokens at initialisation. Returns how many memories changed.
-    """
-    n = 0
-    for mem in model.modules():
-        if not isinstance(mem, NeuralMemory):
-            continue
-        h = mem.heads
-        with torch.no_grad():
-            bias = mem.to_gates.bias
-            for i, (name, value, scale) in enumerate(
-                (("theta", theta, mem.max_lr), ("eta", eta, 1.0), ("alpha", alpha, 1.0))
-            ):
-                if value is None:
-                    continue
-                if not 0 < value / scale < 1:
-                    raise ValueError(f"set_memory_gate_init: {name}={value} must lie in (0, {scale})")
-                bias[i * h : (i + 1) * h] = _logit(value / scale)
-        n += 1
-    return n

@@ -47,6 +47,7 @@ class TitansCache:
         return TitansCache(state, self.base_position)
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
+        """Beam search's hook (transformers calls the cache's, as the model defines no `_reorder_cache`)."""
         if self.state is not None:
             self.state = select_rows(self.state, beam_idx)
 
@@ -105,9 +106,6 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, value) -> None:
         self.model.head = value
-
-    def _reorder_cache(self, past_key_values: TitansCache, beam_idx: Tensor) -> TitansCache:
-        return TitansCache(select_rows(past_key_values.state, beam_idx), past_key_values.base_position)
 
     def forward(
         self,

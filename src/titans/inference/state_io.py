@@ -32,6 +32,7 @@ from torch import Tensor
 
 from titans.layers.attention import AttentionState, SegmentAttentionState
 from titans.layers.memory import MemoryState
+from titans.layers.state_tree import map_tensors
 from titans.models.blocks import MACState, MAGState
 from titans.models.lm import TitansState
 
@@ -57,23 +58,6 @@ def register_state_type(cls: type) -> type:
 
 
 # ------------------------------------------------------------------------------------------ mapping
-def _map(obj: Any, fn: Callable[[Tensor], Tensor], done: dict[int, Tensor]) -> Any:
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, Tensor):
-        if id(obj) not in done:  # a tensor reached twice maps to one result (keeps aliasing, no double work)
-            done[id(obj)] = fn(obj)
-        return done[id(obj)]
-    if isinstance(obj, tuple):
-        return tuple(_map(v, fn, done) for v in obj)
-    if isinstance(obj, list):
-        return [_map(v, fn, done) for v in obj]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _map(getattr(obj, f.name), fn, done) for f in dataclasses.fields(obj)}
-        return dataclasses.replace(obj, **changes)
-    raise TypeError(f"map_state: cannot map a {type(obj).__name__} inside a state")
-
-
 def map_state(state: TitansState, fn: Callable[[Tensor], Tensor]) -> TitansState:
     """A new state with `fn` applied to every tensor, e.g. `map_state(s, lambda t: t.to("cuda"))`.
 
@@ -81,8 +65,7 @@ def map_state(state: TitansState, fn: Callable[[Tensor], Tensor]) -> TitansState
     """
     if not isinstance(state, TitansState):
         raise TypeError(f"map_state: expected a TitansState, got {type(state).__name__}")
-    done: dict[int, Tensor] = {}
-    return TitansState([_map(s, fn, done) for s in state.layers], state.position, state.config)
+    return TitansState(map_tensors(list(state.layers), fn), state.position, state.config)
 
 
 def state_tensors(state: TitansState) -> dict[str, Tensor]:

@@ -11,13 +11,14 @@ returned `MemoryState` lets a later call continue the same sequences exactly whe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from titans.layers.state_tree import map_tensors
 from titans.ops.conv import causal_conv_silu
 from titans.ops.memory import ACTIVATIONS, memory_forward, neural_memory_chunked
 from titans.ops.memory_ref import neural_memory_ref
@@ -49,20 +50,7 @@ class MemoryState:
 
     def map(self, fn) -> MemoryState:
         """Apply `fn` to every tensor (e.g. `state.map(lambda t: t.to("cuda"))`)."""
-        out = {}
-        for f in fields(self):
-            val = getattr(self, f.name)
-            if isinstance(val, tuple):
-                out[f.name] = tuple(fn(t) for t in val)
-            elif isinstance(val, Tensor):
-                out[f.name] = fn(val)
-            else:
-                out[f.name] = val
-        return replace(self, **out)
-
-    @property
-    def batch_size(self) -> int:
-        return self.pending_k.shape[0]
+        return map_tensors(self, fn)
 
 
 @dataclass

@@ -33,6 +33,8 @@ def make_memory(cfg: TitansConfig) -> NeuralMemory:
         forgetting=cfg.memory_forgetting,
         max_lr=cfg.memory_max_lr,
         theta_init=cfg.memory_theta_init,
+        eta_init=cfg.memory_eta_init,
+        alpha_init=cfg.memory_alpha_init,
         surprise_clip=cfg.memory_surprise_clip,
         residual=cfg.memory_residual,
         write=cfg.memory_write,

@@ -63,6 +63,10 @@ class TitansConfig:
     # gradient through the memory grow exponentially with the number of chunks (docs/evaluations.md)
     memory_max_lr: float = 0.03
     memory_theta_init: float = 0.01
+    # momentum decay eta and forgetting alpha at initialisation (through the gate biases). A small alpha
+    # (e.g. 1e-5) keeps a write for about 1/alpha tokens, which retrieval past the training length needs
+    memory_eta_init: float = 0.9
+    memory_alpha_init: float = 0.01
     memory_surprise_clip: float | None = 1.0
     memory_residual: bool = False
     memory_write: bool = True  # False: read-only memory (no test-time learning), an ablation twin
@@ -108,6 +112,10 @@ class TitansConfig:
                 raise ValueError(f"TitansConfig.memory_layers {bad} out of range for depth={self.depth}")
         if self.mlp_mult <= 0:
             raise ValueError(f"TitansConfig.mlp_mult must be > 0, got {self.mlp_mult}")
+        for name in ("memory_eta_init", "memory_alpha_init"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0 < val < 1:
+                raise ValueError(f"TitansConfig.{name} must lie in (0, 1) (a gate value), got {val!r}")
 
     # ------------------------------------------------------------------------------------- derived
     @property

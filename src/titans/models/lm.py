@@ -83,12 +83,19 @@ class TitansLM(nn.Module):
             n -= self.embed.weight.numel()
         return n
 
+    @property
+    def config_dict(self) -> dict:
+        """`config.to_dict()`, built once: every returned state carries it (one per decoded token)."""
+        if getattr(self, "_config_dict", None) is None:
+            self._config_dict = self.config.to_dict()
+        return self._config_dict
+
     def check_state(self, state: TitansState) -> None:
         """Refuse a state from a model with another configuration, naming the fields that differ."""
         if not isinstance(state, TitansState):
             raise TypeError(f"TitansLM: state must be a TitansState, got {type(state).__name__}")
-        mine = self.config.to_dict()
-        if state.config is not None:
+        mine = self.config_dict
+        if state.config is not None and state.config is not mine:
             diff = sorted(
                 k for k in set(mine) | set(state.config) if k != "name" and mine.get(k) != state.config.get(k)
             )
@@ -124,11 +131,12 @@ class TitansLM(nn.Module):
             raise ValueError(f"TitansLM: tokens must be a (batch, seq) tensor, got {shape}")
         if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
             raise TypeError(f"TitansLM: tokens must be integer ids, got dtype {tokens.dtype}")
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
-            raise ValueError(
-                f"TitansLM: token ids must lie in [0, {self.config.vocab_size}), got "
-                f"[{int(tokens.min())}, {int(tokens.max())}]"
-            )
+        if tokens.numel():
+            lo, hi = torch.stack(torch.aminmax(tokens)).tolist()
+            if lo < 0 or hi >= self.config.vocab_size:  # one host sync for both bounds
+                raise ValueError(
+                    f"TitansLM: token ids must lie in [0, {self.config.vocab_size}), got [{lo}, {hi}]"
+                )
         if state is not None:
             self.check_state(state)
         layer_states = state.layers if state is not None else [None] * len(self.blocks)
@@ -142,5 +150,5 @@ class TitansLM(nn.Module):
             x = x[:, -1:]
         logits = self.head(self.norm(x))
         position = (state.position if state is not None else 0) + tokens.shape[1]
-        new_state = TitansState(new_states, position, self.config.to_dict())
+        new_state = TitansState(new_states, position, self.config_dict)
         return (logits, new_state, stats) if return_stats else (logits, new_state)

@@ -76,6 +76,14 @@ def segsum(log_x: Tensor) -> Tensor:
     return seg.masked_fill(~lower, float("-inf"))
 
 
+def suffix_sum(log_x: Tensor) -> Tensor:
+    """The last row of `segsum`, in O(n): out[..., j] = sum_{l=j..n-1} log_x[..., l], out[..., n] = 0.
+
+    log_x: (..., n) -> (..., n + 1). A plain sum of terms <= 0, so -inf entries stay -inf (no inf - inf).
+    """
+    return F.pad(log_x.flip(-1).cumsum(-1).flip(-1), (0, 1))
+
+
 def chunk_coefficients(theta: Tensor, log_eta: Tensor, log_keep: Tensor) -> tuple[Tensor, ...]:
     """Scalar coefficients of the closed-form chunk update.
 
@@ -85,7 +93,7 @@ def chunk_coefficients(theta: Tensor, log_eta: Tensor, log_keep: Tensor) -> tupl
     Every exponent is a sum of log-gates (<= 0), so nothing can overflow.
     """
     seg_e = segsum(log_eta)  # (..., b+1, b+1): log E_m / E_j
-    seg_a_end = segsum(log_keep)[..., -1, :]  # (..., b+1): log A_b / A_m
+    seg_a_end = suffix_sum(log_keep)  # (..., b+1): log A_b / A_m
     # sum over m = max(j, 1) .. b of (A_b / A_m) (E_m / E_j), for j = 0 (the S_0 term) .. b. Every term is
     # exp(<= 0) <= 1, so a plain sum of exps cannot overflow; unlike logsumexp its backward stays finite
     # when all terms are exp(-inf) = 0 (momentum off: eta = 0).

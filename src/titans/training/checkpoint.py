@@ -295,7 +295,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def _check_file(path: Path, expected: dict, data: bytes | None = None) -> None:
+def _check_file(path: Path, expected: dict, data: bytes | None = None, hash_it: bool = True) -> None:
     if not path.is_file():
         raise CheckpointError(f"{str(path)!r} is missing")
     size = path.stat().st_size if data is None else len(data)
@@ -303,6 +303,8 @@ def _check_file(path: Path, expected: dict, data: bytes | None = None) -> None:
         raise CheckpointError(
             f"{str(path)!r} is truncated or damaged: {size} bytes, expected {expected['size']}"
         )
+    if not hash_it:
+        return
     digest = _sha256_file(path) if data is None else hashlib.sha256(data).hexdigest()
     if digest != expected["sha256"]:
         raise CheckpointError(f"{str(path)!r} is corrupted: sha256 {digest[:16]}... does not match meta.json")
@@ -324,11 +326,17 @@ def _safetensors_metadata(data: bytes) -> dict[str, str]:
 
 
 def load_checkpoint(
-    path: str | Path, *, map_location: str | torch.device = "cpu", weights_only: bool = True
+    path: str | Path,
+    *,
+    map_location: str | torch.device = "cpu",
+    weights_only: bool = True,
+    verified: bool = False,
 ) -> Checkpoint:
     """Load and verify a checkpoint folder; raises CheckpointError naming the damaged file.
 
     ``weights_only=False`` (unpickling arbitrary objects in trainer.pt) only for checkpoints you trust.
+    ``verified=True``: the caller has just passed this folder through ``verify_checkpoint`` (or got it
+    from ``latest_checkpoint``), so the files are not hashed a second time; their sizes still are checked.
     """
     path = Path(path)
     meta = _read_meta(path)
@@ -338,7 +346,7 @@ def load_checkpoint(
             blobs[name] = (path / name).read_bytes()
         except FileNotFoundError:
             raise CheckpointError(f"{str(path / name)!r} is missing") from None
-        _check_file(path / name, meta["files"][name], blobs[name])
+        _check_file(path / name, meta["files"][name], blobs[name], hash_it=not verified)
     try:
         from safetensors.torch import load as load_safetensors
 

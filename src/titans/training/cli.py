@@ -56,7 +56,7 @@ def _train_one(cfg: TrainConfig, resume: bool, overwrite: bool):
 
     trainer = Trainer(cfg, resume=resume, overwrite=overwrite)
     if trainer.info.is_main:
-        n = trainer.model_config_parameters()
+        n = trainer.model.num_parameters()
         print(
             f"training {cfg.variant} ({cfg.preset}, {n:,} parameters) on {cfg.data} [{cfg.tokenizer}], "
             f"{cfg.total_steps:,} steps x {cfg.tokens_per_step:,} tokens, "

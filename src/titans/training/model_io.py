@@ -23,7 +23,13 @@ import torch
 from titans.data.tokenizers import Tokenizer, load_tokenizer
 from titans.models.config import TitansConfig
 from titans.models.lm import TitansLM
-from titans.training.checkpoint import META_FILE, CheckpointError, latest_checkpoint, load_checkpoint
+from titans.training.checkpoint import (
+    META_FILE,
+    Checkpoint,
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+)
 from titans.training.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -50,19 +56,31 @@ def keep_tokenizer_copy(spec: str, run_dir: str | Path) -> None:
             shutil.copy2(path, dest)
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder from a checkpoint folder, a run folder (its newest good checkpoint) or a
-    run's ``checkpoints/`` folder."""
+def _locate_checkpoint(path: str | Path) -> tuple[Path, bool]:
+    """(checkpoint folder, whether it was just verified: true when picked from a run by
+    ``latest_checkpoint``, which hashes its files)."""
     path = Path(path).expanduser()
     if (path / META_FILE).is_file():
-        return path
+        return path, False
     run_dir = path.parent if path.name == "checkpoints" else path
     if not run_dir.is_dir():
         raise FileNotFoundError(f"no checkpoint or run folder at {str(path)!r}")
     found = latest_checkpoint(run_dir)
     if found is None:
         raise CheckpointError(f"{str(path)!r} holds no complete, undamaged checkpoint")
-    return found
+    return found, True
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder from a checkpoint folder, a run folder (its newest good checkpoint) or a
+    run's ``checkpoints/`` folder."""
+    return _locate_checkpoint(path)[0]
+
+
+def load_checkpoint_from(path: str | Path) -> Checkpoint:
+    """The checkpoint ``resolve_checkpoint(path)`` names, loaded on CPU; its files are hashed once."""
+    folder, verified = _locate_checkpoint(path)
+    return load_checkpoint(folder, map_location="cpu", verified=verified)
 
 
 def train_config_from_saved(data: dict[str, Any]) -> TrainConfig:
@@ -107,12 +125,15 @@ def load_weights(model: TitansLM, state: dict[str, torch.Tensor]) -> None:
 
 
 def load_model(
-    checkpoint_or_run_dir: str | Path, map_location: str | torch.device = "cpu"
+    checkpoint_or_run_dir: str | Path | Checkpoint, map_location: str | torch.device = "cpu"
 ) -> tuple[TitansLM, TrainConfig, Tokenizer]:
-    """(model in eval mode on ``map_location``, its TrainConfig, its tokenizer) from a checkpoint."""
-    path = resolve_checkpoint(checkpoint_or_run_dir)
-    ckpt = load_checkpoint(path, map_location="cpu")
-    saved = ckpt.config
+    """(model in eval mode on ``map_location``, its TrainConfig, its tokenizer) from a checkpoint: a
+    folder as ``resolve_checkpoint`` takes, or one already loaded (``load_checkpoint_from``)."""
+    if isinstance(checkpoint_or_run_dir, Checkpoint):
+        ckpt = checkpoint_or_run_dir
+    else:
+        ckpt = load_checkpoint_from(checkpoint_or_run_dir)
+    path, saved = ckpt.path, ckpt.config
     if not {"train", "model"} <= set(saved):
         raise CheckpointError(f"{str(path)!r} was not written by the titans trainer (no train/model config)")
     train_config = train_config_from_saved(saved["train"])

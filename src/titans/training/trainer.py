@@ -14,7 +14,6 @@ refused, naming the field (see ``TrainConfig.resume_mismatches``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 from titans.data.loader import EvalWindows, TokenBatches
 from titans.data.stream import load_token_streams
 from titans.data.tokenizers import load_tokenizer
-from titans.evaluation.perplexity import PerplexityResult, evaluate_perplexity
+from titans.evaluation.perplexity import PerplexityResult, autocast_context, evaluate_perplexity
 from titans.models.lm import TitansLM
 from titans.training import distributed as D
 from titans.training.checkpoint import (
@@ -133,7 +132,8 @@ class Trainer:
             )
         self.model_config = cfg.model_config(self.tokenizer.vocab_size)
         self.model = TitansLM(self.model_config)
-        saved = load_checkpoint(checkpoint, map_location="cpu") if checkpoint else None
+        # `checkpoint` comes from latest_checkpoint, which has just hashed its files
+        saved = load_checkpoint(checkpoint, map_location="cpu", verified=True) if checkpoint else None
         if saved is not None:
             self._check_resumable(saved.config, checkpoint)
             load_weights(self.model, saved.model_state)
@@ -277,11 +277,6 @@ class Trainer:
         return path
 
     # ---------------------------------------------------------------------------------------- steps
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
-
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on global batch ``step``: (this rank's mean loss, the gradient norm)."""
         inputs, targets = self.batches.get_batch(step)
@@ -291,7 +286,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
             with D.no_sync(self.engine, skip=i < accum - 1):
-                with self._autocast():
+                with autocast_context(self.device, self.autocast_dtype):
                     logits, _ = self.engine(x.to(self.device, non_blocking=True))  # fresh memory state
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(self.device).flatten())
                 (loss / accum).backward()
@@ -383,7 +378,7 @@ class Trainer:
             step=self.step,
             total_steps=total,
             tokens=self.step * cfg.tokens_per_step,
-            num_parameters=self.model_config_parameters(),
+            num_parameters=self.model.num_parameters(),
             train_loss=last_logged,
             eval=final_eval,
             tokens_per_s=tokens_per_s,
@@ -402,9 +397,6 @@ class Trainer:
             report["eval"] = final_eval.to_dict()
             (self.run_dir / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
         return result
-
-    def model_config_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
 
     def _title(self) -> str:
         c = self.model_config
@@ -458,7 +450,7 @@ class Trainer:
         generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         model = D.unwrap(self.engine)
         model.eval()
-        with torch.no_grad(), self._autocast():
+        with torch.no_grad(), autocast_context(self.device, self.autocast_dtype):
             out = generate(
                 model,
                 prompt,
