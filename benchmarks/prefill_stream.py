@@ -31,6 +31,7 @@ def measure(variant: str, length: int, args: argparse.Namespace) -> dict:
     from titans import TitansConfig, TitansLM
     from titans.inference import default_piece_len, prefill, state_nbytes
 
+    torch.set_flush_denormal(True)  # as the titans commands do: subnormal memory weights slow long streams
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = TitansLM(TitansConfig.preset(args.preset, variant=variant)).eval()

@@ -3,4 +3,5 @@ more threads than cores makes OpenMP spin-waits dominate the many tiny ops these
 
 import torch
 
+torch.set_flush_denormal(True)  # as the `titans` commands do (see titans/cli.py)
 torch.set_num_threads(1)

@@ -220,3 +220,29 @@ def test_read_text_blocks_cut_at_line_ends(tmp_path):
     assert "".join(blocks) == text
     assert all(b.endswith("\n") for b in blocks[:-1])
     assert list(read_text_blocks(str(path), block_chars=0)) == [text]
+
+
+def test_prefill_on_cpu_warns_once_when_subnormals_are_kept(monkeypatch):
+    """Memory weights that get no writes decay into subnormal floats, which slow a long CPU stream down;
+    prefill says so (once) unless they are flushed, as the titans commands and this suite do."""
+    import importlib
+    import warnings
+
+    prefill_module = importlib.import_module("titans.inference.prefill")  # the module, not the function
+
+    model, prompt = tiny_model("mac"), tokens(1, 8)
+    monkeypatch.setattr(prefill_module, "_warned_subnormals", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prefill(model, prompt)  # flushed (conftest): silent
+    assert prefill_module.subnormals_flushed()
+    torch.set_flush_denormal(False)
+    try:
+        assert not prefill_module.subnormals_flushed()
+        with pytest.warns(RuntimeWarning, match="set_flush_denormal"):
+            prefill(model, prompt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            prefill(model, prompt)  # once per process
+    finally:
+        torch.set_flush_denormal(True)
