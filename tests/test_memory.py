@@ -146,8 +146,12 @@ def test_gradcheck_chunked_op():
 
 
 @pytest.mark.parametrize("kernel, seq, bias", [(4, 13, True), (1, 5, True), (3, 1, False)])
-def test_causal_conv_silu_matches_conv1d(kernel, seq, bias):
-    """The (B, T, C) conv + SiLU with its recomputing backward == F.conv1d on (B, C, T), values and grads."""
+@pytest.mark.parametrize("block_rows", [None, 3])
+def test_causal_conv_silu_matches_conv1d(kernel, seq, bias, block_rows, monkeypatch):
+    """The (B, T, C) conv + SiLU with its recomputing backward == F.conv1d on (B, C, T), values and grads;
+    in one block of time rows, and in blocks of 3 rows (a last partial block, taps across block edges)."""
+    if block_rows is not None:
+        monkeypatch.setattr("titans.ops.conv._BLOCK_ELEMENTS", block_rows * 2 * 7)  # batch 2 x 7 channels
     torch.manual_seed(0)
     channels = 7
     conv = torch.nn.Conv1d(channels, channels, kernel, groups=channels, bias=bias).double()
