@@ -57,6 +57,33 @@ def memory_forward(
     return h + x if residual else h
 
 
+def _layers_forward(x: Tensor, ws, activation: str) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """The memory MLP on rows x (..., m, d): output (before any residual), each layer's input hs[l] and
+    each hidden layer's pre-activation zs[l]."""
+    hs, zs = [x], []
+    for i, w in enumerate(ws):
+        z = torch.matmul(hs[-1], w)
+        if i < len(ws) - 1:
+            zs.append(z)
+            hs.append(_act(z, activation))
+    return z, hs, zs
+
+
+def _inner_errors(
+    delta: Tensor, ws, key_zs: list[Tensor], activation: str
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Backprop of the inner loss's output error through the MLP, at the key rows: per layer the error
+    delta_l after its activation (grad_{W_l} = a_l^T delta_l) and, for the layers after the first,
+    e_l = delta_{l+1} W_{l+1}^T before it. key_zs: the hidden pre-activations at the key rows."""
+    deltas, es = [delta], []
+    for i in range(len(ws) - 1, 0, -1):
+        e = torch.matmul(delta, ws[i].transpose(-1, -2))
+        delta = e * _act_grad(key_zs[i - 1], activation)
+        es.append(e)
+        deltas.append(delta)
+    return deltas[::-1], es[::-1]
+
+
 def clip_scale(norm: Tensor, max_norm: float) -> Tensor:
     """Factor that rescales a surprise of norm `norm` to at most `max_norm` (1 where already below)."""
     return (max_norm / norm.clamp_min(1e-12)).clamp(max=1.0)
@@ -121,24 +148,13 @@ def _act_and_derivs(x: Tensor, name: str, n: int) -> tuple[Tensor, Tensor, Tenso
 def _chunk_forward(q, k, v, gamma, beta, mix, activation, residual, clip, states, out=None):
     """The forward math of `_ChunkStep` (shapes there): y, the surprise norms, the new states, and what
     the backward pass needs. `out`: buffers to write the new states into (only where nothing is saved)."""
-    n, depth = k.shape[1], len(states)
+    n = k.shape[1]
     ws = [x[:, 0] for x in states]
-    hs, zs = [torch.cat([k, q], 1)], []  # hs[l]: input of layer l for keys then queries (N, 2n, d_in)
-    for i, w in enumerate(ws):
-        z = torch.bmm(hs[-1], w)
-        if i < depth - 1:
-            zs.append(z)
-            hs.append(_act(z, activation))
-    out_all = z + hs[0] if residual else z
-    delta = 2 * (out_all[:, :n] - v)
-    deltas, es = [delta], []  # es[l] = delta_{l+1} W_{l+1}^T, the error before layer l's activation
-    for i in range(depth - 1, 0, -1):
-        e = torch.bmm(delta, ws[i].transpose(1, 2))
-        delta = e * _act_grad(zs[i - 1][:, :n], activation)
-        es.append(e)
-        deltas.append(delta)
-    deltas.reverse()
-    es.reverse()
+    # hs[l]: input of layer l for keys then queries (N, 2n, d_in)
+    out_all, hs, zs = _layers_forward(torch.cat([k, q], 1), ws, activation)
+    if residual:
+        out_all = out_all + hs[0]
+    deltas, es = _inner_errors(2 * (out_all[:, :n] - v), ws, [z[:, :n] for z in zs], activation)
     sq = sum(h[:, :n].pow(2).sum(-1) * d.pow(2).sum(-1) for h, d in zip(hs, deltas))
     norm = sq.clamp_min(1e-30).sqrt()  # ||u_t|| = sqrt(sum_l ||a_l||^2 ||delta_l||^2)
     scale = clip_scale(norm, clip) if clip is not None else torch.ones_like(norm)
@@ -288,24 +304,18 @@ def _read_and_grads(
     grad_{W_l} ||M(k_j) - v_j||^2 = a_l[j]^T delta_l[j].
     """
     n = k.shape[-2]
-    inputs, pre = [], []
-    # split(), not slicing: a slice backpropagates as a zero-filled full-size tensor, split as one cat
-    h = torch.cat([k, q], dim=-2)
-    for i, w in enumerate(weights):
-        if i > 0:
-            pre.append(h.split(n, dim=-2)[0])
-            h = _act(h, activation)
-        inputs.append(h.split(n, dim=-2)[0])
-        h = h @ w
+    kq = torch.cat([k, q], dim=-2)
+    out_all, hs, zs = _layers_forward(kq, weights, activation)
     if residual:
-        h = h + torch.cat([k, q], dim=-2)
-    out, y = h.split(n, dim=-2)
-    delta = 2 * (out - v)
-    deltas = [delta]
-    for i in range(len(weights) - 1, 0, -1):
-        delta = (delta @ weights[i].transpose(-1, -2)) * _act_grad(pre[i - 1], activation)
-        deltas.append(delta)
-    return y, inputs, deltas[::-1]
+        out_all = out_all + kq
+
+    def keys(t: Tensor) -> Tensor:
+        # split(), not slicing: a slice backpropagates as a zero-filled full-size tensor, split as one cat
+        return t.split(n, dim=-2)[0]
+
+    out, y = out_all.split(n, dim=-2)
+    deltas, _ = _inner_errors(2 * (out - v), weights, [keys(z) for z in zs], activation)
+    return y, [keys(h) for h in hs], deltas
 
 
 def _surprise(inputs: list[Tensor], deltas: list[Tensor]) -> Tensor:
