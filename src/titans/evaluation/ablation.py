@@ -19,8 +19,6 @@ where there is attention), at the tiny preset.
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,42 +33,11 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 }
 
 
-def lm_train_config(args: argparse.Namespace, run_dir: Path, overrides: dict[str, Any]):
-    """The Trainer config of one row: identical for every row except the model overrides."""
-    from titans.training.config import TrainConfig
-
-    return TrainConfig(
-        preset=args.preset,
-        variant=args.variant,
-        model=overrides,
-        data=args.data,
-        tokenizer=args.tokenizer,
-        heldout_fraction=args.heldout_fraction,
-        seq_len=args.seq_len,
-        batch_size=args.lm_batch_size,
-        steps=args.lm_steps,
-        lr=args.lm_lr,
-        warmup_steps=min(args.lm_warmup_steps, args.lm_steps),
-        seed=args.seed,
-        device=args.device,
-        threads=args.threads,
-        run_dir=str(run_dir),
-        log_every=max(1, args.lm_steps // 10),
-        eval_every=10**9,  # only the final evaluation
-        eval_windows=args.heldout_windows,
-        ckpt_every=10**9,
-        keep_last=1,
-        progress=False,
-        tensorboard=False,
-        plot=False,
-        sample_tokens=0,
-    )
-
-
 def run_row(args: argparse.Namespace, name: str, overrides: dict[str, Any], run_root: Path) -> dict:
     """Train and evaluate one ablation row; returns its JSON-able record."""
     from titans.data.tokenizers import load_tokenizer
     from titans.evaluation.cli import build_model, niah_samples, task_config
+    from titans.evaluation.lm_study import lm_train_config
     from titans.evaluation.runner import evaluate
     from titans.evaluation.task_training import train_on_task
     from titans.training.trainer import Trainer
@@ -109,6 +76,8 @@ def run_row(args: argparse.Namespace, name: str, overrides: dict[str, Any], run_
 
 
 def format_rows(rows: list[dict], eval_lengths: list[int]) -> str:
+    from titans.evaluation.scoring import render_table
+
     head = ["row", "params", "heldout loss", "NIAH all"] + [f"NIAH@{n}" for n in eval_lengths]
     lines = [head]
     for r in rows:
@@ -124,8 +93,7 @@ def format_rows(rows: list[dict], eval_lengths: list[int]) -> str:
             ]
             + ["-" if by.get(str(n)) is None else f"{100 * by[str(n)]:.1f}" for n in eval_lengths]
         )
-    widths = [max(len(c) for c in col) for col in zip(*lines)]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
+    return render_table(lines)
 
 
 def plot_rows(rows: list[dict], png_path: Path, title: str) -> Path:
@@ -154,9 +122,8 @@ def plot_rows(rows: list[dict], png_path: Path, title: str) -> Path:
 
 
 def run_ablate(args: argparse.Namespace) -> int:
-    import json
-
-    from titans.evaluation.cli import command_line, model_overrides, output_paths, set_threads
+    from titans.evaluation.cli import model_overrides, set_threads
+    from titans.evaluation.lm_study import run_root, write_study
 
     set_threads(args)
     unknown = [r for r in args.rows if r not in ABLATIONS]
@@ -170,22 +137,11 @@ def run_ablate(args: argparse.Namespace) -> int:
         raise ValueError("nothing to train: set --lm-steps and/or --task-steps above 0")
     args.base_overrides = model_overrides(args)
     args.task_time_budget = None if args.time_budget is None else 60.0 * args.time_budget
-    own_root = args.run_root is None
-    run_root = Path(tempfile.mkdtemp(prefix="titans-ablate-")) if own_root else Path(args.run_root)
-    try:
-        rows = [run_row(args, name, ABLATIONS[name], run_root) for name in args.rows]
-    finally:
-        if own_root:
-            shutil.rmtree(run_root, ignore_errors=True)
-    json_path, png_path = output_paths(args, "ablate", f"ablate_{args.variant}")
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"rows": rows, "command": command_line(args)}
-    json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    with run_root(args, "titans-ablate-") as root:
+        rows = [run_row(args, name, ABLATIONS[name], root) for name in args.rows]
     title = f"ablation of {args.variant} ({args.preset}): {args.lm_steps} LM steps, {args.steps} NIAH steps"
-    plot_rows(rows, png_path, title)
-    print(title)
-    print(format_rows(rows, args.eval_lengths))
-    print(f"wrote {json_path} and {png_path}")
+    table = format_rows(rows, args.eval_lengths)
+    write_study(args, "ablate", f"ablate_{args.variant}", rows, title, plot_rows, table)
     return 0
 
 
@@ -199,20 +155,12 @@ def add_parser(evals) -> None:
         int_list,
         str_list,
     )
+    from titans.evaluation.lm_study import add_lm_args
 
     p = evals.add_parser("ablate", help="the paper's Table 5: one memory component removed per row")
     p.add_argument("--variant", default="mac", help="the base model's variant")
     p.add_argument("--rows", type=str_list, default=list(ABLATIONS), help=f"subset of {','.join(ABLATIONS)}")
-    g = p.add_argument_group("language-model training (the Trainer)")
-    g.add_argument("--data", default="builtin:prose", help="text source for the LM stage")
-    g.add_argument("--heldout-fraction", type=float, default=0.05)
-    g.add_argument("--seq-len", type=int, default=256)
-    g.add_argument("--lm-batch-size", type=int, default=8)
-    g.add_argument("--lm-steps", type=int, default=200, help="LM steps per row (0: skip the LM stage)")
-    g.add_argument("--lm-lr", type=float, default=3e-3)
-    g.add_argument("--lm-warmup-steps", type=int, default=20)
-    g.add_argument("--heldout-windows", type=int, default=32)
-    g.add_argument("--run-root", default=None, help="keep each row's run folder here (default: temporary)")
+    add_lm_args(p, heldout_windows=32)
     p.add_argument("--eval-lengths", type=int_list, default=[512, 1024], help="NIAH evaluation lengths")
     p.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="NIAH depths")
     add_model_args(p)

@@ -13,10 +13,7 @@ trained as a language model with the project's ``Trainer`` (same data, seed, ste
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -79,7 +76,7 @@ def heldout_loss_by_length(model, heldout, lengths: list[int], windows: int, bat
 
 
 def run_depth(args: argparse.Namespace, depth: int, run_root: Path, heldout) -> dict[str, Any]:
-    from titans.evaluation.ablation import lm_train_config
+    from titans.evaluation.lm_study import lm_train_config
     from titans.training.trainer import Trainer
 
     overrides = {**args.base_overrides, "memory_depth": depth}
@@ -103,6 +100,8 @@ def run_depth(args: argparse.Namespace, depth: int, run_root: Path, heldout) -> 
 
 
 def format_rows(rows: list[dict], eval_lengths: list[int], throughput_lengths: list[int]) -> str:
+    from titans.evaluation.scoring import render_table
+
     head = (
         ["L_M", "params"] + [f"loss@{n}" for n in eval_lengths] + [f"tok/s@{n}" for n in throughput_lengths]
     )
@@ -115,8 +114,7 @@ def format_rows(rows: list[dict], eval_lengths: list[int], throughput_lengths: l
             + ["-" if v is None else f"{v:.4f}" for v in losses]
             + [f"{v:,.0f}" for v in speeds]
         )
-    widths = [max(len(c) for c in col) for col in zip(*lines)]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
+    return render_table(lines)
 
 
 def plot_rows(rows: list[dict], png_path: Path, title: str) -> Path:
@@ -145,7 +143,8 @@ def plot_rows(rows: list[dict], png_path: Path, title: str) -> Path:
 def run_depth_study(args: argparse.Namespace) -> int:
     from titans.data.stream import load_token_streams
     from titans.data.tokenizers import load_tokenizer
-    from titans.evaluation.cli import command_line, model_overrides, output_paths, set_threads
+    from titans.evaluation.cli import model_overrides, set_threads
+    from titans.evaluation.lm_study import run_root, write_study
     from titans.models import TitansConfig, TitansLM
 
     set_threads(args)
@@ -155,13 +154,8 @@ def run_depth_study(args: argparse.Namespace) -> int:
     heldout = load_token_streams(
         args.data, load_tokenizer(args.tokenizer), heldout_fraction=args.heldout_fraction
     ).heldout
-    own_root = args.run_root is None
-    run_root = Path(tempfile.mkdtemp(prefix="titans-depth-")) if own_root else Path(args.run_root)
-    try:
-        rows = [run_depth(args, d, run_root, heldout) for d in args.depths]
-    finally:
-        if own_root:
-            shutil.rmtree(run_root, ignore_errors=True)
+    with run_root(args, "titans-depth-") as root:
+        rows = [run_depth(args, d, root, heldout) for d in args.depths]
     models = {}
     for row in rows:  # fresh models of each depth, same seed, timed together
         torch.manual_seed(args.seed)
@@ -174,38 +168,25 @@ def run_depth_study(args: argparse.Namespace) -> int:
     )
     for row in rows:
         row["tokens_per_s"] = speeds[row["memory_depth"]]
-    json_path, png_path = output_paths(args, "depth", f"depth_{args.variant}")
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"rows": rows, "command": command_line(args)}
-    json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     title = f"memory depth, {args.variant} ({args.preset}), {args.lm_steps} LM steps at {args.seq_len} tokens"
-    plot_rows(rows, png_path, title)
-    print(title)
-    print(format_rows(rows, args.eval_lengths, args.throughput_lengths))
-    print(f"wrote {json_path} and {png_path}")
+    table = format_rows(rows, args.eval_lengths, args.throughput_lengths)
+    write_study(args, "depth", f"depth_{args.variant}", rows, title, plot_rows, table)
     return 0
 
 
 def add_parser(evals) -> None:
     from titans.evaluation.cli import add_model_args, add_runtime_args, int_list
+    from titans.evaluation.lm_study import add_lm_args
 
     p = evals.add_parser("depth", help="memory depth 1-4: loss vs length and throughput (Figures 7-8)")
     p.add_argument("--variant", default="lmm")
     p.add_argument("--depths", type=int_list, default=[1, 2, 3, 4], help="memory depths L_M")
-    p.add_argument("--data", default="builtin:prose", help="text source for the LM training")
-    p.add_argument("--heldout-fraction", type=float, default=0.05)
-    p.add_argument("--seq-len", type=int, default=256, help="training length")
-    p.add_argument("--lm-batch-size", type=int, default=8)
-    p.add_argument("--lm-steps", type=int, default=200)
-    p.add_argument("--lm-lr", type=float, default=3e-3)
-    p.add_argument("--lm-warmup-steps", type=int, default=20)
-    p.add_argument("--heldout-windows", type=int, default=16, help="held-out windows per length")
+    add_lm_args(p, heldout_windows=16)
     p.add_argument("--eval-lengths", type=int_list, default=[256, 512, 1024, 2048])
     p.add_argument("--eval-batch-size", type=int, default=4)
     p.add_argument("--throughput-lengths", type=int_list, default=[256, 1024, 4096])
     p.add_argument("--throughput-batch", type=int, default=2)
     p.add_argument("--throughput-repeats", type=int, default=3)
-    p.add_argument("--run-root", default=None, help="keep each depth's run folder here (default: temporary)")
     add_model_args(p)
     add_runtime_args(p)
     p.set_defaults(func=run_depth_study)

@@ -222,6 +222,11 @@ def format_table(table: AccuracyTable) -> str:
         accuracies = [table.accuracy(r, c) for c in cols] + [table.row_accuracy(r)]
         lines.append([_label(r)] + [_percent(a) for a in accuracies])
     lines.append(["all"] + [_percent(table.col_accuracy(c)) for c in cols] + [_percent(table.overall)])
+    return render_table(lines)
+
+
+def render_table(lines: list[list[str]]) -> str:
+    """Rows of cells (the first one a header) as right-aligned plain-text columns."""
     widths = [max(len(cell) for cell in column) for column in zip(*lines)]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
 

@@ -1,0 +1,98 @@
+"""What the studies that train one language model per row share (`eval ablate`, `eval depth`).
+
+Every row is trained by the project's ``Trainer`` with the same data, seed, steps and schedule; only its
+model overrides differ. The rows' run folders go under ``--run-root`` or a temporary folder, and a study
+ends with a JSON record, a figure and a plain-text table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def add_lm_args(p: argparse.ArgumentParser, heldout_windows: int) -> None:
+    """The language-model training options of a study."""
+    g = p.add_argument_group("language-model training (the Trainer)")
+    g.add_argument("--data", default="builtin:prose", help="text source for the LM training")
+    g.add_argument("--heldout-fraction", type=float, default=0.05)
+    g.add_argument("--seq-len", type=int, default=256, help="training length")
+    g.add_argument("--lm-batch-size", type=int, default=8)
+    g.add_argument("--lm-steps", type=int, default=200, help="LM steps per row (0: skip the LM stage)")
+    g.add_argument("--lm-lr", type=float, default=3e-3)
+    g.add_argument("--lm-warmup-steps", type=int, default=20)
+    g.add_argument("--heldout-windows", type=int, default=heldout_windows, help="held-out windows")
+    g.add_argument("--run-root", default=None, help="keep each row's run folder here (default: temporary)")
+
+
+def lm_train_config(args: argparse.Namespace, run_dir: Path, overrides: dict[str, Any]):
+    """The Trainer config of one row: identical for every row except the model overrides."""
+    from titans.training.config import TrainConfig
+
+    return TrainConfig(
+        preset=args.preset,
+        variant=args.variant,
+        model=overrides,
+        data=args.data,
+        tokenizer=args.tokenizer,
+        heldout_fraction=args.heldout_fraction,
+        seq_len=args.seq_len,
+        batch_size=args.lm_batch_size,
+        steps=args.lm_steps,
+        lr=args.lm_lr,
+        warmup_steps=min(args.lm_warmup_steps, args.lm_steps),
+        seed=args.seed,
+        device=args.device,
+        threads=args.threads,
+        run_dir=str(run_dir),
+        log_every=max(1, args.lm_steps // 10),
+        eval_every=10**9,  # only the final evaluation
+        eval_windows=args.heldout_windows,
+        ckpt_every=10**9,
+        keep_last=1,
+        progress=False,
+        tensorboard=False,
+        plot=False,
+        sample_tokens=0,
+    )
+
+
+@contextmanager
+def run_root(args: argparse.Namespace, prefix: str) -> Iterator[Path]:
+    """``--run-root`` if given (kept), else a temporary folder removed at the end."""
+    if args.run_root is not None:
+        yield Path(args.run_root)
+        return
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def write_study(
+    args: argparse.Namespace,
+    task: str,
+    default_name: str,
+    rows: list[dict],
+    title: str,
+    plot: Callable[[list[dict], Path, str], Path],
+    table: str,
+) -> None:
+    """A study's ending: the JSON (rows + command line), the figure, and the table on stdout."""
+    from titans.evaluation.cli import command_line, output_paths
+
+    json_path, png_path = output_paths(args, task, default_name)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"rows": rows, "command": command_line(args)}
+    json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    plot(rows, png_path, title)
+    print(title)
+    print(table)
+    print(f"wrote {json_path} and {png_path}")
