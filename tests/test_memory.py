@@ -125,6 +125,29 @@ def test_module_outputs_and_gradients_match_reference(depth, chunk, seq):
         assert_close_rel(a, b, 1e-9)
 
 
+def test_backward_twice_with_retained_graph_and_two_calls_in_one_graph():
+    """The chunk steps reuse two state-gradient buffers during backward; reuse must not leak between the
+    two backward passes of a retained graph, nor between two memory calls inside one graph."""
+    torch.manual_seed(3)
+    mem = NeuralMemory(12, heads=2, head_dim=5, depth=2, expansion=2, chunk_size=4).double()
+    x = torch.randn(2, 23, 12, dtype=F64, requires_grad=True)
+    w = torch.randn(2, 23, 12, dtype=F64)
+
+    def loss():
+        y, state = mem(x[:, :10])  # two calls threaded through the state: one graph
+        y2, state = mem(x[:, 10:], state)
+        return (torch.cat([y, y2], 1) * w).sum() + state.weights[1].sum()
+
+    params = [x, *mem.parameters()]
+    once = torch.autograd.grad(loss(), params)
+    out = loss()
+    first = torch.autograd.grad(out, params, retain_graph=True)
+    second = torch.autograd.grad(out, params)
+    for a, b, c in zip(once, first, second):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(c, a, rtol=1e-12, atol=1e-12)
+
+
 def test_suffix_sum_is_the_last_row_of_segsum():
     log_x = -torch.rand(3, 4, 9, dtype=torch.float64)
     log_x[0, 1, 4] = float("-inf")  # a gate of exactly 0 stays -inf in every sum that includes it

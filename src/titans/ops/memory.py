@@ -182,6 +182,27 @@ def _scaled_inputs(a: Tensor, coef: Tensor) -> Tensor:
     return (a.unsqueeze(-2) * coef).flatten(-2)
 
 
+class _GradBuffers:
+    """Two state-gradient buffers per layer that the chunk steps of one `_run_chunks` call take turns with
+    in the backward pass (chunk c writes slot c % 2).
+
+    A fresh weight-sized gradient per chunk would be written to newly faulted pages, 4x slower here than
+    a reused buffer (2.7 vs 0.65 ms per 16 MiB). Reuse is safe because the backward pass runs the chunks
+    in reverse order and each chunk's state gradient goes only to the chunk before it: when chunk c - 2
+    overwrites slot c % 2, chunk c - 1 has already consumed what chunk c wrote there.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, int], Tensor] = {}
+
+    def take(self, slot: int, layer: int, like: Tensor) -> Tensor:
+        buf = self._buffers.get((slot, layer))
+        if buf is None:
+            buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+            self._buffers[(slot, layer)] = buf
+        return buf
+
+
 class _ChunkStep(torch.autograd.Function):
     """One complete chunk: read M(q; W_0), take every key's inner gradient at W_0, write the chunk.
 
@@ -197,12 +218,13 @@ class _ChunkStep(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, gamma, beta, mix, activation, residual, clip, *states):
+    def forward(ctx, q, k, v, gamma, beta, mix, activation, residual, clip, grad_slot, *states):
         ctx.set_materialize_grads(False)
         y, norm, new_states, saved = _chunk_forward(
             q, k, v, gamma, beta, mix, activation, residual, clip, states
         )
         ctx.activation, ctx.residual, ctx.clip, ctx.depth = activation, residual, clip, len(states)
+        ctx.grad_slot = grad_slot  # (_GradBuffers, slot) for the state gradients this step returns
         ctx.save_for_backward(gamma, beta, mix, *saved, *states)
         return (y, norm, *new_states)
 
@@ -235,7 +257,12 @@ class _ChunkStep(torch.autograd.Function):
             g_flat = gx.reshape(n_seq, 2, -1)
             if g_mix is not None:
                 g_mix.baddbmm_(g_flat, x.flatten(2).transpose(1, 2))
-            g_states.append(torch.bmm(mix.transpose(1, 2), g_flat).view_as(x) if needs[9 + i] else None)
+            if needs[10 + i]:
+                g_x = ctx.grad_slot[0].take(ctx.grad_slot[1], i, x)
+                torch.bmm(mix.transpose(1, 2), g_flat, out=g_x.view(n_seq, 2, -1))
+                g_states.append(g_x)
+            else:
+                g_states.append(None)
             # 2. [U_W; U_S] = A^T delta with A = [c_W a | c_S a]: two matmuls, both halves at once
             g_u = g_flat.view(n_seq, -1, x.shape[-1])  # (N, 2 d_in, d_out)
             g_delta.append(torch.bmm(_scaled_inputs(h, coef), g_u))
@@ -277,13 +304,13 @@ class _ChunkStep(torch.autograd.Function):
         # 6. the read (and the keys' forward), last layer first
         g_h0 = g_z if ctx.residual else None
         for i in range(depth - 1, -1, -1):
-            if needs[9 + i]:
+            if needs[10 + i]:
                 # the three uses of W_l (read, inner backprop, state update) in one baddbmm
                 lhs, rhs = hs[i], g_z
                 if i > 0:
                     lhs, rhs = torch.cat([lhs, g_e[i - 1]], 1), torch.cat([rhs, deltas[i]], 1)
                 if g_states[i] is None:
-                    g_states[i] = torch.zeros_like(states[i])
+                    g_states[i] = ctx.grad_slot[0].take(ctx.grad_slot[1], i, states[i]).zero_()
                 g_states[i][:, 0].baddbmm_(lhs.transpose(1, 2), rhs)
             g_h = torch.bmm(g_z, ws[i].transpose(1, 2))
             g_h[:, :n] += g_a[i]
@@ -291,7 +318,7 @@ class _ChunkStep(torch.autograd.Function):
                 g_z = g_h * derivs[i - 1][1]
                 g_z[:, :n] += g_pre_keys[i - 1]
         g_h0 = g_h if g_h0 is None else g_h + g_h0
-        return (g_h0[:, n:], g_h0[:, :n], g_v, g_gamma, g_beta, g_mix, None, None, None, *g_states)
+        return (g_h0[:, n:], g_h0[:, :n], g_v, g_gamma, g_beta, g_mix, None, None, None, None, *g_states)
 
 
 def _read_and_grads(
@@ -335,12 +362,13 @@ def _run_chunks(
     # that small long-lived tensors land in cannot take the next state, and the heap would grow by about
     # a state per chunk (tens of GiB over a long checkpointed sequence).
     buffers = None if torch.is_grad_enabled() else [[torch.empty_like(x) for x in states] for _ in range(2)]
+    grads = _GradBuffers() if buffers is None else None
     for i, (q_c, k_c, v_c, g_c, b_c, m_c) in enumerate(
         zip(*splits, gamma.unbind(1), beta.unbind(1), mix.unbind(1))
     ):
         args = (q_c, k_c, v_c, g_c, b_c, m_c, activation, residual, clip)
         if buffers is None:
-            y, norm, *states = _ChunkStep.apply(*args, *states)
+            y, norm, *states = _ChunkStep.apply(*args, (grads, i % 2), *states)
         else:
             y, norm, states, _ = _chunk_forward(*args, states, out=buffers[i % 2])
         ys.append(y)
