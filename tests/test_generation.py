@@ -222,27 +222,32 @@ def test_read_text_blocks_cut_at_line_ends(tmp_path):
     assert list(read_text_blocks(str(path), block_chars=0)) == [text]
 
 
-def test_prefill_on_cpu_warns_once_when_subnormals_are_kept(monkeypatch):
+def test_long_cpu_stream_warns_once_when_subnormals_are_kept(monkeypatch):
     """Memory weights that get no writes decay into subnormal floats, which slow a long CPU stream down;
-    prefill says so (once) unless they are flushed, as the titans commands and this suite do."""
-    import importlib
+    the model says so (once per process) when a stream passes SUBNORMAL_WARNING_POSITION tokens unless they
+    are flushed, as the titans commands and this suite do."""
     import warnings
 
-    prefill_module = importlib.import_module("titans.inference.prefill")  # the module, not the function
+    import titans.models.lm as lm
 
     model, prompt = tiny_model("mac"), tokens(1, 8)
-    monkeypatch.setattr(prefill_module, "_warned_subnormals", False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        prefill(model, prompt)  # flushed (conftest): silent
-    assert prefill_module.subnormals_flushed()
+    monkeypatch.setattr(lm, "SUBNORMAL_WARNING_POSITION", 20)
+    monkeypatch.setattr(lm, "_warned_subnormals", False)
+    assert lm.subnormals_flushed()  # conftest
     torch.set_flush_denormal(False)
     try:
-        assert not prefill_module.subnormals_flushed()
-        with pytest.warns(RuntimeWarning, match="set_flush_denormal"):
-            prefill(model, prompt)
+        assert not lm.subnormals_flushed()
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            prefill(model, prompt)  # once per process
+            prefill(model, prompt)  # 8 tokens: below the position, silent
+        with pytest.warns(RuntimeWarning, match="set_flush_denormal"):
+            prefill(model, tokens(1, 24))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            generate(model, tokens(1, 24), 3)  # once per process
     finally:
         torch.set_flush_denormal(True)
+    monkeypatch.setattr(lm, "_warned_subnormals", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prefill(model, tokens(1, 24))  # flushed: silent

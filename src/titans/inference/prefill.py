@@ -13,7 +13,6 @@ depend on how the input is cut.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -25,29 +24,6 @@ from titans.models.lm import TitansLM, TitansState
 # Default piece size: batch x piece_len x vocab near this many elements. Prefill computes the last
 # position's logits only, so this now just bounds a piece's activations (shorter for large vocabularies).
 _LOGITS_BUDGET = 1 << 24
-
-
-_warned_subnormals = False
-
-
-def subnormals_flushed() -> bool:
-    """Whether this thread flushes subnormal floats to zero (`torch.set_flush_denormal(True)`)."""
-    return torch.tensor(1e-40).mul(1.0).item() == 0.0
-
-
-def _warn_if_subnormals_kept(device: torch.device) -> None:
-    """Once per process: long CPU streams want subnormals flushed (the `titans` commands do this)."""
-    global _warned_subnormals
-    if device.type != "cpu" or _warned_subnormals or subnormals_flushed():
-        return
-    _warned_subnormals = True
-    warnings.warn(
-        "prefill on CPU with subnormal floats kept: memory weights that get no writes decay into "
-        "subnormals, which slow a long stream down as it goes (3.7x by 200K tokens for tiny MAC). Call "
-        "torch.set_flush_denormal(True) at the start of the program, before any other torch work.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
 
 
 def default_piece_len(model: TitansLM, batch_size: int = 1) -> int:
@@ -140,7 +116,6 @@ def prefill(
     if isinstance(tokens, Tensor) and total is None and tokens.dim() == 2:
         total = tokens.shape[1]
     device = next(model.parameters()).device
-    _warn_if_subnormals_kept(device)
     last = None
     bar = None
     if progress:
