@@ -20,9 +20,6 @@ import torch
 
 from titans.evaluation.scoring import AccuracyTable, format_table, plot_heatmap, write_results
 
-# The errors a user can cause with a bad argument or file: printed as one line, exit status 2.
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Argument helpers.
 
@@ -193,8 +190,6 @@ def train_with_recipe(args: argparse.Namespace, model, tokenizer, task_cfg) -> d
     history = train_on_task(model, tokenizer, task_cfg, max_seconds=budget)
     return {
         "recipe": task_cfg.to_dict(),
-        # the gate-init flags of a fresh model (None: not given); the values themselves are in its config
-        "memory_gate_init": {"alpha": args.memory_alpha_init, "eta": args.memory_eta_init},
         "seconds": time.perf_counter() - t0,
         "steps_done": history[-1]["step"] + 1 if history else 0,
         "final": history[-1] if history else None,

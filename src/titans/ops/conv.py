@@ -22,10 +22,13 @@ from torch import Tensor
 _BLOCK_ELEMENTS = 1 << 18
 
 
-def _block_rows(padded: Tensor) -> int:
+def _blocks(padded: Tensor, t: int) -> list[tuple[int, int]]:
+    """(start, end) output rows of each block: one block on GPUs, cache-sized blocks on CPU."""
     if padded.device.type != "cpu":
-        return max(1, padded.shape[1])
-    return max(1, _BLOCK_ELEMENTS // max(1, padded.shape[0] * padded.shape[2]))
+        rows = max(1, t)
+    else:
+        rows = max(1, _BLOCK_ELEMENTS // max(1, padded.shape[0] * padded.shape[2]))
+    return [(t0, min(t, t0 + rows)) for t0 in range(0, t, rows)]
 
 
 def causal_depthwise_conv(
@@ -49,7 +52,7 @@ def causal_depthwise_conv(
 
 
 class _CausalConvSiLU(torch.autograd.Function):
-    """Forward and backward in blocks of time rows (`_block_rows`): each block's pre-activation, SiLU and
+    """Forward and backward in blocks of time rows (`_blocks`): each block's pre-activation, SiLU and
     gradients are computed while it is in cache, instead of a dozen passes over (B, T, C) tensors."""
 
     @staticmethod
@@ -58,9 +61,7 @@ class _CausalConvSiLU(torch.autograd.Function):
         k = weight.shape[-1]
         b, t, c = padded.shape[0], padded.shape[1] - k + 1, padded.shape[2]
         out = torch.empty(b, t, c, dtype=padded.dtype, device=padded.device)
-        rows = _block_rows(padded)
-        for t0 in range(0, t, rows):
-            t1 = min(t, t0 + rows)
+        for t0, t1 in _blocks(padded, t):
             block = causal_depthwise_conv(padded[:, t0 : t1 + k - 1], weight, bias, out=out[:, t0:t1])
             F.silu(block, inplace=True)
         return out
@@ -79,9 +80,7 @@ class _CausalConvSiLU(torch.autograd.Function):
         g_padded = padded.new_zeros(padded.shape) if need_x else None
         g_taps = torch.zeros(k, padded.shape[2], dtype=acc, device=padded.device) if need_w else None
         g_bias = torch.zeros(padded.shape[2], dtype=acc, device=padded.device) if need_b else None
-        rows = _block_rows(padded)
-        for t0 in range(0, t, rows):
-            t1 = min(t, t0 + rows)
+        for t0, t1 in _blocks(padded, t):
             window = padded[:, t0 : t1 + k - 1]
             # recompute the pre-activation x (cheaper than keeping it); silu'(x) = s + silu(x) (1 - s)
             g_pre = causal_depthwise_conv(window, weight, bias)

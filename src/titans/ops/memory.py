@@ -49,24 +49,21 @@ def memory_forward(
     x: Tensor, weights: tuple[Tensor, ...] | list[Tensor], activation: str, residual: bool
 ) -> Tensor:
     """M(x; W): x (B, H, n, d) -> (B, H, n, d). Depth 1 is a matrix; depth L an L-layer MLP."""
-    h = x
-    for i, w in enumerate(weights):
-        if i > 0:
-            h = _act(h, activation)
-        h = h @ w
-    return h + x if residual else h
+    return _layers_forward(x, weights, activation, residual)[0]
 
 
-def _layers_forward(x: Tensor, ws, activation: str) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-    """The memory MLP on rows x (..., m, d): output (before any residual), each layer's input hs[l] and
-    each hidden layer's pre-activation zs[l]."""
+def _layers_forward(
+    x: Tensor, ws, activation: str, residual: bool
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """The memory MLP on rows x (..., m, d): its output M(x), each layer's input hs[l] and each hidden
+    layer's pre-activation zs[l]."""
     hs, zs = [x], []
     for i, w in enumerate(ws):
         z = torch.matmul(hs[-1], w)
         if i < len(ws) - 1:
             zs.append(z)
             hs.append(_act(z, activation))
-    return z, hs, zs
+    return (z + x if residual else z), hs, zs
 
 
 def _inner_errors(
@@ -151,9 +148,7 @@ def _chunk_forward(q, k, v, gamma, beta, mix, activation, residual, clip, states
     n = k.shape[1]
     ws = [x[:, 0] for x in states]
     # hs[l]: input of layer l for keys then queries (N, 2n, d_in)
-    out_all, hs, zs = _layers_forward(torch.cat([k, q], 1), ws, activation)
-    if residual:
-        out_all = out_all + hs[0]
+    out_all, hs, zs = _layers_forward(torch.cat([k, q], 1), ws, activation, residual)
     deltas, es = _inner_errors(2 * (out_all[:, :n] - v), ws, [z[:, :n] for z in zs], activation)
     sq = sum(h[:, :n].pow(2).sum(-1) * d.pow(2).sum(-1) for h, d in zip(hs, deltas))
     norm = sq.clamp_min(1e-30).sqrt()  # ||u_t|| = sqrt(sum_l ||a_l||^2 ||delta_l||^2)
@@ -186,8 +181,8 @@ class _GradBuffers:
     """Two state-gradient buffers per layer that the chunk steps of one `_run_chunks` call take turns with
     in the backward pass (chunk c writes slot c % 2).
 
-    A fresh weight-sized gradient per chunk would be written to newly faulted pages, 4x slower here than
-    a reused buffer (2.7 vs 0.65 ms per 16 MiB). Reuse is safe because the backward pass runs the chunks
+    A fresh weight-sized gradient per chunk would be written to newly faulted pages, several times slower
+    on CPU than into a buffer already in use (`benchmarks/memory_profile.py` times both). Reuse is safe because the backward pass runs the chunks
     in reverse order and each chunk's state gradient goes only to the chunk before it: when chunk c - 2
     overwrites slot c % 2, chunk c - 1 has already consumed what chunk c wrote there.
     """
@@ -331,10 +326,7 @@ def _read_and_grads(
     grad_{W_l} ||M(k_j) - v_j||^2 = a_l[j]^T delta_l[j].
     """
     n = k.shape[-2]
-    kq = torch.cat([k, q], dim=-2)
-    out_all, hs, zs = _layers_forward(kq, weights, activation)
-    if residual:
-        out_all = out_all + kq
+    out_all, hs, zs = _layers_forward(torch.cat([k, q], dim=-2), weights, activation, residual)
 
     def keys(t: Tensor) -> Tensor:
         # split(), not slicing: a slice backpropagates as a zero-filled full-size tensor, split as one cat
