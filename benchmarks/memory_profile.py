@@ -1,0 +1,158 @@
+"""Where the NeuralMemory layer's time goes, at the issue's shapes (batch 2, seq 2048, dim 256, 4 heads of
+256 -> 1024 -> 256, chunk 64), forward + backward. One process, medians of --reps runs, printed as tables:
+
+1. the layer, and the share of its time in matmuls (torch.profiler, by op name);
+2. the causal conv + SiLU on the (2, 2048, 3072) q/k/v projections: cache-sized blocks (the default),
+   one whole-tensor block, and `F.conv1d` (the reference), and its share of the layer;
+3. the layer with the backward's state gradients in reused buffers (the default) vs a fresh tensor per
+   chunk, alternating in one process;
+4. a 2048^3 matmul in float32 and bfloat16 (whether bf16 could help on this CPU).
+
+    python benchmarks/memory_profile.py [--threads 2] [--reps 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench_utils import machine_info, save_json
+
+MATMUL_OPS = ("aten::bmm", "aten::baddbmm", "aten::baddbmm_", "aten::addmm", "aten::addmm_", "aten::mm")
+
+
+def median_ms(fn, reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def layer_rows(reps: int) -> tuple[list[dict], float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from titans import NeuralMemory
+
+    torch.manual_seed(0)
+    mem = NeuralMemory(256, heads=4, head_dim=256, depth=2, expansion=4, chunk_size=64)
+    x = torch.randn(2, 2048, 256, requires_grad=True)
+
+    def step():
+        mem(x)[0].sum().backward()
+
+    ms = median_ms(step, reps)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS)
+    rows = [{"what": "layer fwd+bwd", "ms": ms, "tok_s": 4096 / ms * 1e3, "matmul_share": matmul / total}]
+    return rows, ms
+
+
+def conv_rows(reps: int, layer_ms: float) -> list[dict]:
+    import titans.ops.conv as conv
+
+    torch.manual_seed(0)
+    padded = torch.randn(2, 2048 + 3, 3072, requires_grad=True)
+    weight = torch.randn(3072, 1, 4, requires_grad=True)
+    bias = torch.randn(3072, requires_grad=True)
+    grad = torch.randn(2, 2048, 3072)
+    rows = []
+    blocked = conv._BLOCK_ELEMENTS
+    for name, fn, block_elements in (
+        ("conv + SiLU, cache-sized blocks", conv.causal_conv_silu, blocked),
+        ("conv + SiLU, one block", conv.causal_conv_silu, 1 << 62),
+        ("F.conv1d reference", conv.causal_conv_silu_ref, blocked),
+    ):
+        conv._BLOCK_ELEMENTS = block_elements
+        ms = median_ms(lambda fn=fn: fn(padded, weight, bias).backward(grad), reps)
+        rows.append({"what": name, "ms": ms, "share_of_layer": ms / layer_ms})
+    conv._BLOCK_ELEMENTS = blocked
+    return rows
+
+
+def grad_buffer_rows(reps: int) -> list[dict]:
+    """The layer fwd+bwd with the chunk steps' state gradients in reused buffers (the default) and, for
+    comparison, in a fresh tensor per chunk, alternating run by run in this one process."""
+    import titans.ops.memory as op
+    from titans import NeuralMemory
+
+    torch.manual_seed(0)
+    mem = NeuralMemory(256, heads=4, head_dim=256, depth=2, expansion=4, chunk_size=64)
+    x = torch.randn(2, 2048, 256, requires_grad=True)
+    reused = op._GradBuffers.take
+
+    def fresh(self, slot, layer, like):
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+
+    times: dict[str, list[float]] = {"reused": [], "fresh": []}
+    try:
+        for _ in range(reps + 1):  # the first round warms up
+            for name, take in (("reused", reused), ("fresh", fresh)):
+                op._GradBuffers.take = take
+                start = time.perf_counter()
+                mem(x)[0].sum().backward()
+                times[name].append(time.perf_counter() - start)
+    finally:
+        op._GradBuffers.take = reused
+    return [
+        {"what": f"state gradients, {name} buffers", "ms": 1e3 * statistics.median(ts[1:])}
+        for name, ts in times.items()
+    ]
+
+
+def matmul_rows(reps: int) -> list[dict]:
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+        ms = median_ms(lambda a=a, b=b: a @ b, reps)
+        rows.append({"what": f"2048^3 matmul, {dtype}", "ms": ms, "gflops": 2 * 2048**3 / ms / 1e6})
+    return rows
+
+
+def show(title: str, rows: list[dict]) -> None:
+    print(f"\n{title}")
+    for r in rows:
+        cells = [f"{r['what']:34s}", f"{r['ms']:9.2f} ms"]
+        for key, fmt in (("tok_s", "{:,.0f} tok/s"), ("gflops", "{:.0f} GFLOP/s")):
+            if key in r:
+                cells.append(fmt.format(r[key]))
+        for key in ("matmul_share", "share_of_layer"):
+            if key in r:
+                cells.append(f"{key.replace('_', ' ')} {100 * r[key]:.1f}%")
+        print("  ".join(cells))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--json", action="store_true", help="write benchmarks/results/memory_profile.json")
+    args = p.parse_args()
+    torch.set_flush_denormal(True)
+    torch.set_num_threads(args.threads)
+    layer, layer_ms = layer_rows(args.reps)
+    results = {
+        "layer": layer,
+        "conv": conv_rows(args.reps, layer_ms),
+        "state_gradients": grad_buffer_rows(args.reps),
+        "matmul": matmul_rows(args.reps),
+    }
+    print(f"{args.threads} threads, median of {args.reps}")
+    for title, rows in results.items():
+        show(title, rows)
+    if args.json:
+        path = save_json("memory_profile", {"machine": machine_info(), "threads": args.threads, **results})
+        print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
