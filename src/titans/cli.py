@@ -52,7 +52,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def main(argv: list[str] | None = None) -> int:
     # Flush subnormal floats to zero, before torch starts its thread pool (the threads inherit the
     # setting). Memory weights that get no writes decay geometrically into subnormals, which x86 CPUs
-    # process many times slower: without this a long stream slows down as it goes (3.7x by 200K tokens).
+    # process many times slower: without this a long stream slows down as it goes (3.9x by 200K tokens,
+    # benchmarks/subnormal_stream.py).
     import torch
 
     torch.set_flush_denormal(True)

@@ -38,7 +38,7 @@ def _warn_if_subnormals_kept(device: torch.device, position: int) -> None:
     if not subnormals_flushed():
         warnings.warn(
             f"TitansLM: a CPU stream passed {position:,} tokens with subnormal floats kept. Memory weights "
-            "that get no writes decay into subnormals, which slow the stream down as it goes (3.7x by 200K "
+            "that get no writes decay into subnormals, which slow the stream down as it goes (3.9x by 200K "
             "tokens for tiny MAC). Call torch.set_flush_denormal(True) at the start of the program, before "
             "any other torch work.",
             RuntimeWarning,
