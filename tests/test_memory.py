@@ -168,21 +168,49 @@ def test_gradcheck_chunked_op():
     assert torch.autograd.gradcheck(fn, (args[0], args[1], args[2], args[3], args[5], *w))
 
 
-@pytest.mark.parametrize("kernel, seq, bias", [(4, 13, True), (1, 5, True), (3, 1, False)])
-@pytest.mark.parametrize("block_rows", [None, 3])
-def test_causal_conv_silu_matches_conv1d(kernel, seq, bias, block_rows, monkeypatch):
-    """The (B, T, C) conv + SiLU with its recomputing backward == F.conv1d on (B, C, T), values and grads;
-    in one block of time rows, and in blocks of 3 rows (a last partial block, taps across block edges)."""
+@pytest.mark.parametrize("kernel, seq, bias", [(4, 13, True), (1, 5, True), (3, 1, False), (4, 2, True)])
+@pytest.mark.parametrize("block_rows", [None, 3, 1])
+@pytest.mark.parametrize("split", [None, (2, 3)])
+def test_causal_conv_silu_matches_conv1d(kernel, seq, bias, block_rows, split, monkeypatch):
+    """The (B, T, C) conv + SiLU with its recomputing backward == F.conv1d on (B, C, T) over [tail; x],
+    values and grads (of x, the tail, weight and bias): in one block of time rows and in blocks of 3 and 1
+    rows (a last partial block, taps across block edges and into the tail, sequences shorter than the
+    tail), in the plain layout and written into the split (P, B, H, T, d) layout."""
     if block_rows is not None:
-        monkeypatch.setattr("titans.ops.conv._BLOCK_ELEMENTS", block_rows * 2 * 7)  # batch 2 x 7 channels
+        monkeypatch.setattr("titans.ops.conv._BLOCK_ELEMENTS", block_rows * 2 * 12)  # batch 2 x 12 channels
     torch.manual_seed(0)
-    channels = 7
+    channels = 12
     conv = torch.nn.Conv1d(channels, channels, kernel, groups=channels, bias=bias).double()
-    padded = torch.randn(2, seq + kernel - 1, channels, dtype=torch.float64, requires_grad=True)
-    args = (padded, conv.weight, conv.bias)
-    torch.testing.assert_close(causal_conv_silu(*args), causal_conv_silu_ref(*args), rtol=1e-12, atol=1e-12)
-    inputs = args if bias else args[:2]
-    assert torch.autograd.gradcheck(lambda p, w, b=None: causal_conv_silu(p, w, b), inputs)
+    x = torch.randn(2, seq, channels, dtype=torch.float64, requires_grad=True)
+    tail = torch.randn(2, kernel - 1, channels, dtype=torch.float64, requires_grad=True)
+
+    def fast(x, tail, w, b=None):
+        out = causal_conv_silu(x, w, b, tail, split=split)
+        if split is None:
+            return out
+        p, h = split
+        assert out.shape == (p, 2, h, seq, channels // (p * h)) and out.is_contiguous()
+        return out.permute(1, 3, 0, 2, 4).reshape(2, seq, channels)
+
+    def ref(x, tail, w, b=None):
+        return causal_conv_silu_ref(torch.cat([tail, x], 1), w, b)
+
+    args = (x, tail, conv.weight, conv.bias)
+    torch.testing.assert_close(fast(*args), ref(*args), rtol=1e-12, atol=1e-12)
+    inputs = args if bias else args[:3]
+    assert torch.autograd.gradcheck(fast, inputs)
+    # no tail: a sequence start, the same as zeros before it
+    torch.testing.assert_close(
+        causal_conv_silu(x, conv.weight, conv.bias), ref(x, torch.zeros_like(tail), conv.weight, conv.bias)
+    )
+
+
+def test_causal_conv_silu_refuses_bad_tail_and_split():
+    x, weight = torch.randn(2, 5, 12), torch.randn(12, 1, 4)
+    with pytest.raises(ValueError, match="tail must be"):
+        causal_conv_silu(x, weight, None, torch.zeros(2, 2, 12))
+    with pytest.raises(ValueError, match="does not divide"):
+        causal_conv_silu(x, weight, None, split=(3, 5))
 
 
 def causality_check(fn, x: torch.Tensor, j: int) -> tuple[float, float]:

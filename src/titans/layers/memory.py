@@ -246,18 +246,19 @@ class NeuralMemory(nn.Module):
     def project(self, x: Tensor, conv_tail: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """x (B, T, dim) -> q, k, v (B, H, T, d) and the new conv tail."""
         qkv = self.to_qkv(x)
-        new_tail = None
-        if self.conv is not None:
-            padded = torch.cat([conv_tail.to(qkv.dtype), qkv], dim=1)
-            # a copy: a view would keep the whole padded input alive inside the returned state
-            new_tail = padded[:, padded.shape[1] - (self.conv_kernel - 1) :].clone()
-            qkv = causal_conv_silu(padded, self.conv.weight, self.conv.bias)
-        else:
-            qkv = F.silu(qkv)
         b, t, _ = x.shape
-        # one copy into (3, B, H, T, d): q, k, v come out contiguous, so the memory op needs no copies of
-        # its own and nothing pins the (B, T, 3 H d) activation
-        q, k, v = qkv.view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).contiguous()
+        new_tail = None
+        # q, k, v come out of one contiguous (3, B, H, T, d) tensor, so the memory op needs no copies of
+        # its own and nothing pins the (B, T, 3 H d) activation; the conv writes that layout directly
+        if self.conv is not None:
+            tail = conv_tail.to(qkv.dtype)
+            keep = self.conv_kernel - 1
+            # copies: a view would keep the whole input alive inside the returned state
+            new_tail = qkv[:, t - keep :].clone() if t >= keep else torch.cat([tail[:, t:], qkv], dim=1)
+            qkv = causal_conv_silu(qkv, self.conv.weight, self.conv.bias, tail, split=(3, self.heads))
+            q, k, v = qkv
+        else:
+            q, k, v = F.silu(qkv).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).contiguous()
         if self.qk_norm:
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         return q, k, v, new_tail

@@ -25,7 +25,14 @@ from torch import Tensor
 ACTIVATIONS = ("silu", "gelu", "relu")
 
 
-def _act(x: Tensor, name: str) -> Tensor:
+def _act(x: Tensor, name: str, out: Tensor | None = None) -> Tensor:
+    """act(x), written into `out` if given (a view is fine)."""
+    if out is not None:
+        if name == "silu":
+            return torch.ops.aten.silu.out(x, out=out)
+        if name == "gelu":
+            return torch.ops.aten.gelu.out(x, out=out)
+        return torch.clamp(x, min=0, out=out)
     if name == "silu":
         return F.silu(x)
     if name == "gelu":
@@ -33,16 +40,36 @@ def _act(x: Tensor, name: str) -> Tensor:
     return F.relu(x)
 
 
-def _act_grad(x: Tensor, name: str) -> Tensor:
-    """d act / dx, written out so the inner gradient needs no autograd (and stays differentiable)."""
+def _act_backward(g: Tensor, x: Tensor, name: str, out: Tensor | None = None) -> Tensor:
+    """g * act'(x) as one fused kernel (act' is never materialised), written into `out` if given.
+    Differentiable where the fused kernel has a derivative (gelu, relu); for silu, whose fused kernel has
+    none, the formula is used when autograd records (and `out` is not supported)."""
+    if out is not None:
+        if name == "gelu":
+            return torch.ops.aten.gelu_backward.grad_input(g, x, grad_input=out)
+        if name == "relu":
+            return torch.ops.aten.threshold_backward.grad_input(g, x, 0, grad_input=out)
+        return torch.ops.aten.silu_backward.grad_input(g, x, grad_input=out)
+    if name == "gelu":
+        return torch.ops.aten.gelu_backward(g, x)
+    if name == "relu":
+        return torch.ops.aten.threshold_backward(g, x, 0)
+    if torch.is_grad_enabled() and (g.requires_grad or x.requires_grad):
+        s = torch.sigmoid(x)
+        return g * (s * (1 + x * (1 - s)))
+    return torch.ops.aten.silu_backward(g, x)
+
+
+def _act_second(x: Tensor, name: str) -> Tensor | None:
+    """act''(x) (None for relu, where it is 0): it carries the outer gradient through the inner one."""
     if name == "silu":
         s = torch.sigmoid(x)
-        return s * (1 + x * (1 - s))
+        return (s * (1 - s)).mul_(x * (1 - 2 * s) + 2)
     if name == "gelu":
-        cdf = 0.5 * (1 + torch.erf(x * 0.7071067811865476))
-        pdf = torch.exp(-0.5 * x * x) * 0.3989422804014327
-        return cdf + x * pdf
-    return (x > 0).to(x.dtype)
+        x2 = x.square()
+        # pdf(x) (2 - x^2), pdf(x) = exp(-x^2 / 2) / sqrt(2 pi)
+        return torch.mul(x2, -0.3989422804014327).add_(0.7978845608028654).mul_(x2.mul_(-0.5).exp_())
+    return None
 
 
 def memory_forward(
@@ -75,7 +102,7 @@ def _inner_errors(
     deltas, es = [delta], []
     for i in range(len(ws) - 1, 0, -1):
         e = torch.matmul(delta, ws[i].transpose(-1, -2))
-        delta = e * _act_grad(key_zs[i - 1], activation)
+        delta = _act_backward(e, key_zs[i - 1], activation)
         es.append(e)
         deltas.append(delta)
     return deltas[::-1], es[::-1]
@@ -127,30 +154,17 @@ def chunk_coefficients(theta: Tensor, log_eta: Tensor, log_keep: Tensor) -> tupl
     return gamma, beta, seg_a_end[..., 0].exp(), c, seg_e[..., -1, 0].exp()
 
 
-def _act_and_derivs(x: Tensor, name: str, n: int) -> tuple[Tensor, Tensor, Tensor]:
-    """act(x), act'(x) and act''(x[:, :n]): the last carries the outer gradient through the inner one
-    and is needed at the n key rows only."""
-    xk = x[:, :n]
-    if name == "silu":
-        s = torch.sigmoid(x)
-        sk = s[:, :n]
-        return x * s, s + x * s * (1 - s), sk * (1 - sk) * (2 + xk * (1 - 2 * sk))
-    if name == "gelu":
-        cdf = 0.5 * (1 + torch.erf(x * 0.7071067811865476))
-        pdf = torch.exp(-0.5 * x * x) * 0.3989422804014327
-        return x * cdf, cdf + x * pdf, pdf[:, :n] * (2 - xk * xk)
-    return F.relu(x), (x > 0).to(x.dtype), torch.zeros_like(xk)
-
-
-def _chunk_forward(q, k, v, gamma, beta, mix, activation, residual, clip, states, out=None):
+def _chunk_forward(kq, v, gamma, beta, mix, activation, residual, clip, states, out=None):
     """The forward math of `_ChunkStep` (shapes there): y, the surprise norms, the new states, and what
     the backward pass needs. `out`: buffers to write the new states into (only where nothing is saved)."""
-    n = k.shape[1]
+    n = v.shape[1]
     ws = [x[:, 0] for x in states]
     # hs[l]: input of layer l for keys then queries (N, 2n, d_in)
-    out_all, hs, zs = _layers_forward(torch.cat([k, q], 1), ws, activation, residual)
+    out_all, hs, zs = _layers_forward(kq, ws, activation, residual)
     deltas, es = _inner_errors(2 * (out_all[:, :n] - v), ws, [z[:, :n] for z in zs], activation)
-    sq = sum(h[:, :n].pow(2).sum(-1) * d.pow(2).sum(-1) for h, d in zip(hs, deltas))
+    # per layer ||a_l||^2 and ||delta_l||^2: (N, n, 2 depth), kept for the backward pass
+    sq_parts = torch.stack([_sq_norm(t) for h, d in zip(hs, deltas) for t in (h[:, :n], d)], -1)
+    sq = sq_parts[..., 0::2].mul(sq_parts[..., 1::2]).sum(-1)
     norm = sq.clamp_min(1e-30).sqrt()  # ||u_t|| = sqrt(sum_l ||a_l||^2 ||delta_l||^2)
     scale = clip_scale(norm, clip) if clip is not None else torch.ones_like(norm)
     coef = _write_coefficients(gamma, beta, scale)
@@ -164,7 +178,17 @@ def _chunk_forward(q, k, v, gamma, beta, mix, activation, residual, clip, states
         new.view(x.shape[0], -1, x.shape[-1]).baddbmm_(_scaled_inputs(h[:, :n], coef).transpose(1, 2), d)
         new_states.append(new)
     # the hidden activations and errors are cheap to recompute from zs and es: not kept
-    return out_all[:, n:], norm, new_states, (sq, norm, scale, hs[0], deltas[-1], *zs, *es)
+    return out_all[:, n:], norm, new_states, (sq, sq_parts, norm, scale, hs[0], deltas[-1], *zs, *es)
+
+
+def _sq_norm(x: Tensor) -> Tensor:
+    """||x||^2 over the last dim, as one fused reduction (no squared temporary)."""
+    return torch.linalg.vector_norm(x, dim=-1).square()
+
+
+def _rhs_buffer(like: Tensor, n: int, with_deltas: bool) -> Tensor:
+    """An empty (N, 2n, d) or, with the n rows of a delta appended, (N, 3n, d) buffer like `like`."""
+    return like.new_empty(like.shape[0], (3 if with_deltas else 2) * n, like.shape[-1])
 
 
 def _write_coefficients(gamma: Tensor, beta: Tensor, scale: Tensor) -> Tensor:
@@ -202,7 +226,8 @@ class _GradBuffers:
 class _ChunkStep(torch.autograd.Function):
     """One complete chunk: read M(q; W_0), take every key's inner gradient at W_0, write the chunk.
 
-    N = batch * heads. q, k, v: (N, n, d); gamma, beta: (N, n); mix: (N, 2, 2) = [[A_b, c], [0, E_b]];
+    N = batch * heads. kq: (N, 2n, d) the chunk's keys then its queries; v: (N, n, d); gamma, beta: (N, n);
+    mix: (N, 2, 2) = [[A_b, c], [0, E_b]];
     states: per layer X = [W; S] stacked, (N, 2, d_in, d_out). Returns y (N, n, d), the surprise norms
     (N, n) and per layer X' = mix @ X - [a^T (gamma * delta); a^T (beta * delta)].
 
@@ -214,10 +239,10 @@ class _ChunkStep(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, gamma, beta, mix, activation, residual, clip, grad_slot, *states):
+    def forward(ctx, kq, v, gamma, beta, mix, activation, residual, clip, grad_slot, *states):
         ctx.set_materialize_grads(False)
         y, norm, new_states, saved = _chunk_forward(
-            q, k, v, gamma, beta, mix, activation, residual, clip, states
+            kq, v, gamma, beta, mix, activation, residual, clip, states
         )
         ctx.activation, ctx.residual, ctx.clip, ctx.depth = activation, residual, clip, len(states)
         ctx.grad_slot = grad_slot  # (_GradBuffers, slot) for the state gradients this step returns
@@ -229,18 +254,21 @@ class _ChunkStep(torch.autograd.Function):
     def backward(ctx, g_y, g_norm, *g_new):
         depth, act = ctx.depth, ctx.activation
         saved = list(ctx.saved_tensors)
-        gamma, beta, mix, sq, norm, scale, h0, delta_out = saved[:8]
-        zs, es, states = saved[8 : 7 + depth], saved[7 + depth : 6 + 2 * depth], saved[6 + 2 * depth :]
+        gamma, beta, mix, sq, sq_parts, norm, scale, h0, delta_out = saved[:9]
+        zs, es, states = saved[9 : 8 + depth], saved[8 + depth : 7 + 2 * depth], saved[7 + 2 * depth :]
         n_seq, n = gamma.shape
-        derivs = [_act_and_derivs(z, act, n) for z in zs]  # per hidden layer: act, act', act'' (keys)
-        hs = [h0] + [d[0] for d in derivs]
-        deltas = [e * d[1][:, :n] for e, d in zip(es, derivs)] + [delta_out]
+        # layer l >= 1's input act(z) (recomputed) fills the first 2n rows of a (N, 3n, d_in) buffer whose
+        # last n rows later take e_l's gradient: the two left factors of W_l's gradient, without a cat
+        lhs_bufs = [z.new_empty(n_seq, 3 * n, z.shape[-1]) for z in zs]
+        hs = [h0] + [_act(z, act, out=buf[:, : 2 * n]) for z, buf in zip(zs, lhs_bufs)]
+        z_keys = [z[:, :n] for z in zs]
+        deltas = [_act_backward(e, z, act) for e, z in zip(es, z_keys)] + [delta_out]
         ws = [x[:, 0] for x in states]
         needs = ctx.needs_input_grad
         coef = _write_coefficients(gamma, beta, scale)
 
         # 1. X' = mix @ X + U: grads of mix (all four inner products in one pass), of X and of U (= g_new)
-        g_mix = torch.zeros_like(mix) if needs[5] else None
+        g_mix = torch.zeros_like(mix) if needs[4] else None
         g_states, g_a, g_delta = [], [], []
         g_coef = torch.zeros(n_seq, n, 2, dtype=gamma.dtype, device=gamma.device)
         for i, (x, gx) in enumerate(zip(states, g_new)):
@@ -253,7 +281,7 @@ class _ChunkStep(torch.autograd.Function):
             g_flat = gx.reshape(n_seq, 2, -1)
             if g_mix is not None:
                 g_mix.baddbmm_(g_flat, x.flatten(2).transpose(1, 2))
-            if needs[10 + i]:
+            if needs[9 + i]:
                 g_x = ctx.grad_slot[0].take(ctx.grad_slot[1], i, x)
                 torch.bmm(mix.transpose(1, 2), g_flat, out=g_x.view(n_seq, 2, -1))
                 g_states.append(g_x)
@@ -263,12 +291,12 @@ class _ChunkStep(torch.autograd.Function):
             g_u = g_flat.view(n_seq, -1, x.shape[-1])  # (N, 2 d_in, d_out)
             g_delta.append(torch.bmm(_scaled_inputs(h, coef), g_u))
             g_scaled = torch.bmm(d, g_u.transpose(1, 2)).view(n_seq, n, 2, -1)  # dL/dA: (N, n, 2, d_in)
-            g_a.append((g_scaled * coef).sum(-2))
+            g_a.append(torch.matmul(coef.transpose(-1, -2), g_scaled).squeeze(-2))
             g_coef += (g_scaled * h.unsqueeze(-2)).sum(-1)
 
         # 3. coef = -(gamma, beta) * scale
-        g_gamma = -g_coef[..., 0] * scale if needs[3] else None
-        g_beta = -g_coef[..., 1] * scale if needs[4] else None
+        g_gamma = -g_coef[..., 0] * scale if needs[2] else None
+        g_beta = -g_coef[..., 1] * scale if needs[3] else None
         if ctx.clip is not None:
             # scale = min(1, clip / max(norm, 1e-12)), with the gradient masks autograd would apply
             nc = norm.clamp_min(1e-12)
@@ -283,38 +311,49 @@ class _ChunkStep(torch.autograd.Function):
             g_sq = torch.where(sq >= 1e-30, g_norm * 0.5 / norm, 0.0).unsqueeze(-1)
             for i in range(depth):
                 h, d = hs[i][:, :n], deltas[i]
-                g_a[i] = g_a[i] + (2 * g_sq * d.pow(2).sum(-1, keepdim=True)) * h
-                g_delta[i] = g_delta[i] + (2 * g_sq * h.pow(2).sum(-1, keepdim=True)) * d
+                g_a[i].addcmul_(2 * g_sq * sq_parts[..., 2 * i + 1 : 2 * i + 2], h)
+                g_delta[i].addcmul_(2 * g_sq * sq_parts[..., 2 * i : 2 * i + 1], d)
 
         # 5. the inner backprop: delta_l = e_l * act'(p_l), e_l = delta_{l+1} W_{l+1}^T
         g_e, g_pre_keys = [], []
         for i in range(depth - 1):
-            _, d1, d2 = derivs[i]
-            g_e.append(g_delta[i] * d1[:, :n])
-            g_pre_keys.append(g_delta[i] * es[i] * d2)
+            g_e.append(_act_backward(g_delta[i], z_keys[i], act, out=lhs_bufs[i][:, 2 * n :]))
+            second = _act_second(z_keys[i], act)
+            g_pre_keys.append(None if second is None else second.mul_(g_delta[i]).mul_(es[i]))
             g_delta[i + 1] = g_delta[i + 1].baddbmm(g_e[i], ws[i + 1])
         g_v = -2 * g_delta[-1]
-        g_y = torch.zeros_like(g_v) if g_y is None else g_y
-        g_z = torch.cat([-g_v, g_y], 1)  # (N, 2n, d): keys' outputs, then queries'
 
-        # 6. the read (and the keys' forward), last layer first
-        g_h0 = g_z if ctx.residual else None
+        # 6. the read (and the keys' forward), last layer first. rhs: (N, 2n, d_out) the gradient g_z of
+        # the layer's output (keys' rows, then queries'), for l >= 1 followed by delta_l's n rows
+        rhs = _rhs_buffer(g_v, n, depth > 1)
+        rhs[:, :n] = g_delta[-1].mul_(2)  # = -g_v: the keys' outputs
+        if g_y is None:
+            rhs[:, n : 2 * n].zero_()
+        else:
+            rhs[:, n : 2 * n] = g_y
+        g_h0 = rhs[:, : 2 * n] if ctx.residual else None
         for i in range(depth - 1, -1, -1):
-            if needs[10 + i]:
+            g_z = rhs[:, : 2 * n]
+            if needs[9 + i]:
                 # the three uses of W_l (read, inner backprop, state update) in one baddbmm
-                lhs, rhs = hs[i], g_z
+                lhs = hs[i]
                 if i > 0:
-                    lhs, rhs = torch.cat([lhs, g_e[i - 1]], 1), torch.cat([rhs, deltas[i]], 1)
+                    lhs = lhs_bufs[i - 1]
+                    rhs[:, 2 * n :] = deltas[i]
+                else:
+                    rhs = g_z
                 if g_states[i] is None:
                     g_states[i] = ctx.grad_slot[0].take(ctx.grad_slot[1], i, states[i]).zero_()
                 g_states[i][:, 0].baddbmm_(lhs.transpose(1, 2), rhs)
             g_h = torch.bmm(g_z, ws[i].transpose(1, 2))
             g_h[:, :n] += g_a[i]
             if i > 0:
-                g_z = g_h * derivs[i - 1][1]
-                g_z[:, :n] += g_pre_keys[i - 1]
+                rhs = _rhs_buffer(g_h, n, i > 1)
+                g_z = _act_backward(g_h, zs[i - 1], act, out=rhs[:, : 2 * n])
+                if g_pre_keys[i - 1] is not None:
+                    g_z[:, :n] += g_pre_keys[i - 1]
         g_h0 = g_h if g_h0 is None else g_h + g_h0
-        return (g_h0[:, n:], g_h0[:, :n], g_v, g_gamma, g_beta, g_mix, None, None, None, None, *g_states)
+        return (g_h0, g_v, g_gamma, g_beta, g_mix, None, None, None, None, *g_states)
 
 
 def _read_and_grads(
@@ -349,17 +388,21 @@ def _run_chunks(
 ):
     """Consecutive complete chunks. q, k, v: (N, m * b, d); gamma, beta: (N, m, b); mix: (N, m, 2, 2)."""
     ys, norms = [], []
-    splits = (t.split(chunk_size, dim=1) for t in (q, k, v))
+    n_seq, length, dim = k.shape
+    # each chunk's keys then its queries, contiguous (the rows that go through the MLP together): one copy
+    # here instead of one per chunk
+    shape = (n_seq, length // chunk_size, chunk_size, dim)
+    kq = torch.stack([k.view(shape), q.view(shape)], 2).flatten(2, 3)
     # Without autograd no state is kept, so two buffers per layer take turns. Besides sparing a fresh
     # weight-sized allocation per chunk, this keeps glibc's heap from fragmenting: freed state-sized holes
     # that small long-lived tensors land in cannot take the next state, and the heap would grow by about
     # a state per chunk (tens of GiB over a long checkpointed sequence).
     buffers = None if torch.is_grad_enabled() else [[torch.empty_like(x) for x in states] for _ in range(2)]
     grads = _GradBuffers() if buffers is None else None
-    for i, (q_c, k_c, v_c, g_c, b_c, m_c) in enumerate(
-        zip(*splits, gamma.unbind(1), beta.unbind(1), mix.unbind(1))
+    for i, (kq_c, v_c, g_c, b_c, m_c) in enumerate(
+        zip(kq.unbind(1), v.split(chunk_size, dim=1), gamma.unbind(1), beta.unbind(1), mix.unbind(1))
     ):
-        args = (q_c, k_c, v_c, g_c, b_c, m_c, activation, residual, clip)
+        args = (kq_c, v_c, g_c, b_c, m_c, activation, residual, clip)
         if buffers is None:
             y, norm, *states = _ChunkStep.apply(*args, (grads, i % 2), *states)
         else:
