@@ -22,6 +22,7 @@ from titans.layers.state_tree import map_tensors
 from titans.ops.conv import causal_conv_silu
 from titans.ops.memory import ACTIVATIONS, memory_forward, neural_memory_chunked
 from titans.ops.memory_ref import neural_memory_ref
+from titans.ops.norms import l2_normalize, rms_norm
 
 
 @dataclass
@@ -260,7 +261,7 @@ class NeuralMemory(nn.Module):
         else:
             q, k, v = F.silu(qkv).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).contiguous()
         if self.qk_norm:
-            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+            q, k = l2_normalize(q), l2_normalize(k)
         return q, k, v, new_tail
 
     def gates(self, x: Tensor) -> Tensor:
@@ -288,7 +289,7 @@ class NeuralMemory(nn.Module):
         """Per-head read (B, H, T, d) -> output (B, T, dim): norm, gate by x, project."""
         b, h, t, d = y.shape
         if self.norm is not None:
-            y = self.norm(y)
+            y = rms_norm(y, self.norm.weight, self.norm.eps)
         y = y.transpose(1, 2).reshape(b, t, h * d)
         if self.to_gate is not None:
             y = y * torch.sigmoid(self.to_gate(x))

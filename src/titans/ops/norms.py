@@ -1,0 +1,84 @@
+"""Normalisations over the last dim with hand-written backward passes.
+
+Autograd's compositions of `F.normalize` and `F.rms_norm` make about ten passes over the tensor in their
+backward (a node per elementwise op, each with its own temporaries); these make about four. On CPU, where
+such passes are memory-bound, that is most of their cost (`benchmarks/memory_profile.py` compares both).
+The plain-PyTorch functions they are tested against are `F.normalize` and `F.rms_norm`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class _L2Normalize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, eps: float) -> Tensor:
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        denom = norm.clamp_min(eps)
+        y = x / denom
+        ctx.save_for_backward(y, norm, denom)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        y, norm, denom = ctx.saved_tensors
+        # d(x / max(|x|, eps)) = (g - y <g, y>) / |x| where |x| > eps; g / eps where the clamp holds it
+        dot = (g * y).sum(-1, keepdim=True).masked_fill_(norm <= ctx.eps, 0)
+        return torch.addcmul(g, y, dot, value=-1).div_(denom), None
+
+
+def l2_normalize(x: Tensor, eps: float = 1e-12) -> Tensor:
+    """x / max(||x||, eps) over the last dim: `F.normalize(x, dim=-1, eps=eps)`, with a fused backward on
+    CPU (elsewhere `F.normalize` itself, whose kernels are fused by the backend)."""
+    if x.device.type != "cpu":
+        return F.normalize(x, dim=-1, eps=eps)
+    return _L2Normalize.apply(x, eps)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+        # in at least float32, as F.rms_norm does
+        acc = torch.promote_types(x.dtype, torch.float32)
+        rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=acc)
+        rstd = rstd.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+        y = x * rstd.to(x.dtype)
+        if weight is not None:
+            y.mul_(weight.to(x.dtype))
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        r = rstd.to(x.dtype)
+        g_w = None
+        if weight is not None:
+            if ctx.needs_input_grad[1]:  # sum over rows of g * x * rstd
+                g_w = (g * x).mul_(r).flatten(0, -2).sum(0, dtype=rstd.dtype).to(weight.dtype)
+            g = g * weight.to(x.dtype)
+        if not ctx.needs_input_grad[0]:
+            return None, g_w, None
+        # g_x = rstd (g - x rstd^2 <g, x> / d)
+        dot = (g * x).sum(-1, keepdim=True, dtype=rstd.dtype)
+        coef = (dot * rstd.pow(3) / x.shape[-1]).to(x.dtype)
+        return torch.mul(g, r).addcmul_(x, coef, value=-1), g_w, None
+
+
+def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float | None = None) -> Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim: `F.rms_norm(x, (d,), weight, eps)` (eps None:
+    the dtype's machine epsilon, as there), with a fused backward on CPU (elsewhere `F.rms_norm` itself)."""
+    if x.device.type != "cpu":
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    return _RMSNorm.apply(x, weight, eps)
+
+
+__all__ = ["l2_normalize", "rms_norm"]

@@ -1,0 +1,47 @@
+"""The fused-backward normalisations == their plain-PyTorch references (values and gradients)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titans.ops.norms import l2_normalize, rms_norm
+
+F64 = torch.float64
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 7), (2, 1, 4, 1), (9,)])
+def test_l2_normalize_matches_f_normalize(shape):
+    torch.manual_seed(0)
+    x = torch.randn(*shape, dtype=F64)
+    if len(shape) > 1:
+        x[..., 0, :] = 0  # a zero row: the eps clamp holds it
+    x.requires_grad_()
+    torch.testing.assert_close(l2_normalize(x), F.normalize(x, dim=-1), rtol=1e-13, atol=1e-13)
+    g = torch.randn(shape, dtype=F64)
+    (ours,) = torch.autograd.grad(l2_normalize(x), x, g)
+    (ref,) = torch.autograd.grad(F.normalize(x, dim=-1), x, g)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(l2_normalize, (torch.randn(*shape, dtype=F64, requires_grad=True),))
+
+
+@pytest.mark.parametrize("with_weight", [True, False])
+@pytest.mark.parametrize("eps", [None, 1e-5])
+def test_rms_norm_matches_f_rms_norm(with_weight, eps):
+    torch.manual_seed(1)
+    x = torch.randn(3, 4, 7, dtype=F64, requires_grad=True)
+    w = torch.randn(7, dtype=F64, requires_grad=True) if with_weight else None
+    torch.testing.assert_close(rms_norm(x, w, eps), F.rms_norm(x, (7,), w, eps), rtol=1e-13, atol=1e-13)
+    g = torch.randn_like(x)
+    leaves = [x, w] if with_weight else [x]
+    ours = torch.autograd.grad(rms_norm(x, w, eps), leaves, g)
+    ref = torch.autograd.grad(F.rms_norm(x, (7,), w, eps), leaves, g)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda *t: rms_norm(*t, eps=eps), tuple(leaves))
+
+
+def test_float32_close_to_float64():
+    torch.manual_seed(2)
+    x, w = torch.randn(2, 3, 64), torch.randn(64)
+    torch.testing.assert_close(rms_norm(x, w), F.rms_norm(x.double(), (64,), w.double()).float())
+    torch.testing.assert_close(l2_normalize(x), F.normalize(x.double(), dim=-1).float())
