@@ -3,10 +3,13 @@
 
 1. the layer, and the share of its time in matmuls (torch.profiler, by op name);
 2. the causal conv + SiLU on the (2, 2048, 3072) q/k/v projections: cache-sized blocks (the default),
-   one whole-tensor block, and `F.conv1d` (the reference), and its share of the layer;
+   one whole-tensor block, and `F.conv1d` (the reference), and its share of the layer; and, for scale,
+   oneDNN's depthwise conv on the channels-last view (forward, input gradient, weight gradient apart);
 3. the layer with the backward's state gradients in reused buffers (the default) vs a fresh tensor per
    chunk, alternating in one process;
-4. a 2048^3 matmul in float32 and bfloat16 (whether bf16 could help on this CPU).
+4. the q/k l2 normalisation and the output RMSNorm on a (2, 4, 2048, 256) read, fwd+bwd: the fused-backward
+   versions in `titans.ops.norms` against `F.normalize` / `F.rms_norm`;
+5. a 2048^3 matmul in float32 and bfloat16 (whether bf16 could help on this CPU).
 
     python benchmarks/memory_profile.py [--threads 2] [--reps 5] [--json]
 """
@@ -58,6 +61,8 @@ def layer_rows(reps: int) -> tuple[list[dict], float]:
 
 
 def conv_rows(reps: int, layer_ms: float) -> list[dict]:
+    import torch.nn.functional as F
+
     import titans.ops.conv as conv
 
     torch.manual_seed(0)
@@ -84,6 +89,24 @@ def conv_rows(reps: int, layer_ms: float) -> list[dict]:
         ms = median_ms(fn, reps)
         rows.append({"what": name, "ms": ms, "share_of_layer": ms / layer_ms})
     conv._BLOCK_ELEMENTS = blocked
+    # oneDNN's depthwise conv on the channels-last (B, C, 1, T) view of the (B, T, C) rows (no copies), its
+    # pieces timed apart: how far a library kernel gets (no SiLU, no causal tail here)
+    c, t = x.shape[2], x.shape[1]
+    x_cl = x.detach().view(2, 1, t, c).permute(0, 3, 1, 2)
+    w_2d = weight.detach().view(c, 1, 1, 4)
+    g_cl = torch.randn(2, t - 3, c).view(2, 1, t - 3, c).permute(0, 3, 1, 2)
+
+    def backward(mask):
+        args = (g_cl, x_cl, w_2d, [c], [1, 1], [0, 0], [1, 1], False, [0, 0], c, mask)
+        return lambda: torch.ops.aten.convolution_backward(*args)
+
+    with torch.no_grad():
+        for name, fn in (
+            ("oneDNN channels-last conv, forward", lambda: F.conv2d(x_cl, w_2d, bias.detach(), groups=c)),
+            ("oneDNN ..., input gradient", backward([True, False, False])),
+            ("oneDNN ..., weight + bias gradient", backward([False, True, True])),
+        ):
+            rows.append({"what": name, "ms": median_ms(fn, reps)})
     return rows
 
 
@@ -115,6 +138,24 @@ def grad_buffer_rows(reps: int) -> list[dict]:
         {"what": f"state gradients, {name} buffers", "ms": 1e3 * statistics.median(ts[1:])}
         for name, ts in times.items()
     ]
+
+
+def norm_rows(reps: int) -> list[dict]:
+    import torch.nn.functional as F
+
+    from titans.ops.norms import l2_normalize, rms_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 2048, 256, requires_grad=True)
+    weight = torch.randn(256, requires_grad=True)
+    grad = torch.randn_like(x)
+    cases = (
+        ("l2 normalize, titans.ops.norms", lambda: l2_normalize(x)),
+        ("l2 normalize, F.normalize", lambda: F.normalize(x, dim=-1)),
+        ("RMSNorm, titans.ops.norms", lambda: rms_norm(x, weight)),
+        ("RMSNorm, F.rms_norm", lambda: F.rms_norm(x, (256,), weight)),
+    )
+    return [{"what": name, "ms": median_ms(lambda fn=fn: fn().backward(grad), reps)} for name, fn in cases]
 
 
 def matmul_rows(reps: int) -> list[dict]:
@@ -152,6 +193,7 @@ def main() -> None:
         "layer": layer,
         "conv": conv_rows(args.reps, layer_ms),
         "state_gradients": grad_buffer_rows(args.reps),
+        "norms": norm_rows(args.reps),
         "matmul": matmul_rows(args.reps),
     }
     print(f"{args.threads} threads, median of {args.reps}")

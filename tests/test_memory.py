@@ -380,6 +380,22 @@ def test_bad_config_names_field(kwargs, field):
         NeuralMemory(16, **kwargs)
 
 
+@pytest.mark.parametrize("activation", ["gelu", "silu"])
+def test_cpu_bf16_autocast_matches_float32(activation):
+    """Under bf16 autocast the projections run in bf16 and the memory in its float32 state dtype (mixed
+    dtypes once broke the chunk step's in-place updates, forward and backward)."""
+    torch.manual_seed(0)
+    mem = NeuralMemory(64, heads=2, depth=2, chunk_size=16, activation=activation)
+    x = torch.randn(2, 100, 64, requires_grad=True)
+    y32, _ = mem(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y16, state = mem(x)
+        y16.float().sum().backward()
+    assert state.weights[0].dtype == torch.float32
+    assert torch.isfinite(y16).all() and torch.isfinite(x.grad).all()
+    assert (y16.float() - y32).abs().max() < 0.1 * y32.abs().max()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_bf16_matches_float32():

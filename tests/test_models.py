@@ -184,6 +184,22 @@ def test_long_sequence_sliding_window_is_linear_memory():
         assert logits.shape == (1, 32768, 64) and torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cpu_bf16_autocast(variant):
+    """Forward and backward inside a bf16 autocast region (as a training step may run them): the memory
+    runs in its float32 state dtype, its backward too, and the logits stay near float32's."""
+    torch.manual_seed(0)
+    model = TitansLM(tiny(variant))
+    tokens = torch.randint(0, 64, (2, 40))
+    ref, _ = model(tokens)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, _ = model(tokens)
+        logits.float().logsumexp(-1).mean().backward()
+    assert torch.isfinite(logits).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert (logits.float() - ref).abs().max() < 0.1 * ref.abs().max() + 0.1
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("variant", VARIANTS)

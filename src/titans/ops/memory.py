@@ -18,6 +18,8 @@ memory layer, (B, H, d_in, d_out). `log_keep = log(1 - alpha)`; both log-gates a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -31,7 +33,9 @@ def _act(x: Tensor, name: str, out: Tensor | None = None) -> Tensor:
         if name == "silu":
             return torch.ops.aten.silu.out(x, out=out)
         if name == "gelu":
-            return torch.ops.aten.gelu.out(x, out=out)
+            # not gelu.out: in torch 2.13 its float32 CPU kernel ignores a strided out's strides and writes
+            # contiguously from its first element (tests/test_memory_checkpointing.py catches this)
+            return out.copy_(F.gelu(x))
         return torch.clamp(x, min=0, out=out)
     if name == "silu":
         return F.silu(x)
@@ -201,6 +205,20 @@ def _scaled_inputs(a: Tensor, coef: Tensor) -> Tensor:
     return (a.unsqueeze(-2) * coef).flatten(-2)
 
 
+def _without_autocast(backward):
+    """Run a Function's backward with autocast off, as its forward ran (`neural_memory_chunked` turns it
+    off): a backward called inside an autocast region would otherwise run its matmuls in bf16 and meet the
+    float32 state gradients in in-place ops."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        tensors = [g for g in grads if g is not None] or list(ctx.saved_tensors)
+        with torch.autocast(tensors[0].device.type, enabled=False):
+            return backward(ctx, *grads)
+
+    return wrapper
+
+
 class _GradBuffers:
     """Two state-gradient buffers per layer that the chunk steps of one `_run_chunks` call take turns with
     in the backward pass (chunk c writes slot c % 2).
@@ -251,6 +269,7 @@ class _ChunkStep(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @_without_autocast
     def backward(ctx, g_y, g_norm, *g_new):
         depth, act = ctx.depth, ctx.activation
         saved = list(ctx.saved_tensors)
@@ -429,6 +448,7 @@ class _CheckpointedChunks(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @_without_autocast
     def backward(ctx, *grads):
         needs = ctx.needs_input_grad[1:]
         inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
@@ -476,6 +496,24 @@ def neural_memory_chunked(
     """
     if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
         raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
+    if torch.is_autocast_enabled(q.device.type):
+        # The memory runs in its state's dtype, not autocast's: the state's in-place updates need one dtype,
+        # and a bf16 state would lose each write's small increments. q, k, v (often bf16 there) are cast.
+        with torch.autocast(q.device.type, enabled=False):
+            dtype = weights[0].dtype
+            return neural_memory_chunked(
+                *(x.to(dtype) for x in (q, k, v)),
+                theta,
+                log_eta,
+                log_keep,
+                weights,
+                momentum,
+                chunk_size=chunk_size,
+                activation=activation,
+                residual=residual,
+                surprise_clip=surprise_clip,
+                checkpoint_every=checkpoint_every,
+            )
     batch, heads, seq, dim = q.shape
     b = chunk_size
     n_full = seq // b
