@@ -213,3 +213,16 @@ def test_cuda_bf16_autocast(variant):
         logits.float().logsumexp(-1).mean().backward()
     assert torch.isfinite(logits).all()
     assert (logits.float() - ref).abs().max() < 0.1 * ref.abs().max() + 0.1
+
+
+def test_state_config_is_read_only():
+    """Every state a model returns carries the model's one config mapping: it must not be mutable, or
+    changing one state's would change all of them and the model's check of states."""
+    torch.manual_seed(0)
+    model = TitansLM(tiny("mac"))
+    tokens = torch.randint(0, 64, (1, 12))
+    _, first = model(tokens[:, :5])
+    _, second = model(tokens[:, 5:], state=first)
+    assert first.config is second.config
+    with pytest.raises(TypeError):
+        first.config["dim"] = 1

@@ -25,6 +25,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -182,7 +183,7 @@ def save_state(state: TitansState, path: str | Path) -> Path:
     metadata = {
         "format": "pt",
         "titans.state_format": str(FORMAT_VERSION),
-        "titans.config": json.dumps(state.config),
+        "titans.config": json.dumps(dict(state.config) if state.config is not None else None),
         "titans.position": str(int(state.position)),
         "titans.layers": json.dumps(layers),
         "titans.sha256": _digest(tensors),
@@ -260,7 +261,9 @@ def load_state(path: str | Path, map_location: str | torch.device = "cpu", model
         raise StateFileError(f"{str(path)!r} holds tensors no layer uses: {extra[:5]}")
     if _digest(tensors) != header["sha256"]:
         raise StateFileError(f"{str(path)!r} is corrupted: its tensors do not match the header checksum")
-    state = TitansState(layers, header["position"], header["config"])
+    config = header["config"]
+    # read-only, as the states a model returns carry it
+    state = TitansState(layers, header["position"], None if config is None else MappingProxyType(config))
     if str(map_location) != "cpu":
         state = map_state(state, lambda t: t.to(map_location))
     if model is not None:

@@ -9,7 +9,9 @@ at a cost per token that does not grow with context for the memory and sliding-w
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 from torch import Tensor, nn
@@ -57,7 +59,7 @@ class TitansState:
 
     layers: list = field(default_factory=list)
     position: int = 0
-    config: dict | None = None
+    config: Mapping | None = None
 
     def save(self, path) -> None:
         from titans.inference.state_io import save_state
@@ -112,10 +114,11 @@ class TitansLM(nn.Module):
         return n
 
     @property
-    def config_dict(self) -> dict:
-        """`config.to_dict()`, built once: every returned state carries it (one per decoded token)."""
+    def config_dict(self) -> Mapping:
+        """`config.to_dict()`, built once and read-only: every returned state carries this one mapping (one
+        state per decoded token), so no state may change it under the others."""
         if getattr(self, "_config_dict", None) is None:
-            self._config_dict = self.config.to_dict()
+            self._config_dict = MappingProxyType(self.config.to_dict())
         return self._config_dict
 
     def check_state(self, state: TitansState) -> None:

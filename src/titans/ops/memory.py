@@ -45,9 +45,9 @@ def _act(x: Tensor, name: str, out: Tensor | None = None) -> Tensor:
 
 
 def _act_backward(g: Tensor, x: Tensor, name: str, out: Tensor | None = None) -> Tensor:
-    """g * act'(x) as one fused kernel (act' is never materialised), written into `out` if given.
-    Differentiable where the fused kernel has a derivative (gelu, relu); for silu, whose fused kernel has
-    none, the formula is used when autograd records (and `out` is not supported)."""
+    """g * act'(x) as one fused kernel (act' is never materialised), written into `out` if given (for use
+    without autograd). Differentiable where the fused kernel has a derivative (gelu, relu); for silu, whose
+    fused kernel has none, the formula is used when autograd records."""
     if out is not None:
         if name == "gelu":
             return torch.ops.aten.gelu_backward.grad_input(g, x, grad_input=out)
