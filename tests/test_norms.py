@@ -41,7 +41,11 @@ def test_rms_norm_matches_f_rms_norm(with_weight, eps):
 
 
 def test_float32_close_to_float64():
+    """In float32 (the hand-written path runs when autograd records; without it, F.* itself)."""
     torch.manual_seed(2)
-    x, w = torch.randn(2, 3, 64), torch.randn(64)
-    torch.testing.assert_close(rms_norm(x, w), F.rms_norm(x.double(), (64,), w.double()).float())
-    torch.testing.assert_close(l2_normalize(x), F.normalize(x.double(), dim=-1).float())
+    x, w = torch.randn(2, 3, 64, requires_grad=True), torch.randn(64, requires_grad=True)
+    x64, w64 = x.detach().double(), w.detach().double()
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            torch.testing.assert_close(rms_norm(x, w), F.rms_norm(x64, (64,), w64).float())
+            torch.testing.assert_close(l2_normalize(x), F.normalize(x64, dim=-1).float())

@@ -13,6 +13,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def _records_grad(*tensors: Tensor | None) -> bool:
+    """Whether autograd records this call: only then does a hand-written backward matter (without it, as
+    in decoding, `F.*`'s fused forward kernels and no Function overhead are the better choice)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 class _L2Normalize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, eps: float) -> Tensor:
@@ -34,8 +40,8 @@ class _L2Normalize(torch.autograd.Function):
 
 def l2_normalize(x: Tensor, eps: float = 1e-12) -> Tensor:
     """x / max(||x||, eps) over the last dim: `F.normalize(x, dim=-1, eps=eps)`, with a fused backward on
-    CPU (elsewhere `F.normalize` itself, whose kernels are fused by the backend)."""
-    if x.device.type != "cpu":
+    CPU when autograd records (otherwise, and off CPU, `F.normalize` itself)."""
+    if x.device.type != "cpu" or not _records_grad(x):
         return F.normalize(x, dim=-1, eps=eps)
     return _L2Normalize.apply(x, eps)
 
@@ -73,8 +79,9 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float | None = None) -> Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim: `F.rms_norm(x, (d,), weight, eps)` (eps None:
-    the dtype's machine epsilon, as there), with a fused backward on CPU (elsewhere `F.rms_norm` itself)."""
-    if x.device.type != "cpu":
+    the dtype's machine epsilon, as there), with a fused backward on CPU when autograd records (otherwise,
+    and off CPU, `F.rms_norm` itself)."""
+    if x.device.type != "cpu" or not _records_grad(x, weight):
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     if eps is None:
         eps = torch.finfo(x.dtype).eps
