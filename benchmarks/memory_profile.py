@@ -2,8 +2,9 @@
 256 -> 1024 -> 256, chunk 64), forward + backward. One process, medians of --reps runs, printed as tables:
 
 1. the layer, and the share of its time in matmuls (torch.profiler, by op name);
-2. the causal conv + SiLU on the (2, 2048, 3072) q/k/v projections: cache-sized blocks (the default),
-   one whole-tensor block, and `F.conv1d` (the reference), and its share of the layer; and, for scale,
+2. the causal conv + SiLU on the (2, 2048, 3072) q/k/v projections: the fused C++ kernel (the default on
+   CPU), the torch-op path in cache-sized blocks (its fallback) and as one whole-tensor block, and
+   `F.conv1d` (the reference), and its share of the layer; and, for scale,
    oneDNN's depthwise conv on the channels-last view (forward, input gradient, weight gradient apart);
 3. the layer with the backward's state gradients in reused buffers (the default) vs a fresh tensor per
    chunk, alternating in one process;
@@ -80,15 +81,20 @@ def conv_rows(reps: int, layer_ms: float) -> list[dict]:
     def reference():  # as the layer used to run it: tail and rows concatenated first
         conv.causal_conv_silu_ref(torch.cat([tail, x], 1), weight, bias).backward(grad)
 
-    for name, fn, block_elements in (
-        ("conv + SiLU, cache-sized blocks", fast, blocked),
-        ("conv + SiLU, one block", fast, 1 << 62),
-        ("F.conv1d reference", reference, blocked),
+    kernels = conv.kernels
+    for name, fn, block_elements, use_kernel in (
+        ("conv + SiLU, fused C++ kernel", fast, blocked, True),
+        ("conv + SiLU, torch ops in blocks", fast, blocked, False),
+        ("conv + SiLU, torch ops, one block", fast, 1 << 62, False),
+        ("F.conv1d reference", reference, blocked, False),
     ):
+        if use_kernel and kernels() is None:
+            continue  # not built here: the layer row above ran the torch-op path
         conv._BLOCK_ELEMENTS = block_elements
+        conv.kernels = kernels if use_kernel else (lambda: None)
         ms = median_ms(fn, reps)
         rows.append({"what": name, "ms": ms, "share_of_layer": ms / layer_ms})
-    conv._BLOCK_ELEMENTS = blocked
+    conv._BLOCK_ELEMENTS, conv.kernels = blocked, kernels
     # oneDNN's depthwise conv on the channels-last (B, C, 1, T) view of the (B, T, C) rows (no copies), its
     # pieces timed apart: how far a library kernel gets (no SiLU, no causal tail here)
     c, t = x.shape[2], x.shape[1]

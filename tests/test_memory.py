@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import shutil
 from functools import partial
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from titans import MemoryState, NeuralMemory
+from titans.ops import cpu_kernels
 from titans.ops.conv import causal_conv_silu, causal_conv_silu_ref
 from titans.ops.memory import memory_forward, neural_memory_chunked, segsum, suffix_sum
 from titans.ops.memory_ref import neural_memory_ref
@@ -168,16 +171,34 @@ def test_gradcheck_chunked_op():
     assert torch.autograd.gradcheck(fn, (args[0], args[1], args[2], args[3], args[5], *w))
 
 
+@pytest.fixture(params=["cpu kernel", "torch ops"])
+def conv_path(request, monkeypatch):
+    """Run a test on the compiled CPU kernel and on the torch-op path (its fallback)."""
+    if request.param == "torch ops":
+        monkeypatch.setattr("titans.ops.conv.kernels", lambda: None)
+    elif cpu_kernels.kernels() is None:
+        pytest.skip("the CPU conv kernel could not be built here")
+    return request.param
+
+
+def test_cpu_kernels_build_where_a_compiler_is():
+    if os.environ.get("TITANS_CPU_KERNELS") == "0" or not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("no C++ compiler (or kernels turned off): the torch-op path is used")
+    assert cpu_kernels.kernels() is not None
+
+
 @pytest.mark.parametrize("kernel, seq, bias", [(4, 13, True), (1, 5, True), (3, 1, False), (4, 2, True)])
 @pytest.mark.parametrize("block_rows", [None, 3, 1])
 @pytest.mark.parametrize("split", [None, (2, 3)])
-def test_causal_conv_silu_matches_conv1d(kernel, seq, bias, block_rows, split, monkeypatch):
+def test_causal_conv_silu_matches_conv1d(kernel, seq, bias, block_rows, split, conv_path, monkeypatch):
     """The (B, T, C) conv + SiLU with its recomputing backward == F.conv1d on (B, C, T) over [tail; x],
-    values and grads (of x, the tail, weight and bias): in one block of time rows and in blocks of 3 and 1
-    rows (a last partial block, taps across block edges and into the tail, sequences shorter than the
-    tail), in the plain layout and written into the split (P, B, H, T, d) layout."""
+    values and grads (of x, the tail, weight and bias), on both paths: in one block of time rows and in
+    blocks of 3 and 1 rows (torch ops: a last partial block, taps across block edges and into the tail;
+    the kernel's backward: tasks of as many padded rows), sequences shorter than the tail, in the plain
+    layout and written into the split (P, B, H, T, d) layout."""
     if block_rows is not None:
         monkeypatch.setattr("titans.ops.conv._BLOCK_ELEMENTS", block_rows * 2 * 12)  # batch 2 x 12 channels
+        monkeypatch.setattr("titans.ops.conv._KERNEL_ROWS", block_rows)
     torch.manual_seed(0)
     channels = 12
     conv = torch.nn.Conv1d(channels, channels, kernel, groups=channels, bias=bias).double()
@@ -203,6 +224,25 @@ def test_causal_conv_silu_matches_conv1d(kernel, seq, bias, block_rows, split, m
     torch.testing.assert_close(
         causal_conv_silu(x, conv.weight, conv.bias), ref(x, torch.zeros_like(tail), conv.weight, conv.bias)
     )
+
+
+def test_causal_conv_silu_float32_paths_agree(conv_path):
+    """float32 at the layer's shape class (many channels, rows across several tasks and blocks): each
+    path against the float64 reference."""
+    torch.manual_seed(1)
+    x, tail = torch.randn(2, 150, 96, requires_grad=True), torch.randn(2, 3, 96, requires_grad=True)
+    weight, bias = torch.randn(96, 1, 4, requires_grad=True), torch.randn(96, requires_grad=True)
+    g = torch.randn(3, 2, 4, 150, 8)
+    out = causal_conv_silu(x, weight, bias, tail, split=(3, 4))
+    grads = torch.autograd.grad(out, (x, tail, weight, bias), g)
+    leaves = [t.detach().double().requires_grad_() for t in (x, tail, weight, bias)]
+    ref = causal_conv_silu_ref(torch.cat([leaves[1], leaves[0]], 1), leaves[2], leaves[3])
+    ref_grads = torch.autograd.grad(ref, leaves, g.double().permute(1, 3, 0, 2, 4).reshape(2, 150, 96))
+    torch.testing.assert_close(
+        out.double().permute(1, 3, 0, 2, 4).reshape(2, 150, 96), ref, rtol=1e-5, atol=1e-5
+    )
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
 
 
 def test_causal_conv_silu_refuses_bad_tail_and_split():

@@ -12,6 +12,7 @@ import torch
 
 from test_memory import assert_close_rel, random_problem
 from titans import NeuralMemory
+from titans.ops import cpu_kernels
 from titans.ops import memory as ops_memory
 from titans.ops.memory import neural_memory_chunked
 from titans.ops.memory_ref import neural_memory_ref
@@ -74,6 +75,42 @@ def test_backward_float32_matches_float64(activation):
     for a, b in zip(out32 + list(grads32), out64 + list(grads64)):
         assert torch.isfinite(a).all()
         assert_close_rel(a.double(), b, 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("want", ["both", "g_x", "g_mix"])
+def test_state_mix_backward_kernel_equals_bmms(dtype, want):
+    """The fused CPU kernel for the state mixing's backward == the two bmms it replaces, in float64 (rows
+    longer than one of its tasks, and shorter)."""
+    kernel = cpu_kernels.kernels()
+    if kernel is None:
+        pytest.skip("the CPU kernels could not be built here")
+    torch.manual_seed(0)
+    for p in (70_000, 37):
+        g, x = torch.randn(3, 2, p, dtype=dtype), torch.randn(3, 2, p, dtype=dtype)
+        mix = torch.randn(3, 2, 2, dtype=dtype)
+        start = torch.randn(3, 2, 2, dtype=dtype)
+        g_x = torch.full_like(g, float("nan")) if want != "g_mix" else None
+        g_mix = start.clone() if want != "g_x" else None
+        kernel.state_mix_backward(g, x, mix, g_x, g_mix)
+        # against float64 bmms (the kernel sums in float64; a float32 bmm is the less exact of the two)
+        g64, x64, mix64 = g.double(), x.double(), mix.double()
+        tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+        if g_x is not None:
+            torch.testing.assert_close(g_x.double(), torch.bmm(mix64.transpose(1, 2), g64), **tol)
+        if g_mix is not None:
+            ref = start.double().baddbmm(g64, x64.transpose(1, 2))
+            torch.testing.assert_close(g_mix.double(), ref, **tol)
+
+
+def test_backward_matches_reference_without_cpu_kernels(monkeypatch):
+    """The torch-op paths (off CPU, or where the kernels cannot be built) against the reference too."""
+    monkeypatch.setattr("titans.ops.memory.kernels", lambda: None)
+    args, w, s = random_problem(2, 2, 19, 4, 2, expansion=4, seed=2)
+    fast_out, fast_grads = outputs_and_grads(neural_memory_chunked, args, w, s, chunk_size=6)
+    ref_out, ref_grads = outputs_and_grads(neural_memory_ref, args, w, s, chunk_size=6)
+    for a, b in zip(fast_out + list(fast_grads), ref_out + list(ref_grads)):
+        assert_close_rel(a, b, 1e-9)
 
 
 def test_gate_gradients_finite_without_momentum():

@@ -8,7 +8,9 @@ Layout is (B, T, C): ``x: (B, T, C)`` are the new rows, ``tail: (B, K - 1, C)`` 
 copies, no concatenation of tail and rows), in cache-sized blocks of time rows, with a hand-written backward
 that keeps only the input and recomputes the pre-activation, so training holds one (B, T, C) tensor for this
 layer instead of three. It can write its output straight into the memory's (3, B, H, T, d) q/k/v layout.
-`causal_conv_silu_ref` is the plain ``F.conv1d`` formulation it is tested against.
+On CPU a fused C++ kernel (`csrc/causal_conv.cpp`, one pass per direction; `titans.ops.cpu_kernels`
+builds it on first use) does the same work where it can be built; the torch-op path is its fallback.
+`causal_conv_silu_ref` is the plain ``F.conv1d`` formulation both are tested against.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from titans.ops.cpu_kernels import kernels
 
 # On CPU, time rows per block of the fused passes: a block of (B, rows, C) holds about this many elements
 # (1 MiB in float32), so its temporaries stay in cache and each (B, T, C) tensor is read or written about
@@ -150,6 +154,37 @@ class _CausalConvSiLU(torch.autograd.Function):
         return g_x, g_tail, g_weight, g_bias.to(bias.dtype) if need_b else None, None
 
 
+class _CausalConvSiLUKernel(torch.autograd.Function):
+    """`_CausalConvSiLU` by the fused C++ kernel: x, tail, the transposed taps (K, C) and the bias in x's
+    dtype, all contiguous."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, tail: Tensor, weight: Tensor, bias: Tensor | None, split) -> Tensor:
+        c, k = weight.shape[0], weight.shape[-1]
+        taps = weight.detach().view(c, k).t().to(x.dtype).contiguous()
+        b = None if bias is None else bias.detach().to(x.dtype).contiguous()
+        ctx.save_for_backward(x, tail, weight, bias)
+        ctx.split, ctx.taps, ctx.bias = split, taps, b
+        p, h = split if split is not None else (0, 0)
+        return kernels().causal_conv_silu_forward(x, tail, taps, b, p, h)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        x, tail, weight, bias = ctx.saved_tensors
+        p, h = ctx.split if ctx.split is not None else (0, 0)
+        g_x, g_tail, g_taps, g_bias = kernels().causal_conv_silu_backward(
+            x, tail, ctx.taps, ctx.bias, g.contiguous(), p, h, _KERNEL_ROWS
+        )
+        g_weight = g_taps.t().reshape(weight.shape).to(weight.dtype) if ctx.needs_input_grad[2] else None
+        g_bias = g_bias.to(bias.dtype) if bias is not None and ctx.needs_input_grad[3] else None
+        return g_x, g_tail, g_weight, g_bias, None
+
+
+# padded rows per task of the kernel's backward (each task also recomputes the K - 1 rows before its own)
+_KERNEL_ROWS = 64
+
+
 def causal_conv_silu(
     x: Tensor,
     weight: Tensor,
@@ -170,7 +205,12 @@ def causal_conv_silu(
             f"causal_conv_silu: tail must be (batch, kernel - 1, channels) = {expected}, "
             f"got {tuple(tail.shape)}"
         )
-    return _CausalConvSiLU.apply(x, tail.to(x.dtype), weight, bias, split)
+    if split is not None:
+        _split_layout(x[:, :0], split)  # refuses a split that does not divide the channels
+    tail = tail.to(x.dtype)
+    if x.device.type == "cpu" and kernels() is not None:
+        return _CausalConvSiLUKernel.apply(x.contiguous(), tail.contiguous(), weight, bias, split)
+    return _CausalConvSiLU.apply(x, tail, weight, bias, split)
 
 
 def causal_conv_silu_ref(padded: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from titans.ops.cpu_kernels import kernels
+
 ACTIVATIONS = ("silu", "gelu", "relu")
 
 
@@ -190,6 +192,23 @@ def _sq_norm(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x, dim=-1).square()
 
 
+def _mix_backward(g: Tensor, x: Tensor, mix: Tensor, g_x: Tensor | None, g_mix: Tensor | None) -> None:
+    """For X' = mix @ X per sequence: g_mix += g @ X^T and g_x = mix^T @ g (either may be None).
+
+    g, x, g_x: (N, 2, P); mix, g_mix: (N, 2, 2). On CPU the fused kernel reads g once for both (the two
+    bmms below each read all of it); elsewhere, or without the kernel, the two bmms."""
+    if g_x is None and g_mix is None:
+        return
+    kernel = kernels() if g.device.type == "cpu" and g.dtype in (torch.float32, torch.float64) else None
+    if kernel is not None:
+        kernel.state_mix_backward(g.contiguous(), x.contiguous(), mix.contiguous(), g_x, g_mix)
+        return
+    if g_mix is not None:
+        g_mix.baddbmm_(g, x.transpose(1, 2))
+    if g_x is not None:
+        torch.bmm(mix.transpose(1, 2), g, out=g_x)
+
+
 def _rhs_buffer(like: Tensor, n: int, with_deltas: bool) -> Tensor:
     """An empty (N, 2n, d) or, with the n rows of a delta appended, (N, 3n, d) buffer like `like`."""
     return like.new_empty(like.shape[0], (3 if with_deltas else 2) * n, like.shape[-1])
@@ -298,14 +317,9 @@ class _ChunkStep(torch.autograd.Function):
                 g_delta.append(torch.zeros_like(d))
                 continue
             g_flat = gx.reshape(n_seq, 2, -1)
-            if g_mix is not None:
-                g_mix.baddbmm_(g_flat, x.flatten(2).transpose(1, 2))
-            if needs[9 + i]:
-                g_x = ctx.grad_slot[0].take(ctx.grad_slot[1], i, x)
-                torch.bmm(mix.transpose(1, 2), g_flat, out=g_x.view(n_seq, 2, -1))
-                g_states.append(g_x)
-            else:
-                g_states.append(None)
+            g_x = ctx.grad_slot[0].take(ctx.grad_slot[1], i, x) if needs[9 + i] else None
+            _mix_backward(g_flat, x.flatten(2), mix, None if g_x is None else g_x.view(n_seq, 2, -1), g_mix)
+            g_states.append(g_x)
             # 2. [U_W; U_S] = A^T delta with A = [c_W a | c_S a]: two matmuls, both halves at once
             g_u = g_flat.view(n_seq, -1, x.shape[-1])  # (N, 2 d_in, d_out)
             g_delta.append(torch.bmm(_scaled_inputs(h, coef), g_u))

@@ -1,0 +1,17 @@
+// The titans CPU kernels as one extension module (titans/ops/cpu_kernels.py builds it on first use).
+#include <torch/extension.h>
+#include <vector>
+
+torch::Tensor forward(torch::Tensor x, torch::Tensor tail, torch::Tensor wt, c10::optional<torch::Tensor> bias,
+                      int64_t P, int64_t H);
+std::vector<torch::Tensor> backward(torch::Tensor x, torch::Tensor tail, torch::Tensor wt,
+                                    c10::optional<torch::Tensor> bias, torch::Tensor g, int64_t P, int64_t H,
+                                    int64_t rows_per_task);
+void state_mix_backward(torch::Tensor g, torch::Tensor x, torch::Tensor mix, c10::optional<torch::Tensor> g_x,
+                        c10::optional<torch::Tensor> g_mix);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("causal_conv_silu_forward", &forward, "causal depthwise conv + SiLU, forward");
+  m.def("causal_conv_silu_backward", &backward, "causal depthwise conv + SiLU, backward");
+  m.def("state_mix_backward", &state_mix_backward, "the chunk step's state mixing, backward");
+}
