@@ -103,6 +103,23 @@ def test_state_mix_backward_kernel_equals_bmms(dtype, want):
             torch.testing.assert_close(g_mix.double(), ref, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_state_mix_forward_kernel_equals_bmms(dtype):
+    """The fused CPU kernel for X' = mix @ X + U == a bmm and an added U, in float64."""
+    kernel = cpu_kernels.kernels()
+    if kernel is None:
+        pytest.skip("the CPU kernels could not be built here")
+    torch.manual_seed(0)
+    for p in (70_000, 37):
+        x, u = torch.randn(3, 2, p, dtype=dtype), torch.randn(3, 2, p, dtype=dtype)
+        mix = torch.randn(3, 2, 2, dtype=dtype)
+        out = torch.full_like(x, float("nan"))
+        kernel.state_mix_forward(x, mix, u, out)
+        ref = torch.bmm(mix.double(), x.double()) + u.double()
+        tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+        torch.testing.assert_close(out.double(), ref, **tol)
+
+
 def test_backward_matches_reference_without_cpu_kernels(monkeypatch):
     """The torch-op paths (off CPU, or where the kernels cannot be built) against the reference too."""
     monkeypatch.setattr("titans.ops.memory.kernels", lambda: None)

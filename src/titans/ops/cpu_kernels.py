@@ -2,8 +2,8 @@
 
 - `causal_conv_silu_forward` / `_backward`: the memory's q/k/v causal depthwise conv + SiLU (titans.ops.conv)
   in one pass per direction.
-- `state_mix_backward`: the chunk step's state-mixing backward (titans.ops.memory) in one pass over the
-  state and its gradient.
+- `state_mix_forward` / `_backward`: the chunk step's state update X' = mix @ X + U (titans.ops.memory),
+  each direction in one pass over the state (and its gradient).
 
 Each has a torch-op path beside it that computes the same (the reference its tests compare against); that
 path runs wherever `kernels()` is None: off CPU, with no C++ compiler, after a failed build, or with

@@ -176,13 +176,10 @@ def _chunk_forward(kq, v, gamma, beta, mix, activation, residual, clip, states, 
     coef = _write_coefficients(gamma, beta, scale)
     new_states = []
     for i, (h, d, x) in enumerate(zip(hs, deltas, states)):
-        new = torch.bmm(mix, x.flatten(2)).view_as(x) if out is None else out[i]
-        if out is not None:
-            torch.bmm(mix, x.flatten(2), out=new.flatten(2))
         # both weighted sums of per-token outer products, [U_W; U_S] = [c_W a | c_S a]^T delta, in ONE
-        # matmul accumulated in place: [U_W; U_S] is exactly the (2 d_in, d_out) layout of the state
-        new.view(x.shape[0], -1, x.shape[-1]).baddbmm_(_scaled_inputs(h[:, :n], coef).transpose(1, 2), d)
-        new_states.append(new)
+        # matmul: [U_W; U_S] is exactly the (2 d_in, d_out) layout of the state
+        a_t = _scaled_inputs(h[:, :n], coef).transpose(1, 2)
+        new_states.append(_state_update(x, mix, a_t, d, None if out is None else out[i]))
     # the hidden activations and errors are cheap to recompute from zs and es: not kept
     return out_all[:, n:], norm, new_states, (sq, sq_parts, norm, scale, hs[0], deltas[-1], *zs, *es)
 
@@ -190,6 +187,25 @@ def _chunk_forward(kq, v, gamma, beta, mix, activation, residual, clip, states, 
 def _sq_norm(x: Tensor) -> Tensor:
     """||x||^2 over the last dim, as one fused reduction (no squared temporary)."""
     return torch.linalg.vector_norm(x, dim=-1).square()
+
+
+def _state_update(x: Tensor, mix: Tensor, a_t: Tensor, d: Tensor, out: Tensor | None) -> Tensor:
+    """X' = mix @ X + a_t @ d per sequence: x, out (N, 2, d_in, d_out); mix (N, 2, 2); a_t (N, 2 d_in, n);
+    d (N, n, d_out). On CPU the fused kernel adds U = a_t @ d (a matmul into a scratch buffer) to mix @ X in
+    one pass; otherwise mix @ X is written first and U accumulated into it (a second pass over X')."""
+    n_seq = x.shape[0]
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    kernel = kernels() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) else None
+    if kernel is not None and x.is_contiguous() and out.is_contiguous():
+        u = torch.bmm(a_t, d)
+        kernel.state_mix_forward(
+            x.view(n_seq, 2, -1), mix.contiguous(), u.view(n_seq, 2, -1), out.view(n_seq, 2, -1)
+        )
+        return out
+    torch.bmm(mix, x.flatten(2), out=out.view(n_seq, 2, -1))
+    out.view(n_seq, -1, x.shape[-1]).baddbmm_(a_t, d)
+    return out
 
 
 def _mix_backward(g: Tensor, x: Tensor, mix: Tensor, g_x: Tensor | None, g_mix: Tensor | None) -> None:
