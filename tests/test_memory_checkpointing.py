@@ -77,14 +77,24 @@ def test_backward_float32_matches_float64(activation):
         assert_close_rel(a.double(), b, 1e-4)
 
 
+def built_kernels():
+    kernel = cpu_kernels.kernels()
+    if kernel is None:
+        pytest.skip("the CPU kernels could not be built here")
+    return kernel
+
+
+def kernel_tolerance(dtype) -> dict:
+    """Against float64 bmms: the state kernels sum in float64 (a float32 bmm is the less exact one)."""
+    return {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 @pytest.mark.parametrize("want", ["both", "g_x", "g_mix"])
 def test_state_mix_backward_kernel_equals_bmms(dtype, want):
     """The fused CPU kernel for the state mixing's backward == the two bmms it replaces, in float64 (rows
     longer than one of its tasks, and shorter)."""
-    kernel = cpu_kernels.kernels()
-    if kernel is None:
-        pytest.skip("the CPU kernels could not be built here")
+    kernel = built_kernels()
     torch.manual_seed(0)
     for p in (70_000, 37):
         g, x = torch.randn(3, 2, p, dtype=dtype), torch.randn(3, 2, p, dtype=dtype)
@@ -93,9 +103,8 @@ def test_state_mix_backward_kernel_equals_bmms(dtype, want):
         g_x = torch.full_like(g, float("nan")) if want != "g_mix" else None
         g_mix = start.clone() if want != "g_x" else None
         kernel.state_mix_backward(g, x, mix, g_x, g_mix)
-        # against float64 bmms (the kernel sums in float64; a float32 bmm is the less exact of the two)
         g64, x64, mix64 = g.double(), x.double(), mix.double()
-        tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+        tol = kernel_tolerance(dtype)
         if g_x is not None:
             torch.testing.assert_close(g_x.double(), torch.bmm(mix64.transpose(1, 2), g64), **tol)
         if g_mix is not None:
@@ -106,9 +115,7 @@ def test_state_mix_backward_kernel_equals_bmms(dtype, want):
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_state_mix_forward_kernel_equals_bmms(dtype):
     """The fused CPU kernel for X' = mix @ X + U == a bmm and an added U, in float64."""
-    kernel = cpu_kernels.kernels()
-    if kernel is None:
-        pytest.skip("the CPU kernels could not be built here")
+    kernel = built_kernels()
     torch.manual_seed(0)
     for p in (70_000, 37):
         x, u = torch.randn(3, 2, p, dtype=dtype), torch.randn(3, 2, p, dtype=dtype)
@@ -116,8 +123,7 @@ def test_state_mix_forward_kernel_equals_bmms(dtype):
         out = torch.full_like(x, float("nan"))
         kernel.state_mix_forward(x, mix, u, out)
         ref = torch.bmm(mix.double(), x.double()) + u.double()
-        tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
-        torch.testing.assert_close(out.double(), ref, **tol)
+        torch.testing.assert_close(out.double(), ref, **kernel_tolerance(dtype))
 
 
 def test_backward_matches_reference_without_cpu_kernels(monkeypatch):
