@@ -168,10 +168,8 @@ def _chunk_forward(kq, v, gamma, beta, mix, activation, residual, clip, states, 
     # hs[l]: input of layer l for keys then queries (N, 2n, d_in)
     out_all, hs, zs = _layers_forward(kq, ws, activation, residual)
     deltas, es = _inner_errors(2 * (out_all[:, :n] - v), ws, [z[:, :n] for z in zs], activation)
-    # per layer ||a_l||^2 and ||delta_l||^2: (N, n, 2 depth), kept for the backward pass
-    sq_parts = torch.stack([_sq_norm(t) for h, d in zip(hs, deltas) for t in (h[:, :n], d)], -1)
-    sq = sq_parts[..., 0::2].mul(sq_parts[..., 1::2]).sum(-1)
-    norm = sq.clamp_min(1e-30).sqrt()  # ||u_t|| = sqrt(sum_l ||a_l||^2 ||delta_l||^2)
+    sq_parts = _surprise_parts([h[:, :n] for h in hs], deltas)  # kept for the backward pass
+    _, norm = _surprise(sq_parts)
     scale = clip_scale(norm, clip) if clip is not None else torch.ones_like(norm)
     coef = _write_coefficients(gamma, beta, scale)
     new_states = []
@@ -181,12 +179,21 @@ def _chunk_forward(kq, v, gamma, beta, mix, activation, residual, clip, states, 
         a_t = _scaled_inputs(h[:, :n], coef).transpose(1, 2)
         new_states.append(_state_update(x, mix, a_t, d, None if out is None else out[i]))
     # the hidden activations and errors are cheap to recompute from zs and es: not kept
-    return out_all[:, n:], norm, new_states, (sq, sq_parts, norm, scale, hs[0], deltas[-1], *zs, *es)
+    return out_all[:, n:], norm, new_states, (sq_parts, norm, scale, hs[0], deltas[-1], *zs, *es)
 
 
-def _sq_norm(x: Tensor) -> Tensor:
-    """||x||^2 over the last dim, as one fused reduction (no squared temporary)."""
-    return torch.linalg.vector_norm(x, dim=-1).square()
+def _surprise_parts(inputs: list[Tensor], deltas: list[Tensor]) -> Tensor:
+    """Per layer ||a_l||^2 and ||delta_l||^2 of each token, interleaved: (..., n, 2 depth). Each is one
+    fused reduction (no squared temporary)."""
+    return torch.stack(
+        [torch.linalg.vector_norm(t, dim=-1).square() for a, d in zip(inputs, deltas) for t in (a, d)], -1
+    )
+
+
+def _surprise(sq_parts: Tensor) -> tuple[Tensor, Tensor]:
+    """sq = sum_l ||a_l||^2 ||delta_l||^2 and the surprise ||u_t|| = sqrt(max(sq, 1e-30)), each (..., n)."""
+    sq = sq_parts[..., 0::2].mul(sq_parts[..., 1::2]).sum(-1)
+    return sq, sq.clamp_min(1e-30).sqrt()
 
 
 def _state_update(x: Tensor, mix: Tensor, a_t: Tensor, d: Tensor, out: Tensor | None) -> Tensor:
@@ -286,8 +293,8 @@ class _ChunkStep(torch.autograd.Function):
 
     Forward and backward are written out by hand so that every weight-sized tensor is touched as few times
     as possible (on CPU they are memory-bound passes, the cost that matters besides the matmuls):
-    stacking W and S makes the state update one bmm (one pass) and the three gate-gradient inner products
-    one (2 x N) @ (N x 2) bmm, and each layer's weight gradient from its read, its inner-gradient backprop
+    stacking W and S makes the state update one pass each way (`_state_update`, `_mix_backward`: a fused
+    CPU kernel, else bmms), and each layer's weight gradient from its read, its inner-gradient backprop
     and the state update is ONE baddbmm into the state gradient, with no autograd accumulation passes.
     """
 
@@ -308,8 +315,8 @@ class _ChunkStep(torch.autograd.Function):
     def backward(ctx, g_y, g_norm, *g_new):
         depth, act = ctx.depth, ctx.activation
         saved = list(ctx.saved_tensors)
-        gamma, beta, mix, sq, sq_parts, norm, scale, h0, delta_out = saved[:9]
-        zs, es, states = saved[9 : 8 + depth], saved[8 + depth : 7 + 2 * depth], saved[7 + 2 * depth :]
+        gamma, beta, mix, sq_parts, norm, scale, h0, delta_out = saved[:8]
+        zs, es, states = saved[8 : 7 + depth], saved[7 + depth : 6 + 2 * depth], saved[6 + 2 * depth :]
         n_seq, n = gamma.shape
         # layer l >= 1's input act(z) (recomputed) fills the first 2n rows of a (N, 3n, d_in) buffer whose
         # last n rows later take e_l's gradient: the two left factors of W_l's gradient, without a cat
@@ -357,6 +364,7 @@ class _ChunkStep(torch.autograd.Function):
                 g_norm = g_clip if g_norm is None else g_norm + g_clip
         if g_norm is not None:
             # 4. norm = sqrt(max(sq, 1e-30)), sq = sum_l ||a_l||^2 ||delta_l||^2
+            sq, _ = _surprise(sq_parts)
             g_sq = torch.where(sq >= 1e-30, g_norm * 0.5 / norm, 0.0).unsqueeze(-1)
             for i in range(depth):
                 h, d = hs[i][:, :n], deltas[i]
@@ -424,12 +432,6 @@ def _read_and_grads(
     out, y = out_all.split(n, dim=-2)
     deltas, _ = _inner_errors(2 * (out - v), weights, [keys(z) for z in zs], activation)
     return y, [keys(h) for h in hs], deltas
-
-
-def _surprise(inputs: list[Tensor], deltas: list[Tensor]) -> Tensor:
-    """||u_t|| = sqrt(sum_l ||a_l||^2 ||delta_l||^2) per token: (..., n)."""
-    sq = sum(a.pow(2).sum(-1) * d.pow(2).sum(-1) for a, d in zip(inputs, deltas))
-    return sq.clamp_min(1e-30).sqrt()
 
 
 def _run_chunks(
@@ -550,7 +552,7 @@ def neural_memory_chunked(
     weights, momentum = tuple(weights), tuple(momentum)
     if not n_full:  # nothing to write: a read of the current weights
         y, inputs, deltas = _read_and_grads(q, k, v, weights, activation, residual)
-        return y, weights, momentum, _surprise(inputs, deltas)
+        return y, weights, momentum, _surprise(_surprise_parts(inputs, deltas))[1]
 
     n_seq, dtype = batch * heads, weights[0].dtype
     shape = (batch, heads, n_full, b)
@@ -584,6 +586,6 @@ def neural_memory_chunked(
         tail = (x[1].reshape(batch, heads, -1, dim) for x in (q_full, k_full, v_full))
         y, inputs, deltas = _read_and_grads(*tail, weights, activation, residual)
         ys.append(y.reshape(n_seq, -1, dim))
-        norms.append(_surprise(inputs, deltas).reshape(n_seq, -1))
+        norms.append(_surprise(_surprise_parts(inputs, deltas))[1].reshape(n_seq, -1))
     y = torch.cat(ys, 1).view(batch, heads, seq, dim)
     return y, weights, momentum, torch.cat(norms, 1).view(batch, heads, seq)

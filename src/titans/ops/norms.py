@@ -25,17 +25,17 @@ class _L2Normalize(torch.autograd.Function):
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         denom = norm.clamp_min(eps)
         y = x / denom
-        ctx.save_for_backward(y, norm, denom)
+        ctx.save_for_backward(y, norm)
         ctx.eps = eps
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor):
-        y, norm, denom = ctx.saved_tensors
+        y, norm = ctx.saved_tensors
         # d(x / max(|x|, eps)) = (g - y <g, y>) / |x| where |x| > eps; g / eps where the clamp holds it
         dot = (g * y).sum(-1, keepdim=True).masked_fill_(norm <= ctx.eps, 0)
-        return torch.addcmul(g, y, dot, value=-1).div_(denom), None
+        return torch.addcmul(g, y, dot, value=-1).div_(norm.clamp_min(ctx.eps)), None
 
 
 def l2_normalize(x: Tensor, eps: float = 1e-12) -> Tensor:
