@@ -198,17 +198,16 @@ def _surprise(sq_parts: Tensor) -> tuple[Tensor, Tensor]:
 
 def _state_update(x: Tensor, mix: Tensor, a_t: Tensor, d: Tensor, out: Tensor | None) -> Tensor:
     """X' = mix @ X + a_t @ d per sequence: x, out (N, 2, d_in, d_out); mix (N, 2, 2); a_t (N, 2 d_in, n);
-    d (N, n, d_out). On CPU the fused kernel adds U = a_t @ d (a matmul into a scratch buffer) to mix @ X in
-    one pass; otherwise mix @ X is written first and U accumulated into it (a second pass over X')."""
+    d (N, n, d_out). On CPU the matmul writes U = a_t @ d into `out` and the fused kernel adds mix @ X to it
+    in one pass (no U buffer); otherwise mix @ X is written first and U accumulated into it (a second pass
+    over X')."""
     n_seq = x.shape[0]
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     kernel = kernels() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) else None
     if kernel is not None and x.is_contiguous() and out.is_contiguous():
-        u = torch.bmm(a_t, d)
-        kernel.state_mix_forward(
-            x.view(n_seq, 2, -1), mix.contiguous(), u.view(n_seq, 2, -1), out.view(n_seq, 2, -1)
-        )
+        torch.bmm(a_t, d, out=out.view(n_seq, -1, x.shape[-1]))
+        kernel.state_mix_forward(x.view(n_seq, 2, -1), mix.contiguous(), out.view(n_seq, 2, -1))
         return out
     torch.bmm(mix, x.flatten(2), out=out.view(n_seq, 2, -1))
     out.view(n_seq, -1, x.shape[-1]).baddbmm_(a_t, d)

@@ -7,13 +7,13 @@ torch::Tensor forward(torch::Tensor x, torch::Tensor tail, torch::Tensor wt, c10
 std::vector<torch::Tensor> backward(torch::Tensor x, torch::Tensor tail, torch::Tensor wt,
                                     c10::optional<torch::Tensor> bias, torch::Tensor g, int64_t P, int64_t H,
                                     int64_t rows_per_task);
-void state_mix_forward(torch::Tensor x, torch::Tensor mix, torch::Tensor u, torch::Tensor out);
+void state_mix_forward(torch::Tensor x, torch::Tensor mix, torch::Tensor out);
 void state_mix_backward(torch::Tensor g, torch::Tensor x, torch::Tensor mix, c10::optional<torch::Tensor> g_x,
                         c10::optional<torch::Tensor> g_mix);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_conv_silu_forward", &forward, "causal depthwise conv + SiLU, forward");
   m.def("causal_conv_silu_backward", &backward, "causal depthwise conv + SiLU, backward");
-  m.def("state_mix_forward", &state_mix_forward, "the chunk step's state update X' = mix @ X + U");
+  m.def("state_mix_forward", &state_mix_forward, "X' = mix @ X + U in place (out holds U)");
   m.def("state_mix_backward", &state_mix_backward, "the chunk step's state mixing, backward");
 }

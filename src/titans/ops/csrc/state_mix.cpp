@@ -1,8 +1,9 @@
 // The chunk step's state update X' = mix @ X + U per sequence n (X = [W; S] as (2, P) rows, U the
 // chunk's weighted gradient sums), forward and backward, for titans/ops/memory.py (tested against bmms).
 //
-// Forward: one pass reading X and U and writing X', instead of a bmm writing mix @ X and a baddbmm
-// accumulating U into it (which reads and writes the new state a second time).
+// Forward: the caller's matmul writes U straight into the new state's buffer; one pass then adds mix @ X to
+// it in place (reading X, reading and writing X'), instead of a separate U buffer or a bmm writing mix @ X
+// and a baddbmm accumulating U into it.
 // Backward: g_mix[n] += g[n] @ X[n]^T (the four inner products) and g_X[n] = mix[n]^T @ g[n], in ONE
 // pass over g and X instead of two (a bmm for each reads all of g).
 #include <torch/extension.h>
@@ -11,30 +12,28 @@
 #include <mutex>
 #include <vector>
 
-void state_mix_forward(torch::Tensor x, torch::Tensor mix, torch::Tensor u, torch::Tensor out) {
-  // x, u, out: (N, 2, P) contiguous, one dtype; mix: (N, 2, 2) contiguous
+void state_mix_forward(torch::Tensor x, torch::Tensor mix, torch::Tensor out) {
+  // x, out: (N, 2, P) contiguous, one dtype, not overlapping; mix: (N, 2, 2) contiguous.
+  // out holds U on entry and X' = mix @ X + U on exit.
   const int64_t N = x.size(0), P = x.size(2);
   const int64_t piece = 1 << 14;  // elements of a row per task
   const int64_t pieces = (P + piece - 1) / piece;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "state_mix_forward", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* up = u.data_ptr<scalar_t>();
     const scalar_t* mp = mix.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, N * pieces, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t n = task / pieces, i0 = (task % pieces) * piece, i1 = std::min(P, i0 + piece);
         const scalar_t m00 = mp[n * 4], m01 = mp[n * 4 + 1], m10 = mp[n * 4 + 2], m11 = mp[n * 4 + 3];
-        const scalar_t* x0 = xp + n * 2 * P;
-        const scalar_t* x1 = x0 + P;
-        const scalar_t* u0 = up + n * 2 * P;
-        const scalar_t* u1 = u0 + P;
-        scalar_t* o0 = op + n * 2 * P;
-        scalar_t* o1 = o0 + P;
+        const scalar_t* __restrict__ x0 = xp + n * 2 * P;
+        const scalar_t* __restrict__ x1 = x0 + P;
+        scalar_t* __restrict__ o0 = op + n * 2 * P;
+        scalar_t* __restrict__ o1 = o0 + P;
         for (int64_t i = i0; i < i1; ++i) {
           const scalar_t w = x0[i], s = x1[i];
-          o0[i] = m00 * w + m01 * s + u0[i];
-          o1[i] = m10 * w + m11 * s + u1[i];
+          o0[i] += m00 * w + m01 * s;
+          o1[i] += m10 * w + m11 * s;
         }
       }
     });
@@ -63,9 +62,11 @@ void state_mix_backward(torch::Tensor g, torch::Tensor x, torch::Tensor mix, c10
         const scalar_t* x0 = xp + n * 2 * P;
         const scalar_t* x1 = x0 + P;
         if (want_mix) {
-          double s00 = 0, s01 = 0, s10 = 0, s11 = 0;
+          // a piece's sums in scalar_t (vectorised: -ffast-math lets the compiler split them into lane-wise
+          // partial sums), the pieces' totals in double
+          scalar_t s00 = 0, s01 = 0, s10 = 0, s11 = 0;
           for (int64_t i = i0; i < i1; ++i) {
-            const double a = g0[i], b = g1[i], w = x0[i], s = x1[i];
+            const scalar_t a = g0[i], b = g1[i], w = x0[i], s = x1[i];
             s00 += a * w;
             s01 += a * s;
             s10 += b * w;
