@@ -174,10 +174,7 @@ def _chunk_forward(kq, v, gamma, beta, mix, activation, residual, clip, states, 
     coef = _write_coefficients(gamma, beta, scale)
     new_states = []
     for i, (h, d, x) in enumerate(zip(hs, deltas, states)):
-        # both weighted sums of per-token outer products, [U_W; U_S] = [c_W a | c_S a]^T delta, in ONE
-        # matmul: [U_W; U_S] is exactly the (2 d_in, d_out) layout of the state
-        a_t = _scaled_inputs(h[:, :n], coef).transpose(1, 2)
-        new_states.append(_state_update(x, mix, a_t, d, None if out is None else out[i]))
+        new_states.append(_state_update(x, mix, h[:, :n], d, coef, None if out is None else out[i]))
     # the hidden activations and errors are cheap to recompute from zs and es: not kept
     return out_all[:, n:], norm, new_states, (sq_parts, norm, scale, hs[0], deltas[-1], *zs, *es)
 
@@ -196,22 +193,71 @@ def _surprise(sq_parts: Tensor) -> tuple[Tensor, Tensor]:
     return sq, sq.clamp_min(1e-30).sqrt()
 
 
-def _state_update(x: Tensor, mix: Tensor, a_t: Tensor, d: Tensor, out: Tensor | None) -> Tensor:
-    """X' = mix @ X + a_t @ d per sequence: x, out (N, 2, d_in, d_out); mix (N, 2, 2); a_t (N, 2 d_in, n);
-    d (N, n, d_out). On CPU the matmul writes U = a_t @ d into `out` and the fused kernel adds mix @ X to it
-    in one pass (no U buffer); otherwise mix @ X is written first and U accumulated into it (a second pass
-    over X')."""
+def _state_kernels(t: Tensor):
+    """The fused state-update kernels where they apply to `t` (CPU, float32/64), else None."""
+    return kernels() if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) else None
+
+
+def _state_update(x: Tensor, mix: Tensor, a: Tensor, d: Tensor, coef: Tensor, out: Tensor | None) -> Tensor:
+    """X' = mix @ X + U per sequence, U = [sum_j c_W,j a_j^T d_j; sum_j c_S,j a_j^T d_j] (both weighted sums
+    of the chunk's per-token outer products). x, out: (N, 2, d_in, d_out); mix: (N, 2, 2); a: (N, n, d_in);
+    d: (N, n, d_out); coef: (N, n, 2, 1).
+
+    The coefficients scale the smaller factor (`_weighted_sums`). On CPU the matmuls write U into `out` and
+    the fused kernel adds mix @ X to it in one pass (no U buffer); otherwise mix @ X is written first and
+    U accumulated into it (a second pass over X')."""
     n_seq = x.shape[0]
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    kernel = kernels() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) else None
-    if kernel is not None and x.is_contiguous() and out.is_contiguous():
-        torch.bmm(a_t, d, out=out.view(n_seq, -1, x.shape[-1]))
+    kernel = _state_kernels(x)
+    fused = kernel is not None and x.is_contiguous() and out.is_contiguous()
+    if not fused:
+        torch.bmm(mix, x.flatten(2), out=out.view(n_seq, 2, -1))
+    _weighted_sums(a, d, coef, out, accumulate=not fused)
+    if fused:
         kernel.state_mix_forward(x.view(n_seq, 2, -1), mix.contiguous(), out.view(n_seq, 2, -1))
-        return out
-    torch.bmm(mix, x.flatten(2), out=out.view(n_seq, 2, -1))
-    out.view(n_seq, -1, x.shape[-1]).baddbmm_(a_t, d)
     return out
+
+
+def _scale_inputs(a: Tensor, d: Tensor) -> bool:
+    """Whether the weighted sums scale the inputs a (d_in <= d_out) rather than the errors d: the smaller of
+    the two scaled copies, written and read in the forward pass and again in the backward pass."""
+    return a.shape[-1] <= d.shape[-1]
+
+
+def _weighted_sums(a: Tensor, d: Tensor, coef: Tensor, out: Tensor, accumulate: bool) -> None:
+    """out (N, 2, d_in, d_out) (+)= U. Scaling the inputs, U is ONE matmul, [c_W a | c_S a]^T d: its
+    (2 d_in, d_out) result is the state's layout; scaling the errors, one matmul per half, a^T (c_s d)."""
+    n_seq, d_out, beta = a.shape[0], d.shape[-1], 1 if accumulate else 0
+    if _scale_inputs(a, d):
+        out.view(n_seq, -1, d_out).baddbmm_(_scaled_inputs(a, coef).transpose(1, 2), d, beta=beta)
+        return
+    scaled = d.unsqueeze(-2) * coef  # (N, n, 2, d_out)
+    for half in range(2):
+        out[:, half].baddbmm_(a.transpose(1, 2), scaled[:, :, half], beta=beta)
+
+
+def _weighted_sums_backward(
+    a: Tensor, d: Tensor, coef: Tensor, g_u: Tensor, g_coef: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Gradients of U = `_weighted_sums(a, d, coef)` given g_u = dL/dU (N, 2, d_in, d_out): returns dL/da
+    (N, n, d_in) and dL/dd (N, n, d_out), and adds dL/dcoef to g_coef (N, n, 2)."""
+    n_seq, n, d_out = d.shape
+    if _scale_inputs(a, d):
+        g_flat = g_u.view(n_seq, -1, d_out)  # (N, 2 d_in, d_out)
+        g_d = torch.bmm(_scaled_inputs(a, coef), g_flat)
+        g_scaled = torch.bmm(d, g_flat.transpose(1, 2)).view(n_seq, n, 2, -1)  # dL/d[c_W a | c_S a]
+        g_a = torch.matmul(coef.transpose(-1, -2), g_scaled).squeeze(-2)
+        g_coef += (g_scaled * a.unsqueeze(-2)).sum(-1)
+        return g_a, g_d
+    scaled = d.unsqueeze(-2) * coef
+    g_scaled = [torch.bmm(a, g_u[:, half]) for half in range(2)]  # dL/d(c_s d): (N, n, d_out) each
+    g_d = torch.addcmul(g_scaled[0] * coef[:, :, 0], g_scaled[1], coef[:, :, 1])
+    for half in range(2):
+        g_coef[..., half] += torch.linalg.vecdot(g_scaled[half], d)
+    g_a = torch.bmm(scaled[:, :, 0], g_u[:, 0].transpose(1, 2))
+    g_a.baddbmm_(scaled[:, :, 1], g_u[:, 1].transpose(1, 2))
+    return g_a, g_d
 
 
 def _mix_backward(g: Tensor, x: Tensor, mix: Tensor, g_x: Tensor | None, g_mix: Tensor | None) -> None:
@@ -221,7 +267,7 @@ def _mix_backward(g: Tensor, x: Tensor, mix: Tensor, g_x: Tensor | None, g_mix: 
     bmms below each read all of it); elsewhere, or without the kernel, the two bmms."""
     if g_x is None and g_mix is None:
         return
-    kernel = kernels() if g.device.type == "cpu" and g.dtype in (torch.float32, torch.float64) else None
+    kernel = _state_kernels(g)
     if kernel is not None:
         kernel.state_mix_backward(g.contiguous(), x.contiguous(), mix.contiguous(), g_x, g_mix)
         return
@@ -342,12 +388,10 @@ class _ChunkStep(torch.autograd.Function):
             g_x = ctx.grad_slot[0].take(ctx.grad_slot[1], i, x) if needs[9 + i] else None
             _mix_backward(g_flat, x.flatten(2), mix, None if g_x is None else g_x.view(n_seq, 2, -1), g_mix)
             g_states.append(g_x)
-            # 2. [U_W; U_S] = A^T delta with A = [c_W a | c_S a]: two matmuls, both halves at once
-            g_u = g_flat.view(n_seq, -1, x.shape[-1])  # (N, 2 d_in, d_out)
-            g_delta.append(torch.bmm(_scaled_inputs(h, coef), g_u))
-            g_scaled = torch.bmm(d, g_u.transpose(1, 2)).view(n_seq, n, 2, -1)  # dL/dA: (N, n, 2, d_in)
-            g_a.append(torch.matmul(coef.transpose(-1, -2), g_scaled).squeeze(-2))
-            g_coef += (g_scaled * h.unsqueeze(-2)).sum(-1)
+            # 2. the weighted sums U = [U_W; U_S]: grads of the inputs a, the errors and the coefficients
+            g_h, g_d = _weighted_sums_backward(h, d, coef, g_flat.view(x.shape), g_coef)
+            g_a.append(g_h)
+            g_delta.append(g_d)
 
         # 3. coef = -(gamma, beta) * scale
         g_gamma = -g_coef[..., 0] * scale if needs[2] else None
