@@ -609,13 +609,20 @@ def neural_memory_chunked(
     mix = mix.to(dtype).reshape(n_seq, n_full, 2, 2)
     gamma, beta = (x.to(dtype).reshape(n_seq, n_full, b) for x in (gamma, beta))
     states = tuple(torch.stack([w, s], 2).reshape(n_seq, 2, *w.shape[-2:]) for w, s in zip(weights, momentum))
-    # (N, T, d) views; split() rather than indexing, whose backward is a full-size zero tensor per piece
-    q_full, k_full, v_full = (x.reshape(n_seq, seq, dim).split(n_full * b, dim=1) for x in (q, k, v))
+    # (N, T, d) views, cut into the complete chunks and a trailing partial one. split() rather than indexing,
+    # whose backward is a full-size zero tensor per piece; and only where there is more than one piece, since
+    # split's backward concatenates the pieces' gradients (a full copy, even of a single piece)
+    flat = (x.reshape(n_seq, seq, dim) for x in (q, k, v))
+    q_full, k_full, v_full = (x.split(n_full * b, dim=1) if seq > n_full * b else (x,) for x in flat)
     config = (activation, residual, surprise_clip, b)
     group = checkpoint_every if checkpoint_every and torch.is_grad_enabled() else n_full
     ys, norms = [], []
-    pieces = (x[0].split(group * b, dim=1) for x in (q_full, k_full, v_full))
-    coefs = (x.split(group, dim=1) for x in (gamma, beta, mix))
+    if group < n_full:
+        pieces = (x[0].split(group * b, dim=1) for x in (q_full, k_full, v_full))
+        coefs = (x.split(group, dim=1) for x in (gamma, beta, mix))
+    else:
+        pieces = ((x[0],) for x in (q_full, k_full, v_full))
+        coefs = ((x,) for x in (gamma, beta, mix))
     for q_g, k_g, v_g, g_g, b_g, m_g in zip(*pieces, *coefs):
         if group < n_full:
             y, norm, *states = _CheckpointedChunks.apply(config, q_g, k_g, v_g, g_g, b_g, m_g, *states)
