@@ -35,8 +35,13 @@ def _act(x: Tensor, name: str, out: Tensor | None = None) -> Tensor:
         if name == "silu":
             return torch.ops.aten.silu.out(x, out=out)
         if name == "gelu":
-            # not gelu.out: in torch 2.13 its float32 CPU kernel ignores a strided out's strides and writes
-            # contiguously from its first element (tests/test_memory_checkpointing.py catches this)
+            # gelu.out only into contiguous memory: in torch 2.13 its float32 CPU kernel ignores a strided
+            # out's strides and writes contiguously from its first element (tests/test_memory_checkpointing.py
+            # catches this). A (N, rows, d) slice of a longer buffer is contiguous per sequence.
+            if out.dim() == 3 and out[0].is_contiguous() and x[0].is_contiguous():
+                for x_i, out_i in zip(x, out):
+                    torch.ops.aten.gelu.out(x_i, out=out_i)
+                return out
             return out.copy_(F.gelu(x))
         return torch.clamp(x, min=0, out=out)
     if name == "silu":
@@ -442,9 +447,12 @@ class _ChunkStep(torch.autograd.Function):
                     rhs[:, 2 * n :] = deltas[i]
                 else:
                     rhs = g_z
-                if g_states[i] is None:
-                    g_states[i] = ctx.grad_slot[0].take(ctx.grad_slot[1], i, states[i]).zero_()
-                g_states[i][:, 0].baddbmm_(lhs.transpose(1, 2), rhs)
+                if g_states[i] is None:  # no gradient arrived for X': W's is the terms below alone, S's 0
+                    g_states[i] = ctx.grad_slot[0].take(ctx.grad_slot[1], i, states[i])
+                    g_states[i][:, 1].zero_()
+                    g_states[i][:, 0].baddbmm_(lhs.transpose(1, 2), rhs, beta=0)
+                else:
+                    g_states[i][:, 0].baddbmm_(lhs.transpose(1, 2), rhs)
             g_h = torch.bmm(g_z, ws[i].transpose(1, 2))
             g_h[:, :n] += g_a[i]
             if i > 0:
@@ -630,8 +638,9 @@ def neural_memory_chunked(
             y, norm, *states = _run_chunks(*config, q_g, k_g, v_g, g_g, b_g, m_g, *states)
         ys.append(y)
         norms.append(norm)
-    weights = tuple(x[:, 0].reshape(batch, heads, *x.shape[2:]).contiguous() for x in states)
-    momentum = tuple(x[:, 1].reshape(batch, heads, *x.shape[2:]).contiguous() for x in states)
+    # views of the stacked states (W and S halves), not copies: whoever needs them contiguous copies anyway
+    weights = tuple(x[:, 0].view(batch, heads, *x.shape[2:]) for x in states)
+    momentum = tuple(x[:, 1].view(batch, heads, *x.shape[2:]) for x in states)
     if seq > n_full * b:  # trailing partial chunk: read (and report surprise), written by a later call
         tail = (x[1].reshape(batch, heads, -1, dim) for x in (q_full, k_full, v_full))
         y, inputs, deltas = _read_and_grads(*tail, weights, activation, residual)
