@@ -315,8 +315,9 @@ class _GradBuffers:
     """Two state-gradient buffers per layer that the chunk steps of one `_run_chunks` call take turns with
     in the backward pass (chunk c writes slot c % 2).
 
-    A fresh weight-sized gradient per chunk is often written to newly faulted pages; reusing two buffers
-    saves 1-2% of the layer's fwd+bwd on CPU (`benchmarks/memory_profile.py` compares both). Reuse is
+    A fresh weight-sized gradient per chunk can land on newly faulted pages; reusing two buffers saved
+    1-2% of the layer's fwd+bwd on CPU when introduced, 0.2% in the latest run of
+    `benchmarks/memory_profile.py`, which compares both. Reuse is
     safe because the backward pass runs the chunks in reverse order and each chunk's state gradient goes
     only to the chunk before it: when chunk c - 2 overwrites slot c % 2, chunk c - 1 has already consumed
     what chunk c wrote there.

@@ -1,0 +1,108 @@
+"""A/B timing of two versions of the memory op (`src/titans/ops/memory.py`) in ONE process: the
+NeuralMemory layer's fwd+bwd at the issue's shapes (batch 2, seq 2048, dim 256, 4 heads of 256 -> 1024
+-> 256, chunk 64, GELU), the two versions taking turns every repetition (A B, B A, A B, ...) on the same
+module, weights and input, so that drift of the machine hits both alike. Separate runs of a script on this
+VM differ by a few percent, more than most single changes to the op gain; this is how the op's changes
+were measured.
+
+    python benchmarks/memory_ab.py --a HEAD~1 [--b WORKTREE] [--reps 12] [--threads 2] [--name NAME]
+
+A and B are git revisions (their `src/titans/ops/memory.py`) or paths to a memory.py; B defaults to the
+working tree's. Only the layer's `neural_memory_chunked` is swapped, so both versions must call the
+compiled CPU kernels (`titans.ops.cpu_kernels`) with the signatures of the installed ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_utils import machine_info, print_table, save_json
+
+ROOT = Path(__file__).resolve().parent.parent
+OP = "src/titans/ops/memory.py"
+
+
+def load_version(spec: str, label: str, folder: Path):
+    """The memory op module of a git revision or a file path (WORKTREE: the working tree's)."""
+    path = ROOT / OP if spec == "WORKTREE" else Path(spec)
+    if spec != "WORKTREE" and not path.is_file():
+        source = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{spec}:{OP}"], check=True, capture_output=True, text=True
+        ).stdout
+        path = folder / f"memory_{label}.py"
+        path.write_text(source)
+    module_spec = importlib.util.spec_from_file_location(f"titans_memory_{label}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--a", required=True, help="git revision or path to a memory.py")
+    p.add_argument("--b", default="WORKTREE", help="git revision or path (default: the working tree)")
+    p.add_argument("--reps", type=int, default=12, help="timed repetitions of each version")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--name", help="also write benchmarks/results/NAME.json")
+    args = p.parse_args()
+
+    import torch
+
+    import titans.layers.memory as layer_module
+    from titans import NeuralMemory
+
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    with tempfile.TemporaryDirectory() as folder:
+        versions = {
+            "A": load_version(args.a, "A", Path(folder)),
+            "B": load_version(args.b, "B", Path(folder)),
+        }
+    torch.manual_seed(0)
+    module = NeuralMemory(256, heads=4, head_dim=256, depth=2, expansion=4, chunk_size=64, activation="gelu")
+    x = torch.randn(2, 2048, 256)
+
+    def step() -> None:
+        module(x)[0].sum().backward()
+
+    times: dict[str, list[float]] = {"A": [], "B": []}
+    for rep in range(args.reps + 1):
+        for label in ("A", "B") if rep % 2 == 0 else ("B", "A"):
+            layer_module.neural_memory_chunked = versions[label].neural_memory_chunked
+            start = time.perf_counter()
+            step()
+            if rep:  # the first round is the warm-up
+                times[label].append(time.perf_counter() - start)
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    rows = [
+        {
+            "version": label,
+            "source": spec,
+            "median_s": medians[label],
+            "min_s": min(times[label]),
+            "max_s": max(times[label]),
+            "tok_s": 2 * 2048 / medians[label],
+            "vs_A": medians[label] / medians["A"],
+        }
+        for label, spec in (("A", args.a), ("B", args.b))
+    ]
+    print(f"layer fwd+bwd, batch 2 x seq 2048, {args.threads} threads, {args.reps} alternating reps each")
+    cols = [("version", "version"), ("source", "source"), ("median_s", "median s"), ("min_s", "min s")]
+    cols += [("max_s", "max s"), ("tok_s", "tok/s"), ("vs_A", "time vs A")]
+    print_table(rows, cols)
+    if args.name:
+        path = save_json(
+            args.name, {"machine": machine_info(), "threads": args.threads, "rows": rows, "times": times}
+        )
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
