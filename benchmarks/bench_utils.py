@@ -56,21 +56,26 @@ def random_pieces(n: int, vocab: int, piece: int, seed: int):
         yield torch.randint(0, vocab, (1, min(piece, n - start)), generator=gen)
 
 
-def time_runs(fn, reps: int, warmup: int = 1, cpu_times: list[float] | None = None) -> list[float]:
+def time_runs(
+    fn, reps: int, warmup: int = 1, cpu_times: list[float] | None = None, sys_times: list[float] | None = None
+) -> list[float]:
     """Wall-clock seconds of `reps` calls of fn after `warmup` untimed ones.
 
     cpu_times, if given, receives each call's process CPU time (all threads): on a shared machine, with
-    one thread, it is what the call would take on a core of its own.
+    one thread, it is what the call would take on a core of its own. sys_times, if given, receives the
+    kernel's share of it (mostly page faults, when a call touches memory it has not used before).
     """
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, cpu_start, sys_start = time.perf_counter(), time.process_time(), os.times().system
         fn()
         times.append(time.perf_counter() - start)
         if cpu_times is not None:
             cpu_times.append(time.process_time() - cpu_start)
+        if sys_times is not None:
+            sys_times.append(os.times().system - sys_start)
     return times
 
 

@@ -15,7 +15,8 @@ the timed runs follow one untimed warm-up on 1024 tokens. Modes:
                    is bounded by the state and one piece, whatever the length.
 Time should grow linearly (flat tokens/s); outputs and the final state must stay finite at 64K.
 tok/CPU-s is tokens per second of process CPU time: with --threads 1 on a shared machine, the rate the run
-would have on a core of its own.
+would have on a core of its own. "kernel s/run" is the operating system's share of that time, mostly page
+faults as a run touches memory it has not used before; tok/user-CPU-s leaves it out: the op's own work.
 """
 
 from __future__ import annotations
@@ -86,11 +87,12 @@ def worker(spec: dict) -> dict:
     run(torch.randn(1, 1024, 256, generator=gen))  # warm-up on a short sequence
     x = torch.randn(1, seq, 256, generator=gen)
     rss_before = current_rss_gib()
-    cpu = []
-    times = time_runs(lambda: run(x), spec["reps"], warmup=0, cpu_times=cpu)
+    cpu, kernel = [], []
+    times = time_runs(lambda: run(x), spec["reps"], warmup=0, cpu_times=cpu, sys_times=kernel)
     return {
         "times_s": times,
         "cpu_times_s": cpu,
+        "sys_times_s": kernel,
         "finite": all(finite),
         "rss_before_gib": rss_before,
         "peak_rss_gib": peak_rss_gib(),
@@ -136,14 +138,18 @@ def main() -> None:
             row["tok_s"] = seq / median(r["times_s"])
             row["seconds"] = median(r["times_s"])
             row["tok_cpu_s"] = seq / median(r["cpu_times_s"])
+            # the kernel's share (page faults) and the user-space rate: the work of the op itself
+            row["sys_s"] = median(r["sys_times_s"])
+            row["tok_user_s"] = seq / median([c - k for c, k in zip(r["cpu_times_s"], r["sys_times_s"])])
         rows.append(row)
     # flatness: tokens/s relative to the shortest run of the same mode
     first = {}
     for r in rows:
         if "tok_s" in r:
-            first.setdefault(r["mode"], (r["tok_s"], r["tok_cpu_s"]))
+            first.setdefault(r["mode"], (r["tok_s"], r["tok_cpu_s"], r["tok_user_s"]))
             r["tok_s_vs_first"] = r["tok_s"] / first[r["mode"]][0]
             r["tok_cpu_s_vs_first"] = r["tok_cpu_s"] / first[r["mode"]][1]
+            r["tok_user_s_vs_first"] = r["tok_user_s"] / first[r["mode"]][2]
 
     print("\nNeuralMemory scaling, batch 1, chunk 64, 4 heads of 256-1024-256 (state 16 MiB)")
     print_table(
@@ -156,6 +162,9 @@ def main() -> None:
             ("seconds", "s/run"),
             ("tok_cpu_s", "tok/CPU-s"),
             ("tok_cpu_s_vs_first", "vs shortest"),
+            ("sys_s", "kernel s/run"),
+            ("tok_user_s", "tok/user-CPU-s"),
+            ("tok_user_s_vs_first", "vs shortest"),
             ("peak_rss_gib", "peak RSS GiB"),
             ("rss_before_gib", "RSS before"),
             ("finite", "finite"),
