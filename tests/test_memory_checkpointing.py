@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from test_memory import assert_close_rel, random_problem
 from titans import NeuralMemory
 from titans.ops import cpu_kernels
 from titans.ops import memory as ops_memory
+from titans.ops.conv import causal_conv_silu, causal_conv_silu_ref
 from titans.ops.memory import neural_memory_chunked
 from titans.ops.memory_ref import neural_memory_ref
 
@@ -129,6 +131,31 @@ def test_state_mix_forward_kernel_equals_bmms(dtype):
         kernel.state_mix_forward(x, mix, out)
         ref = torch.bmm(mix.double(), x.double()) + u.double()
         torch.testing.assert_close(out.double(), ref, **kernel_tolerance(dtype))
+
+
+def test_cpu_kernels_propagate_non_finite_inputs():
+    """The kernels are built with -ffast-math, which lets the compiler assume finite values: a NaN or inf
+    in the input must still come out where the torch ops put it (nothing silently made finite), and the
+    finite entries must still match."""
+    kernel = built_kernels()
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, 6)
+    x[0, 3, 1], x[1, 5, 2], x[1, 6, 4] = float("nan"), float("inf"), -float("inf")
+    w, b = torch.randn(6, 1, 4), torch.randn(6)
+    pairs = [(causal_conv_silu(x, w, b), causal_conv_silu_ref(F.pad(x, (0, 0, 3, 0)), w, b))]
+    state, u, mix = torch.randn(3, 2, 50), torch.randn(3, 2, 50), torch.randn(3, 2, 2)
+    state[0, 1, 7], state[2, 0, 30], u[1, 0, 4] = float("nan"), float("inf"), -float("inf")
+    out = u.clone()
+    kernel.state_mix_forward(state, mix, out)
+    pairs.append((out, torch.bmm(mix, state) + u))
+    g_x, g_mix = torch.empty_like(u), torch.zeros_like(mix)
+    kernel.state_mix_backward(u, state, mix, g_x, g_mix)
+    pairs += [(g_x, torch.bmm(mix.transpose(1, 2), u)), (g_mix, torch.bmm(u, state.transpose(1, 2)))]
+    for got, ref in pairs:
+        assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.isinf(), ref.isinf())
+        finite = torch.isfinite(ref)
+        assert finite.any() and (~finite).any()
+        torch.testing.assert_close(got[finite], ref[finite], rtol=1e-5, atol=1e-5)
 
 
 def test_backward_matches_reference_without_cpu_kernels(monkeypatch):
