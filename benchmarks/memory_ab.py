@@ -50,6 +50,8 @@ def main() -> None:
     p.add_argument("--b", default="WORKTREE", help="git revision or path (default: the working tree)")
     p.add_argument("--reps", type=int, default=12, help="timed repetitions of each version")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (each step ends with a device sync)")
+    p.add_argument("--batch", type=int, default=2)
     p.add_argument("--name", help="also write benchmarks/results/NAME.json")
     args = p.parse_args()
 
@@ -67,10 +69,13 @@ def main() -> None:
         }
     torch.manual_seed(0)
     module = NeuralMemory(256, heads=4, head_dim=256, depth=2, expansion=4, chunk_size=64, activation="gelu")
-    x = torch.randn(2, 2048, 256)
+    module.to(args.device)
+    x = torch.randn(args.batch, 2048, 256, device=args.device)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
 
     def step() -> None:
         module(x)[0].sum().backward()
+        sync()
 
     times: dict[str, list[float]] = {"A": [], "B": []}
     for rep in range(args.reps + 1):
@@ -88,18 +93,26 @@ def main() -> None:
             "median_s": medians[label],
             "min_s": min(times[label]),
             "max_s": max(times[label]),
-            "tok_s": 2 * 2048 / medians[label],
+            "tok_s": args.batch * 2048 / medians[label],
             "vs_A": medians[label] / medians["A"],
         }
         for label, spec in (("A", args.a), ("B", args.b))
     ]
-    print(f"layer fwd+bwd, batch 2 x seq 2048, {args.threads} threads, {args.reps} alternating reps each")
+    where = f"{args.threads} threads" if args.device == "cpu" else torch.cuda.get_device_name()
+    print(f"layer fwd+bwd, batch {args.batch} x seq 2048, {where}, {args.reps} alternating reps each")
     cols = [("version", "version"), ("source", "source"), ("median_s", "median s"), ("min_s", "min s")]
     cols += [("max_s", "max s"), ("tok_s", "tok/s"), ("vs_A", "time vs A")]
     print_table(rows, cols)
     if args.name:
         path = save_json(
-            args.name, {"machine": machine_info(), "threads": args.threads, "rows": rows, "times": times}
+            args.name,
+            {
+                "machine": machine_info(),
+                "device": args.device,
+                "threads": args.threads,
+                "rows": rows,
+                "times": times,
+            },
         )
         print(f"wrote {path}")
 

@@ -25,5 +25,7 @@ def micro_config(run_dir: Path, cache_dir: Path, **overrides) -> TrainConfig:
         plot=False,
         sample_tokens=0,
         run_dir=str(run_dir),
+        # the tests compare against models and tensors on the CPU; `auto` would pick a GPU where there is one
+        device="cpu",
     )
     return TrainConfig(**{**base, **overrides})

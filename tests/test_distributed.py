@@ -72,3 +72,19 @@ def test_torchrun_two_ranks_match_one_process(single_process, mode, overrides):
     ref_state = ref_model.state_dict()
     for name, tensor in model.state_dict().items():
         assert (tensor - ref_state[name]).abs().max().item() <= 1e-5, name
+
+
+def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
+    """torchrun with more processes per node than GPUs: name the mismatch, not 'invalid device ordinal'."""
+    import torch
+
+    from titans.training.distributed import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("auto", local_rank=0) == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"GPU 1 \(local rank 1\) but the machine has 1"):
+        resolve_device("auto", local_rank=1)
+    with pytest.raises(ValueError, match="GPU 3"):
+        resolve_device("cuda:3")
+    assert resolve_device("cpu", local_rank=5) == torch.device("cpu")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from tiny_lm import tiny_config, tiny_model
 from titans import PRESETS, VARIANTS, TitansConfig, TitansLM
+from titans.layers.norm import RMSNorm
 
 F64 = torch.float64
 
@@ -208,11 +210,31 @@ def test_cuda_bf16_autocast(variant):
     model = TitansLM(tiny(variant)).cuda()
     tokens = torch.randint(0, 64, (2, 40), device="cuda")
     ref, _ = model(tokens)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with warnings.catch_warnings(record=True) as caught, torch.autocast("cuda", dtype=torch.bfloat16):
+        warnings.simplefilter("always")
         logits, _ = model(tokens)
         logits.float().logsumexp(-1).mean().backward()
     assert torch.isfinite(logits).all()
     assert (logits.float() - ref).abs().max() < 0.1 * ref.abs().max() + 0.1
+    # every norm keeps its fused kernel: no float32 weight meets a bf16 input
+    assert not [w for w in caught if "Mismatch dtype" in str(w.message)]
+
+
+def test_rms_norm_module_follows_a_lower_precision_input():
+    """layers.norm.RMSNorm: exactly nn.RMSNorm in float32; a bf16 input gets a bf16 output, the weight's
+    gradient stays float32."""
+    torch.manual_seed(0)
+    ours, ref = RMSNorm(24, eps=1e-6), torch.nn.RMSNorm(24, eps=1e-6)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+        ref.weight.copy_(ours.weight)
+    x = torch.randn(3, 5, 24)
+    assert torch.equal(ours(x), ref(x))
+    y = ours(x.bfloat16())
+    assert y.dtype == torch.bfloat16
+    assert (y.float() - ref(x)).abs().max() < 0.05
+    y.float().sum().backward()
+    assert ours.weight.grad.dtype == torch.float32
 
 
 def test_state_config_is_read_only():

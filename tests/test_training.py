@@ -187,7 +187,9 @@ def test_cli_train_then_eval_ppl(tmp_path, cache_dir, capsys):
     report = json.loads((run_dir / "report.json").read_text())
     assert report["step"] == 3 and report["eval"]["bpb"] > 0
 
-    assert titans_main(["eval", "ppl", "--checkpoint", str(run_dir), "--windows", "2"]) == 0
+    # on the CPU, where it trained (the command's default, auto, would take a GPU and bf16 where there is one)
+    ppl_args = ["eval", "ppl", "--checkpoint", str(run_dir), "--windows", "2", "--device", "cpu"]
+    assert titans_main(ppl_args) == 0
     out = capsys.readouterr().out
     assert "bpb" in out
     result = json.loads((run_dir / "eval_ppl.json").read_text())

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from titans.layers.norm import RMSNorm
 from titans.layers.state_tree import map_tensors
 from titans.ops.conv import causal_conv_silu
 from titans.ops.memory import ACTIVATIONS, memory_forward, neural_memory_chunked
@@ -182,7 +183,7 @@ class NeuralMemory(nn.Module):
         sizes = [head_dim] + [hidden] * (depth - 1) + [head_dim]
         init = [torch.randn(heads, sizes[i], sizes[i + 1]) / math.sqrt(sizes[i]) for i in range(depth)]
         self.init_weights = nn.ParameterList(nn.Parameter(w, requires_grad=learned_init) for w in init)
-        self.norm = nn.RMSNorm(head_dim) if output_gate else None
+        self.norm = RMSNorm(head_dim) if output_gate else None
         self.to_gate = nn.Linear(dim, inner, bias=False) if output_gate else None
         self.to_out = nn.Linear(inner, dim, bias=False)
 

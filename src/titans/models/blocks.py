@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from titans.layers.attention import AttentionState, SegmentAttention, SegmentAttentionState, SelfAttention
 from titans.layers.memory import MemoryState, MemoryStats, NeuralMemory
 from titans.layers.mlp import SwiGLU
+from titans.layers.norm import RMSNorm
 from titans.models.config import TitansConfig
 
 
@@ -58,7 +59,7 @@ class GatedCombine(nn.Module):
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.norm_a, self.norm_b = nn.RMSNorm(dim, eps=eps), nn.RMSNorm(dim, eps=eps)
+        self.norm_a, self.norm_b = RMSNorm(dim, eps=eps), RMSNorm(dim, eps=eps)
         self.proj = nn.Linear(dim, dim, bias=False)
 
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
@@ -70,8 +71,8 @@ class Block(nn.Module):
 
     def __init__(self, cfg: TitansConfig):
         super().__init__()
-        self.norm_mix = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.norm_mlp = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.norm_mix = RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.norm_mlp = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.dim, cfg.mlp_hidden)
 
     def mix(self, x: Tensor, state, stats: list | None) -> tuple[Tensor, object]:
@@ -140,7 +141,7 @@ class MALBlock(Block):
 
     def __init__(self, cfg: TitansConfig):
         super().__init__(cfg)
-        self.norm_mem = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.norm_mem = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.memory = make_memory(cfg)
         self.attn = make_attention(cfg, cfg.window)
 

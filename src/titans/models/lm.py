@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from titans.layers.memory import MemoryStats, NeuralMemory
+from titans.layers.norm import RMSNorm
 from titans.models.blocks import make_block
 from titans.models.config import TitansConfig
 
@@ -84,7 +85,7 @@ class TitansLM(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.dim)
         self.blocks = nn.ModuleList(make_block(config, i) for i in range(config.depth))
-        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.reset_parameters()
         if config.tie_embeddings:
@@ -162,7 +163,8 @@ class TitansLM(nn.Module):
             raise ValueError(f"TitansLM: tokens must be a (batch, seq) tensor, got {shape}")
         if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
             raise TypeError(f"TitansLM: tokens must be integer ids, got dtype {tokens.dtype}")
-        if tokens.numel():
+        # (a host sync; skipped while a CUDA graph is captured, whose caller checks each batch instead)
+        if tokens.numel() and not (tokens.is_cuda and torch.cuda.is_current_stream_capturing()):
             lo, hi = torch.stack(torch.aminmax(tokens)).tolist()
             if lo < 0 or hi >= self.config.vocab_size:  # one host sync for both bounds
                 raise ValueError(

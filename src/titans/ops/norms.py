@@ -82,6 +82,8 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float | None = None) 
     the dtype's machine epsilon, as there), with a fused backward on CPU when autograd records (otherwise,
     and off CPU, `F.rms_norm` itself)."""
     if x.device.type != "cpu" or not _records_grad(x, weight):
+        if weight is not None and weight.dtype != x.dtype:  # bf16 x: keeps the fused kernel (layers/norm.py)
+            weight = weight.to(x.dtype)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     if eps is None:
         eps = torch.finfo(x.dtype).eps

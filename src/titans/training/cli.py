@@ -44,6 +44,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
             out[key] = value
     if getattr(args, "fsdp", False):
         out["fsdp"] = True
+    if getattr(args, "cuda_graphs", False):
+        out["cuda_graphs"] = True
     if getattr(args, "no_progress", False):
         out["progress"] = False
     out.update(parse_set(getattr(args, "set", None) or []))
@@ -134,6 +136,11 @@ def register(commands, evals) -> None:
     )
     p.add_argument(
         "--fsdp", action="store_true", help="shard the model with FSDP2 (under torchrun, for CUDA)"
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay each micro-step as a CUDA graph (one GPU; much faster for the memory variants)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(

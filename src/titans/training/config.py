@@ -37,6 +37,7 @@ RESUMABLE_CHANGES = frozenset(
         "steps", "tokens", "time_budget_min", "log_every", "eval_every", "ckpt_every", "keep_last", "run_dir",
         "device", "dtype", "threads", "grad_accum", "progress", "tensorboard", "cache_dir", "eval_windows",
         "eval_batch_size", "sample_tokens", "sample_prompt", "sample_temperature", "sample_top_k", "plot",
+        "cuda_graphs",
     }
 )  # fmt: skip
 
@@ -77,6 +78,9 @@ class TrainConfig:
     device: str = "auto"  # auto: cuda if available, else cpu
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, float32 on CPU
     fsdp: bool = False
+    # replay each micro-step (forward, loss, backward) as one CUDA graph: one process on one GPU; the memory
+    # variants' many small kernels then cost no per-launch CPU time (training/cuda_graphs.py)
+    cuda_graphs: bool = False
     threads: int | None = None  # torch CPU threads of this process (None: torch's default, one per core)
     # bookkeeping
     run_dir: str = "runs/main"
@@ -140,6 +144,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.time_budget_min must be > 0 or null, got {self.time_budget_min}")
         if self.dtype not in DTYPES:
             raise ValueError(f"TrainConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"TrainConfig.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        if self.cuda_graphs and self.fsdp:
+            raise ValueError("TrainConfig.cuda_graphs: not with fsdp (its collectives run outside the graph)")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"TrainConfig.threads must be a positive integer or null, got {self.threads!r}")
         if self.sample_tokens < 0:

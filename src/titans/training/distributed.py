@@ -55,6 +55,12 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
             raise ValueError(f"device {spec!r}: CUDA is not available on this machine")
         if device.index is None:
             device = torch.device("cuda", local_rank)
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {spec!r}: this process wants GPU {device.index} (local rank {local_rank}) but the"
+                f" machine has {torch.cuda.device_count()}; start at most one process per GPU"
+                " (torchrun --nproc_per_node), or pass --device cpu"
+            )
     return device
 
 
@@ -118,14 +124,18 @@ def wrap_model(model: nn.Module, info: DistInfo, fsdp: bool = False) -> nn.Modul
             raise ValueError("TrainConfig.fsdp needs a process group: launch with torchrun")
         import warnings
 
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # the mesh on the run's device type: left to itself, FSDP picks the machine's accelerator even for a
+        # CPU run (on a one-GPU machine, rank 1 then asks for a second GPU)
+        mesh = init_device_mesh(info.device.type, (info.world_size,))
         # The returned memory/attention states hold views; training discards them and nothing writes
         # into them in place, which is the case this warning is about.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         for block in getattr(model, "blocks", []):
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     if not info.enabled:
         return model

@@ -42,6 +42,7 @@ from titans.training.checkpoint import (
     save_checkpoint,
 )
 from titans.training.config import TrainConfig
+from titans.training.cuda_graphs import GraphedMicroStep
 from titans.training.metrics import (
     METRICS_FILE,
     PLOT_FILE,
@@ -138,6 +139,12 @@ class Trainer:
             self._check_resumable(saved.config, checkpoint)
             load_weights(self.model, saved.model_state)
         self.model.to(self.device)
+        if cfg.cuda_graphs and (self.device.type != "cuda" or self.info.world_size > 1):
+            where = f"{self.info.world_size} processes" if self.info.world_size > 1 else str(self.device)
+            raise ValueError(
+                f"TrainConfig.cuda_graphs needs one process on one CUDA device; this run has {where}"
+            )
+        self.graphed_step: GraphedMicroStep | None = None  # captured at the first step (cuda_graphs)
         self.engine = D.wrap_model(self.model, self.info, fsdp=cfg.fsdp)
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
@@ -281,6 +288,8 @@ class Trainer:
         """One optimizer step on global batch ``step``: (this rank's mean loss, the gradient norm)."""
         inputs, targets = self.batches.get_batch(step)
         self.batches.step = step + 1  # the data position a checkpoint records
+        if self.config.cuda_graphs:
+            return self._graphed_train_step(inputs, targets)
         accum = self.config.grad_accum
         self.engine.train()
         loss_sum = torch.zeros((), device=self.device)
@@ -291,14 +300,32 @@ class Trainer:
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(self.device).flatten())
                 (loss / accum).backward()
             loss_sum += loss.detach() / accum
+        return loss_sum, self._optimizer_step()
+
+    def _optimizer_step(self) -> torch.Tensor:
+        """Clip, step the optimizer and the schedule, clear the gradients; returns the gradient norm."""
         max_norm = self.config.grad_clip if self.config.grad_clip is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, grad_norm.detach()
+        # a CUDA graph adds into the gradient tensors it was captured with: zero them, keep them
+        self.optimizer.zero_grad(set_to_none=not self.config.cuda_graphs)
+        return grad_norm.detach()
+
+    def _graphed_train_step(self, inputs: torch.Tensor, targets: torch.Tensor):
+        """`train_step` with each micro-step a CUDA graph replay (one process, one GPU)."""
+        accum = self.config.grad_accum
+        self.model.train()
+        if self.graphed_step is None:
+            shape = (inputs.shape[0] // accum, inputs.shape[1])
+            vocab = self.model_config.vocab_size
+            self.graphed_step = GraphedMicroStep(self.model, shape, accum, self.autocast_dtype, vocab)
+        loss_sum = torch.zeros((), device=self.device)
+        for x, y in zip(inputs.chunk(accum), targets.chunk(accum)):
+            loss_sum += self.graphed_step(x, y) / accum
+        return loss_sum, self._optimizer_step()
 
     def evaluate(self) -> PerplexityResult:
         """Held-out loss / perplexity / bits per byte over the run's evaluation windows (all ranks)."""

@@ -1,0 +1,160 @@
+"""Training throughput and peak GPU memory of every variant on a CUDA device (bf16 autocast, as `titans
+train` runs there), eager and with the micro-step replayed as a CUDA graph (`titans train --cuda-graphs`),
+plus the neural memory layer alone in float32 and bf16.
+
+One process, one model at a time, eager and graphed side by side. A step is forward + backward + AdamW;
+its time is the median over `--steps` steps after two warm-up steps, read with CUDA events. All variants
+share the preset's sizes (dim, depth, heads, window = segment_len, chunk_size), so the rows compare like
+with like; the memory variants carry the memory's extra parameters.
+
+    python benchmarks/gpu_throughput.py [--preset 170M] [--seqs 2048,8192] [--variants mac,mag,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _timed(step, steps: int) -> tuple[float, float]:
+    """(median seconds per call of `step`, peak GiB reserved) after two warm-up calls. Reserved, not
+    allocated: a CUDA graph's memory pool counts as reserved only."""
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times), torch.cuda.max_memory_reserved() / 2**30
+
+
+def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace) -> dict:
+    from titans import TitansConfig, TitansLM
+    from titans.training.cuda_graphs import GraphedMicroStep
+
+    torch.manual_seed(0)
+    model = TitansLM(TitansConfig.preset(args.preset, variant=variant)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    tokens = torch.randint(0, model.config.vocab_size, (args.batch, seq + 1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    graphed = None
+    if mode == "graphs":
+        torch.cuda.reset_peak_memory_stats()
+        graphed = GraphedMicroStep(model, tuple(inputs.shape), 1, torch.bfloat16, model.config.vocab_size)
+
+    def step() -> None:
+        if graphed is not None:
+            graphed(inputs, targets)
+        else:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits, _ = model(inputs.cuda())
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.cuda().flatten())
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=graphed is None)
+
+    sec, peak = _timed(step, args.steps)
+    return {
+        "variant": variant,
+        "mode": mode,
+        "seq": seq,
+        "batch": args.batch,
+        "params": model.num_parameters(),
+        "step_s": sec,
+        "tokens_per_s": args.batch * seq / sec,
+        "peak_reserved_gib": peak,
+    }
+
+
+def memory_row(seq: int, dtype: str, args: argparse.Namespace) -> dict:
+    """The NeuralMemory layer alone at the preset's sizes: forward + backward, no optimizer."""
+    from titans import TitansConfig
+    from titans.layers.memory import NeuralMemory
+
+    cfg = TitansConfig.preset(args.preset)
+    torch.manual_seed(0)
+    mem = NeuralMemory(cfg.dim, heads=cfg.heads, depth=cfg.memory_depth, chunk_size=cfg.chunk_size).cuda()
+    x = torch.randn(args.batch, seq, cfg.dim, device="cuda", requires_grad=True)
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            y, _ = mem(x)
+        y.float().square().mean().backward()
+        mem.zero_grad(set_to_none=True)
+        x.grad = None
+
+    sec, peak = _timed(step, args.steps)
+    return {"layer": "NeuralMemory", "dtype": dtype, "seq": seq, "batch": args.batch, "step_s": sec,
+            "tokens_per_s": args.batch * seq / sec, "peak_reserved_gib": peak}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="170M")
+    p.add_argument("--variants", default="mac,mag,mal,lmm,swa,transformer")
+    p.add_argument("--seqs", default="2048,8192")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--modes", default="eager,graphs", help="eager and/or graphs (CUDA graph replay)")
+    p.add_argument("--out", default=str(RESULTS / "gpu_throughput.json"))
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_throughput.py: needs a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    seqs = [int(s) for s in args.seqs.split(",")]
+    rows: list[dict] = []
+
+    def run(fn, *a) -> None:
+        try:
+            rows.append(fn(*a, args))
+        except torch.OutOfMemoryError:
+            rows.append({"args": [str(x) for x in a], "error": "out of GPU memory"})
+        gc.collect()  # a captured graph holds its memory pool until it is collected
+        torch.cuda.empty_cache()
+        print(json.dumps(rows[-1]), flush=True)
+
+    for seq in seqs:
+        for variant in args.variants.split(","):
+            for mode in args.modes.split(","):
+                run(model_row, variant, seq, mode)
+        for dtype in ("fp32", "bf16"):
+            run(memory_row, seq, dtype)
+
+    name = torch.cuda.get_device_name()
+    print(f"\n{name}, preset {args.preset}, batch {args.batch}, bf16 autocast, median of {args.steps} steps")
+    print("variant rows: fwd+bwd+AdamW; memory rows: the NeuralMemory layer alone, fwd+bwd;")
+    print("reserved: peak GPU memory the allocator held, GiB")
+    print(f"{'variant':<14}{'mode':<8}{'seq':>7}{'params':>13}{'step ms':>10}{'tok/s':>12}{'reserved':>10}"
+          f"{'vs eager':>10}")  # fmt: skip
+    eager = {(r["variant"], r["seq"]): r["step_s"] for r in rows if r.get("mode") == "eager"}
+    for r in rows:
+        if "error" in r:
+            print(f"{' '.join(r['args']):<29}  {r['error']}")
+            continue
+        label = r.get("variant") or f"memory {r['dtype']}"
+        params = f"{r['params']:,}" if "params" in r else ""
+        ref = eager.get((r.get("variant"), r["seq"]))
+        ratio = f"{ref / r['step_s']:.2f}x" if ref and r.get("mode") == "graphs" else ""
+        print(f"{label:<14}{r.get('mode', ''):<8}{r['seq']:>7}{params:>13}{r['step_s'] * 1e3:>10.1f}"
+              f"{r['tokens_per_s']:>12,.0f}{r['peak_reserved_gib']:>10.2f}{ratio:>10}")  # fmt: skip
+    Path(args.out).write_text(json.dumps({"device": name, "torch": torch.__version__, "args": vars(args),
+                                          "rows": rows}, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
