@@ -274,3 +274,29 @@ def test_bad_checkpoint_every_names_it(bad):
         neural_memory_chunked(*args, w, s, chunk_size=4, checkpoint_every=bad)
     with pytest.raises(ValueError, match="checkpoint_every"):
         NeuralMemory(16, heads=2, checkpoint_every=bad)
+
+
+@pytest.mark.parametrize("variant", ["mac", "lmm"])
+def test_model_with_memory_checkpointing_matches(variant):
+    """TitansConfig.memory_checkpoint_every reaches every memory layer and changes neither the logits nor
+    any gradient (float64; a length that is not a multiple of the segment or the chunk)."""
+    from titans import TitansConfig, TitansLM
+
+    sizes = dict(variant=variant, vocab_size=40, dim=16, depth=2, heads=2, segment_len=16, window=8,
+                 chunk_size=4, persistent_tokens=2)  # fmt: skip
+    torch.manual_seed(0)
+    plain = TitansLM(TitansConfig(**sizes)).double()
+    ckpt = TitansLM(TitansConfig(**sizes, memory_checkpoint_every=2)).double()
+    ckpt.load_state_dict(plain.state_dict())
+    assert all(m.memory.checkpoint_every == 2 for m in ckpt.blocks)
+    tokens = torch.randint(0, 40, (2, 45))
+    results = []
+    for model in (plain, ckpt):
+        logits, _ = model(tokens)
+        logits.logsumexp(-1).mean().backward()
+        results.append((logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (y_plain, g_plain), (y_ckpt, g_ckpt) = results
+    assert_close_rel(y_ckpt, y_plain, 1e-12)
+    assert g_plain.keys() == g_ckpt.keys()
+    for name in g_plain:
+        assert_close_rel(g_ckpt[name], g_plain[name], 1e-10)

@@ -137,6 +137,8 @@ def test_config_without_gate_inits_loads_with_defaults():
         ({"dim": 30, "heads": 4}, "heads"),
         ({"memory_layers": [5]}, "memory_layers"),
         ({"persistent_tokens": -1}, "persistent_tokens"),
+        ({"memory_checkpoint_every": 0}, "memory_checkpoint_every"),
+        ({"memory_checkpoint_every": True}, "memory_checkpoint_every"),
     ],
 )
 def test_bad_config_names_field(kwargs, field):

@@ -39,6 +39,7 @@ def make_memory(cfg: TitansConfig) -> NeuralMemory:
         surprise_clip=cfg.memory_surprise_clip,
         residual=cfg.memory_residual,
         write=cfg.memory_write,
+        checkpoint_every=cfg.memory_checkpoint_every,
     )
 
 

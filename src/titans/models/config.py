@@ -70,6 +70,9 @@ class TitansConfig:
     memory_surprise_clip: float | None = 1.0
     memory_residual: bool = False
     memory_write: bool = True  # False: read-only memory (no test-time learning), an ablation twin
+    # training memory: keep the memory's state every this many chunks and recompute the rest in the
+    # backward pass (NeuralMemory.checkpoint_every; None: keep every chunk's). Same outputs and gradients
+    memory_checkpoint_every: int | None = None
     # attention and the rest
     qk_norm: bool = True
     rope_base: float = 10000.0
@@ -110,6 +113,11 @@ class TitansConfig:
             bad = [i for i in self.memory_layers if not 0 <= i < self.depth]
             if bad:
                 raise ValueError(f"TitansConfig.memory_layers {bad} out of range for depth={self.depth}")
+        every = self.memory_checkpoint_every
+        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+            raise ValueError(
+                f"TitansConfig.memory_checkpoint_every must be a positive integer or null, got {every!r}"
+            )
         if self.mlp_mult <= 0:
             raise ValueError(f"TitansConfig.mlp_mult must be > 0, got {self.mlp_mult}")
         for name in ("memory_eta_init", "memory_alpha_init"):
