@@ -47,7 +47,8 @@ def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace) -> di
     from titans.training.cuda_graphs import GraphedMicroStep
 
     torch.manual_seed(0)
-    model = TitansLM(TitansConfig.preset(args.preset, variant=variant)).cuda()
+    every = args.memory_checkpoint_every
+    model = TitansLM(TitansConfig.preset(args.preset, variant=variant, memory_checkpoint_every=every)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     tokens = torch.randint(0, model.config.vocab_size, (args.batch, seq + 1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -109,6 +110,7 @@ def main() -> None:
     p.add_argument("--seqs", default="2048,8192")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--memory-checkpoint-every", type=int, help="TitansConfig.memory_checkpoint_every")
     p.add_argument("--modes", default="eager,graphs", help="eager and/or graphs (CUDA graph replay)")
     p.add_argument("--out", default=str(RESULTS / "gpu_throughput.json"))
     args = p.parse_args()
@@ -139,6 +141,8 @@ def main() -> None:
     print(f"\n{name}, preset {args.preset}, batch {args.batch}, bf16 autocast, median of {args.steps} steps")
     print("variant rows: fwd+bwd+AdamW; memory rows: the NeuralMemory layer alone, fwd+bwd;")
     print("reserved: peak GPU memory the allocator held, GiB")
+    if args.memory_checkpoint_every:
+        print(f"memory_checkpoint_every={args.memory_checkpoint_every}")
     print(f"{'variant':<14}{'mode':<8}{'seq':>7}{'params':>13}{'step ms':>10}{'tok/s':>12}{'reserved':>10}"
           f"{'vs eager':>10}")  # fmt: skip
     eager = {(r["variant"], r["seq"]): r["step_s"] for r in rows if r.get("mode") == "eager"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from micro_train import micro_config
+from micro_train import MICRO_MODEL, micro_config
 from titans import TitansConfig, TitansLM
 from titans.training.config import TrainConfig
 from titans.training.cuda_graphs import GraphedMicroStep
@@ -43,13 +43,20 @@ def run(tmp_path, cache_dir, name: str, stop_at: int | None = None, resume: bool
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize(
-    "variant, accum, dtype",
-    [("mac", 1, "float32"), ("mac", 2, "float32"), ("mag", 1, "float32"), ("mac", 1, "bfloat16")],
+    "variant, accum, dtype, every",
+    [
+        ("mac", 1, "float32", None),
+        ("mac", 2, "float32", None),
+        ("mag", 1, "float32", None),
+        ("mac", 1, "bfloat16", None),
+        ("lmm", 1, "float32", 2),  # the memory's checkpointed backward recomputes inside the graph
+    ],
 )
-def test_graphed_steps_match_eager_steps(tmp_path, cache_dir, variant, accum, dtype):
+def test_graphed_steps_match_eager_steps(tmp_path, cache_dir, variant, accum, dtype, every):
     """Same losses and weights after 4 steps. In float32 to float rounding (the GPU's eager backward
     itself is not bitwise reproducible); in bf16, where that rounding is coarser, to 1e-2."""
-    kw = dict(variant=variant, grad_accum=accum, dtype=dtype)
+    model = {**MICRO_MODEL, "memory_checkpoint_every": every}
+    kw = dict(variant=variant, grad_accum=accum, dtype=dtype, model=model)
     eager, eager_result = run(tmp_path, cache_dir, "eager", **kw)
     graphed, graphed_result = run(tmp_path, cache_dir, "graphed", cuda_graphs=True, **kw)
     assert graphed.graphed_step is not None and eager.graphed_step is None
