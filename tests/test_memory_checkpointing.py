@@ -136,13 +136,21 @@ def test_state_mix_forward_kernel_equals_bmms(dtype):
 def test_cpu_kernels_propagate_non_finite_inputs():
     """The kernels are built with -ffast-math, which lets the compiler assume finite values: a NaN or inf
     in the input must still come out where the torch ops put it (nothing silently made finite), and the
-    finite entries must still match."""
+    finite entries must still match. Conv + SiLU forward and backward, state update forward and backward."""
     kernel = built_kernels()
     torch.manual_seed(0)
     x = torch.randn(2, 9, 6)
     x[0, 3, 1], x[1, 5, 2], x[1, 6, 4] = float("nan"), float("inf"), -float("inf")
     w, b = torch.randn(6, 1, 4), torch.randn(6)
     pairs = [(causal_conv_silu(x, w, b), causal_conv_silu_ref(F.pad(x, (0, 0, 3, 0)), w, b))]
+    # the conv's backward kernel: the gradients of x, the taps and the bias against autograd's
+    g = torch.randn(2, 9, 6)
+    conv_grads = []
+    for conv in (causal_conv_silu, lambda x, w, b: causal_conv_silu_ref(F.pad(x, (0, 0, 3, 0)), w, b)):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        conv(*leaves).backward(g)
+        conv_grads.append([t.grad for t in leaves])
+    pairs += list(zip(*conv_grads))
     state, u, mix = torch.randn(3, 2, 50), torch.randn(3, 2, 50), torch.randn(3, 2, 2)
     state[0, 1, 7], state[2, 0, 30], u[1, 0, 4] = float("nan"), float("inf"), -float("inf")
     out = u.clone()
