@@ -66,6 +66,10 @@ def _train_one(cfg: TrainConfig, resume: bool, overwrite: bool):
             f"device {trainer.device}, run_dir {cfg.run_dir}",
             flush=True,
         )
+        memory = any(trainer.model_config.has_memory(i) for i in range(trainer.model_config.depth))
+        if trainer.device.type == "cuda" and memory and not cfg.cuda_graphs and trainer.info.world_size == 1:
+            print("hint: --cuda-graphs replays each step as a CUDA graph; memory variants train several times"
+                  " faster (docs/benchmarks.md, section 6)", flush=True)  # fmt: skip
     result = trainer.train()
     if trainer.info.is_main:
         print(format_report(result, f"{cfg.variant} on {cfg.data}"), flush=True)
