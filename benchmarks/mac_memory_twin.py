@@ -57,6 +57,8 @@ def train_and_eval(write: bool, args: argparse.Namespace) -> dict:
         memory_write=write,
         memory_max_lr=args.memory_max_lr,
         memory_theta_init=args.memory_theta_init,
+        mac_gate=args.mac_gate,
+        mac_norm_memory_tokens=args.mac_norm_memory_tokens == "true",
     )
     model = TitansLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -93,6 +95,8 @@ def main() -> None:
     p.add_argument("--memory-max-lr", type=float, default=TitansConfig.memory_max_lr)
     p.add_argument("--memory-theta-init", type=float, default=TitansConfig.memory_theta_init)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mac-gate", default=TitansConfig.mac_gate, help="open or norm (TitansConfig.mac_gate)")
+    p.add_argument("--mac-norm-memory-tokens", choices=("true", "false"), default="true")
     p.add_argument("--out", default="benchmarks/results/mac_memory_twin.json")
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -100,7 +104,8 @@ def main() -> None:
     chance_loss = math.log(args.vocab - 1)
     print(
         f"MAC memory-induction task: segment {args.segment_len}, vocab {args.vocab}, {args.steps} steps, "
-        f"batch {args.batch}; chance accuracy {1 / args.vocab:.3f}, uniform loss {chance_loss:.2f}"
+        f"batch {args.batch}; chance accuracy {1 / args.vocab:.3f}, uniform loss {chance_loss:.2f}; "
+        f"mac_gate={args.mac_gate}, mac_norm_memory_tokens={args.mac_norm_memory_tokens}"
     )
     print(f"{'model':24s} {'loss':>7s} {'accuracy':>9s} {'train s':>8s}")
     for r in rows:

@@ -11,6 +11,7 @@ import torch
 from tiny_lm import tiny_config, tiny_model
 from titans import PRESETS, VARIANTS, TitansConfig, TitansLM
 from titans.layers.norm import RMSNorm
+from titans.models.blocks import GatedCombine, IdentityInitGate
 
 F64 = torch.float64
 
@@ -48,6 +49,9 @@ def test_streaming_equals_parallel(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_parameter_gets_gradient(variant):
     model = model64(variant, seed=2)
+    for module in model.modules():
+        if isinstance(module, IdentityInitGate):  # zero at init by design: nothing flows past it then
+            torch.nn.init.normal_(module.gate.weight, std=0.1)
     tokens = torch.randint(0, 64, (2, 20))
     logits, _ = model(tokens)
     torch.nn.functional.cross_entropy(logits.reshape(-1, 64), tokens.roll(-1, 1).reshape(-1)).backward()
@@ -116,6 +120,59 @@ def test_memory_gate_inits_are_config_fields():
     assert not torch.allclose(default, memories[0].to_gates.bias.detach())
 
 
+LM_MAC = dict(mac_gate="open", mac_norm_memory_tokens=True)
+
+
+@pytest.mark.parametrize("j", [0, 8, 13])
+def test_open_gate_mac_block_is_causal_and_streams(j):
+    """The MAC block of the main job (`mac_gate="open"`, normalised memory tokens; the VARIANTS tests cover
+    the default block)."""
+    model = model64("mac", seed=3, **LM_MAC)
+    assert isinstance(model.blocks[0].combine, IdentityInitGate)
+    tokens = torch.randint(0, 64, (2, 22))
+    logits, _ = model(tokens)
+    changed = tokens.clone()
+    changed[:, j] = (changed[:, j] + 1) % 64
+    assert j == 0 or (model(changed)[0][:, :j] - logits[:, :j]).abs().max() <= 1e-12
+    pieces, state = [], None
+    for a, b in [(0, 5), (5, 8), (8, 22)]:
+        out, state = model(tokens[:, a:b], state)
+        pieces.append(out)
+    assert (torch.cat(pieces, 1) - logits).abs().max() < 1e-10
+
+
+def test_identity_init_gate_starts_as_the_identity():
+    torch.manual_seed(0)
+    gate = IdentityInitGate(12, 1e-6)
+    y, m = torch.randn(2, 5, 12), torch.randn(2, 5, 12)
+    assert torch.equal(gate(y, m), y)
+    # and TitansLM's own init keeps it so (it re-initialises every other Linear)
+    model = model64("mac", seed=4, **LM_MAC)
+    assert all(b.combine.gate.weight.abs().max() == 0 for b in model.blocks)
+    assert all(b.norm_tokens for b in model.blocks)
+
+
+def test_mac_memory_tokens_are_normalised_only_when_asked():
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 32, dtype=F64)
+    for norm in (False, True):
+        block = model64("mac", seed=5, mac_norm_memory_tokens=norm).blocks[0]
+        assert isinstance(block.combine, GatedCombine)  # the default gate
+        h = block.retrieve(x, block.memory.initial_state(2, dtype=F64).weights)
+        rms = h.pow(2).mean(-1).sqrt()
+        assert torch.allclose(rms, torch.ones_like(rms), atol=1e-2) == norm  # h is small: the eps shows
+
+
+def test_config_without_mac_fields_loads_the_default_block():
+    """A config saved before `mac_gate` / `mac_norm_memory_tokens` existed describes the default block."""
+    old = TitansConfig(variant="mac").to_dict()
+    del old["mac_gate"], old["mac_norm_memory_tokens"]
+    cfg = TitansConfig.from_dict(old)
+    default = TitansConfig()
+    assert (cfg.mac_gate, cfg.mac_norm_memory_tokens) == (default.mac_gate, default.mac_norm_memory_tokens)
+    assert (default.mac_gate, default.mac_norm_memory_tokens) == ("norm", False)
+
+
 def test_config_without_gate_inits_loads_with_defaults():
     """A model config saved before the gate inits were fields (old checkpoints) still loads."""
     old = TitansConfig(variant="lmm").to_dict()
@@ -138,6 +195,8 @@ def test_config_without_gate_inits_loads_with_defaults():
         ({"memory_layers": [5]}, "memory_layers"),
         ({"persistent_tokens": -1}, "persistent_tokens"),
         ({"memory_checkpoint_every": 0}, "memory_checkpoint_every"),
+        ({"mac_gate": "closed"}, "mac_gate"),
+        ({"mac_norm_memory_tokens": "yes"}, "mac_norm_memory_tokens"),
         ({"memory_checkpoint_every": True}, "memory_checkpoint_every"),
     ],
 )

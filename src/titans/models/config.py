@@ -25,6 +25,9 @@ def read_json_object(path: str | Path, owner: str) -> dict[str, Any]:
     return data
 
 
+MAC_GATES = ("norm", "open")
+
+
 @dataclass
 class TitansConfig:
     """A Titans causal LM (SPEC §3-4). Core fields keep the issue's names; the rest have defaults.
@@ -73,6 +76,13 @@ class TitansConfig:
     # training memory: keep the memory's state every this many chunks and recompute the rest in the
     # backward pass (NeuralMemory.checkpoint_every; None: keep every chunk's). Same outputs and gradients
     memory_checkpoint_every: int | None = None
+    # The MAC block (docs/design.md, "The MAC block"). mac_norm_memory_tokens: the retrieved memory tokens h
+    # enter the attention RMS-normalised, in the scale of the normed block input beside them. mac_gate: the
+    # output o = y * gate(M(y)) is "norm", W (norm(y) * sigmoid(norm(M(y)))) as MAG combines its branches,
+    # or "open", y * 2 sigmoid(W norm(M(y))) with W zero-initialised (the identity on y at first). The
+    # defaults recall best through the memory; open + normalised tokens model language best at small scale
+    mac_norm_memory_tokens: bool = False
+    mac_gate: str = "norm"
     # attention and the rest
     qk_norm: bool = True
     rope_base: float = 10000.0
@@ -113,6 +123,11 @@ class TitansConfig:
             bad = [i for i in self.memory_layers if not 0 <= i < self.depth]
             if bad:
                 raise ValueError(f"TitansConfig.memory_layers {bad} out of range for depth={self.depth}")
+        if self.mac_gate not in MAC_GATES:
+            raise ValueError(f"TitansConfig.mac_gate must be one of {MAC_GATES}, got {self.mac_gate!r}")
+        norm_tokens = self.mac_norm_memory_tokens
+        if not isinstance(norm_tokens, bool):
+            raise ValueError(f"TitansConfig.mac_norm_memory_tokens must be a bool, got {norm_tokens!r}")
         every = self.memory_checkpoint_every
         if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
             raise ValueError(

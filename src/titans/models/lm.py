@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from titans.layers.memory import MemoryStats, NeuralMemory
 from titans.layers.norm import RMSNorm
-from titans.models.blocks import make_block
+from titans.models.blocks import IdentityInitGate, make_block
 from titans.models.config import TitansConfig
 
 # A CPU stream this long warns (once per process) if subnormal floats are not flushed to zero.
@@ -94,7 +94,8 @@ class TitansLM(nn.Module):
     def reset_parameters(self) -> None:
         """GPT-style init: N(0, init_std) for embeddings and projections, residual outputs scaled by depth.
 
-        The neural memory's gate biases and initial weights keep their own initialisation.
+        The neural memory's gate biases and initial weights keep their own initialisation, and MAC's
+        identity-initialised output gate its zeros.
         """
         std = self.config.init_std
         memory_gates = {id(m.to_gates) for m in self.modules() if isinstance(m, NeuralMemory)}
@@ -107,6 +108,9 @@ class TitansLM(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, std=std)
+        for module in self.modules():  # modules whose own init is part of their definition
+            if isinstance(module, IdentityInitGate):
+                module.reset_parameters()
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -30,6 +30,7 @@ from titans.data.loader import EvalWindows, TokenBatches
 from titans.data.stream import load_token_streams
 from titans.data.tokenizers import load_tokenizer
 from titans.evaluation.perplexity import PerplexityResult, autocast_context, evaluate_perplexity
+from titans.models.config import TitansConfig
 from titans.models.lm import TitansLM
 from titans.training import distributed as D
 from titans.training.checkpoint import (
@@ -210,7 +211,8 @@ class Trainer:
             )
             raise ValueError(f"cannot resume from {str(path)!r}: the config differs in {detail}")
         mine_model = self.model_config.to_dict()
-        diff = sorted(k for k in mine_model if k != "name" and mine_model[k] != saved["model"].get(k))
+        saved_model = TitansConfig.from_dict(saved["model"]).to_dict()  # fields added since: defaults
+        diff = sorted(k for k in mine_model if k != "name" and mine_model[k] != saved_model[k])
         if diff:
             raise ValueError(f"cannot resume from {str(path)!r}: the model config differs in {diff}")
 
