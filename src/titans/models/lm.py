@@ -26,6 +26,14 @@ SUBNORMAL_WARNING_POSITION = 1 << 15
 _warned_subnormals = False
 
 
+def check_token_ids(tokens: Tensor, vocab_size: int) -> None:
+    """Raise if any id in ``tokens`` lies outside [0, vocab_size) (one host sync for both bounds)."""
+    if tokens.numel():
+        lo, hi = torch.stack(torch.aminmax(tokens)).tolist()
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"TitansLM: token ids must lie in [0, {vocab_size}), got [{lo}, {hi}]")
+
+
 def subnormals_flushed() -> bool:
     """Whether this thread flushes subnormal floats to zero (`torch.set_flush_denormal(True)`)."""
     return torch.tensor(1e-40).mul(1.0).item() == 0.0
@@ -168,12 +176,8 @@ class TitansLM(nn.Module):
         if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
             raise TypeError(f"TitansLM: tokens must be integer ids, got dtype {tokens.dtype}")
         # (a host sync; skipped while a CUDA graph is captured, whose caller checks each batch instead)
-        if tokens.numel() and not (tokens.is_cuda and torch.cuda.is_current_stream_capturing()):
-            lo, hi = torch.stack(torch.aminmax(tokens)).tolist()
-            if lo < 0 or hi >= self.config.vocab_size:  # one host sync for both bounds
-                raise ValueError(
-                    f"TitansLM: token ids must lie in [0, {self.config.vocab_size}), got [{lo}, {hi}]"
-                )
+        if not (tokens.is_cuda and torch.cuda.is_current_stream_capturing()):
+            check_token_ids(tokens, self.config.vocab_size)
         if state is not None:
             self.check_state(state)
         layer_states = state.layers if state is not None else [None] * len(self.blocks)

@@ -3,7 +3,7 @@
 The memory variants run their chunks in a Python loop: a 170M MAC step at 4 x 2048 tokens launches ~80K
 small kernels, and on an H100 the GPU is busy for a fraction of the step while the CPU launches them. A
 CUDA graph records the launches once; each replay issues them all from the driver. See
-docs/benchmarks.md (GPU) for what it gains, and `benchmarks/gpu_throughput.py --cuda-graphs` to measure.
+docs/benchmarks.md (section 6) for what it gains; `benchmarks/gpu_throughput.py` measures it.
 
 What a graph needs, and how this step provides it:
 - static shapes and addresses: the micro-batch is copied into fixed input tensors, and the gradients are
@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from titans.models.lm import check_token_ids
 
 
 class GraphedMicroStep:
@@ -86,9 +88,7 @@ class GraphedMicroStep:
                 f"GraphedMicroStep: captured for batches of {tuple(self.inputs.shape)}, got inputs "
                 f"{tuple(inputs.shape)} and targets {tuple(targets.shape)}"
             )
-        lo, hi = torch.stack(torch.aminmax(inputs)).tolist()
-        if lo < 0 or hi >= self.vocab_size:
-            raise ValueError(f"TitansLM: token ids must lie in [0, {self.vocab_size}), got [{lo}, {hi}]")
+        check_token_ids(inputs, self.vocab_size)
         self.inputs.copy_(inputs, non_blocking=True)
         self.targets.copy_(targets, non_blocking=True)
         self.graph.replay()
