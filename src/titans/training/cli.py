@@ -52,7 +52,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _train_one(cfg: TrainConfig, resume: bool, overwrite: bool):
+def _train_one(cfg: TrainConfig, resume: bool, overwrite: bool) -> bool:
+    """Train one config and print its report (rank 0). Returns whether this is rank 0."""
     from titans.training.report import format_report
     from titans.training.trainer import Trainer
 
@@ -73,7 +74,7 @@ def _train_one(cfg: TrainConfig, resume: bool, overwrite: bool):
     result = trainer.train()
     if trainer.info.is_main:
         print(format_report(result, f"{cfg.variant} on {cfg.data}"), flush=True)
-    return trainer, result
+    return trainer.info.is_main
 
 
 def _comparable(configs: list[TrainConfig], paths: list[str]) -> None:
@@ -96,25 +97,32 @@ def run_train(args: argparse.Namespace) -> int:
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     from titans.training import distributed as D
 
+    clean = False
     try:
-        if args.resume and args.overwrite:
-            raise ValueError("--resume and --overwrite contradict each other: choose one")
-        overrides = overrides_from_args(args)
-        if args.compare:
-            from titans.training.report import compare_table
-
-            configs = [TrainConfig.from_file(p, overrides) for p in args.compare]
-            _comparable(configs, args.compare)
-            for cfg in configs:
-                trainer, _ = _train_one(cfg, args.resume, args.overwrite)
-            if trainer.info.is_main:
-                print("\n" + compare_table([c.run_dir for c in configs]))
-        else:
-            cfg = TrainConfig.from_file(args.config, overrides)
-            _train_one(cfg, args.resume, args.overwrite)
+        _run_train(args)
+        clean = True
     finally:
-        D.shutdown()
+        # after _run_train returns, so that its trainers are garbage: shutdown frees them first
+        D.shutdown(clean=clean)
     return 0
+
+
+def _run_train(args: argparse.Namespace) -> None:
+    if args.resume and args.overwrite:
+        raise ValueError("--resume and --overwrite contradict each other: choose one")
+    overrides = overrides_from_args(args)
+    if args.compare:
+        from titans.training.report import compare_table
+
+        configs = [TrainConfig.from_file(p, overrides) for p in args.compare]
+        _comparable(configs, args.compare)
+        for cfg in configs:
+            is_main = _train_one(cfg, args.resume, args.overwrite)
+        if is_main:
+            print("\n" + compare_table([c.run_dir for c in configs]))
+    else:
+        cfg = TrainConfig.from_file(args.config, overrides)
+        _train_one(cfg, args.resume, args.overwrite)
 
 
 def register(commands, evals) -> None:

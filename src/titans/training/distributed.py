@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -80,9 +81,22 @@ def init_distributed(device_spec: str = "auto") -> DistInfo:
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
-def shutdown() -> None:
+def shutdown(*, clean: bool = True) -> None:
+    """Tear the process group down while the interpreter is fully alive.
+
+    Models, optimizers and FSDP state left in reference cycles hold gloo work objects (and tensors with
+    Python references) that would otherwise be freed during interpreter finalization, where a gloo
+    thread that needs the GIL aborts the process ("terminate called without an active exception")
+    after a successful run. So collect them first; then, after a clean run, wait for every rank, so
+    that no rank tears its connections down while another still uses them. After an error there is no
+    barrier: the other ranks may never reach it.
+    """
+    gc.collect()
     if dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
+    gc.collect()
 
 
 def barrier(info: DistInfo) -> None:
