@@ -12,14 +12,14 @@ by seed.
         [--jobs 2] [--out-dir runs/seeds] [--set KEY=VALUE ...]
 
 Runs whose run_dir already holds a finished report are read, not re-trained (delete the folder to redo
-one). One thread: MAC about 11 minutes, each baseline about 4; all 15 runs about 50 minutes with 2 jobs.
+one). One thread: MAC about 10 minutes of training, each baseline 3-4; all 15 runs about 50 minutes with
+2 jobs.
 Writes benchmarks/results/main_budget_seeds.json (or --name).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -27,15 +27,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench_utils import machine_info, save_json
+from titans.training.report import read_report
+from titans.training.trainer import REPORT_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
-REPORT = "report.json"
 
 
 def train(variant: str, seed: int, run_dir: Path, extra: list[str]) -> dict:
     """Train one run (unless finished already) and return its report."""
-    report = run_dir / REPORT
-    if not report.is_file():
+    if not (run_dir / REPORT_FILE).is_file():
         cmd = [sys.executable, "-m", "titans", "train", "--config", str(ROOT / "configs/main.json")]
         cmd += ["--variant", variant, "--seed", str(seed), "--run-dir", str(run_dir), "--overwrite"]
         cmd += ["--no-progress", "--set", "threads=1", "--set", "sample_tokens=0", "--set", "plot=false"]
@@ -47,7 +47,7 @@ def train(variant: str, seed: int, run_dir: Path, extra: list[str]) -> dict:
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         if proc.returncode != 0:
             raise RuntimeError(f"{variant} seed {seed} failed (exit {proc.returncode}); see {run_dir}.log")
-    r = json.loads(report.read_text())
+    r = read_report(run_dir)
     return {
         "variant": variant,
         "seed": seed,

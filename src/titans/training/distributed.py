@@ -84,19 +84,18 @@ def init_distributed(device_spec: str = "auto") -> DistInfo:
 def shutdown(*, clean: bool = True) -> None:
     """Tear the process group down while the interpreter is fully alive.
 
-    Models, optimizers and FSDP state left in reference cycles hold gloo work objects (and tensors with
-    Python references) that would otherwise be freed during interpreter finalization, where a gloo
-    thread that needs the GIL aborts the process ("terminate called without an active exception")
-    after a successful run. So collect them first; then, after a clean run, wait for every rank, so
-    that no rank tears its connections down while another still uses them. After an error there is no
-    barrier: the other ranks may never reach it.
+    Models, optimizers and FSDP state left in reference cycles would otherwise be freed during
+    interpreter finalization, after the process group is gone; freeing gloo work objects that hold
+    tensors with Python references then can abort the process ("terminate called without an active
+    exception", seen once in CI after a successful FSDP run). So collect them first; then, after a clean
+    run, wait for every rank, so that no rank tears its connections down while another still uses them.
+    After an error there is no barrier: the other ranks may never reach it.
     """
     gc.collect()
     if dist.is_initialized():
         if clean:
             dist.barrier()
         dist.destroy_process_group()
-    gc.collect()
 
 
 def barrier(info: DistInfo) -> None:
