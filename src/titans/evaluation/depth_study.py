@@ -63,7 +63,7 @@ def heldout_loss_by_length(model, heldout, lengths: list[int], windows: int, bat
     """{length: mean held-out loss over up to ``windows`` windows of that length} (``None`` where the
     held-out text is too short for even one window)."""
     from titans.data.loader import EvalWindows
-    from titans.evaluation.perplexity import evaluate_perplexity
+    from titans.training.perplexity import evaluate_perplexity
 
     out: dict[str, float | None] = {}
     for length in lengths:

@@ -166,7 +166,7 @@ def register(commands, evals) -> None:
     )
     p.set_defaults(func=run_train)
 
-    from titans.evaluation.perplexity import add_ppl_parser, run_ppl
+    from titans.training.perplexity import add_ppl_parser, run_ppl
 
     add_ppl_parser(evals)
     evals.choices["ppl"].set_defaults(func=run_ppl)

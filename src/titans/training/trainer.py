@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from titans.data.loader import EvalWindows, TokenBatches
 from titans.data.stream import load_token_streams
 from titans.data.tokenizers import load_tokenizer
-from titans.evaluation.perplexity import PerplexityResult, autocast_context, evaluate_perplexity
 from titans.models.config import TitansConfig
 from titans.models.lm import TitansLM
 from titans.training import distributed as D
@@ -54,6 +53,7 @@ from titans.training.metrics import (
 )
 from titans.training.model_io import TOKENIZER_DIR, keep_tokenizer_copy, load_weights, tokenizer_record
 from titans.training.optim import build_optimizer, build_scheduler
+from titans.training.perplexity import PerplexityResult, autocast_context, evaluate_perplexity
 
 log = logging.getLogger(__name__)
 REPORT_FILE = "report.json"
