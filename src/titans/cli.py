@@ -11,12 +11,13 @@ import argparse
 import importlib
 import sys
 
+# Imported by name (importlib) so that a part left out of a build only loses its commands.
 COMMAND_MODULES = (
     "titans.demo",  # demo: the neural memory memorizing at test time
     "titans.models.cli",  # presets: parameter counts
-    "titans.training.cli",  # train, eval ppl
+    "titans.training.cli",  # train
     "titans.inference.cli",  # generate, read
-    "titans.evaluation.cli",  # eval niah | babilong | tasks | ablate | depth
+    "titans.evaluation.cli",  # eval ppl | niah | babilong | tasks | ablate | depth
 )
 
 

@@ -1,4 +1,4 @@
-"""`titans train` and `titans eval ppl`.
+"""`titans train` (`titans eval ppl` is in `titans.evaluation.perplexity`).
 
     titans train                                    # defaults: small MAC, builtin:stdlib, bytes, CPU
     titans train --config configs/main.json --resume
@@ -16,7 +16,10 @@ import argparse
 import logging
 from typing import Any
 
+from titans.training import distributed as D
 from titans.training.config import TrainConfig, parse_set
+from titans.training.report import compare_table, format_report
+from titans.training.trainer import Trainer
 
 # explicit flag (argparse dest) -> TrainConfig field
 _FLAGS: dict[str, str] = {
@@ -54,9 +57,6 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def _train_one(cfg: TrainConfig, resume: bool, overwrite: bool) -> bool:
     """Train one config and print its report (rank 0). Returns whether this is rank 0."""
-    from titans.training.report import format_report
-    from titans.training.trainer import Trainer
-
     trainer = Trainer(cfg, resume=resume, overwrite=overwrite)
     if trainer.info.is_main:
         n = trainer.model.num_parameters()
@@ -95,7 +95,6 @@ def run_train(args: argparse.Namespace) -> int:
     logging.getLogger("titans").setLevel(logging.INFO)
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
-    from titans.training import distributed as D
 
     clean = False
     try:
@@ -112,8 +111,6 @@ def _run_train(args: argparse.Namespace) -> None:
         raise ValueError("--resume and --overwrite contradict each other: choose one")
     overrides = overrides_from_args(args)
     if args.compare:
-        from titans.training.report import compare_table
-
         configs = [TrainConfig.from_file(p, overrides) for p in args.compare]
         _comparable(configs, args.compare)
         for cfg in configs:
@@ -165,8 +162,3 @@ def register(commands, evals) -> None:
         "--compare", nargs="+", metavar="CONFIG", help="train each config in turn, print a bpb table"
     )
     p.set_defaults(func=run_train)
-
-    from titans.training.perplexity import add_ppl_parser, run_ppl
-
-    add_ppl_parser(evals)
-    evals.choices["ppl"].set_defaults(func=run_ppl)
