@@ -20,15 +20,17 @@ from pathlib import Path
 
 import torch
 
+from titans.inference.generation import generate
+from titans.inference.prefill import prefill
+from titans.inference.state_io import load_state, save_state, state_nbytes
 from titans.training.distributed import resolve_device
+from titans.training.model_io import load_model as _load
 
 DEFAULT_BLOCK_CHARS = 1 << 20  # characters read and tokenized at a time by `titans read`
 
 
 def load_model(checkpoint: str, map_location: str = "cpu"):
     """(model, train_config, tokenizer) from a checkpoint or run folder (see titans.training.model_io)."""
-    from titans.training.model_io import load_model as _load
-
     return _load(checkpoint, map_location=map_location)
 
 
@@ -66,9 +68,6 @@ def read_text_blocks(path: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> Itera
 
 
 def run_read(args: argparse.Namespace) -> int:
-    from titans.inference.prefill import prefill
-    from titans.inference.state_io import load_state, save_state, state_nbytes
-
     path = Path(args.input)
     if args.input != "-" and not path.is_file():
         raise SystemExit(f"titans read: no input file at {str(path)!r}")
@@ -97,9 +96,6 @@ def run_read(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from titans.inference.generation import generate
-    from titans.inference.state_io import load_state, save_state
-
     device = resolve_device(args.device)
     model, _, tokenizer = load_model(args.checkpoint, map_location=device)
     state = load_state(args.state, map_location=device, model=model) if args.state else None

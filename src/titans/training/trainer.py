@@ -470,7 +470,7 @@ class Trainer:
             print("(no sample under FSDP: the sharded model needs every rank to run it)")
             return None
         try:
-            from titans.inference.generation import generate
+            from titans.inference.generation import generate  # inference may be left out of a build
         except ImportError as e:
             print(f"(no sample: titans.inference.generation is not available: {e})")
             return None
