@@ -53,13 +53,13 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 }
 
 
-def run_row(args: argparse.Namespace, name: str, overrides: dict[str, Any], run_root: Path) -> dict:
+def run_row(args: argparse.Namespace, name: str, overrides: dict[str, Any], root: Path) -> dict:
     """Train and evaluate one ablation row; returns its JSON-able record."""
     overrides = {**args.base_overrides, **overrides}
     record: dict[str, Any] = {"name": name, "overrides": overrides}
     t0 = time.perf_counter()
     if args.lm_steps > 0:
-        trainer = Trainer(lm_train_config(args, run_root / name, overrides))
+        trainer = Trainer(lm_train_config(args, root / name, overrides))
         model, tokenizer = trainer.model, trainer.tokenizer
         result = trainer.train()
         record.update(

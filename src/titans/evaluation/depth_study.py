@@ -83,10 +83,10 @@ def heldout_loss_by_length(model, heldout, lengths: list[int], windows: int, bat
     return out
 
 
-def run_depth(args: argparse.Namespace, depth: int, run_root: Path, heldout) -> dict[str, Any]:
+def run_depth(args: argparse.Namespace, depth: int, root: Path, heldout) -> dict[str, Any]:
     overrides = {**args.base_overrides, "memory_depth": depth}
     record: dict[str, Any] = {"memory_depth": depth, "overrides": overrides}
-    trainer = Trainer(lm_train_config(args, run_root / f"depth{depth}", overrides))
+    trainer = Trainer(lm_train_config(args, root / f"depth{depth}", overrides))
     result = trainer.train()
     model = trainer.model
     record.update(
