@@ -7,6 +7,7 @@ import math
 import os
 import shutil
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -185,6 +186,56 @@ def test_cpu_kernels_build_where_a_compiler_is():
     if os.environ.get("TITANS_CPU_KERNELS") == "0" or not (shutil.which("c++") or shutil.which("g++")):
         pytest.skip("no C++ compiler (or kernels turned off): the torch-op path is used")
     assert cpu_kernels.kernels() is not None
+    # cached under this checkout's name, where another version's sources would not find it
+    assert cpu_kernels.is_built(cpu_kernels.extension_name())
+    assert not cpu_kernels.is_built(cpu_kernels.extension_name() + "0")
+
+
+def test_cpu_kernel_build_name_follows_sources_flags_cpu_and_torch(tmp_path, monkeypatch, capsys):
+    """The build's name is keyed by everything the build depends on, so checkouts with other sources keep
+    a build each in one extensions folder instead of rebuilding each other's (silently, ~40 s each)."""
+    sources, flags = [b"int a;", b"int b;", b"int c;"], cpu_kernels.CFLAGS + cpu_kernels.LDFLAGS
+    key = cpu_kernels.build_key(sources, flags, "cpu0", "2.13.0")
+    assert key == cpu_kernels.build_key(list(sources), flags, "cpu0", "2.13.0")
+    others = [
+        cpu_kernels.build_key([b"int a;", b"int b;", b"int c; "], flags, "cpu0", "2.13.0"),
+        # the same bytes, cut apart differently
+        cpu_kernels.build_key([b"int a;int b;", b"", b"int c;"], flags, "cpu0", "2.13.0"),
+        cpu_kernels.build_key(sources, flags[:-1], "cpu0", "2.13.0"),
+        cpu_kernels.build_key(sources, flags, "cpu1", "2.13.0"),
+        cpu_kernels.build_key(sources, flags, "cpu0", "2.14.0"),
+    ]
+    assert len({key, *others}) == 1 + len(others)
+    # this checkout's name, and the name after one source file changes
+    name = cpu_kernels.extension_name()
+    edited = tmp_path / "csrc"
+    shutil.copytree(cpu_kernels.SOURCE_DIR, edited)
+    (edited / "state_mix.cpp").write_text((edited / "state_mix.cpp").read_text() + "\n// edited\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE_DIR", edited)
+    other = cpu_kernels.extension_name()
+    assert other != name and other.startswith("titans_cpu_kernels_")
+    # two versions in one extensions folder: each finds its own build, and only a missing one is built
+    # (saying so on stderr first); a stand-in for torch's build writes the library where torch would
+    root = tmp_path / "extensions"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
+    monkeypatch.delenv("TITANS_CPU_KERNELS", raising=False)
+    built = []
+
+    def fake_load(name, sources, build_directory, **kw):
+        built.append(name)
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+        return name
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", fake_load)
+    capsys.readouterr()
+    assert cpu_kernels.kernels.__wrapped__() == other  # the edited sources: built
+    monkeypatch.setattr(cpu_kernels, "SOURCE_DIR", Path(cpu_kernels.__file__).with_name("csrc"))
+    assert cpu_kernels.kernels.__wrapped__() == name  # this checkout's: built beside it
+    assert cpu_kernels.kernels.__wrapped__() == name  # found: loaded without a build message
+    assert capsys.readouterr().err.splitlines() == [cpu_kernels.BUILD_MESSAGE] * 2
+    assert built == [other, name, name]  # torch's load runs each time (it only loads a library it finds)
+    assert sorted(p.name for p in root.iterdir()) == sorted([name, other])
+    assert cpu_kernels.is_built(name, root) and cpu_kernels.is_built(other, root)
 
 
 @pytest.mark.parametrize("kernel, seq, bias", [(4, 13, True), (1, 5, True), (3, 1, False), (4, 2, True)])
@@ -404,6 +455,45 @@ def test_bad_inputs_raise_clear_errors():
         small_chunk(torch.randn(2, 5, 16), state)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_input_of_another_dtype_is_refused_by_name(dtype):
+    """A float32 memory fed float64 / bf16 / half input (outside autocast): a TypeError naming both dtypes,
+    not a matmul's 'expected m1 and m2 to have the same dtype'. Autocast still takes any of them."""
+    mem = NeuralMemory(16, heads=2, depth=2, chunk_size=4)
+    x = torch.randn(2, 9, 16).to(dtype)
+    with pytest.raises(TypeError, match=rf"input dtype {dtype} does not match .*torch.float32.*autocast"):
+        mem(x)
+    if dtype != torch.float64:  # autocast leaves float64 alone (its matmuls would meet float32 weights)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, state = mem(x)
+        assert torch.isfinite(y).all() and state.weights[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_input_is_refused_with_its_place(bad):
+    """One NaN or inf in the input would make the memory's weights, and every later output, non-finite:
+    refused with the batch row and the absolute position (the state's position counted)."""
+    mem = NeuralMemory(16, heads=2, depth=2, chunk_size=4)
+    _, state = mem(torch.randn(2, 7, 16))
+    x = torch.randn(2, 9, 16)
+    x[1, 6, 3] = bad
+    with pytest.raises(ValueError, match=r"non-finite value \((nan|inf|-inf)\) at batch 1, position 13"):
+        mem(x, state)
+
+
+def test_empty_input_gives_empty_output_and_the_state_unchanged():
+    """Zero tokens: an empty (B, 0, dim) output; no state in, the initial state out; a state in, the same
+    state out (pending tokens and conv tail included); stats of zero length."""
+    mem = NeuralMemory(16, heads=2, depth=2, chunk_size=4)
+    y, state, stats = mem(torch.randn(3, 0, 16), return_stats=True)
+    assert y.shape == (3, 0, 16) and stats.surprise.shape == (3, 2, 0)
+    fresh = mem.initial_state(3)
+    assert state.position == 0 and all(torch.equal(a, b) for a, b in zip(state.weights, fresh.weights))
+    _, state = mem(torch.randn(3, 6, 16))
+    y, after = mem(torch.randn(3, 0, 16), state)
+    assert y.shape == (3, 0, 16) and after is state
+
+
 @pytest.mark.parametrize(
     "kwargs,field",
     [
@@ -447,3 +537,192 @@ def test_cuda_bf16_matches_float32():
         y16, _ = mem(x)
     assert torch.isfinite(y16).all()
     assert (y16.float() - y32).abs().max() < 0.1 * y32.abs().max()
+
+
+# ------------------------------------------------------------------- float64 layer from the equations
+def layer_from_equations(mem: NeuralMemory, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The whole `NeuralMemory` layer (depth 2, silu, conv, qk norm, momentum, forgetting, surprise clip,
+    output gate) computed token by token from its equations, in x's dtype, with none of the library's
+    helpers: projection, causal depthwise conv + silu, l2 norm, gates, the chunk-start-weights recurrence,
+    output norm, gate and projection. x: (B, T, dim) -> (y (B, T, dim), final weights [W1, W2], each
+    (B, H, d_in, d_out))."""
+    b, t, _ = x.shape
+    h, d, size = mem.heads, mem.head_dim, mem.chunk_size
+    kern = mem.conv_kernel
+    qkv = x @ mem.to_qkv.weight.T  # (B, T, 3 H d)
+    padded = torch.cat([qkv.new_zeros(b, kern - 1, qkv.shape[-1]), qkv], 1)
+    taps = mem.conv.weight[:, 0]  # (C, K): tap j reads row t - (K - 1) + j
+    pre = mem.conv.bias + sum(padded[:, j : j + t] * taps[:, j] for j in range(kern))
+    act = pre * torch.sigmoid(pre)
+    q, k, v = act.view(b, t, 3, h, d).unbind(2)  # (B, T, H, d) each
+    q = q / q.pow(2).sum(-1, keepdim=True).sqrt()
+    k = k / k.pow(2).sum(-1, keepdim=True).sqrt()
+    logits = (x @ mem.to_gates.weight.T + mem.to_gates.bias).view(b, t, 3, h)
+    theta = mem.max_lr * torch.sigmoid(logits[:, :, 0])  # (B, T, H)
+    eta = torch.sigmoid(logits[:, :, 1])
+    keep = 1 - torch.sigmoid(logits[:, :, 2])
+
+    def mlp(inp, w1, w2):  # inp (B, H, d) -> output, hidden pre-activation, hidden activation
+        z = torch.einsum("bhi,bhij->bhj", inp, w1)
+        a = z * torch.sigmoid(z)
+        return torch.einsum("bhi,bhij->bhj", a, w2), z, a
+
+    w1, w2 = (w.unsqueeze(0).expand(b, *w.shape) for w in mem.init_weights)
+    s1, s2 = torch.zeros_like(w1), torch.zeros_like(w2)
+    reads = []
+    for start in range(0, t, size):
+        c1, c2 = w1, w2  # every token of a chunk reads, and takes its surprise at, the chunk-start weights
+        for i in range(start, min(start + size, t)):
+            reads.append(mlp(q[:, i], c1, c2)[0])
+            out, z, a = mlp(k[:, i], c1, c2)
+            err = 2 * (out - v[:, i])  # d ||M(k) - v||^2 / d M(k)
+            sig = torch.sigmoid(z)
+            back = torch.einsum("bhj,bhij->bhi", err, c2) * sig * (1 + z * (1 - sig))  # through silu
+            u1 = torch.einsum("bhi,bhj->bhij", k[:, i], back)
+            u2 = torch.einsum("bhi,bhj->bhij", a, err)
+            norm = (u1.pow(2).sum((-1, -2)) + u2.pow(2).sum((-1, -2))).sqrt()
+            scale = torch.clamp(mem.surprise_clip / norm, max=1.0)[..., None, None]
+            if start + size <= t:  # only complete chunks are written
+                th, et, kp = (g[:, i, :, None, None] for g in (theta, eta, keep))
+                s1, s2 = et * s1 - th * scale * u1, et * s2 - th * scale * u2
+                w1, w2 = kp * w1 + s1, kp * w2 + s2
+    y = torch.stack(reads, 2)  # (B, H, T, d)
+    y = y / (y.pow(2).mean(-1, keepdim=True) + torch.finfo(y.dtype).eps).sqrt() * mem.norm.weight
+    y = y.transpose(1, 2).reshape(b, t, h * d) * torch.sigmoid(x @ mem.to_gate.weight.T)
+    return y @ mem.to_out.weight.T, [w1, w2]
+
+
+@pytest.mark.parametrize("impl", ["chunked", "reference"])
+def test_float64_layer_matches_its_equations(impl):
+    """A float64 `NeuralMemory` (gates included: they once ran in float32 whatever the module's dtype) against
+    the layer computed from its equations token by token in float64: outputs, final weights and gradients
+    of the input and every parameter, to 1e-10. Awkward sizes: 37 tokens in chunks of 8, 3 heads of 8."""
+    torch.manual_seed(0)
+    mem = NeuralMemory(24, heads=3, chunk_size=8, max_lr=0.3, surprise_clip=0.5, impl=impl).double()
+    with torch.no_grad():  # gates that differ per token and head; a conv bias that is not ~0
+        mem.to_gates.weight.normal_(0, 0.3)
+        mem.conv.bias.normal_(0, 0.3)
+    x = torch.randn(2, 37, 24, dtype=F64, requires_grad=True)
+    y, state = mem(x)
+    y_ref, w_ref = layer_from_equations(mem, x)
+    assert_close_rel(y, y_ref, 1e-10)
+    for a, b in zip(state.weights, w_ref):
+        assert_close_rel(a, b, 1e-10)
+    probe = torch.randn_like(y)
+    params = [x, *mem.parameters()]
+    grads = torch.autograd.grad((y * probe).sum() + state.weights[1].sum(), params)
+    ref_grads = torch.autograd.grad((y_ref * probe).sum() + w_ref[1].sum(), params)
+    names = ["input"] + [n for n, _ in mem.named_parameters()]
+    for name, a, b in zip(names, grads, ref_grads):
+        assert b.abs().sum() > 0, f"zero gradient for {name}"
+        assert (a - b).abs().max() <= 1e-10 * b.abs().max().clamp_min(1.0), name
+
+
+# ------------------------------------------------------------------------ large inputs: no NaN, no inf
+EXTREMES = [-1e4, -1e3, -710.0, -1e2, -88.8, -88.7, -88.0, -20.0, 0.0, 20.0, 88.8, 1e2, 710.0, 1e4]
+
+
+def conv_on_both_paths(monkeypatch, fn):
+    """fn() on the compiled kernel, then on the torch-op path: (kernel result, torch-op result)."""
+    if cpu_kernels.kernels() is None:
+        pytest.skip("the CPU conv kernel could not be built here")
+    kernel = fn()
+    with monkeypatch.context() as m:
+        m.setattr("titans.ops.conv.kernels", lambda: None)
+        return kernel, fn()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_conv_silu_extreme_pre_activations_are_finite_on_both_paths(dtype, monkeypatch):
+    """Pre-activations far below the point where exp(-z) overflows (about -88.7 in float32, -709.8 in
+    float64) and far above it, across enough channels for the kernel's vectorised loops: both paths finite
+    and equal, forward and backward (the kernel, built with -ffast-math, once gave NaN there, and its
+    backward spread the NaN to the K - 1 rows before)."""
+    torch.manual_seed(0)
+    values = torch.tensor(EXTREMES, dtype=dtype)
+    channels = 96  # in the (3, 2) split: heads of 16 channels, the kernel's vectorised inner loop
+    # the last tap 1, the others small: the pre-activation is the extreme value plus a little of the rows
+    # before, so every row's gradient gathers from rows with extreme pre-activations
+    x = values.repeat_interleave(3).view(1, -1, 1).expand(2, -1, channels).contiguous()
+    x = x * (1 + 0.01 * torch.rand(x.shape, dtype=dtype))
+    weight = torch.ones(channels, 1, 4, dtype=dtype)
+    weight[..., :3] = 0.01 * torch.randn(channels, 1, 3, dtype=dtype)
+    bias = torch.zeros(channels, dtype=dtype)
+    g = torch.randn(3, 2, 2, x.shape[1], 16, dtype=dtype)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+        out = causal_conv_silu(*leaves, split=(3, 2))
+        return [out.detach(), *torch.autograd.grad(out, leaves, g)]
+
+    kernel, torch_ops = conv_on_both_paths(monkeypatch, run)
+    leaves = [t.double().requires_grad_() for t in (x, weight, bias)]
+    ref = causal_conv_silu_ref(F.pad(leaves[0], (0, 0, 3, 0)), leaves[1], leaves[2])
+    g_ref = g.double().permute(1, 3, 0, 2, 4).reshape(ref.shape)
+    ref = [
+        ref.detach().view(2, -1, 3, 2, 16).permute(2, 0, 3, 1, 4),
+        *torch.autograd.grad(ref, leaves, g_ref),
+    ]
+    for name, a, b, r in zip(["output", "input grad", "weight grad", "bias grad"], kernel, torch_ops, ref):
+        assert torch.isfinite(a).all() and torch.isfinite(b).all(), name
+        # outputs elementwise (down to the float32 underflow); gradients are sums of products of mixed sizes,
+        # their rounding scales with the largest
+        atol = 1e-30 if name == "output" else 1e-6 * r.abs().max().item()
+        for got, want in ((a, b), (a.double(), r)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=atol, msg=partial("{}: {}".format, name))
+
+
+def test_memory_at_large_input_scale_is_finite_on_both_conv_paths(monkeypatch):
+    """A `NeuralMemory` fed inputs at 100x scale (conv pre-activations of several hundred): finite outputs,
+    state and gradients, the same with the kernel and with the torch ops."""
+    torch.manual_seed(0)
+    mem = NeuralMemory(32, heads=2, chunk_size=8)
+    x = 100 * torch.randn(2, 29, 32)
+
+    def run():
+        y, state = mem(x)
+        return [y.detach(), *state.weights, *torch.autograd.grad(y.square().mean(), list(mem.parameters()))]
+
+    kernel, torch_ops = conv_on_both_paths(monkeypatch, run)
+    for a, b in zip(kernel, torch_ops):
+        assert torch.isfinite(a).all() and torch.isfinite(b).all()
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- frozen memory (write=False)
+@pytest.mark.parametrize("impl", ["chunked", "reference"])
+def test_frozen_memory_state_is_bit_identical_after_any_input(impl):
+    """write=False: weights and momentum come back bit-identical whatever the input, from a fresh state and
+    from one a writing memory left (non-zero momentum, pending tokens), over a long stream in pieces and
+    at large input scale. (The switch once only zeroed theta: the
+    forgetting still decayed the weights, to 1e-9 of their start over 2,000 tokens.)"""
+    torch.manual_seed(0)
+    writer = NeuralMemory(24, heads=3, chunk_size=8, max_lr=0.3, impl=impl)
+    frozen = copy.deepcopy(writer)
+    frozen.write = False
+    _, written = writer(torch.randn(2, 21, 24))  # 2 chunks written, 5 tokens pending
+    assert written.momentum[0].abs().sum() > 0 and written.pending_k.shape[2] == 5
+    lengths = [1, 7, 37] if impl == "reference" else [1, 7, 37, 500, 1455]
+    for start in (None, written):
+        state = start
+        for i, n in enumerate(lengths):
+            x = torch.randn(2, n, 24) * (100 if i % 2 else 1)
+            y, state, stats = frozen(x, state, return_stats=True)
+            assert torch.isfinite(y).all()
+        before = start or frozen.initial_state(2)
+        for a, b in zip(state.weights + state.momentum, before.weights + before.momentum):
+            assert torch.equal(a, b)
+        assert state.position == before.position + sum(lengths)
+        assert (stats.theta == 0).all() and (stats.alpha == 0).all() and (stats.eta == 1).all()
+
+
+def test_frozen_memory_reads_the_state_weights():
+    """A frozen memory's output at every position is the read of the starting weights: the same as a
+    writing memory's over its first chunk (which reads the chunk-start weights), for a chunk as long as
+    the sequence."""
+    torch.manual_seed(1)
+    frozen = NeuralMemory(24, heads=3, chunk_size=4, write=False).double()
+    one_chunk = copy.deepcopy(frozen)
+    one_chunk.write, one_chunk.chunk_size = True, 64
+    x = torch.randn(2, 40, 24, dtype=F64)
+    torch.testing.assert_close(frozen(x)[0], one_chunk(x)[0], rtol=0, atol=1e-12)

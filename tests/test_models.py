@@ -226,6 +226,14 @@ def test_bad_tokens_and_state():
         model(torch.randint(0, 64, (1, 5)), state)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_state_of_another_batch_size_is_refused(variant):
+    model = TitansLM(tiny(variant))
+    _, state = model(torch.randint(0, 64, (2, 11)))
+    with pytest.raises(ValueError, match="state is for batch size 2, the tokens have batch size 3"):
+        model(torch.randint(0, 64, (3, 4)), state)
+
+
 def test_presets_and_parameter_counts():
     """The paper-scale presets land near their names (counted without building the large ones twice)."""
     expected = {"170M": 170e6, "340M": 340e6, "400M": 400e6, "760M": 760e6}
@@ -309,3 +317,44 @@ def test_state_config_is_read_only():
     assert first.config is second.config
     with pytest.raises(TypeError):
         first.config["dim"] = 1
+
+
+def memory_states(tree) -> list:
+    """Every `MemoryState` in a model state (in block states, nested dataclasses)."""
+    from dataclasses import fields, is_dataclass
+
+    from titans import MemoryState
+
+    if isinstance(tree, MemoryState):
+        return [tree]
+    if isinstance(tree, list | tuple):
+        return [m for t in tree for m in memory_states(t)]
+    if is_dataclass(tree):
+        return [m for f in fields(tree) for m in memory_states(getattr(tree, f.name))]
+    return []
+
+
+@pytest.mark.parametrize("variant", ["mac", "mag", "mal", "lmm"])
+def test_frozen_memory_leaves_the_model_state_unchanged(variant):
+    """memory_write=False: after any tokens, in one pass or in pieces, every memory's weights and momentum
+    (and MAC's segment weights) are bit-identical to a fresh state's, and pieces still equal one pass."""
+    model = tiny_model(variant, vocab_size=64, dim=32, memory_write=False)
+    x = torch.randint(0, 64, (2, 45), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full, state = model(x)
+        outs, piece_state = [], None
+        for a, b in [(0, 3), (3, 20), (20, 21), (21, 45)]:
+            out, piece_state = model(x[:, a:b], piece_state)
+            outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=0, atol=1e-10)
+    for s in (state, piece_state):
+        mems = memory_states(s.layers)
+        assert len(mems) == model.config.depth
+        for block, mem in zip(model.blocks, mems):
+            start = block.memory.initial_state(2)
+            for a, b in zip(mem.weights + mem.momentum, start.weights + start.momentum):
+                assert torch.equal(a, b)
+        if variant == "mac":
+            for layer in s.layers:
+                for a, b in zip(layer.segment_weights, layer.memory.weights):
+                    assert torch.equal(a, b)

@@ -136,3 +136,36 @@ def test_prefill_refuses_bad_input():
         prefill(model, "some text")
     last, state = prefill(model, iter([]))
     assert last is None and state is None
+
+
+def state_tensors(state) -> list[torch.Tensor]:
+    """Every tensor of a model state, in a fixed order."""
+    from titans.layers.state_tree import map_tensors
+
+    found: list[torch.Tensor] = []
+    map_tensors(state.layers, lambda t: found.append(t) or t)
+    return found
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_empty_piece_changes_nothing(variant):
+    """A zero-length piece in the middle of a stream (MAC once raised on one): an empty output, a state
+    equal to the one given, and the stream still equals one pass. With no state, an empty sequence gives
+    an empty output and a state at position 0 that continues like a fresh one."""
+    model = tiny_model(variant)
+    x = tokens(2, 21)
+    with torch.no_grad():
+        full, _ = model(x)
+        first, state = model(x[:, :11], None)
+        empty, after = model(x[:, :0], state)
+        assert empty.shape == (2, 0, full.shape[-1])
+        assert after.position == state.position == 11
+        before, now = state_tensors(state), state_tensors(after)
+        assert len(before) == len(now) and all(torch.equal(a, b) for a, b in zip(before, now))
+        rest, _ = model(x[:, 11:], after)
+        torch.testing.assert_close(torch.cat([first, empty, rest], 1), full, atol=ATOL, rtol=0)
+        # no state: an empty sequence, then the whole sequence from the state it returns
+        empty, fresh = model(x[:, :0])
+        assert empty.shape == (2, 0, full.shape[-1]) and fresh.position == 0
+        again, _ = model(x, fresh)
+        torch.testing.assert_close(again, full, atol=ATOL, rtol=0)

@@ -94,8 +94,9 @@ class NeuralMemory(nn.Module):
             (without it, gradients that grow with W feed back into W and diverge). None turns it off.
         output_gate: normalise the read and gate it with a linear function of x (paper §4.4).
         learned_init: W_0 is a learned parameter (False: fixed at its random init).
-        write: False makes the memory read-only (theta = 0: it never learns at test time) — an ablation twin
-            with the same parameters and compute.
+        write: False freezes the memory (an ablation twin with the same parameters): every token reads the
+            state's weights, and nothing is written: weights and momentum come back bit-identical after any
+            input (no learning, no forgetting, no momentum step). Its stats report theta 0, eta 1, alpha 0.
         impl: "chunked" (fast path) or "reference" (the per-token float64-grade loop, for tests).
         checkpoint_every: opt-in activation checkpointing of the chunked path in groups of this many chunks
             (training on very long sequences: O(T / checkpoint_every) saved states instead of O(T), for
@@ -244,6 +245,29 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"NeuralMemory: input's last dim is {x.shape[-1]}, expected dim={self.dim}")
         if not x.is_floating_point():
             raise TypeError(f"NeuralMemory: input must be floating point, got dtype {x.dtype}")
+        dtype = self.to_qkv.weight.dtype
+        # under autocast the projections cast their inputs themselves (and the memory runs in its state's
+        # dtype): any floating input is fine there
+        if x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"NeuralMemory: input dtype {x.dtype} does not match the memory's parameters ({dtype}): "
+                f"cast the input (x.to({dtype})) or the memory (memory.to({x.dtype})), or run it under "
+                "torch.autocast"
+            )
+
+    def _check_finite(self, x: Tensor, position: int) -> None:
+        """Refuse a NaN or inf in x (B, T, dim): one would make the memory's weights, and so every later
+        output, non-finite. One reduction and host sync per call; skipped while a CUDA graph is captured
+        (no sync can run there)."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        if not torch.isfinite(x).all():
+            b, t, c = (~torch.isfinite(x)).nonzero()[0].tolist()
+            raise ValueError(
+                f"NeuralMemory: input holds a non-finite value ({x[b, t, c].item()}) at batch {b}, position "
+                f"{position + t} (channel {c}): it would turn the memory's weights and every later output "
+                "non-finite (inside a model, it usually means the parameters have diverged)"
+            )
 
     def project(self, x: Tensor, conv_tail: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """x (B, T, dim) -> q, k, v (B, H, T, d) and the new conv tail."""
@@ -267,10 +291,12 @@ class NeuralMemory(nn.Module):
 
     def gates(self, x: Tensor) -> Tensor:
         """x (B, T, dim) -> (B, H, T, 3): theta, log(eta), log(1 - alpha) per token and head."""
-        logits = self.to_gates(x).float().view(*x.shape[:2], 3, self.heads).permute(0, 3, 1, 2)
+        # gates in at least float32 (log-space products lose too much in bf16), in x's dtype where wider
+        dtype = torch.promote_types(torch.promote_types(x.dtype, self.to_gates.weight.dtype), torch.float32)
+        if not self.write:  # frozen (the state is never written): theta 0, eta 1, alpha 0
+            return x.new_zeros(x.shape[0], self.heads, x.shape[1], 3, dtype=dtype)
+        logits = self.to_gates(x).to(dtype).view(*x.shape[:2], 3, self.heads).permute(0, 3, 1, 2)
         theta = self.max_lr * torch.sigmoid(logits[..., 0])
-        if not self.write:
-            theta = torch.zeros_like(theta)
         if self.momentum:
             log_eta = F.logsigmoid(logits[..., 1])
         else:
@@ -279,8 +305,7 @@ class NeuralMemory(nn.Module):
             log_keep = F.logsigmoid(-logits[..., 2])
         else:
             log_keep = torch.zeros_like(theta)
-        # gates stay in at least float32: log-space products lose too much in bf16
-        return torch.stack([theta, log_eta, log_keep], dim=-1).to(torch.promote_types(x.dtype, torch.float32))
+        return torch.stack([theta, log_eta, log_keep], dim=-1)
 
     def read(self, q: Tensor, weights: tuple[Tensor, ...]) -> Tensor:
         """M(q; W) with no update: q (B, H, n, d) -> (B, H, n, d)."""
@@ -304,11 +329,16 @@ class NeuralMemory(nn.Module):
         return_stats is set. Passing the returned state to the next call continues the sequences exactly.
         """
         self._check_input(x)
-        batch = x.shape[0]
-        if state is None:
-            state = self.initial_state(batch, x.device, x.dtype)
+        batch, t = x.shape[:2]
+        if state is None:  # in the parameters' dtype (a bf16 input under autocast must not make a bf16 state)
+            state = self.initial_state(batch, x.device)
         else:
             self.check_state(state, batch)
+        if t == 0:  # nothing to read or write: an empty output, the state as it was
+            out = self.to_out(x.new_zeros(batch, 0, self.heads * self.head_dim))
+            empty = x.new_zeros(batch, self.heads, 0, dtype=state.pending_gates.dtype)
+            return (out, state, MemoryStats(empty, empty, empty, empty)) if return_stats else (out, state)
+        self._check_finite(x, state.position)
         q, k, v, conv_tail = self.project(x, state.conv_tail)
         gates = self.gates(x)
         y, new_state, stats = self.scan(q, k, v, gates, state)
@@ -324,6 +354,8 @@ class NeuralMemory(nn.Module):
         Tokens left pending by the previous call are prepended so chunks stay aligned to absolute
         positions; their reads were already returned then, so only the new tokens' reads are returned.
         """
+        if not self.write:
+            return self._scan_frozen(q, k, v, gates, state)
         r = state.pending_k.shape[2]
         t = q.shape[2]
         if r:
@@ -366,6 +398,36 @@ class NeuralMemory(nn.Module):
             surprise=surprise[:, :, r:], theta=g[..., 0], eta=g[..., 1].exp(), alpha=-torch.expm1(g[..., 2])
         )
         return y[:, :, r:], new_state, stats
+
+    def _scan_frozen(
+        self, q: Tensor, k: Tensor, v: Tensor, gates: Tensor, state: MemoryState
+    ) -> tuple[Tensor, MemoryState, MemoryStats]:
+        """`scan` of a read-only memory (write=False): every token reads the state's weights, and weights,
+        momentum and pending tokens come back unchanged (the same tensors), whatever the input."""
+        fn = neural_memory_chunked if self.impl == "chunked" else neural_memory_ref
+        # one chunk longer than the call: all of it is read (with its surprise reported), none written
+        y, _, _, surprise = fn(
+            q,
+            k,
+            v,
+            gates[..., 0],
+            gates[..., 1],
+            gates[..., 2],
+            state.weights,
+            state.momentum,
+            chunk_size=q.shape[2] + 1,
+            activation=self.activation,
+            residual=self.residual,
+            surprise_clip=self.surprise_clip,
+        )
+        new_state = replace(state, position=state.position + q.shape[2])
+        stats = MemoryStats(
+            surprise=surprise,
+            theta=gates[..., 0],
+            eta=gates[..., 1].exp(),
+            alpha=-torch.expm1(gates[..., 2]),
+        )
+        return y, new_state, stats
 
     def extra_repr(self) -> str:
         return (

@@ -226,6 +226,8 @@ class MACBlock(Block):
         if state is None:
             mem_state = self.memory.initial_state(b, x.device, x.dtype)
             state = MACState(mem_state, mem_state.weights, None)
+        if t == 0:  # an empty piece reads and writes nothing
+            return x, state
         mem_state, seg_w, attn_state = state.memory, state.segment_weights, state.attention
         pos = mem_state.position
         outs = []

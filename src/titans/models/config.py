@@ -72,7 +72,8 @@ class TitansConfig:
     memory_alpha_init: float = 0.01
     memory_surprise_clip: float | None = 1.0
     memory_residual: bool = False
-    memory_write: bool = True  # False: read-only memory (no test-time learning), an ablation twin
+    # False: a frozen memory, read and never written (no test-time learning, no forgetting): an ablation twin
+    memory_write: bool = True
     # training memory: keep the memory's state every this many chunks and recompute the rest in the
     # backward pass (NeuralMemory.checkpoint_every; None: keep every chunk's). Same outputs and gradients
     memory_checkpoint_every: int | None = None

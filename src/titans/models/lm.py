@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from titans.layers.memory import MemoryStats, NeuralMemory
 from titans.layers.norm import RMSNorm
+from titans.layers.state_tree import map_tensors
 from titans.models.blocks import IdentityInitGate, make_block
 from titans.models.config import TitansConfig
 
@@ -134,8 +135,9 @@ class TitansLM(nn.Module):
             self._config_dict = MappingProxyType(self.config.to_dict())
         return self._config_dict
 
-    def check_state(self, state: TitansState) -> None:
-        """Refuse a state from a model with another configuration, naming the fields that differ."""
+    def check_state(self, state: TitansState, batch_size: int | None = None) -> None:
+        """Refuse a state from a model with another configuration, naming the fields that differ, or (given
+        `batch_size`) one for another number of sequences."""
         if not isinstance(state, TitansState):
             raise TypeError(f"TitansLM: state must be a TitansState, got {type(state).__name__}")
         mine = self.config_dict
@@ -152,6 +154,15 @@ class TitansLM(nn.Module):
             raise ValueError(
                 f"TitansLM: state has {len(state.layers)} layers, this model has {len(self.blocks)}"
             )
+        if batch_size is not None:
+            sizes: set[int] = set()  # every state tensor is batch-first
+            map_tensors(state.layers, lambda t: sizes.add(t.shape[0]) or t)
+            if sizes - {batch_size}:
+                got = " and ".join(str(n) for n in sorted(sizes))
+                raise ValueError(
+                    f"TitansLM: the state is for batch size {got}, the tokens have batch size {batch_size}: "
+                    "continue each batch of sequences with its own state"
+                )
 
     @torch.no_grad()
     def generate(self, prompt: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
@@ -179,7 +190,7 @@ class TitansLM(nn.Module):
         if not (tokens.is_cuda and torch.cuda.is_current_stream_capturing()):
             check_token_ids(tokens, self.config.vocab_size)
         if state is not None:
-            self.check_state(state)
+            self.check_state(state, tokens.shape[0])
         layer_states = state.layers if state is not None else [None] * len(self.blocks)
         stats: list[MemoryStats] | None = [] if return_stats else None
         x = self.embed(tokens.long())

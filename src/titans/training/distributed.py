@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titans.layers.memory import NeuralMemory
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -155,7 +157,9 @@ def wrap_model(model: nn.Module, info: DistInfo, fsdp: bool = False) -> nn.Modul
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     device_ids = [info.device.index] if info.device.type == "cuda" else None
-    return DDP(model, device_ids=device_ids)
+    # a frozen memory (write=False) never uses its gate projection: DDP must not wait for its gradient
+    frozen = any(isinstance(m, NeuralMemory) and not m.write for m in model.modules())
+    return DDP(model, device_ids=device_ids, find_unused_parameters=frozen)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -42,6 +42,15 @@ void pre_activation(const scalar_t* x, const scalar_t* tail, const scalar_t* wt,
   }
 }
 
+// sigmoid(z) from e = exp(-|z|) in (0, 1]: no exp ever overflows. The build's -ffast-math assumes no inf
+// arithmetic, so 1 / (1 + exp(-z)) with exp(-z) = inf (z below about -88.7 in float32) gives NaN there.
+template <typename acc_t>
+inline acc_t safe_sigmoid(acc_t z) {
+  const acc_t e = std::exp(-std::abs(z));
+  const acc_t r = acc_t(1) / (acc_t(1) + e);
+  return z >= acc_t(0) ? r : e * r;
+}
+
 }  // namespace
 
 torch::Tensor forward(torch::Tensor x, torch::Tensor tail, torch::Tensor wt, c10::optional<torch::Tensor> bias,
@@ -66,7 +75,7 @@ torch::Tensor forward(torch::Tensor x, torch::Tensor tail, torch::Tensor wt, c10
         for (int64_t g = 0; g < groups; ++g) {
           scalar_t* dst = op + lay.group_offset(b, t, g);
           const acc_t* src = pre.data() + g * lay.d;
-          for (int64_t i = 0; i < lay.d; ++i) dst[i] = static_cast<scalar_t>(src[i] / (acc_t(1) + std::exp(-src[i])));
+          for (int64_t i = 0; i < lay.d; ++i) dst[i] = static_cast<scalar_t>(src[i] * safe_sigmoid(src[i]));
         }
       }
     });
@@ -122,7 +131,7 @@ std::vector<torch::Tensor> backward(torch::Tensor x, torch::Tensor tail, torch::
               const int64_t c0 = grp * lay.d;
               for (int64_t i = 0; i < lay.d; ++i) {
                 const acc_t z = pre[c0 + i];
-                const acc_t s = acc_t(1) / (acc_t(1) + std::exp(-z));
+                const acc_t s = safe_sigmoid(z);
                 gp[c0 + i] = static_cast<acc_t>(gsrc[i]) * s * (acc_t(1) + z * (acc_t(1) - s));
               }
             }
