@@ -211,7 +211,7 @@ class Trainer:
             )
             raise ValueError(f"cannot resume from {str(path)!r}: the config differs in {detail}")
         mine_model = self.model_config.to_dict()
-        saved_model = TitansConfig.from_dict(saved["model"]).to_dict()  # fields added since: defaults
+        saved_model = TitansConfig.from_saved_dict(saved["model"]).to_dict()
         diff = sorted(k for k in mine_model if k != "name" and mine_model[k] != saved_model[k])
         if diff:
             raise ValueError(f"cannot resume from {str(path)!r}: the model config differs in {diff}")
