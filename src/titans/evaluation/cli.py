@@ -11,7 +11,6 @@ the commands that produced our results.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -51,35 +50,30 @@ def str_list(text: str) -> list[str]:
     return values
 
 
-def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
-    """``["dim=64", "memory_residual=true"]`` -> {"dim": 64, "memory_residual": True} (values as JSON,
-    else kept as strings)."""
-    out: dict[str, Any] = {}
-    for pair in pairs or []:
-        if "=" not in pair:
-            raise ValueError(f"--set expects KEY=VALUE, got {pair!r}")
-        key, value = pair.split("=", 1)
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value
-    return out
-
-
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="folder for the JSON and PNG (default results/evals/<task>)")
     p.add_argument("--name", default=None, help="file name stem of the results (default from the settings)")
     p.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (1 is best on a busy machine)"
     )
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the fresh model, the training and the samples"
+    )
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """A fresh model for the recipe: a preset, a variant and TitansConfig overrides."""
     p.add_argument("--preset", default="tiny", help="model size preset (tiny, small, base, ...)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a TitansConfig field")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="FIELD=VALUE",
+        help="override a TitansConfig field of a fresh model (repeatable; the model.<field> entries of "
+        "`titans train --list-fields`, without the model. prefix)",
+    )
     p.add_argument("--tokenizer", default="bytes", help="tokenizer of a fresh model (bytes, gpt2, a file)")
     p.add_argument(
         "--memory-alpha-init",
@@ -98,7 +92,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The TitansConfig overrides of a fresh model: ``--set``, then the gate-init shortcuts (config fields,
     so they land in the saved config and a checkpoint carries them)."""
-    out = parse_overrides(args.set)
+    from titans.training.config import parse_set
+
+    out = parse_set(args.set or [], model_only=True)
     for key in ("memory_eta_init", "memory_alpha_init"):
         value = getattr(args, key, None)
         if value is not None:
@@ -125,9 +121,9 @@ def add_recipe_args(
         help="adaptive curriculum: grow lengths by 25%% whenever the running answer loss is below this",
     )
     g.add_argument(steps_flag, dest="steps", type=int, default=default_steps, help="fine-tuning steps")
-    g.add_argument("--batch-size", type=int, default=8)
-    g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--warmup-steps", type=int, default=20)
+    g.add_argument("--batch-size", type=int, default=8, help="fine-tuning batch")
+    g.add_argument("--lr", type=float, default=3e-3, help="fine-tuning peak learning rate")
+    g.add_argument("--warmup-steps", type=int, default=20, help="fine-tuning warm-up steps")
     g.add_argument("--lm-loss-weight", type=float, default=0.0, help="add the LM loss of all tokens x this")
     g.add_argument("--time-budget", type=float, default=None, metavar="MINUTES", help="stop training early")
 
@@ -145,10 +141,14 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def set_threads(args: argparse.Namespace) -> None:
+    """The runtime options of every evaluation command: ``--threads``, and ``--device auto`` resolved."""
+    from titans.training.distributed import resolve_device
+
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    args.device = str(resolve_device(args.device))
 
 
 def task_config(args: argparse.Namespace, task: str, **task_fields: Any):
@@ -319,7 +319,7 @@ _FRESH_MODEL_OPTIONS = ("variant", "preset", "set", "tokenizer", "memory_alpha_i
 
 def command_line(args: argparse.Namespace) -> dict:
     """The options of this run, for its result file (without defaults that did not apply)."""
-    skip = {"func"}
+    skip = {"func", "check"}
     if getattr(args, "checkpoint", None):
         skip.update(_FRESH_MODEL_OPTIONS)
     return {k: v for k, v in vars(args).items() if k not in skip}
@@ -427,7 +427,7 @@ def add_niah_parser(evals) -> None:
 
     p = evals.add_parser("niah", help="single needle in a haystack (RULER S-NIAH, paper Table 2)")
     add_source_args(p, default_length=1024)
-    p.add_argument("--kind", default="passkey", choices=tuple(NEEDLE_KINDS))
+    p.add_argument("--kind", default="passkey", choices=tuple(NEEDLE_KINDS), help="what the needle is")
     p.add_argument("--lengths", type=int_list, default=[1024, 4096, 16384], help="context lengths")
     p.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths")
     p.add_argument(
@@ -499,7 +499,9 @@ def add_babilong_parser(evals) -> None:
     add_source_args(p, default_length=1024)
     p.add_argument("--tasks", type=str_list, default=["qa1", "qa2"], help=f"subset of {','.join(TASKS)}")
     p.add_argument("--lengths", type=int_list, default=[1024, 4096, 16384], help="context lengths")
-    p.add_argument("--haystack", default="moby_dick", choices=HAYSTACK_NAMES)
+    p.add_argument(
+        "--haystack", default="moby_dick", choices=HAYSTACK_NAMES, help="the prose the facts hide in"
+    )
     p.add_argument("--num-facts", type=int, default=None, help="facts per story (default: per task)")
     add_eval_args(p)
     add_runtime_args(p)
@@ -590,16 +592,29 @@ def add_tasks_parser(evals) -> None:
     from titans.models.config import VARIANTS
 
     p = evals.add_parser("tasks", help="fine-tune each variant on a task at short length, evaluate longer")
-    p.add_argument("--task", dest="eval_task", choices=("niah", "babilong"), default="niah")
+    p.add_argument(
+        "--task",
+        dest="eval_task",
+        choices=("niah", "babilong"),
+        default="niah",
+        help="the task to train and evaluate",
+    )
     p.add_argument(
         "--variants", type=str_list, default=["mac", "lmm", "swa"], help=f"subset of {','.join(VARIANTS)}"
     )
-    p.add_argument("--eval-lengths", type=int_list, default=[1024, 4096, 16384])
+    p.add_argument(
+        "--eval-lengths", type=int_list, default=[1024, 4096, 16384], help="evaluation context lengths"
+    )
     p.add_argument("--kind", default="passkey", choices=tuple(NEEDLE_KINDS), help="niah needle kind")
     p.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="niah depths")
     p.add_argument("--tasks", type=str_list, default=["qa1", "qa2"], help="babilong tasks")
     p.add_argument("--num-facts", type=int, default=None, help="babilong facts per story")
-    p.add_argument("--haystack", default=None, choices=HAYSTACK_NAMES)
+    p.add_argument(
+        "--haystack",
+        default=None,
+        choices=HAYSTACK_NAMES,
+        help="default: noise (passkey), essays (other niah), moby_dick",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--save-models", default=None, help="save each trained model as FOLDER/<variant>")
     src.add_argument(
