@@ -291,7 +291,11 @@ def parse_set(items: list[str], *, model_only: bool = False) -> dict[str, Any]:
         name = key[len("model.") :] if key.startswith("model.") and not model_only else key
         if model_only or key.startswith("model."):
             if name not in model_fields:
-                hint = "set the variant with --variant" if name == "variant" else "no such TitansConfig field"
+                hint = "no such TitansConfig field"
+                if name == "variant":
+                    hint = "set the variant with --variant"
+                elif model_only and name.startswith("model.") and name[6:] in model_fields:
+                    hint = f"write --set {name[6:]}=... here (no model. prefix)"
                 raise ValueError(
                     f"--set {key}: {hint} (`titans train --list-fields` lists the model.<field> ones)"
                 )
