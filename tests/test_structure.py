@@ -27,6 +27,7 @@ TOP = 5
 LEVELS = {
     "ops": 0,
     "data": 0,
+    "_fs": 0,  # file modes, used by data, training and inference
     "layers": 1,
     "models": 2,
     "training": 3,
