@@ -74,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Errors in what the user asked for (a bad option or config value, a missing or damaged file, a missing
-# optional package): one line on stderr and exit status 2, not a traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, ImportError, KeyError)
+# optional package) or in the machine (a full disk, a folder without write permission): one line on
+# stderr and exit status 2, not a traceback.
+USER_ERRORS = (ValueError, OSError, ImportError, KeyError)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -19,6 +19,7 @@ named by the file).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -170,7 +171,9 @@ def _digest(tensors: dict[str, Tensor]) -> str:
 def save_state(state: TitansState, path: str | Path) -> Path:
     """Write `state` to `path` (safetensors + JSON header, see the module docstring), atomically.
 
-    Tensors are saved as they are (dtype kept), on CPU. Returns the path.
+    Tensors are saved as they are (dtype kept), on CPU. Returns the path. Refuses a state holding NaN or
+    inf (ValueError naming the tensor): the memory of a model that diverged is nothing to keep. A write
+    that fails (a full disk) raises OSError naming the path, and leaves an existing file at `path` as it was.
     """
     from safetensors.torch import save_file
 
@@ -181,6 +184,13 @@ def save_state(state: TitansState, path: str | Path) -> Path:
     layers = _encode_layers(state, raw)
     # independent contiguous CPU copies: safetensors refuses views and tensors sharing storage
     tensors = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in raw.items()}
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ValueError(
+                f"save_state: refusing to write {str(path)!r}: the state's tensor {name} holds {bad} NaN or "
+                f"inf values (of {t.numel()}); the model diverged on the text it read"
+            )
     metadata = {
         "format": "pt",
         "titans.state_format": str(FORMAT_VERSION),
@@ -196,10 +206,22 @@ def save_state(state: TitansState, path: str | Path) -> Path:
         save_file(tensors, tmp, metadata=metadata)
         ordinary_mode(tmp)  # mkstemp's file is private (0600)
         os.replace(tmp, path)  # a reader never sees a half-written file
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, Exception):
+            raise _write_failure(e, path) from e
         raise
     return path
+
+
+def _write_failure(e: Exception, path: Path) -> OSError:
+    """A write error in words: safetensors reports the OS error (a full disk) inside its own message."""
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None and ("os error 28" in str(e) or "No space left" in str(e)):
+        code = errno.ENOSPC
+    cause = "the disk is full" if code == errno.ENOSPC else f"the write failed ({type(e).__name__}: {e})"
+    message = f"could not write the state to {str(path)!r}: {cause}"
+    return OSError(code, message) if code is not None else OSError(message)
 
 
 def read_state_header(path: str | Path) -> dict[str, Any]:

@@ -14,16 +14,23 @@ Layout: ``run_dir/checkpoints/step_XXXXXXXX/`` (step zero-padded to 8 digits) ho
 Atomicity: everything is written into a hidden temp folder in ``checkpoints/`` (same filesystem), each
 file and the folder are fsynced, then the folder is renamed into place with ``os.replace``; a kill at any
 moment leaves either the complete new checkpoint or none (a leftover ``.tmp-*`` folder is ignored by
-every reader and removed by the next successful save). Older checkpoints are pruned to ``keep_last`` only
-after the new one is in place. One process (rank 0) writes a run's checkpoints.
+every reader and removed by the next successful save). A write that fails (a full disk) raises
+``CheckpointWriteError`` naming the folder and the cause, and leaves nothing of the new checkpoint.
+
+Pruning, only after the new checkpoint is in place, keeps it and the newest undamaged older ones, up to
+``keep_last`` in all. Damaged checkpoints never count toward ``keep_last``: older damaged ones are
+deleted, and ones with a higher step than the new checkpoint (left by an earlier, longer run whose last
+checkpoints were damaged) are left alone until the run reaches their step and replaces them. One
+process (rank 0) writes a run's checkpoints.
 
 Public API (names are stable): ``save_checkpoint``, ``load_checkpoint``, ``verify_checkpoint``,
-``latest_checkpoint``, ``list_checkpoints``, ``Checkpoint``, ``CheckpointError``, ``capture_rng_state``,
-``restore_rng_state``.
+``latest_checkpoint``, ``list_checkpoints``, ``Checkpoint``, ``CheckpointError``, ``CheckpointWriteError``,
+``capture_rng_state``, ``restore_rng_state``.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -56,6 +63,50 @@ log = logging.getLogger(__name__)
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, truncated or corrupted (the message names the file)."""
+
+
+class CheckpointWriteError(OSError, CheckpointError):
+    """A checkpoint could not be written (the disk is full, ...); nothing of it was kept. An OSError whose
+    ``errno`` is the OS error number when known (``errno.ENOSPC`` for a full disk), else None."""
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(*((errno, message) if errno is not None else (message,)))
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):
+        return type(self), (self.message, self.errno)
+
+
+_DISK_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+def _write_failure(e: BaseException, where: Path) -> CheckpointWriteError:
+    """Why writing into ``where`` failed, in words. safetensors reports the OS error inside its own
+    exception's text, and torch.save's zip writer can report a full disk as a failed assertion of its
+    own ("inline_container.cc ... unexpected pos"), so besides the errno the text is read and the free
+    space looked at (before the failed write's files are removed)."""
+    code = e.errno if isinstance(e, OSError) else None
+    text = str(e)
+    if code is None and ("os error 28" in text or "No space left" in text):
+        code = errno.ENOSPC
+    if code is None:
+        try:
+            if shutil.disk_usage(where.parent).free < 1 << 20:  # what a non-root user may still write
+                code = errno.ENOSPC
+        except OSError:
+            pass
+    if code in _DISK_FULL:
+        cause = "the disk is full" + (" (or the quota is used up)" if code != errno.ENOSPC else "")
+    else:
+        cause = f"the write failed ({type(e).__name__}: {text})"
+    return CheckpointWriteError(
+        f"could not write checkpoint {str(where)!r}: {cause}; nothing of it was kept, and the checkpoints "
+        "already there are untouched",
+        errno=code,
+    )
 
 
 @dataclass
@@ -225,7 +276,10 @@ def save_checkpoint(
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    except OSError as e:
+        raise _write_failure(e, final) from e
     ordinary_mode(tmp)  # mkdtemp's folder is private; the checkpoint is an ordinary folder
     old = None
     try:
@@ -255,23 +309,67 @@ def save_checkpoint(
             os.replace(final, old / final.name)
         os.replace(tmp, final)
         _fsync(root, directory=True)
-    except BaseException:
+    except BaseException as e:
+        failure = _write_failure(e, final) if isinstance(e, Exception) else None  # before freeing tmp
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and not final.exists():
             os.replace(old / final.name, final)  # put the previous checkpoint of this step back
+        if failure is not None:
+            raise failure from e
         raise
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    _prune(root, keep_last)
+    _remember_good(final)
+    _prune(root, keep_last, step)
     return final
 
 
-def _prune(root: Path, keep_last: int | None) -> None:
-    steps = _step_dirs(root.parent)
+# Checkpoints this process wrote or hashed and found good, by folder and its files' sizes and modification
+# times: pruning asks whether a checkpoint is damaged, and hashing a large checkpoint at every save would
+# be slow. (A file rewritten since changes its key; bits that rot in place do not.)
+_GOOD: set[tuple] = set()
+
+
+def _meta_key(path: Path) -> tuple | None:
+    try:
+        stats = [(path / name).stat() for name in (META_FILE, MODEL_FILE, TRAINER_FILE)]
+    except OSError:
+        return None
+    return (str(path.resolve()), *((st.st_size, st.st_mtime_ns) for st in stats))
+
+
+def _remember_good(path: Path) -> None:
+    key = _meta_key(path)
+    if key is not None:
+        _GOOD.add(key)
+
+
+def _is_good(path: Path) -> bool:
+    key = _meta_key(path)
+    if key is None:
+        return False
+    if key not in _GOOD:
+        try:
+            verify_checkpoint(path)
+        except CheckpointError:
+            return False
+        _GOOD.add(key)
+    return True
+
+
+def _prune(root: Path, keep_last: int | None, step: int) -> None:
+    """Keep checkpoint ``step`` (just written) and the newest good older ones, ``keep_last`` in all;
+    delete the other older ones. Checkpoints with higher steps are left alone and not counted."""
     if keep_last is not None:
-        for _, path in steps[:-keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
+        kept = 1
+        for s, path in reversed(_step_dirs(root.parent)):
+            if s >= step:
+                continue
+            if kept < keep_last and _is_good(path):
+                kept += 1
+            else:
+                shutil.rmtree(path, ignore_errors=True)
     for p in root.iterdir():  # leftovers of writes killed mid-way (one writer per run)
         if p.name.startswith((".tmp-step_", ".old-step_")) and p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
@@ -390,5 +488,6 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         except CheckpointError as e:
             log.warning("skipping damaged checkpoint %s: %s", path, e)
             continue
+        _remember_good(path)
         return path
     return None

@@ -8,17 +8,24 @@
     titans eval ppl --checkpoint runs/main
 
 Precedence: defaults < --config file < explicit flags < --set key=value (``model.<field>`` for the model).
+
+SIGTERM or SIGINT (Ctrl-C) during training: the run finishes its step, writes a checkpoint and its report,
+and the command exits with status 128 + the signal's number (143, 130) after a line saying where the
+checkpoint is; ``--resume`` continues exactly. A second signal stops at once (``titans.training.signals``).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import sys
 from typing import Any
 
 from titans.training import distributed as D
 from titans.training.config import TrainConfig, field_listing, parse_set
 from titans.training.report import compare_table, format_report
+from titans.training.signals import exit_status
 from titans.training.trainer import Trainer
 
 # explicit flag (argparse dest) -> TrainConfig field
@@ -55,8 +62,9 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _train_one(cfg: TrainConfig, resume: bool, overwrite: bool) -> bool:
-    """Train one config and print its report (rank 0). Returns whether this is rank 0."""
+def _train_one(cfg: TrainConfig, resume: bool, overwrite: bool) -> tuple[bool, int]:
+    """Train one config and print its report (rank 0). Returns (whether this is rank 0, the exit status:
+    0, or 128 + the number of the signal that stopped the run)."""
     trainer = Trainer(cfg, resume=resume, overwrite=overwrite)
     if trainer.info.is_main:
         n = trainer.model.num_parameters()
@@ -72,10 +80,20 @@ def _train_one(cfg: TrainConfig, resume: bool, overwrite: bool) -> bool:
             print("hint: --cuda-graphs replays each step as a CUDA graph; memory variants train several times"
                   " faster (docs/benchmarks.md, section 6)", flush=True)  # fmt: skip
     result = trainer.train()
-    if trainer.info.is_main:
+    is_main = trainer.info.is_main
+    if is_main:
         report = format_report(result, f"{cfg.variant} on {cfg.data}", run_dir=cfg.run_dir, resumed=resume)
         print(report, flush=True)
-    return trainer.info.is_main
+    if result.stopped_by is None:
+        return is_main, 0
+    if is_main:
+        print(
+            f"titans: stopped by {result.stopped_by} at step {result.step}; checkpoint saved to "
+            f"{result.checkpoint}; run the same command with --resume to continue",
+            file=sys.stderr,
+            flush=True,
+        )
+    return is_main, exit_status(signal.Signals[result.stopped_by])
 
 
 def _comparable(configs: list[TrainConfig], paths: list[str]) -> None:
@@ -102,15 +120,25 @@ def run_train(args: argparse.Namespace) -> int:
 
     clean = False
     try:
-        _run_train(args)
+        status = _run_train(args)
         clean = True
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
+        print(
+            "titans train: interrupted; run the same command with --resume to continue from the newest "
+            "checkpoint",
+            file=sys.stderr,
+        )
+        status = 130
+    except FloatingPointError as e:  # the run diverged: the message names the last good checkpoint
+        print(f"titans train: error: {e}", file=sys.stderr)
+        status = 1
     finally:
         # after _run_train returns, so that its trainers are garbage: shutdown frees them first
         D.shutdown(clean=clean)
-    return 0
+    return status
 
 
-def _run_train(args: argparse.Namespace) -> None:
+def _run_train(args: argparse.Namespace) -> int:
     if args.resume and args.overwrite:
         raise ValueError("--resume and --overwrite contradict each other: choose one")
     overrides = overrides_from_args(args)
@@ -118,12 +146,14 @@ def _run_train(args: argparse.Namespace) -> None:
         configs = [TrainConfig.from_file(p, overrides) for p in args.compare]
         _comparable(configs, args.compare)
         for cfg in configs:
-            is_main = _train_one(cfg, args.resume, args.overwrite)
+            is_main, status = _train_one(cfg, args.resume, args.overwrite)
+            if status:  # stopped by a signal: train none of the others
+                return status
         if is_main:
             print("\n" + compare_table([c.run_dir for c in configs]))
-    else:
-        cfg = TrainConfig.from_file(args.config, overrides)
-        _train_one(cfg, args.resume, args.overwrite)
+        return 0
+    cfg = TrainConfig.from_file(args.config, overrides)
+    return _train_one(cfg, args.resume, args.overwrite)[1]
 
 
 def register(commands, evals) -> None:

@@ -132,6 +132,19 @@ def any_rank(flag: bool, info: DistInfo) -> bool:
     return bool(t.item())
 
 
+def agree_to_stop(over_budget: bool, signum: int | None, info: DistInfo) -> tuple[bool, int | None]:
+    """Whether any rank is over its time budget, and the stop signal some rank got (None: none), the same
+    on every rank: one all_reduce of two numbers, called by every rank after every step, so that all
+    ranks stop after the same step. A signal can reach the ranks at different moments (a launcher
+    forwards it to each in turn); where two ranks got different signals, the larger number wins."""
+    local = [int(over_budget), int(signum or 0)]
+    if info.enabled:
+        t = torch.tensor(local, dtype=torch.int64, device=info.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        local = t.tolist()
+    return bool(local[0]), (local[1] or None)
+
+
 def wrap_model(model: nn.Module, info: DistInfo, fsdp: bool = False) -> nn.Module:
     """DDP, FSDP2 or the model itself (single process without FSDP). The model is on ``info.device``."""
     if fsdp:

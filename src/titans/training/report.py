@@ -41,7 +41,8 @@ def format_report(
         f"== {title}",
         f"parameters      {result.num_parameters:,}",
         f"steps           {result.step:,} / {result.total_steps:,}"
-        + ("  (stopped by the time budget)" if stopped else ""),
+        + (f"  (stopped by {result.stopped_by})" if result.stopped_by else "")
+        + ("  (stopped by the time budget)" if stopped and not result.stopped_by else ""),
         f"tokens          {result.tokens:,}",
         f"throughput      {result.tokens_per_s:,.0f} tokens/s "
         f"({result.train_time_s / 60:.1f} min of training)",

@@ -6,17 +6,21 @@ Every training sequence starts from a fresh memory state (``state=None``): the m
 
 Checkpoints (``titans.training.checkpoint``; rank 0 writes) hold the model weights (safetensors), the
 optimizer, the lr schedule, the data position and the RNG states, every ``ckpt_every`` steps, at the end,
-and when the wall-clock budget runs out. ``Trainer(config, resume=True)`` continues from the newest good
-checkpoint of ``run_dir`` exactly where it stopped: the same batches, the same per-step losses and the same
-weights as a run that was never interrupted. A resume whose config differs in a field that matters is
-refused, naming the field (see ``TrainConfig.resume_mismatches``).
+when the wall-clock budget runs out and on SIGTERM / SIGINT (after the current step; see
+``titans.training.signals``). Weights or optimizer state holding NaN or inf are never written.
+``Trainer(config, resume=True)`` continues from the newest good checkpoint of ``run_dir`` exactly where it
+stopped: the same batches, the same per-step losses and the same weights as a run that was never
+interrupted. A resume whose config differs in a field that matters is refused, naming the field (see
+``TrainConfig.resume_mismatches``).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,6 +37,7 @@ from titans.models.lm import TitansLM
 from titans.training import distributed as D
 from titans.training.checkpoint import (
     CHECKPOINTS,
+    CheckpointWriteError,
     capture_rng_state,
     latest_checkpoint,
     list_checkpoints,
@@ -54,6 +59,7 @@ from titans.training.metrics import (
 from titans.training.model_io import TOKENIZER_DIR, keep_tokenizer_copy, load_weights, tokenizer_record
 from titans.training.optim import build_optimizer, build_scheduler
 from titans.training.perplexity import PerplexityResult, autocast_context, evaluate_perplexity
+from titans.training.signals import StopSignals, signal_name
 
 log = logging.getLogger(__name__)
 REPORT_FILE = "report.json"
@@ -76,6 +82,7 @@ class TrainResult:
     stopped_early: bool
     checkpoint: str | None
     sample: str | None = None
+    stopped_by: str | None = None  # the signal that stopped the run early ("SIGTERM", "SIGINT")
     step_losses: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,6 +139,7 @@ class Trainer:
                 cache_dir=cfg.cache_dir,
                 text_field=cfg.text_field,
             )
+        _check_split_lengths(streams.train.n_tokens, streams.heldout.n_tokens, cfg)
         self.model_config = cfg.model_config(self.tokenizer.vocab_size)
         self.model = TitansLM(self.model_config)
         # `checkpoint` comes from latest_checkpoint, which has just hashed its files
@@ -192,8 +200,19 @@ class Trainer:
                 )
             return None
         found = latest_checkpoint(self.run_dir)  # skips damaged checkpoints (with a warning)
-        if found is None and self.info.is_main:
-            print(f"no checkpoint in {self.run_dir}: starting from scratch", flush=True)
+        if self.info.is_main:
+            after = int(found.name.split("_")[-1]) if found is not None else -1
+            damaged = [p.name for p in list_checkpoints(self.run_dir) if int(p.name.split("_")[-1]) > after]
+            if damaged:  # latest_checkpoint has just found them damaged (its warnings say how)
+                which = f"resuming from {found.name}" if found is not None else "starting from scratch"
+                print(
+                    f"titans: the newest checkpoints of {self.run_dir} are damaged ({', '.join(damaged)}); "
+                    f"{which}. They stay where they are (nothing counts them toward keep_last) until the "
+                    "run reaches their steps and replaces them",
+                    flush=True,
+                )
+            elif found is None:
+                print(f"no checkpoint in {self.run_dir}: starting from scratch", flush=True)
         return found
 
     def _check_resumable(self, saved: dict[str, Any], path: Path) -> None:
@@ -247,8 +266,32 @@ class Trainer:
             )
         return self.model.state_dict(), self.optimizer.state_dict()
 
+    def _last_good(self) -> str:
+        if self.last_checkpoint is None:
+            return "this run has written no checkpoint"
+        return f"the last good checkpoint is {self.last_checkpoint}"
+
+    def _all_finite(self) -> bool:
+        """Whether every weight and optimizer state tensor is finite on every rank (a collective)."""
+        tensors = [p.detach() for p in self.model.parameters()]
+        for state in self.optimizer.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        # FSDP: DTensors; each rank checks its own shards
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+        finite = bool(torch.stack([torch.isfinite(t).all() for t in local if t.numel()]).all())
+        return not D.any_rank(not finite, self.info)
+
     def save_checkpoint(self) -> Path | None:
-        """Write a checkpoint of the current step (rank 0; the others wait). Returns its folder on rank 0."""
+        """Write a checkpoint of the current step (rank 0; the others wait). Returns its folder on rank 0.
+
+        Refuses (FloatingPointError, on every rank) weights or optimizer state that hold NaN or inf: a
+        checkpoint is written only if training can go on from it. A write that fails (a full disk) raises
+        CheckpointWriteError and leaves the earlier checkpoints as they were."""
+        if not self._all_finite():
+            raise FloatingPointError(
+                f"the weights or the optimizer state became NaN or inf by step {self.step}, so they are not "
+                f"saved as a checkpoint; {self._last_good()} (try a lower lr or memory_max_lr, or grad_clip)"
+            )
         model_state, optim_state = self._state_dicts()
         path = None
         if self.info.is_main:
@@ -265,14 +308,21 @@ class Trainer:
                 "model": self.model_config.to_dict(),
                 "tokenizer": tokenizer_record(self.config.tokenizer, self.tokenizer),
             }
-            path = save_checkpoint(
-                self.run_dir,
-                self.step,
-                model_state=model_state,
-                trainer_state=trainer_state,
-                config=config,
-                keep_last=self.config.keep_last,
-            )
+            try:
+                path = save_checkpoint(
+                    self.run_dir,
+                    self.step,
+                    model_state=model_state,
+                    trainer_state=trainer_state,
+                    config=config,
+                    keep_last=self.config.keep_last,
+                )
+            except CheckpointWriteError as e:
+                fix = "free some space" if e.errno == errno.ENOSPC else "mend that"
+                raise CheckpointWriteError(
+                    f"{e}; {self._last_good()}: {fix}, then run the same command with --resume",
+                    errno=e.errno,
+                ) from e
             self.last_checkpoint = path
         D.barrier(self.info)
         return path
@@ -335,9 +385,17 @@ class Trainer:
         )
 
     # ---------------------------------------------------------------------------------------- loop
-    def train(self, stop_at: int | None = None) -> TrainResult:
+    def train(self, stop_at: int | None = None, *, handle_signals: bool = True) -> TrainResult:
         """Train to ``config.total_steps`` (or the time budget, or step ``stop_at`` of the same schedule:
-        an interruption that ``resume`` continues), then evaluate, checkpoint, plot and sample."""
+        an interruption that ``resume`` continues), then checkpoint, evaluate, plot and sample.
+
+        ``handle_signals`` (main thread only): a SIGTERM or SIGINT during training stops the run after the
+        current step, with a checkpoint, the final evaluation and the report, and sets
+        ``TrainResult.stopped_by``; a second one stops at once (``titans.training.signals``)."""
+        with StopSignals(enabled=handle_signals, announce=self.info.is_main) as signals:
+            return self._train(stop_at, signals)
+
+    def _train(self, stop_at: int | None, signals: StopSignals) -> TrainResult:
         cfg, info = self.config, self.info
         total = cfg.total_steps
         end = total if stop_at is None else min(stop_at, total)
@@ -347,6 +405,7 @@ class Trainer:
         pending: list[torch.Tensor] = []
         last_logged: float | None = None
         stopped_early = False
+        stopped_by: str | None = None
         saved_step = self.step if self.last_checkpoint is not None else -1
         start_step = self.step
         lr = self.optimizer.param_groups[0]["lr"]
@@ -371,24 +430,27 @@ class Trainer:
                 if self.step % cfg.ckpt_every == 0 and self.step < end:
                     self.save_checkpoint()
                     saved_step = self.step
-                if cfg.time_budget_min is not None:
-                    over = time.perf_counter() - session_start >= cfg.time_budget_min * 60
-                    if D.any_rank(over, info) and self.step < end:
-                        stopped_early = True
-                        if info.is_main:
-                            bar.write(
-                                f"time budget of {cfg.time_budget_min:g} min reached at step {self.step}"
-                            )
-                        break
+                budget = cfg.time_budget_min
+                over = budget is not None and time.perf_counter() - session_start >= budget * 60
+                # every rank, every step: all stop after the same step (a signal reaches them at
+                # different moments)
+                over, signum = D.agree_to_stop(over, signals.signum, info)
+                if (over or signum) and self.step < end:
+                    stopped_early = True
+                    if signum:
+                        stopped_by = signal_name(signum)
+                    elif info.is_main:
+                        bar.write(f"time budget of {budget:g} min reached at step {self.step}")
+                    break
             if pending:
                 last_logged = self._log_train(pending, lr, None, interval_time, bar)
             stopped_early = stopped_early or self.step < total
         finally:
             bar.close()
+        if saved_step != self.step:  # first, before anything slow: what a stop must not lose
+            self.save_checkpoint()
         final_eval = self.evaluate()
         self._log_eval(final_eval, None)
-        if saved_step != self.step:
-            self.save_checkpoint()
         session_tokens = (self.step - start_step) * cfg.tokens_per_step
         tokens_per_s = session_tokens / train_time if train_time > 0 else 0.0
         if last_logged is None:  # nothing left to train (a finished run resumed): report its last log
@@ -407,16 +469,17 @@ class Trainer:
             stopped_early=stopped_early,
             checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
             step_losses=list(self.step_losses),
+            stopped_by=stopped_by,
         )
         if info.is_main:
             self.metrics.close()
             if cfg.plot:
                 plot_losses(self.run_dir / METRICS_FILE, self.run_dir / PLOT_FILE, title=self._title())
-            if cfg.sample_tokens > 0:
+            if cfg.sample_tokens > 0 and stopped_by is None:  # a stopped run should end promptly
                 result.sample = self.sample()
             report = {"config": cfg.to_dict(), **result.to_dict()}
             report["eval"] = final_eval.to_dict()
-            (self.run_dir / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+            _write_atomic(self.run_dir / REPORT_FILE, json.dumps(report, indent=2) + "\n")
         return result
 
     def _title(self) -> str:
@@ -431,8 +494,8 @@ class Trainer:
         mean = sum(losses) / len(losses)
         if not math.isfinite(mean):
             raise FloatingPointError(
-                f"training loss became {mean} by step {self.step}; the last good checkpoint is "
-                f"{self.last_checkpoint} (try a lower lr or memory_max_lr)"
+                f"training loss became {mean} by step {self.step}; {self._last_good()} "
+                "(try a lower lr or memory_max_lr, or grad_clip)"
             )
         tok_s = len(losses) * self.config.tokens_per_step / max(interval_time, 1e-9)
         values = {
@@ -482,6 +545,37 @@ class Trainer:
             )
         model.train()
         return cfg.sample_prompt + self.tokenizer.decode(out[0, prompt.shape[1] :].tolist())
+
+
+def _check_split_lengths(n_train: int, n_heldout: int, cfg: TrainConfig) -> None:
+    """A training and a held-out split long enough for one window of ``seq_len + 1`` tokens each, or an
+    error that says which setting to change."""
+    need = cfg.seq_len + 1
+    if n_train < need:
+        raise ValueError(
+            f"the training split of {cfg.data!r} has {n_train} tokens, fewer than one training window of "
+            f"seq_len + 1 = {need}: give more text, or lower seq_len (--seq-len)"
+        )
+    if n_heldout < need:
+        share = need / (n_train + n_heldout)
+        hint = f" (about {share:.2g} of this source)" if share < 0.5 else ""
+        raise ValueError(
+            f"the held-out split of {cfg.data!r} has {n_heldout} tokens (heldout_fraction="
+            f"{cfg.heldout_fraction:g}), fewer than one evaluation window of seq_len + 1 = {need}: raise "
+            f"heldout_fraction (--set heldout_fraction=...){hint}, lower seq_len (--seq-len), or give "
+            "more text"
+        )
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` in one step: a full disk or a kill leaves the old file or the new."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def clear_run(run_dir: Path) -> None:
