@@ -5,8 +5,9 @@ permutation again. In the second segment, every next token is determined by the 
 through the FIRST segment, which lies outside the attention span (MAC attends within a segment). The only
 path from segment 1 to segment 2 is the neural memory.
 
-The twin has the same architecture, parameters and compute, with `memory_write=False`: its memory
-never learns at test time. We train both with the same seed, steps and data, then report the loss and
+The twin has the same architecture and parameters, with `memory_write=False`: a frozen memory, read but
+never written (its weights and momentum never change: no test-time learning, no forgetting), which also
+spares it the write's compute. We train both with the same seed, steps and data, then report the loss and
 next-token accuracy on the repeated segment (chance accuracy = 1/vocab).
 
     python benchmarks/mac_memory_twin.py [--steps 600] [--segment-len 16] [--vocab 32]
