@@ -266,7 +266,7 @@ def load_source(spec: str | TextSource, *, text_field: str = "text") -> TextSour
         root, files = stdlib_files()
         return FileSource(spec, root, files)
     if spec == "builtin:prose":
-        from titans.data.corpus import prose_documents
+        from titans.data.corpus import prose_documents  # corpus imports this module: import it on use
 
         return InMemorySource(spec, prose_documents())  # fingerprint: a hash of the texts
     if spec.startswith("builtin:"):

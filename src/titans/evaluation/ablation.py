@@ -23,6 +23,26 @@ import time
 from pathlib import Path
 from typing import Any
 
+from titans.data.tokenizers import load_tokenizer
+from titans.evaluation.args import (
+    add_eval_args,
+    add_model_args,
+    add_recipe_args,
+    add_runtime_args,
+    float_list,
+    int_list,
+    model_overrides,
+    set_threads,
+    str_list,
+)
+from titans.evaluation.lm_study import add_lm_args, lm_train_config, run_root
+from titans.evaluation.recipe import build_model, niah_samples, task_config
+from titans.evaluation.reporting import write_study
+from titans.evaluation.runner import evaluate
+from titans.evaluation.scoring import new_figure, render_table, save_figure
+from titans.evaluation.task_training import train_on_task
+from titans.training.trainer import Trainer
+
 ABLATIONS: dict[str, dict[str, Any]] = {
     "full": {},
     "linear_memory": {"memory_depth": 1},
@@ -33,20 +53,13 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 }
 
 
-def run_row(args: argparse.Namespace, name: str, overrides: dict[str, Any], run_root: Path) -> dict:
+def run_row(args: argparse.Namespace, name: str, overrides: dict[str, Any], root: Path) -> dict:
     """Train and evaluate one ablation row; returns its JSON-able record."""
-    from titans.data.tokenizers import load_tokenizer
-    from titans.evaluation.cli import build_model, niah_samples, task_config
-    from titans.evaluation.lm_study import lm_train_config
-    from titans.evaluation.runner import evaluate
-    from titans.evaluation.task_training import train_on_task
-    from titans.training.trainer import Trainer
-
     overrides = {**args.base_overrides, **overrides}
     record: dict[str, Any] = {"name": name, "overrides": overrides}
     t0 = time.perf_counter()
     if args.lm_steps > 0:
-        trainer = Trainer(lm_train_config(args, run_root / name, overrides))
+        trainer = Trainer(lm_train_config(args, root / name, overrides))
         model, tokenizer = trainer.model, trainer.tokenizer
         result = trainer.train()
         record.update(
@@ -76,8 +89,6 @@ def run_row(args: argparse.Namespace, name: str, overrides: dict[str, Any], run_
 
 
 def format_rows(rows: list[dict], eval_lengths: list[int]) -> str:
-    from titans.evaluation.scoring import render_table
-
     head = ["row", "params", "heldout loss", "NIAH all"] + [f"NIAH@{n}" for n in eval_lengths]
     lines = [head]
     for r in rows:
@@ -98,8 +109,6 @@ def format_rows(rows: list[dict], eval_lengths: list[int]) -> str:
 
 def plot_rows(rows: list[dict], png_path: Path, title: str) -> Path:
     """Two bar charts side by side: held-out loss (lower is better) and NIAH accuracy per row."""
-    from titans.evaluation.scoring import new_figure, save_figure
-
     names = [r["name"] for r in rows]
     fig = new_figure((10, 3.6))
     panels = [("heldout_loss", "held-out loss (nats/token)"), ("niah_accuracy", "NIAH pass-key accuracy")]
@@ -122,9 +131,6 @@ def plot_rows(rows: list[dict], png_path: Path, title: str) -> Path:
 
 
 def run_ablate(args: argparse.Namespace) -> int:
-    from titans.evaluation.cli import model_overrides, set_threads
-    from titans.evaluation.lm_study import run_root, write_study
-
     set_threads(args)
     unknown = [r for r in args.rows if r not in ABLATIONS]
     if unknown:
@@ -146,17 +152,6 @@ def run_ablate(args: argparse.Namespace) -> int:
 
 
 def add_parser(evals) -> None:
-    from titans.evaluation.cli import (
-        add_eval_args,
-        add_model_args,
-        add_recipe_args,
-        add_runtime_args,
-        float_list,
-        int_list,
-        str_list,
-    )
-    from titans.evaluation.lm_study import add_lm_args
-
     p = evals.add_parser("ablate", help="the paper's Table 5: one memory component removed per row")
     p.add_argument("--variant", default="mac", help="the base model's variant")
     p.add_argument("--rows", type=str_list, default=list(ABLATIONS), help=f"subset of {','.join(ABLATIONS)}")

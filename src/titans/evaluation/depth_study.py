@@ -20,6 +20,17 @@ from typing import Any
 
 import torch
 
+from titans.data.loader import EvalWindows
+from titans.data.stream import load_token_streams
+from titans.data.tokenizers import load_tokenizer
+from titans.evaluation.args import add_model_args, add_runtime_args, int_list, model_overrides, set_threads
+from titans.evaluation.lm_study import add_lm_args, lm_train_config, run_root
+from titans.evaluation.reporting import write_study
+from titans.evaluation.scoring import new_figure, render_table, save_figure
+from titans.models import TitansConfig, TitansLM
+from titans.training.perplexity import evaluate_perplexity
+from titans.training.trainer import Trainer
+
 
 def _train_step_seconds(model: torch.nn.Module, seq_len: int, batch_size: int) -> float:
     """Seconds for one training step (forward, cross-entropy, backward) on random (batch, seq_len) tokens."""
@@ -62,9 +73,6 @@ def measure_throughput(
 def heldout_loss_by_length(model, heldout, lengths: list[int], windows: int, batch_size: int, device) -> dict:
     """{length: mean held-out loss over up to ``windows`` windows of that length} (``None`` where the
     held-out text is too short for even one window)."""
-    from titans.data.loader import EvalWindows
-    from titans.evaluation.perplexity import evaluate_perplexity
-
     out: dict[str, float | None] = {}
     for length in lengths:
         if len(heldout) < length + 1:
@@ -75,13 +83,10 @@ def heldout_loss_by_length(model, heldout, lengths: list[int], windows: int, bat
     return out
 
 
-def run_depth(args: argparse.Namespace, depth: int, run_root: Path, heldout) -> dict[str, Any]:
-    from titans.evaluation.lm_study import lm_train_config
-    from titans.training.trainer import Trainer
-
+def run_depth(args: argparse.Namespace, depth: int, root: Path, heldout) -> dict[str, Any]:
     overrides = {**args.base_overrides, "memory_depth": depth}
     record: dict[str, Any] = {"memory_depth": depth, "overrides": overrides}
-    trainer = Trainer(lm_train_config(args, run_root / f"depth{depth}", overrides))
+    trainer = Trainer(lm_train_config(args, root / f"depth{depth}", overrides))
     result = trainer.train()
     model = trainer.model
     record.update(
@@ -100,8 +105,6 @@ def run_depth(args: argparse.Namespace, depth: int, run_root: Path, heldout) -> 
 
 
 def format_rows(rows: list[dict], eval_lengths: list[int], throughput_lengths: list[int]) -> str:
-    from titans.evaluation.scoring import render_table
-
     head = (
         ["L_M", "params"] + [f"loss@{n}" for n in eval_lengths] + [f"tok/s@{n}" for n in throughput_lengths]
     )
@@ -119,8 +122,6 @@ def format_rows(rows: list[dict], eval_lengths: list[int], throughput_lengths: l
 
 def plot_rows(rows: list[dict], png_path: Path, title: str) -> Path:
     """Left: held-out loss vs window length per depth (Figure 7); right: throughput vs length (Figure 8)."""
-    from titans.evaluation.scoring import new_figure, save_figure
-
     fig = new_figure((10, 3.8))
     ax_loss, ax_speed = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     for r in rows:
@@ -141,12 +142,6 @@ def plot_rows(rows: list[dict], png_path: Path, title: str) -> Path:
 
 
 def run_depth_study(args: argparse.Namespace) -> int:
-    from titans.data.stream import load_token_streams
-    from titans.data.tokenizers import load_tokenizer
-    from titans.evaluation.cli import model_overrides, set_threads
-    from titans.evaluation.lm_study import run_root, write_study
-    from titans.models import TitansConfig, TitansLM
-
     set_threads(args)
     if any(d < 1 for d in args.depths):
         raise ValueError(f"--depths must be >= 1, got {args.depths}")
@@ -175,18 +170,19 @@ def run_depth_study(args: argparse.Namespace) -> int:
 
 
 def add_parser(evals) -> None:
-    from titans.evaluation.cli import add_model_args, add_runtime_args, int_list
-    from titans.evaluation.lm_study import add_lm_args
-
     p = evals.add_parser("depth", help="memory depth 1-4: loss vs length and throughput (Figures 7-8)")
-    p.add_argument("--variant", default="lmm")
+    p.add_argument("--variant", default="lmm", help="variant whose memory depth is varied")
     p.add_argument("--depths", type=int_list, default=[1, 2, 3, 4], help="memory depths L_M")
     add_lm_args(p, heldout_windows=16)
-    p.add_argument("--eval-lengths", type=int_list, default=[256, 512, 1024, 2048])
-    p.add_argument("--eval-batch-size", type=int, default=4)
-    p.add_argument("--throughput-lengths", type=int_list, default=[256, 1024, 4096])
-    p.add_argument("--throughput-batch", type=int, default=2)
-    p.add_argument("--throughput-repeats", type=int, default=3)
+    p.add_argument(
+        "--eval-lengths", type=int_list, default=[256, 512, 1024, 2048], help="held-out loss at these lengths"
+    )
+    p.add_argument("--eval-batch-size", type=int, default=4, help="held-out windows per forward pass")
+    p.add_argument(
+        "--throughput-lengths", type=int_list, default=[256, 1024, 4096], help="tokens/s at these lengths"
+    )
+    p.add_argument("--throughput-batch", type=int, default=2, help="sequences per throughput measurement")
+    p.add_argument("--throughput-repeats", type=int, default=3, help="timed repeats (the best is kept)")
     add_model_args(p)
     add_runtime_args(p)
     p.set_defaults(func=run_depth_study)

@@ -2,39 +2,38 @@
 
 Every row is trained by the project's ``Trainer`` with the same data, seed, steps and schedule; only its
 model overrides differ. The rows' run folders go under ``--run-root`` or a temporary folder, and a study
-ends with a JSON record, a figure and a plain-text table.
+ends with a JSON record, a figure and a plain-text table (``titans.evaluation.reporting.write_study``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from titans.training.config import TrainConfig
 
 
 def add_lm_args(p: argparse.ArgumentParser, heldout_windows: int) -> None:
     """The language-model training options of a study."""
     g = p.add_argument_group("language-model training (the Trainer)")
     g.add_argument("--data", default="builtin:prose", help="text source for the LM training")
-    g.add_argument("--heldout-fraction", type=float, default=0.05)
+    g.add_argument("--heldout-fraction", type=float, default=0.05, help="share of the documents held out")
     g.add_argument("--seq-len", type=int, default=256, help="training length")
-    g.add_argument("--lm-batch-size", type=int, default=8)
+    g.add_argument("--lm-batch-size", type=int, default=8, help="LM training batch")
     g.add_argument("--lm-steps", type=int, default=200, help="LM steps per row (0: skip the LM stage)")
-    g.add_argument("--lm-lr", type=float, default=3e-3)
-    g.add_argument("--lm-warmup-steps", type=int, default=20)
+    g.add_argument("--lm-lr", type=float, default=3e-3, help="LM peak learning rate")
+    g.add_argument("--lm-warmup-steps", type=int, default=20, help="LM warm-up steps")
     g.add_argument("--heldout-windows", type=int, default=heldout_windows, help="held-out windows")
     g.add_argument("--run-root", default=None, help="keep each row's run folder here (default: temporary)")
 
 
-def lm_train_config(args: argparse.Namespace, run_dir: Path, overrides: dict[str, Any]):
+def lm_train_config(args: argparse.Namespace, run_dir: Path, overrides: dict[str, Any]) -> TrainConfig:
     """The Trainer config of one row: identical for every row except the model overrides."""
-    from titans.training.config import TrainConfig
-
     return TrainConfig(
         preset=args.preset,
         variant=args.variant,
@@ -74,25 +73,3 @@ def run_root(args: argparse.Namespace, prefix: str) -> Iterator[Path]:
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
-
-def write_study(
-    args: argparse.Namespace,
-    task: str,
-    default_name: str,
-    rows: list[dict],
-    title: str,
-    plot: Callable[[list[dict], Path, str], Path],
-    table: str,
-) -> None:
-    """A study's ending: the JSON (rows + command line), the figure, and the table on stdout."""
-    from titans.evaluation.cli import command_line, output_paths
-
-    json_path, png_path = output_paths(args, task, default_name)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"rows": rows, "command": command_line(args)}
-    json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    plot(rows, png_path, title)
-    print(title)
-    print(table)
-    print(f"wrote {json_path} and {png_path}")

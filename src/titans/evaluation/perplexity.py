@@ -1,119 +1,45 @@
-"""Held-out language-modelling quality: mean token loss, perplexity and bits per byte.
+"""`titans eval ppl`: held-out loss, perplexity and bits per byte of a saved checkpoint.
 
-    result = evaluate_perplexity(model, EvalWindows(stream, seq_len=512, num_windows=64), device="cpu")
-    result.loss, result.ppl, result.bpb
+    titans eval ppl --checkpoint C [--data SPEC] [--seq-len N] [--windows K]
 
-Every window is read from a fresh memory state (``state=None``), as in training, so the numbers measure
-what the model does with ``seq_len`` tokens of context. Under torch.distributed each rank evaluates its
-share of the windows (``EvalWindows`` shards them) and the sums are all-reduced, so every rank returns the
-same result.
+scores a checkpoint's own held-out split, or all of the text named by ``--data`` (see
+``titans.data.sources``), with ``titans.training.perplexity.evaluate_perplexity`` (the function the
+trainer's own evaluations use), prints the result and writes it as JSON.
 
-``titans eval ppl --checkpoint C [--data SPEC] [--seq-len N] [--windows K]`` runs this on a checkpoint's own
-held-out split, or on all of the text named by ``--data`` (see ``titans.data.sources``).
+``evaluate_perplexity``, ``PerplexityResult`` and ``autocast_context`` live in
+``titans.training.perplexity``; importing them from here still works, with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
-from dataclasses import asdict, dataclass
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from titans.data.loader import EvalWindows
 from titans.data.sources import load_source
-from titans.data.stream import TokenStream, encode_documents, separator_ids, token_dtype
+from titans.data.stream import TokenStream, encode_documents, load_token_streams, separator_ids, token_dtype
 from titans.data.tokenizers import Tokenizer
+from titans.training import perplexity as _heldout
+from titans.training.distributed import resolve_device
+from titans.training.model_io import load_checkpoint_from, load_model
+
+_MOVED = ("PerplexityResult", "autocast_context", "evaluate_perplexity")
 
 
-@dataclass(frozen=True)
-class PerplexityResult:
-    """loss: mean next-token NLL (nats); ppl = exp(loss); bpb: bits per UTF-8 byte; tokens: targets scored."""
-
-    loss: float
-    ppl: float
-    bpb: float | None
-    tokens: int
-    windows: int
-    seq_len: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def autocast_context(device: torch.device, dtype: torch.dtype | None):
-    """torch.autocast to ``dtype`` on ``device``'s type; a no-op context when ``dtype`` is None."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-@torch.no_grad()
-def evaluate_perplexity(
-    model: nn.Module,
-    windows: EvalWindows,
-    *,
-    device: str | torch.device = "cpu",
-    autocast_dtype: torch.dtype | None = None,
-    lockstep: bool = False,
-) -> PerplexityResult:
-    """Score ``windows`` with ``model`` (``logits, state = model(tokens)``); see the module docstring.
-
-    ``lockstep``: every rank runs the same number of forward passes (needed when the forward itself is a
-    collective, as with FSDP); ranks with fewer windows repeat a batch whose loss is not counted.
-    """
-    device = torch.device(device)
-    was_training = model.training
-    model.eval()
-    distributed = dist.is_available() and dist.is_initialized()
-    batches = list(windows)
-    n_batches = len(batches)
-    if lockstep and distributed:
-        t = torch.tensor([n_batches], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        n_batches = int(t.item())
-    nll_sum = torch.zeros((), dtype=torch.float64, device=device)
-    count = torch.zeros((), dtype=torch.float64, device=device)
-    try:
-        for i in range(n_batches):
-            counted = i < len(batches)
-            if counted:
-                inputs, targets = batches[i]
-            elif batches:  # lockstep padding: repeat a batch, not counted
-                inputs, targets = batches[-1]
-            else:  # this rank has no windows at all (fewer windows than ranks)
-                inputs = targets = torch.zeros(1, windows.seq_len, dtype=torch.long)
-            with autocast_context(device, autocast_dtype):
-                logits, _ = model(inputs.to(device))
-            nll = F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum")
-            if counted:
-                nll_sum += nll.double()
-                count += targets.numel()
-    finally:
-        model.train(was_training)
-    if distributed:
-        totals = torch.stack([nll_sum, count])
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-        nll_sum, count = totals[0], totals[1]
-    if count.item() == 0:
-        raise ValueError("evaluate_perplexity: no held-out windows to score")
-    loss = float(nll_sum / count)
-    bpb = windows.bits_per_byte(loss) if windows.bytes_per_token is not None else None
-    return PerplexityResult(
-        loss=loss,
-        ppl=math.exp(min(loss, 700.0)),  # exp overflows a float past ~709
-        bpb=bpb,
-        tokens=int(count.item()),
-        windows=windows.total_windows,
-        seq_len=windows.seq_len,
-    )
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        warnings.warn(
+            f"titans.evaluation.perplexity.{name} moved to titans.training.perplexity.{name}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(_heldout, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def whole_source_stream(spec: str, tokenizer: Tokenizer, text_field: str = "text") -> TokenStream:
@@ -135,10 +61,6 @@ def whole_source_stream(spec: str, tokenizer: Tokenizer, text_field: str = "text
 
 def run_ppl(args) -> int:
     """``titans eval ppl``: load a checkpoint, score held-out text, print and write JSON."""
-    from titans.data.stream import load_token_streams
-    from titans.training.distributed import resolve_device
-    from titans.training.model_io import load_checkpoint_from, load_model
-
     loaded = load_checkpoint_from(args.checkpoint)
     checkpoint = loaded.path
     device = resolve_device(args.device)
@@ -158,7 +80,7 @@ def run_ppl(args) -> int:
         data_desc = args.data
     windows = EvalWindows(stream, seq_len=seq_len, num_windows=args.windows, batch_size=args.batch_size)
     autocast = torch.bfloat16 if device.type == "cuda" else None
-    result = evaluate_perplexity(model, windows, device=device, autocast_dtype=autocast)
+    result = _heldout.evaluate_perplexity(model, windows, device=device, autocast_dtype=autocast)
     report = {"checkpoint": str(checkpoint), "data": data_desc, **result.to_dict()}
     bpb = f"{result.bpb:.4f}" if result.bpb is not None else "n/a"
     print(
@@ -184,7 +106,7 @@ def add_ppl_parser(evals) -> None:
     p.add_argument("--text-field", default="text", help="JSONL / dataset text field for --data")
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: the training seq_len)")
     p.add_argument("--windows", type=int, default=64, help="number of windows, spread over the text")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1")
     p.add_argument("--out", default=None, help="JSON output (default: RUN_DIR/eval_ppl.json)")
     p.set_defaults(func=run_ppl)

@@ -14,6 +14,17 @@ running answer loss is under that value (lengths grow once the task is solved at
 step draws its length uniformly between the task's minimum and that maximum (a batch shares one length, so
 no padding is needed). Short samples put the needle near the question: the model first learns *what* to
 retrieve, then to keep it over more and more haystack.
+
+Why this is its own loop and not ``titans.training.trainer.Trainer``: the Trainer builds its model from a
+``TrainConfig`` and trains it on fixed-length windows of a token stream, with the next-token loss of every
+position, bf16 autocast on CUDA, grad accumulation, DDP / FSDP, held-out evaluations and resumable
+checkpoints. This recipe fine-tunes a model it is handed (a loaded checkpoint or a fresh one) in place, on
+examples generated step by step whose length changes from step to step (the curriculum; in adaptive mode
+it follows the running loss), with the loss of the answer tokens alone (``target_mask``), in float32 and in
+one process. Running it through the Trainer would need the model, the batch source and the loss injected
+into it, and would change the recipe's numbers (autocast, the order of random draws). The two share what
+they have in common from ``titans.training.optim``: the weight-decay split (``parameter_groups``) and the
+warm-up + cosine schedule (``warmup_cosine``); both clip the gradient norm the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from titans.evaluation.babilong import TASKS as BABI_TASKS
 from titans.evaluation.babilong import babilong_training_example, make_babilong_sample
 from titans.evaluation.haystack import TextTokenizer, TrainingExample
 from titans.evaluation.niah import NEEDLE_KINDS, make_niah_sample, niah_training_example
-from titans.training.optim import lr_factor, parameter_groups
+from titans.training.optim import parameter_groups, warmup_cosine
 
 TASK_NAMES = ("niah", "babilong")
 
@@ -174,13 +185,10 @@ def masked_loss(
 
 def make_optimizer(model: nn.Module, cfg: TaskTrainConfig) -> tuple[torch.optim.AdamW, LambdaLR]:
     """AdamW and its warm-up + cosine schedule, with the LM trainer's weight-decay policy (matrices of
-    linear and conv layers only; see ``titans.training.optim``)."""
+    linear and conv layers only) and schedule (both from ``titans.training.optim``)."""
     opt = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
-    sched = LambdaLR(
-        opt,
-        lambda s: lr_factor(
-            s, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio
-        ),
+    sched = warmup_cosine(
+        opt, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio
     )
     return opt, sched
 

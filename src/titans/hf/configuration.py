@@ -23,7 +23,7 @@ class TitansHFConfig(PreTrainedConfig):
     model_type = "titans"
 
     def __init__(self, titans: dict[str, Any] | None = None, **kwargs: Any):
-        cfg = TitansConfig.from_dict(dict(titans)) if titans is not None else TitansConfig()
+        cfg = TitansConfig.from_saved_dict(dict(titans)) if titans is not None else TitansConfig()
         self.titans = cfg.to_dict()
         self.vocab_size = cfg.vocab_size
         self.hidden_size = cfg.dim

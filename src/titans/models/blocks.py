@@ -43,15 +43,16 @@ def make_memory(cfg: TitansConfig) -> NeuralMemory:
     )
 
 
-def make_attention(cfg: TitansConfig, window: int | None) -> SelfAttention:
+def make_attention(cfg: TitansConfig, window: int | None, persistent: bool = True) -> SelfAttention:
     return SelfAttention(
         cfg.dim,
         cfg.heads,
         cfg.attn_head_dim,
         window=window,
-        persistent_tokens=cfg.persistent_tokens,
+        persistent_tokens=cfg.persistent_tokens if persistent else 0,
         rope_base=cfg.rope_base,
         qk_norm=cfg.qk_norm,
+        output_gate=cfg.attn_output_gate,
     )
 
 
@@ -106,7 +107,16 @@ class Block(nn.Module):
         return x + self.mlp(self.norm_mlp(x)), state
 
 
-def _run_memory(mem: NeuralMemory, x: Tensor, state: MemoryState | None, stats: list | None):
+def _run_memory(
+    mem: NeuralMemory, x: Tensor, state: MemoryState | None, stats: list | None, prefix: Tensor | None = None
+):
+    """y, state = mem(x, state), with the stats of the call appended to `stats` when it is a list.
+
+    prefix: (P, dim) tokens the memory reads before x at the start of a sequence (state None): the paper's
+    x~ = [p || x] as the memory's input (`TitansConfig.persistent_to_memory`). Their outputs are dropped.
+    """
+    if prefix is not None and state is None:
+        _, state = mem(prefix.to(x.dtype).unsqueeze(0).expand(x.shape[0], -1, -1))
     if stats is None:
         return mem(x, state)
     y, state, st = mem(x, state, return_stats=True)
@@ -150,26 +160,39 @@ class MAGBlock(Block):
         self.attn = make_attention(cfg, cfg.window)
         self.memory = make_memory(cfg)
         self.combine = GatedCombine(cfg.dim, cfg.norm_eps)
+        self.persistent_to_memory = cfg.persistent_to_memory
 
     def mix(self, x, state: MAGState | None, stats):
         state = state or MAGState(None, None)
         y, attn_state = self.attn(x, state.attention)
-        m, mem_state = _run_memory(self.memory, x, state.memory, stats)
+        prefix = self.attn.persistent if self.persistent_to_memory else None  # eq. 26: the same p for both
+        m, mem_state = _run_memory(self.memory, x, state.memory, stats, prefix)
         return self.combine(y, m), MAGState(attn_state, mem_state)
 
 
 class MALBlock(Block):
-    """Memory as layer: x + M(norm x), then x + SWA(norm x), then the MLP (an H3-like stack)."""
+    """Memory as layer: x + M(norm x), then x + SWA(norm x), then the MLP (an H3-like stack).
+
+    The persistent tokens go to the attention (`mal_attn_persistent`), to the memory's input
+    (`persistent_to_memory`), or both: one set of tokens either way.
+    """
 
     def __init__(self, cfg: TitansConfig):
         super().__init__(cfg)
         self.norm_mem = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.memory = make_memory(cfg)
-        self.attn = make_attention(cfg, cfg.window)
+        self.attn = make_attention(cfg, cfg.window, persistent=cfg.mal_attn_persistent)
+        self.memory_persistent = None  # the memory's own prefix, where the attention has none to share
+        if cfg.persistent_to_memory and not cfg.mal_attn_persistent and cfg.persistent_tokens:
+            self.memory_persistent = nn.Parameter(torch.randn(cfg.persistent_tokens, cfg.dim))
+        self.persistent_to_memory = cfg.persistent_to_memory
 
     def forward(self, x: Tensor, state: MAGState | None = None, stats: list | None = None):
         state = state or MAGState(None, None)
-        m, mem_state = _run_memory(self.memory, self.norm_mem(x), state.memory, stats)
+        prefix = None
+        if self.persistent_to_memory:  # eq. 29
+            prefix = self.attn.persistent if self.memory_persistent is None else self.memory_persistent
+        m, mem_state = _run_memory(self.memory, self.norm_mem(x), state.memory, stats, prefix)
         x = x + m
         y, attn_state = self.attn(self.norm_mix(x), state.attention)
         x = x + y
@@ -191,6 +214,9 @@ class MACBlock(Block):
     memory chunk by chunk; output o = gate(y, M(y)), each token reading the memory before its chunk's write.
     With `mac_norm_memory_tokens`, h is RMS-normalised first, as the block input x is (the memory's output
     projection is initialised small, for its residual uses: unnormalised, h sat at ~1/20 of x's scale).
+    With `mac_norm_memory_input`, the memory writes and reads norm(y) (RMSNorm, learned weight) instead of y:
+    y comes out of the attention's small output projection, and unnormalised it is so small that the
+    memory's keys and values are its conv bias alone, the same for every token.
     """
 
     def __init__(self, cfg: TitansConfig):
@@ -207,8 +233,10 @@ class MACBlock(Block):
             persistent_tokens=cfg.persistent_tokens,
             rope_base=cfg.rope_base,
             qk_norm=cfg.qk_norm,
+            output_gate=cfg.attn_output_gate,
         )
         self.norm_tokens, self.eps = cfg.mac_norm_memory_tokens, cfg.norm_eps
+        self.norm_memory_input = RMSNorm(cfg.dim, eps=cfg.norm_eps) if cfg.mac_norm_memory_input else None
         gate = IdentityInitGate if cfg.mac_gate == "open" else GatedCombine
         self.combine = gate(cfg.dim, cfg.norm_eps)
 
@@ -238,7 +266,8 @@ class MACBlock(Block):
             xs = x[:, start:end]
             h = self.retrieve(xs, seg_w)
             y, attn_state = self.attn(xs, h, attn_state)
-            m, mem_state = _run_memory(self.memory, y, mem_state, stats)
+            u = y if self.norm_memory_input is None else self.norm_memory_input(y)
+            m, mem_state = _run_memory(self.memory, u, mem_state, stats)
             outs.append(self.combine(y, m))
             if (pos + end) % self.segment_len == 0:  # segment complete: chunks divide it, nothing pending
                 seg_w = mem_state.weights

@@ -84,6 +84,20 @@ class TitansConfig:
     # defaults recall best through the memory; open + normalised tokens model language best at small scale
     mac_norm_memory_tokens: bool = False
     mac_gate: str = "norm"
+    # mac_norm_memory_input: the attention output y is RMS-normalised (learned weight) before MAC writes it
+    # into the memory and reads it back. Unnormalised, y sits at the scale of the attention's small output
+    # projection, and the memory's keys and values at initialisation are its conv bias alone, the same for
+    # every token (docs/design.md, "The MAC block")
+    mac_norm_memory_input: bool = True
+    # Departures from the paper, each with the paper's form as an option (docs/design.md, "Departures from
+    # the paper"). attn_output_gate: every attention normalises its output per head and gates it with
+    # sigmoid(x W) before the output projection. persistent_to_memory: MAG and MAL prepend the persistent
+    # tokens to the memory's input as well (the memory reads them at the start of every sequence).
+    # mal_attn_persistent: MAL's sliding-window attention attends to the persistent tokens (False: the
+    # paper's MAL, whose persistent tokens go to the memory only)
+    attn_output_gate: bool = False
+    persistent_to_memory: bool = False
+    mal_attn_persistent: bool = True
     # attention and the rest
     qk_norm: bool = True
     rope_base: float = 10000.0
@@ -126,9 +140,16 @@ class TitansConfig:
                 raise ValueError(f"TitansConfig.memory_layers {bad} out of range for depth={self.depth}")
         if self.mac_gate not in MAC_GATES:
             raise ValueError(f"TitansConfig.mac_gate must be one of {MAC_GATES}, got {self.mac_gate!r}")
-        norm_tokens = self.mac_norm_memory_tokens
-        if not isinstance(norm_tokens, bool):
-            raise ValueError(f"TitansConfig.mac_norm_memory_tokens must be a bool, got {norm_tokens!r}")
+        for name in (
+            "mac_norm_memory_tokens",
+            "mac_norm_memory_input",
+            "attn_output_gate",
+            "persistent_to_memory",
+            "mal_attn_persistent",
+        ):
+            val = getattr(self, name)
+            if not isinstance(val, bool):
+                raise ValueError(f"TitansConfig.{name} must be a bool, got {val!r}")
         every = self.memory_checkpoint_every
         if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
             raise ValueError(
@@ -168,6 +189,13 @@ class TitansConfig:
             raise ValueError(f"TitansConfig: unknown field(s) {unknown}")
         return cls(**data)
 
+    @classmethod
+    def from_saved_dict(cls, data: dict[str, Any]) -> TitansConfig:
+        """A config as saved with a model (a complete `to_dict()`). A field the saved dict lacks was added
+        after the model was saved: it takes the value that computes what that model computed
+        (`SAVED_WITHOUT`), not today's default, so old checkpoints load and behave as they were trained."""
+        return cls.from_dict({**{k: v for k, v in SAVED_WITHOUT.items() if k not in data}, **data})
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
@@ -181,6 +209,57 @@ class TitansConfig:
         if name not in PRESETS:
             raise ValueError(f"TitansConfig: unknown preset {name!r}; choose from {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], "name": name, **overrides})
+
+
+# Fields whose default changed the model's computation when they were added, and the value that keeps the
+# computation of a model saved before them (`TitansConfig.from_saved_dict`).
+SAVED_WITHOUT: dict[str, Any] = {"mac_norm_memory_input": False}
+
+# One line per field, for listings (`titans train --list-fields` shows them as model.<field>).
+FIELD_HELP: dict[str, str] = {
+    "variant": f"model variant: {', '.join(VARIANTS)}",
+    "vocab_size": "vocabulary size (training: the tokenizer's unless set larger)",
+    "dim": "model width",
+    "depth": "number of residual blocks",
+    "heads": "attention heads",
+    "head_dim": "attention head width (null: dim / heads)",
+    "mlp_mult": "SwiGLU width as a multiple of dim (2/3 of it, for a plain MLP's parameters)",
+    "segment_len": "MAC segment length (attention span of a MAC block)",
+    "window": "sliding-window size (mag, mal, swa and the blocks without memory)",
+    "chunk_size": "tokens per memory update chunk",
+    "persistent_tokens": "learned tokens prepended to every attention",
+    "memory_layers": "indices of the blocks that carry a neural memory (null: all)",
+    "memory_heads": "memory heads (null: the attention heads)",
+    "memory_head_dim": "memory head width (null: dim / memory heads)",
+    "memory_depth": "layers of the memory MLP (L_M)",
+    "memory_expansion": "hidden width of a deep memory MLP as a multiple of its head width",
+    "memory_activation": "activation of the memory MLP",
+    "memory_conv_kernel": "causal depthwise convolution width on queries, keys and values (0: none)",
+    "memory_momentum": "surprise with momentum (eta); false: the plain gradient",
+    "memory_forgetting": "forgetting gate (alpha) on the memory weights",
+    "memory_max_lr": "upper bound of the memory's inner learning rate theta",
+    "memory_theta_init": "initial inner learning rate theta",
+    "memory_eta_init": "initial momentum decay eta, in (0, 1)",
+    "memory_alpha_init": "initial forgetting alpha, in (0, 1) (small: writes are kept longer)",
+    "memory_surprise_clip": "each token's inner gradient is rescaled to at most this norm (null: no clip)",
+    "memory_residual": "the memory computes k + MLP(k) instead of MLP(k)",
+    "memory_write": "false: read-only memory, no test-time learning (an ablation)",
+    "memory_checkpoint_every": "keep the memory state every this many chunks, recompute the rest "
+    "(null: keep all)",
+    "mac_norm_memory_tokens": "MAC: RMS-normalise the retrieved memory tokens before attention",
+    "mac_gate": f"MAC output gate: {', '.join(MAC_GATES)}",
+    "mac_norm_memory_input": "MAC: RMS-normalise the attention output before the memory writes it",
+    "attn_output_gate": "every attention normalises its output per head and gates it by the input "
+    "(the paper's output gate)",
+    "persistent_to_memory": "MAG and MAL: the persistent tokens are prepended to the memory's input too",
+    "mal_attn_persistent": "MAL: the sliding-window attention attends to the persistent tokens",
+    "qk_norm": "RMS-normalise queries and keys",
+    "rope_base": "rotary position embedding base",
+    "tie_embeddings": "the output head shares the token embedding",
+    "norm_eps": "epsilon of the RMS norms",
+    "init_std": "standard deviation of the initial weights",
+    "name": "preset name (informational)",
+}
 
 
 # Paper scales use a 32K vocabulary (Llama-2 style) and are sized for the default variant, mac (the

@@ -138,6 +138,6 @@ def load_model(
         raise CheckpointError(f"{str(path)!r} was not written by the titans trainer (no train/model config)")
     train_config = train_config_from_saved(saved["train"])
     tokenizer = tokenizer_from_record(saved.get("tokenizer") or {"spec": train_config.tokenizer}, path)
-    model = TitansLM(TitansConfig.from_dict(saved["model"]))
+    model = TitansLM(TitansConfig.from_saved_dict(saved["model"]))
     load_weights(model, ckpt.model_state)
     return model.to(map_location).eval(), train_config, tokenizer

@@ -49,8 +49,19 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: f
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    total, warmup, floor = cfg.total_steps, cfg.warmup_steps, cfg.min_lr_ratio
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, min_lr_ratio: float
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The ``lr_factor`` schedule on ``optimizer`` (call ``.step()`` once per optimizer step)."""
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, warmup_steps=warmup, total_steps=total, min_lr_ratio=floor)
+        optimizer,
+        lambda step: lr_factor(
+            step, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio
+        ),
+    )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return warmup_cosine(
+        optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps, min_lr_ratio=cfg.min_lr_ratio
     )

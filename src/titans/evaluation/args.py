@@ -1,0 +1,154 @@
+"""The options the evaluation commands share, and their argument types.
+
+``add_runtime_args`` (output, threads, device, seed), ``add_model_args`` (a fresh model: preset, ``--set``,
+tokenizer, gate inits), ``add_recipe_args`` (the fine-tuning recipe, ``TaskTrainConfig``),
+``add_eval_args`` (samples and decoding), ``add_source_args`` (``--checkpoint`` and/or ``--train-recipe``);
+``int_list`` / ``float_list`` / ``str_list`` parse comma-separated values.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from titans.training.config import parse_set
+from titans.training.distributed import resolve_device
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def float_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from e
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one number")
+    return values
+
+
+def str_list(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one name")
+    return values
+
+
+def add_runtime_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=None, help="folder for the JSON and PNG (default results/evals/<task>)")
+    p.add_argument("--name", default=None, help="file name stem of the results (default from the settings)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (1 is best on a busy machine)"
+    )
+    p.add_argument(
+        "--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the fresh model, the training and the samples"
+    )
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """A fresh model for the recipe: a preset, a variant and TitansConfig overrides."""
+    p.add_argument("--preset", default="tiny", help="model size preset (tiny, small, base, ...)")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="FIELD=VALUE",
+        help="override a TitansConfig field of a fresh model (repeatable; the model.<field> entries of "
+        "`titans train --list-fields`, without the model. prefix)",
+    )
+    p.add_argument("--tokenizer", default="bytes", help="tokenizer of a fresh model (bytes, gpt2, a file)")
+    p.add_argument(
+        "--memory-alpha-init",
+        type=float,
+        default=None,
+        help="initial forgetting gate, e.g. 1e-4 (same as --set memory_alpha_init=...)",
+    )
+    p.add_argument(
+        "--memory-eta-init",
+        type=float,
+        default=None,
+        help="initial momentum gate (same as --set memory_eta_init=...)",
+    )
+
+
+def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The TitansConfig overrides of a fresh model: ``--set``, then the gate-init shortcuts (config fields,
+    so they land in the saved config and a checkpoint carries them)."""
+    out = parse_set(args.set or [], model_only=True)
+    for key in ("memory_eta_init", "memory_alpha_init"):
+        value = getattr(args, key, None)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def add_recipe_args(
+    p: argparse.ArgumentParser,
+    *,
+    default_length: int = 1024,
+    steps_flag: str = "--steps",
+    default_steps: int = 300,
+) -> None:
+    """The fine-tuning recipe (``TaskTrainConfig``); its step count is ``args.steps`` whatever the flag."""
+    g = p.add_argument_group("fine-tuning recipe")
+    g.add_argument("--train-length", type=int, default=default_length, help="longest training length")
+    g.add_argument("--start-length", type=int, default=256, help="curriculum: longest length at step 0")
+    g.add_argument("--curriculum", type=float, default=0.5, help="share of steps over which lengths grow")
+    g.add_argument(
+        "--curriculum-loss",
+        type=float,
+        default=None,
+        help="adaptive curriculum: grow lengths by 25%% whenever the running answer loss is below this",
+    )
+    g.add_argument(steps_flag, dest="steps", type=int, default=default_steps, help="fine-tuning steps")
+    g.add_argument("--batch-size", type=int, default=8, help="fine-tuning batch")
+    g.add_argument("--lr", type=float, default=3e-3, help="fine-tuning peak learning rate")
+    g.add_argument("--warmup-steps", type=int, default=20, help="fine-tuning warm-up steps")
+    g.add_argument("--lm-loss-weight", type=float, default=0.0, help="add the LM loss of all tokens x this")
+    g.add_argument("--time-budget", type=float, default=None, metavar="MINUTES", help="stop training early")
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--samples", type=int, default=4, help="samples per table cell")
+    p.add_argument("--eval-batch-size", type=int, default=8, help="prompts decoded together")
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per forward call")
+    p.add_argument(
+        "--max-attention-length",
+        type=int,
+        default=16384,
+        help="skip full-attention (transformer) evaluations longer than this (quadratic time)",
+    )
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    """The runtime options of every evaluation command: ``--threads``, and ``--device auto`` resolved."""
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    args.device = str(resolve_device(args.device))
+
+
+def add_source_args(p: argparse.ArgumentParser, default_length: int) -> None:
+    p.add_argument("--checkpoint", help="a trainer checkpoint or run folder to evaluate (or fine-tune)")
+    p.add_argument(
+        "--train-recipe",
+        action="store_true",
+        help="train with the fine-tuning recipe first: the --checkpoint model, else a fresh one",
+    )
+    p.add_argument("--variant", default="mac", help="variant of a fresh model")
+    p.add_argument("--save-model", default=None, help="save the recipe-trained model here (a run folder)")
+    add_model_args(p)
+    add_recipe_args(p, default_length=default_length)
