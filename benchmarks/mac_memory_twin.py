@@ -60,6 +60,7 @@ def train_and_eval(write: bool, args: argparse.Namespace) -> dict:
         memory_theta_init=args.memory_theta_init,
         mac_gate=args.mac_gate,
         mac_norm_memory_tokens=args.mac_norm_memory_tokens == "true",
+        mac_norm_memory_input=args.mac_norm_memory_input == "true",
     )
     model = TitansLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -98,6 +99,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mac-gate", default=TitansConfig.mac_gate, help="open or norm (TitansConfig.mac_gate)")
     p.add_argument("--mac-norm-memory-tokens", choices=("true", "false"), default="true")
+    p.add_argument(
+        "--mac-norm-memory-input",
+        choices=("true", "false"),
+        default=str(TitansConfig.mac_norm_memory_input).lower(),
+        help="TitansConfig.mac_norm_memory_input",
+    )
     p.add_argument("--out", default="benchmarks/results/mac_memory_twin.json")
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -106,7 +113,8 @@ def main() -> None:
     print(
         f"MAC memory-induction task: segment {args.segment_len}, vocab {args.vocab}, {args.steps} steps, "
         f"batch {args.batch}; chance accuracy {1 / args.vocab:.3f}, uniform loss {chance_loss:.2f}; "
-        f"mac_gate={args.mac_gate}, mac_norm_memory_tokens={args.mac_norm_memory_tokens}"
+        f"mac_gate={args.mac_gate}, mac_norm_memory_tokens={args.mac_norm_memory_tokens}, "
+        f"mac_norm_memory_input={args.mac_norm_memory_input}"
     )
     print(f"{'model':24s} {'loss':>7s} {'accuracy':>9s} {'train s':>8s}")
     for r in rows:
