@@ -5,8 +5,9 @@ permutation again. In the second segment, every next token is determined by the 
 through the FIRST segment, which lies outside the attention span (MAC attends within a segment). The only
 path from segment 1 to segment 2 is the neural memory.
 
-The twin has the same architecture, parameters and compute, with `memory_write=False`: its memory
-never learns at test time. We train both with the same seed, steps and data, then report the loss and
+The twin has the same architecture and parameters, with `memory_write=False`: a frozen memory, read but
+never written (its weights and momentum never change: no test-time learning, no forgetting), which also
+spares it the write's compute. We train both with the same seed, steps and data, then report the loss and
 next-token accuracy on the repeated segment (chance accuracy = 1/vocab).
 
     python benchmarks/mac_memory_twin.py [--steps 600] [--segment-len 16] [--vocab 32]
@@ -59,6 +60,7 @@ def train_and_eval(write: bool, args: argparse.Namespace) -> dict:
         memory_theta_init=args.memory_theta_init,
         mac_gate=args.mac_gate,
         mac_norm_memory_tokens=args.mac_norm_memory_tokens == "true",
+        mac_norm_memory_input=args.mac_norm_memory_input == "true",
     )
     model = TitansLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -97,6 +99,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mac-gate", default=TitansConfig.mac_gate, help="open or norm (TitansConfig.mac_gate)")
     p.add_argument("--mac-norm-memory-tokens", choices=("true", "false"), default="true")
+    p.add_argument(
+        "--mac-norm-memory-input",
+        choices=("true", "false"),
+        default=str(TitansConfig.mac_norm_memory_input).lower(),
+        help="TitansConfig.mac_norm_memory_input",
+    )
     p.add_argument("--out", default="benchmarks/results/mac_memory_twin.json")
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -105,7 +113,8 @@ def main() -> None:
     print(
         f"MAC memory-induction task: segment {args.segment_len}, vocab {args.vocab}, {args.steps} steps, "
         f"batch {args.batch}; chance accuracy {1 / args.vocab:.3f}, uniform loss {chance_loss:.2f}; "
-        f"mac_gate={args.mac_gate}, mac_norm_memory_tokens={args.mac_norm_memory_tokens}"
+        f"mac_gate={args.mac_gate}, mac_norm_memory_tokens={args.mac_norm_memory_tokens}, "
+        f"mac_norm_memory_input={args.mac_norm_memory_input}"
     )
     print(f"{'model':24s} {'loss':>7s} {'accuracy':>9s} {'train s':>8s}")
     for r in rows:

@@ -9,10 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from micro_train import micro_config
+from tiny_lm import tiny_model
 from titans.training.config import TrainConfig
+from titans.training.distributed import DistInfo, wrap_model
 from titans.training.model_io import load_model
 from titans.training.trainer import Trainer
 
@@ -88,3 +91,19 @@ def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="GPU 3"):
         resolve_device("cuda:3")
     assert resolve_device("cpu", local_rank=5) == torch.device("cpu")
+
+
+def test_ddp_trains_a_frozen_memory(tmp_path):
+    """memory_write=False leaves the memory's gate projection unused: DDP (one gloo rank, in process) must
+    not wait for its gradient (it raised on the second step without find_unused_parameters)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = wrap_model(tiny_model("mag", dtype=torch.float32, train=True, memory_write=False), DistInfo())
+        tokens = torch.randint(0, 61, (2, 13))
+        for _ in range(2):
+            logits, _ = model(tokens)
+            logits.logsumexp(-1).mean().backward()
+        gates = [p for m in model.modules() if hasattr(m, "to_gates") for p in m.to_gates.parameters()]
+        assert gates and all(p.grad is None for p in gates)
+    finally:
+        dist.destroy_process_group()

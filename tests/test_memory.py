@@ -376,7 +376,8 @@ def test_state_continues_exactly(splits):
     assert state.position == s_full.position == 37
     for a, b in zip(state.weights + state.momentum, s_full.weights + s_full.momentum):
         assert_close_rel(a, b, 1e-12)
-    assert torch.equal(state.pending_k, s_full.pending_k)
+    # not bit-equal: MKL's float64 matmul rounds a row differently with the number of rows in the call
+    assert_close_rel(state.pending_k, s_full.pending_k, 1e-12)
     assert torch.allclose(state.conv_tail, s_full.conv_tail)
 
 
