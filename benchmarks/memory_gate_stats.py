@@ -34,12 +34,15 @@ def main() -> None:
         f"{cfg.variant}: {len(stats)} memory calls on {inputs.shape[0]} x {inputs.shape[1]} held-out tokens; "
         f"initial gates theta {mc.memory_theta_init}, eta {mc.memory_eta_init}, alpha {mc.memory_alpha_init}"
     )
-    print(f"{'call':>4s}  {'theta':>7s}  {'eta':>6s}  {'alpha':>7s}  surprise q10 / q50 / q90")
+    clip = mc.memory_surprise_clip
+    print(f"surprise: the inner gradient's norm before the clip at {clip} (clipped: the share above it)")
+    print(f"{'call':>4s}  {'theta':>7s}  {'eta':>6s}  {'alpha':>7s}  surprise q10 / q50 / q90  clipped")
     for i, s in enumerate(stats):
         q = [float(s.surprise.float().quantile(v)) for v in (0.1, 0.5, 0.9)]
+        clipped = float((s.surprise > clip).float().mean()) if clip is not None else 0.0
         print(
             f"{i:4d}  {float(s.theta.median()):7.4f}  {float(s.eta.median()):6.3f}  "
-            f"{float(s.alpha.median()):7.4f}  {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f}"
+            f"{float(s.alpha.median()):7.4f}  {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f}  {clipped:15.0%}"
         )
     for name, w in model.named_parameters():
         if "init_weights" in name:

@@ -94,10 +94,7 @@ def main() -> None:
     print(f"{'row':<24}{'params':>9}{'bpb':>8}  what")
     for r in results:
         print(f"{r['row']:<24}{r['parameters']:>9,}{r['held_out_bpb']:>8.4f}  {r['what']}")
-    save_json(
-        Path(__file__).parent / "results" / f"{args.name}.json",
-        {"args": vars(args), "machine": machine_info(), "rows": results},
-    )
+    save_json(args.name, {"args": vars(args), "machine": machine_info(), "rows": results})
 
 
 if __name__ == "__main__":
