@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from titans import MemoryState, NeuralMemory
 from titans.ops import cpu_kernels
-from titans.ops.conv import causal_conv_silu, causal_conv_silu_ref
+from titans.ops.conv import causal_conv_silu
+from titans.ops.conv_ref import causal_conv_silu_ref
 from titans.ops.memory import memory_forward, neural_memory_chunked, segsum, suffix_sum
 from titans.ops.memory_ref import neural_memory_ref
 

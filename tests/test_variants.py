@@ -226,3 +226,17 @@ def test_stats_come_typed_and_the_flag_is_deprecated():
         o, _, st = mem(y, return_stats=True)
     assert torch.equal(got.output, o) and torch.equal(got.stats.theta, st.theta)
     assert got.stats.surprise.shape == (2, 2, 9)
+
+
+def test_references_moved_beside_their_kernels_still_import_from_the_old_place():
+    from titans.ops import attention, attention_ref, conv, conv_ref
+
+    for module, ref, name in (
+        (attention, attention_ref, "causal_attention_ref"),
+        (attention, attention_ref, "segment_attention_ref"),
+        (conv, conv_ref, "causal_conv_silu_ref"),
+    ):
+        with pytest.warns(DeprecationWarning, match=f"{ref.__name__}"):
+            assert getattr(module, name) is getattr(ref, name)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        attention.no_such_name  # noqa: B018

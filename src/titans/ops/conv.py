@@ -10,10 +10,12 @@ that keeps only the input and recomputes the pre-activation, so training holds o
 layer instead of three. It can write its output straight into the memory's (3, B, H, T, d) q/k/v layout.
 On CPU a fused C++ kernel (`csrc/causal_conv.cpp`, one pass per direction; `titans.ops.cpu_kernels`
 builds it on first use) does the same work where it can be built; the torch-op path is its fallback.
-`causal_conv_silu_ref` is the plain ``F.conv1d`` formulation both are tested against.
+`titans.ops.conv_ref.causal_conv_silu_ref` is the plain ``F.conv1d`` formulation both are tested against.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -211,12 +213,19 @@ def causal_conv_silu(
     return _CausalConvSiLU.apply(x, tail, weight, bias, split)
 
 
-def causal_conv_silu_ref(padded: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """The reference on the K - 1 context rows and the rows together, padded (B, T + K - 1, C): ``F.conv1d``
-    with groups = C on the transposed input, then SiLU."""
-    b = None if bias is None else bias.to(padded.dtype)
-    out = F.conv1d(padded.transpose(1, 2), weight.to(padded.dtype), b, groups=weight.shape[0])
-    return F.silu(out.transpose(1, 2))
+__all__ = ["causal_conv_silu", "causal_depthwise_conv"]
 
 
-__all__ = ["causal_conv_silu", "causal_conv_silu_ref", "causal_depthwise_conv"]
+def __getattr__(name: str):
+    """`causal_conv_silu_ref` still resolves here, with a DeprecationWarning naming its module."""
+    if name == "causal_conv_silu_ref":
+        warnings.warn(
+            "titans.ops.conv.causal_conv_silu_ref is deprecated: import it from titans.ops.conv_ref",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        # the reference module, loaded only for the deprecated name (the fast path does not use it)
+        from titans.ops import conv_ref
+
+        return conv_ref.causal_conv_silu_ref
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

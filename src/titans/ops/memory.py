@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from titans.ops.cpu_kernels import kernels
+from titans.validation import check_int
 
 ACTIVATIONS = ("silu", "gelu", "relu")
 
@@ -580,8 +581,7 @@ def neural_memory_chunked(
             not written: the caller keeps its tokens pending until the chunk completes).
         surprise: (B, H, T) the norm of each token's inner gradient u_t.
     """
-    if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
-        raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
+    check_int("checkpoint_every", checkpoint_every, none_ok=True)
     if torch.is_autocast_enabled(q.device.type):
         # The memory runs in its state's dtype, not autocast's: the state's in-place updates need one dtype,
         # and a bf16 state would lose each write's small increments. q, k, v (often bf16 there) are cast.
