@@ -1,4 +1,4 @@
-"""`NeuralMemory`: the Titans long-term memory as a sequence layer (SPEC §1-2).
+"""`NeuralMemory`: the Titans long-term memory as a sequence layer (docs/design.md, "The memory").
 
     y, state = mem(x, state)          x, y: (batch, seq, dim)
 

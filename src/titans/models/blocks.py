@@ -240,7 +240,7 @@ class MACBlock(Block):
     over [persistent || h || segment] (h_j visible only to tokens >= j); write the attention output y into the
     memory chunk by chunk; output o = gate(y, M(y)), each token reading the memory before its chunk's write.
     With `mac_norm_memory_tokens`, h is RMS-normalised first, as the block input x is (the memory's output
-    projection is initialised small, for its residual uses: unnormalised, h sat at ~1/20 of x's scale).
+    projection is initialised small, for its residual uses: unnormalised, h is far below x's scale).
     With `mac_norm_memory_input`, the memory writes and reads norm(y) (RMSNorm, learned weight) instead of y:
     y comes out of the attention's small output projection, and unnormalised it is so small that the
     memory's keys and values are its conv bias alone, the same for every token.

@@ -65,7 +65,7 @@ class TitansConfig:
     memory_conv_kernel: int = 4
     memory_momentum: bool = True
     memory_forgetting: bool = True
-    # inner learning rate: bound and initial value. Larger values (the old 1.0 / 0.1) make the outer
+    # inner learning rate: bound and initial value. Larger values (e.g. 1.0 / 0.1) make the outer
     # gradient through the memory grow exponentially with the number of chunks (docs/evaluations.md)
     memory_max_lr: float = 0.03
     memory_theta_init: float = 0.01

@@ -1,4 +1,4 @@
-"""Chunked parallel neural-memory update (SPEC §2): the fast path.
+"""Chunked parallel neural-memory update (docs/design.md, "The chunked form"): the fast path.
 
 Inside a chunk of `b` tokens every surprise is taken at the chunk-start weights `W_0`, so with
 per-token gates the end-of-chunk state is a *weighted sum* of per-token gradients:
@@ -316,10 +316,8 @@ class _GradBuffers:
     """Two state-gradient buffers per layer that the chunk steps of one `_run_chunks` call take turns with
     in the backward pass (chunk c writes slot c % 2).
 
-    A fresh weight-sized gradient per chunk can land on newly faulted pages; reusing two buffers saved
-    1-2% of the layer's fwd+bwd on CPU when introduced, 0.2% in the latest run of
-    `benchmarks/memory_profile.py`, which compares both. Reuse is
-    safe because the backward pass runs the chunks in reverse order and each chunk's state gradient goes
+    A fresh weight-sized gradient per chunk can land on newly faulted pages (`benchmarks/memory_profile.py`
+    compares both; docs/benchmarks.md has the numbers). Reuse is safe because the backward pass runs the chunks in reverse order and each chunk's state gradient goes
     only to the chunk before it: when chunk c - 2 overwrites slot c % 2, chunk c - 1 has already consumed
     what chunk c wrote there.
     """
