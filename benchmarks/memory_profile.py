@@ -1,5 +1,6 @@
-"""Where the NeuralMemory layer's time goes, at the benchmark shapes of README.md (batch 2, seq 2048, dim 256, 4 heads of
-256 -> 1024 -> 256, chunk 64), forward + backward. One process, medians of --reps runs, printed as tables:
+"""Where the NeuralMemory layer's time goes, at the README's benchmark shapes (batch 2, seq 2048, dim 256,
+4 heads of 256 -> 1024 -> 256, chunk 64), forward + backward. One process, medians of --reps runs, printed
+as tables:
 
 1. the layer, and the share of its time in matmuls (torch.profiler, by op name);
 2. the causal conv + SiLU on the (2, 2048, 3072) q/k/v projections: the fused C++ kernel (the default on

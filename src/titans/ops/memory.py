@@ -317,9 +317,9 @@ class _GradBuffers:
     in the backward pass (chunk c writes slot c % 2).
 
     A fresh weight-sized gradient per chunk can land on newly faulted pages (`benchmarks/memory_profile.py`
-    compares both; docs/benchmarks.md has the numbers). Reuse is safe because the backward pass runs the chunks in reverse order and each chunk's state gradient goes
-    only to the chunk before it: when chunk c - 2 overwrites slot c % 2, chunk c - 1 has already consumed
-    what chunk c wrote there.
+    compares both; docs/benchmarks.md has the numbers). Reuse is safe because the backward pass runs the
+    chunks in reverse order and each chunk's state gradient goes only to the chunk before it: when chunk
+    c - 2 overwrites slot c % 2, chunk c - 1 has already consumed what chunk c wrote there.
     """
 
     def __init__(self) -> None:
