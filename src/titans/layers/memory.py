@@ -11,7 +11,6 @@ returned `MemoryState` lets a later call continue the same sequences exactly whe
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from titans.deprecation import warn_deprecated
 from titans.layers.norm import RMSNorm
 from titans.layers.residual import residual_output
 from titans.layers.state_tree import StateTree, register_state_type
@@ -68,6 +68,13 @@ class MemoryOutput:
     output: Tensor
     state: MemoryState
     stats: MemoryStats
+
+
+def _stats(surprise: Tensor, gates: Tensor) -> MemoryStats:
+    """MemoryStats from the surprise (B, H, T) and the gates (B, H, T, 3) of `NeuralMemory.gates`."""
+    return MemoryStats(
+        surprise, theta=gates[..., 0], eta=gates[..., 1].exp(), alpha=-torch.expm1(gates[..., 2])
+    )
 
 
 def _logit(p: float) -> float:
@@ -332,11 +339,11 @@ class NeuralMemory(nn.Module):
         """
         out = self.forward_with_stats(x, state)
         if return_stats:
-            warnings.warn(
+            # stacklevel: the caller of model(...), past nn.Module.__call__
+            warn_deprecated(
                 "NeuralMemory(x, state, return_stats=True) is deprecated: use "
                 "NeuralMemory.forward_with_stats(x, state), which returns a MemoryOutput",
-                DeprecationWarning,
-                stacklevel=4,  # the caller of model(...), past nn.Module.__call__
+                stacklevel=4,
             )
             return out.output, out.state, out.stats
         return out.output, out.state
@@ -380,23 +387,8 @@ class NeuralMemory(nn.Module):
             q_all = F.pad(q, (0, 0, r, 0))
         else:  # nothing pending (a fresh sequence, or a call that starts on a chunk boundary)
             k_all, v_all, g_all, q_all = k, v, gates, q
-        if self.impl == "chunked":
-            fn = partial(neural_memory_chunked, checkpoint_every=self.checkpoint_every)
-        else:
-            fn = neural_memory_ref
-        y, weights, momentum, surprise = fn(
-            q_all,
-            k_all,
-            v_all,
-            g_all[..., 0],
-            g_all[..., 1],
-            g_all[..., 2],
-            state.weights,
-            state.momentum,
-            chunk_size=self.chunk_size,
-            activation=self.activation,
-            residual=self.residual,
-            surprise_clip=self.surprise_clip,
+        y, weights, momentum, surprise = self._run_op(
+            q_all, k_all, v_all, g_all, state, self.chunk_size, self.checkpoint_every
         )
         keep = (r + t) % self.chunk_size
         new_state = MemoryState(
@@ -408,20 +400,26 @@ class NeuralMemory(nn.Module):
             conv_tail=state.conv_tail,
             position=state.position + t,
         )
-        g = g_all[:, :, r:]
-        stats = MemoryStats(
-            surprise=surprise[:, :, r:], theta=g[..., 0], eta=g[..., 1].exp(), alpha=-torch.expm1(g[..., 2])
-        )
+        stats = _stats(surprise[:, :, r:], g_all[:, :, r:])
         return y[:, :, r:], new_state, stats
 
-    def _scan_frozen(
-        self, q: Tensor, k: Tensor, v: Tensor, gates: Tensor, state: MemoryState
-    ) -> tuple[Tensor, MemoryState, MemoryStats]:
-        """`scan` of a read-only memory (write=False): every token reads the state's weights, and weights,
-        momentum and pending tokens come back unchanged (the same tensors), whatever the input."""
-        fn = neural_memory_chunked if self.impl == "chunked" else neural_memory_ref
-        # one chunk longer than the call: all of it is read (with its surprise reported), none written
-        y, _, _, surprise = fn(
+    def _run_op(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        gates: Tensor,
+        state: MemoryState,
+        chunk_size: int,
+        checkpoint_every: int | None,
+    ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
+        """The memory op (`impl`) over q, k, v (B, H, n, d) and gates (B, H, n, 3) from the state's weights
+        and momentum: y, weights, momentum, surprise."""
+        if self.impl == "chunked":
+            fn = partial(neural_memory_chunked, checkpoint_every=checkpoint_every)
+        else:
+            fn = neural_memory_ref
+        return fn(
             q,
             k,
             v,
@@ -430,18 +428,21 @@ class NeuralMemory(nn.Module):
             gates[..., 2],
             state.weights,
             state.momentum,
-            chunk_size=q.shape[2] + 1,
+            chunk_size=chunk_size,
             activation=self.activation,
             residual=self.residual,
             surprise_clip=self.surprise_clip,
         )
+
+    def _scan_frozen(
+        self, q: Tensor, k: Tensor, v: Tensor, gates: Tensor, state: MemoryState
+    ) -> tuple[Tensor, MemoryState, MemoryStats]:
+        """`scan` of a read-only memory (write=False): every token reads the state's weights, and weights,
+        momentum and pending tokens come back unchanged (the same tensors), whatever the input."""
+        # one chunk longer than the call: all of it is read (with its surprise reported), none written
+        y, _, _, surprise = self._run_op(q, k, v, gates, state, q.shape[2] + 1, None)
         new_state = replace(state, position=state.position + q.shape[2])
-        stats = MemoryStats(
-            surprise=surprise,
-            theta=gates[..., 0],
-            eta=gates[..., 1].exp(),
-            alpha=-torch.expm1(gates[..., 2]),
-        )
+        stats = _stats(surprise, gates)
         return y, new_state, stats
 
     def extra_repr(self) -> str:

@@ -16,6 +16,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor, nn
 
+from titans.deprecation import warn_deprecated
 from titans.layers.memory import MemoryStats, NeuralMemory
 from titans.layers.norm import RMSNorm
 from titans.layers.residual import is_residual_output
@@ -165,11 +166,11 @@ class TitansLM(nn.Module):
         use `forward_with_stats` (`return_stats=True`, which returns (logits, state, stats), is
         deprecated)."""
         if return_stats:
-            warnings.warn(
+            # stacklevel: the caller of model(...), past nn.Module.__call__
+            warn_deprecated(
                 "TitansLM(tokens, state, return_stats=True) is deprecated: use "
                 "TitansLM.forward_with_stats(tokens, state), which returns an LMOutput",
-                DeprecationWarning,
-                stacklevel=4,  # the caller of model(...), past nn.Module.__call__
+                stacklevel=4,
             )
             out = self._forward(tokens, state, [], last_only)
             return out.logits, out.state, out.stats

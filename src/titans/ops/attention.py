@@ -18,12 +18,11 @@ textbook softmax; they exist to be obviously right, and the tests compare these 
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from titans.deprecation import moved_names
 from titans.validation import check_int
 
 __all__ = ["causal_attention", "segment_attention"]
@@ -360,22 +359,6 @@ def segment_attention(
     return out.reshape(b, h, n_seg * c, d)[:, :, lead : lead + tq]
 
 
-_MOVED = {
-    "causal_attention_ref": "titans.ops.attention_ref",
-    "segment_attention_ref": "titans.ops.attention_ref",
-}
-
-
-def __getattr__(name: str):
-    """The references' names here still resolve, with a DeprecationWarning naming their module."""
-    if name in _MOVED:
-        warnings.warn(
-            f"titans.ops.attention.{name} is deprecated: import it from {_MOVED[name]}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        # the reference module, loaded only for the deprecated name (the fast path does not use it)
-        from titans.ops import attention_ref
-
-        return getattr(attention_ref, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_names(
+    __name__, dict.fromkeys(("causal_attention_ref", "segment_attention_ref"), "titans.ops.attention_ref")
+)

@@ -15,12 +15,11 @@ builds it on first use) does the same work where it can be built; the torch-op p
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from titans.deprecation import moved_names
 from titans.ops.cpu_kernels import kernels
 
 # On CPU, time rows per block of the fused passes: a block of (B, rows, C) holds about this many elements
@@ -216,16 +215,4 @@ def causal_conv_silu(
 __all__ = ["causal_conv_silu", "causal_depthwise_conv"]
 
 
-def __getattr__(name: str):
-    """`causal_conv_silu_ref` still resolves here, with a DeprecationWarning naming its module."""
-    if name == "causal_conv_silu_ref":
-        warnings.warn(
-            "titans.ops.conv.causal_conv_silu_ref is deprecated: import it from titans.ops.conv_ref",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        # the reference module, loaded only for the deprecated name (the fast path does not use it)
-        from titans.ops import conv_ref
-
-        return conv_ref.causal_conv_silu_ref
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_names(__name__, {"causal_conv_silu_ref": "titans.ops.conv_ref"})
