@@ -240,3 +240,18 @@ def test_references_moved_beside_their_kernels_still_import_from_the_old_place()
             assert getattr(module, name) is getattr(ref, name)
     with pytest.raises(AttributeError, match="no_such_name"):
         attention.no_such_name  # noqa: B018
+
+
+def test_state_and_streaming_names_import_from_every_documented_place():
+    import titans
+    from titans.inference import generation, prefill, state_io
+    from titans.layers import state_tree
+    from titans.models import lm, state, streaming
+
+    assert titans.TitansState is lm.TitansState is state.TitansState
+    assert state_io.register_state_type is state_tree.register_state_type
+    assert state_io.STATE_TYPES is state_tree.STATE_TYPES
+    for name in ("save_state", "load_state", "map_state", "expand_state", "select_rows", "StateFileError"):
+        assert getattr(state_io, name) is getattr(state, name)
+    assert prefill.prefill is streaming.prefill and generation.generate is streaming.generate
+    assert generation.sample_next is streaming.sample_next
