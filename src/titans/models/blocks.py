@@ -272,7 +272,7 @@ class MACBlock(Block):
         b, n, _ = x.shape
         mem = self.memory
         q = F.silu(self.retrieve_q(x)).view(b, n, mem.heads, mem.head_dim).transpose(1, 2)
-        q = l2_normalize(q)
+        q = l2_normalize(q, fused_backward=False)
         h = mem.combine_heads(mem.read(q, weights), x)
         return F.rms_norm(h, (h.shape[-1],), eps=self.eps) if self.norm_tokens else h
 
