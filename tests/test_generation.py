@@ -172,6 +172,7 @@ def test_cli_read_then_generate_from_the_same_state(checkpoint, tmp_path, capsys
     doc.write_text(text)
     state_path = tmp_path / "doc.safetensors"
     args = ["read", "--checkpoint", str(run), "--input", str(doc), "--save-state", str(state_path)]
+    args += ["--device", "cpu"]  # where the reference model is (auto would take a GPU where there is one)
     assert main([*args, "--no-progress", "--block-chars", "100"]) == 0
     report = capsys.readouterr().out
     assert "tokens/s" in report and "peak RSS" in report
@@ -187,6 +188,8 @@ def test_cli_read_then_generate_from_the_same_state(checkpoint, tmp_path, capsys
         "generate",
         "--checkpoint",
         str(run),
+        "--device",
+        "cpu",
         "--state",
         str(state_path),
         "--prompt",

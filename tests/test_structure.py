@@ -4,7 +4,7 @@ function-local import of `titans` says why it is local.
 Every module under src/titans is read with `ast` (nothing is imported), top-level and function-local imports
 alike. Package order, lower first (a module may import its own level and lower ones, never a higher one):
 
-    ops, data, validation, deprecation < layers < models < training, inference, hf < evaluation
+    ops, data, validation, deprecation, _fs < layers < models < training, inference, hf < evaluation
     < cli, demo, __main__, titans
 
 `titans.hf` wraps models for `transformers` (beside training and inference); the root package
@@ -30,6 +30,7 @@ LEVELS = {
     "data": 0,
     "validation": 0,
     "deprecation": 0,
+    "_fs": 0,  # file modes, used by data, models, training and inference
     "layers": 1,
     "models": 2,
     "training": 3,

@@ -2,7 +2,9 @@
 
 Each command lives in the module of the part of the library it drives and registers itself through
 `register(commands, evals)`; `commands` and `evals` are argparse sub-parser collections for top-level
-commands and for `titans eval <task>`. A registered parser sets `func=callable(args) -> int | None`.
+commands and for `titans eval <task>`. A registered parser sets `func=callable(args) -> int | None`, and
+may set `check=callable(args)`: option errors that need several options at once, raised as ValueError
+before `func` loads or computes anything. Every option has a help line; `--help` shows the defaults.
 """
 
 from __future__ import annotations
@@ -21,8 +23,38 @@ COMMAND_MODULES = (
 )
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help with each option's default appended, unless it is None or False (nothing to say)
+    or the help already mentions one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" not in text
+            and default is not None
+            and default is not False  # a switch (store_true): its help says what it turns on
+            and default != argparse.SUPPRESS
+            and (action.option_strings or action.nargs in ("?", "*"))
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _subparsers(parser: argparse.ArgumentParser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield sub
+                yield from _subparsers(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="titans", description="Titans: neural long-term memory models.")
+    parser = argparse.ArgumentParser(
+        prog="titans",
+        description="Titans: neural long-term memory models. `titans COMMAND --help` describes a command.",
+        formatter_class=HelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
     eval_parser = commands.add_parser("eval", help="evaluate a checkpoint (ppl, niah, babilong, ...)")
@@ -36,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(commands, evals)
+    for sub in _subparsers(parser):
+        sub.formatter_class = HelpFormatter
     return parser
 
 
@@ -60,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_flush_denormal(True)
     args = build_parser().parse_args(argv)
     try:
+        check = getattr(args, "check", None)
+        if check is not None:
+            check(args)
         return int(args.func(args) or 0)
     except _user_errors() as e:
         name = f"eval {args.task}" if args.command == "eval" else args.command

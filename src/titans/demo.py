@@ -72,9 +72,9 @@ def register(commands, evals) -> None:
     p = commands.add_parser(
         "demo", help="watch the neural memory memorize at test time (seconds, no training)"
     )
-    p.add_argument("--pairs", type=int, default=32)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--depth", type=int, default=1)
-    p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pairs", type=int, default=32, help="random key -> value associations to memorize")
+    p.add_argument("--dim", type=int, default=64, help="width of keys, values and the memory")
+    p.add_argument("--depth", type=int, default=1, help="layers of the memory MLP (1: a linear memory)")
+    p.add_argument("--epochs", type=int, default=6, help="passes over the stream of associations")
+    p.add_argument("--seed", type=int, default=0, help="seed of the associations and the initial memory")
     p.set_defaults(func=main)

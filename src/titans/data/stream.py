@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from titans._fs import ordinary_mode
 from titans.data.sources import TextSource, load_source
 from titans.data.split import DEFAULT_SALT, split_documents, split_tail
 from titans.data.tokenizers import ByteTokenizer, Tokenizer
@@ -203,6 +204,7 @@ def _read_cache(entry: Path, tokenizer_name: str, spec: str) -> TokenStreams | N
 def _write_cache(entry: Path, built: dict, meta: dict, replace_damaged: bool) -> None:
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=entry.parent))
+    ordinary_mode(tmp)  # mkdtemp's folder is private; the cache entry is an ordinary folder
     try:
         meta = dict(meta, splits={})
         for name, (tokens, n_bytes, ids) in built.items():

@@ -9,10 +9,12 @@ tokenizer, gate inits), ``add_recipe_args`` (the fine-tuning recipe, ``TaskTrain
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 import torch
+
+from titans.training.config import parse_set
+from titans.training.distributed import resolve_device
 
 
 def int_list(text: str) -> list[int]:
@@ -42,35 +44,30 @@ def str_list(text: str) -> list[str]:
     return values
 
 
-def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
-    """``["dim=64", "memory_residual=true"]`` -> {"dim": 64, "memory_residual": True} (values as JSON,
-    else kept as strings)."""
-    out: dict[str, Any] = {}
-    for pair in pairs or []:
-        if "=" not in pair:
-            raise ValueError(f"--set expects KEY=VALUE, got {pair!r}")
-        key, value = pair.split("=", 1)
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value
-    return out
-
-
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="folder for the JSON and PNG (default results/evals/<task>)")
     p.add_argument("--name", default=None, help="file name stem of the results (default from the settings)")
     p.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (1 is best on a busy machine)"
     )
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the fresh model, the training and the samples"
+    )
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """A fresh model for the recipe: a preset, a variant and TitansConfig overrides."""
     p.add_argument("--preset", default="tiny", help="model size preset (tiny, small, base, ...)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a TitansConfig field")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="FIELD=VALUE",
+        help="override a TitansConfig field of a fresh model (repeatable; the model.<field> entries of "
+        "`titans train --list-fields`, without the model. prefix)",
+    )
     p.add_argument("--tokenizer", default="bytes", help="tokenizer of a fresh model (bytes, gpt2, a file)")
     p.add_argument(
         "--memory-alpha-init",
@@ -89,7 +86,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The TitansConfig overrides of a fresh model: ``--set``, then the gate-init shortcuts (config fields,
     so they land in the saved config and a checkpoint carries them)."""
-    out = parse_overrides(args.set)
+    out = parse_set(args.set or [], model_only=True)
     for key in ("memory_eta_init", "memory_alpha_init"):
         value = getattr(args, key, None)
         if value is not None:
@@ -116,9 +113,9 @@ def add_recipe_args(
         help="adaptive curriculum: grow lengths by 25%% whenever the running answer loss is below this",
     )
     g.add_argument(steps_flag, dest="steps", type=int, default=default_steps, help="fine-tuning steps")
-    g.add_argument("--batch-size", type=int, default=8)
-    g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--warmup-steps", type=int, default=20)
+    g.add_argument("--batch-size", type=int, default=8, help="fine-tuning batch")
+    g.add_argument("--lr", type=float, default=3e-3, help="fine-tuning peak learning rate")
+    g.add_argument("--warmup-steps", type=int, default=20, help="fine-tuning warm-up steps")
     g.add_argument("--lm-loss-weight", type=float, default=0.0, help="add the LM loss of all tokens x this")
     g.add_argument("--time-budget", type=float, default=None, metavar="MINUTES", help="stop training early")
 
@@ -136,10 +133,12 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def set_threads(args: argparse.Namespace) -> None:
+    """The runtime options of every evaluation command: ``--threads``, and ``--device auto`` resolved."""
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    args.device = str(resolve_device(args.device))
 
 
 def add_source_args(p: argparse.ArgumentParser, default_length: int) -> None:

@@ -88,7 +88,7 @@ def run_niah(args: argparse.Namespace) -> int:
 def add_niah_parser(evals) -> None:
     p = evals.add_parser("niah", help="single needle in a haystack (RULER S-NIAH, paper Table 2)")
     add_source_args(p, default_length=1024)
-    p.add_argument("--kind", default="passkey", choices=tuple(NEEDLE_KINDS))
+    p.add_argument("--kind", default="passkey", choices=tuple(NEEDLE_KINDS), help="what the needle is")
     p.add_argument("--lengths", type=int_list, default=[1024, 4096, 16384], help="context lengths")
     p.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths")
     p.add_argument(
@@ -143,7 +143,9 @@ def add_babilong_parser(evals) -> None:
     add_source_args(p, default_length=1024)
     p.add_argument("--tasks", type=str_list, default=["qa1", "qa2"], help=f"subset of {','.join(TASKS)}")
     p.add_argument("--lengths", type=int_list, default=[1024, 4096, 16384], help="context lengths")
-    p.add_argument("--haystack", default="moby_dick", choices=HAYSTACK_NAMES)
+    p.add_argument(
+        "--haystack", default="moby_dick", choices=HAYSTACK_NAMES, help="the prose the facts hide in"
+    )
     p.add_argument("--num-facts", type=int, default=None, help="facts per story (default: per task)")
     add_eval_args(p)
     add_runtime_args(p)
@@ -228,16 +230,29 @@ def run_tasks(args: argparse.Namespace) -> int:
 
 def add_tasks_parser(evals) -> None:
     p = evals.add_parser("tasks", help="fine-tune each variant on a task at short length, evaluate longer")
-    p.add_argument("--task", dest="eval_task", choices=("niah", "babilong"), default="niah")
+    p.add_argument(
+        "--task",
+        dest="eval_task",
+        choices=("niah", "babilong"),
+        default="niah",
+        help="the task to train and evaluate",
+    )
     p.add_argument(
         "--variants", type=str_list, default=["mac", "lmm", "swa"], help=f"subset of {','.join(VARIANTS)}"
     )
-    p.add_argument("--eval-lengths", type=int_list, default=[1024, 4096, 16384])
+    p.add_argument(
+        "--eval-lengths", type=int_list, default=[1024, 4096, 16384], help="evaluation context lengths"
+    )
     p.add_argument("--kind", default="passkey", choices=tuple(NEEDLE_KINDS), help="niah needle kind")
     p.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="niah depths")
     p.add_argument("--tasks", type=str_list, default=["qa1", "qa2"], help="babilong tasks")
     p.add_argument("--num-facts", type=int, default=None, help="babilong facts per story")
-    p.add_argument("--haystack", default=None, choices=HAYSTACK_NAMES)
+    p.add_argument(
+        "--haystack",
+        default=None,
+        choices=HAYSTACK_NAMES,
+        help="default: noise (passkey), essays (other niah), moby_dick",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--save-models", default=None, help="save each trained model as FOLDER/<variant>")
     src.add_argument(

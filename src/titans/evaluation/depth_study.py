@@ -171,14 +171,18 @@ def run_depth_study(args: argparse.Namespace) -> int:
 
 def add_parser(evals) -> None:
     p = evals.add_parser("depth", help="memory depth 1-4: loss vs length and throughput (Figures 7-8)")
-    p.add_argument("--variant", default="lmm")
+    p.add_argument("--variant", default="lmm", help="variant whose memory depth is varied")
     p.add_argument("--depths", type=int_list, default=[1, 2, 3, 4], help="memory depths L_M")
     add_lm_args(p, heldout_windows=16)
-    p.add_argument("--eval-lengths", type=int_list, default=[256, 512, 1024, 2048])
-    p.add_argument("--eval-batch-size", type=int, default=4)
-    p.add_argument("--throughput-lengths", type=int_list, default=[256, 1024, 4096])
-    p.add_argument("--throughput-batch", type=int, default=2)
-    p.add_argument("--throughput-repeats", type=int, default=3)
+    p.add_argument(
+        "--eval-lengths", type=int_list, default=[256, 512, 1024, 2048], help="held-out loss at these lengths"
+    )
+    p.add_argument("--eval-batch-size", type=int, default=4, help="held-out windows per forward pass")
+    p.add_argument(
+        "--throughput-lengths", type=int_list, default=[256, 1024, 4096], help="tokens/s at these lengths"
+    )
+    p.add_argument("--throughput-batch", type=int, default=2, help="sequences per throughput measurement")
+    p.add_argument("--throughput-repeats", type=int, default=3, help="timed repeats (the best is kept)")
     add_model_args(p)
     add_runtime_args(p)
     p.set_defaults(func=run_depth_study)

@@ -22,12 +22,12 @@ def add_lm_args(p: argparse.ArgumentParser, heldout_windows: int) -> None:
     """The language-model training options of a study."""
     g = p.add_argument_group("language-model training (the Trainer)")
     g.add_argument("--data", default="builtin:prose", help="text source for the LM training")
-    g.add_argument("--heldout-fraction", type=float, default=0.05)
+    g.add_argument("--heldout-fraction", type=float, default=0.05, help="share of the documents held out")
     g.add_argument("--seq-len", type=int, default=256, help="training length")
-    g.add_argument("--lm-batch-size", type=int, default=8)
+    g.add_argument("--lm-batch-size", type=int, default=8, help="LM training batch")
     g.add_argument("--lm-steps", type=int, default=200, help="LM steps per row (0: skip the LM stage)")
-    g.add_argument("--lm-lr", type=float, default=3e-3)
-    g.add_argument("--lm-warmup-steps", type=int, default=20)
+    g.add_argument("--lm-lr", type=float, default=3e-3, help="LM peak learning rate")
+    g.add_argument("--lm-warmup-steps", type=int, default=20, help="LM warm-up steps")
     g.add_argument("--heldout-windows", type=int, default=heldout_windows, help="held-out windows")
     g.add_argument("--run-root", default=None, help="keep each row's run folder here (default: temporary)")
 

@@ -2,11 +2,12 @@
 
 - `prefill(model, tokens, state=None, piece_len=None)`: read a prompt of any length (or a stream of pieces)
   with memory bounded by the state.
-- `generate(model, prompt, max_new_tokens, ...)`: sampling / greedy decoding through the streaming state.
+- `generate(model, prompt, max_new_tokens, ...)`: sampling / greedy decoding through the streaming state;
+  `on_token` and `IncrementalDecoder` stream the text as it is generated.
 - `save_state(state, path)` / `load_state(path)` / `map_state(state, fn)`: the state as a value to keep.
 """
 
-from titans.inference.generation import decode_step, generate, sample_next
+from titans.inference.generation import IncrementalDecoder, decode_step, generate, sample_next
 from titans.inference.prefill import default_piece_len, iter_pieces, prefill
 from titans.inference.state_io import (
     StateFileError,
@@ -21,6 +22,7 @@ from titans.inference.state_io import (
 )
 
 __all__ = [
+    "IncrementalDecoder",
     "StateFileError",
     "decode_step",
     "default_piece_len",

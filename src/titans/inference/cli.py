@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from titans.inference.generation import generate
+from titans.inference.generation import IncrementalDecoder, generate
 from titans.inference.prefill import prefill
 from titans.inference.state_io import load_state, save_state, state_nbytes
+from titans.training.config import TrainConfig
 from titans.training.distributed import resolve_device
 from titans.training.model_io import load_model as _load
 
@@ -95,43 +96,80 @@ def run_read(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_or_none(text: str) -> int | None:
+    if text.strip().lower() in ("none", "null"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or none, got {text!r}") from None
+
+
+def check_generate_args(args: argparse.Namespace) -> None:
+    """Option errors of `titans generate`, found before anything is loaded or generated."""
+    if args.num_samples < 1:
+        raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.save_state and args.num_samples > 1:
+        raise ValueError(
+            f"--save-state needs --num-samples 1 (one state per sample), got --num-samples {args.num_samples}"
+        )
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise ValueError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+
+
 def run_generate(args: argparse.Namespace) -> int:
+    """Print each sample as it is generated: the prompt, then every piece of text as soon as it is whole."""
+    check_generate_args(args)
     device = resolve_device(args.device)
     model, _, tokenizer = load_model(args.checkpoint, map_location=device)
     state = load_state(args.state, map_location=device, model=model) if args.state else None
     ids = tokenizer.encode(args.prompt)
     if not ids:
         raise SystemExit("titans generate: --prompt must not be empty (the next token is predicted from it)")
-    if args.num_samples < 1:
-        raise SystemExit(f"titans generate: --num-samples must be >= 1, got {args.num_samples}")
-    prompt = torch.tensor([ids] * args.num_samples, dtype=torch.int64, device=device)
+    prompt = torch.tensor([ids], dtype=torch.int64, device=device)
     generator = torch.Generator(device=device)
     generator.manual_seed(args.seed)
     stop = None
     if not args.no_stop and tokenizer.eos_id is not None:
-        stop = [tokenizer.eos_id]
-    out, final_state = generate(
-        model,
-        prompt,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        greedy=args.greedy,
-        stop_tokens=stop,
-        generator=generator,
-        state=state,
-        return_state=True,
-    )
-    for i, row in enumerate(out[:, len(ids) :].tolist()):
-        if stop is not None and stop[0] in row:
-            row = row[: row.index(stop[0])]
+        stop = tokenizer.eos_id
+    final_state = None
+    # one sample at a time, each from the same starting state, so that each can be printed as it grows
+    for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {i + 1}")
-        print(args.prompt + tokenizer.decode(row), flush=True)
+        print(args.prompt, end="", flush=True)
+        decoder = IncrementalDecoder(tokenizer)
+
+        def show(token: torch.Tensor, decoder: IncrementalDecoder = decoder) -> None:
+            if int(token[0]) != stop:  # the end-of-text token ends the sample unprinted
+                piece = decoder.push(int(token[0]))
+                if piece:
+                    print(piece, end="", flush=True)
+
+        result = generate(
+            model,
+            prompt,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            greedy=args.greedy,
+            stop_tokens=stop,
+            generator=generator,
+            state=state,
+            return_state=bool(args.save_state),
+            on_token=show,
+        )
+        if args.save_state:
+            _, final_state = result
+        print(decoder.finish(), flush=True)
     if args.save_state:
-        if args.num_samples > 1:
-            raise SystemExit("titans generate: --save-state needs --num-samples 1 (one state per sample)")
         save_state(final_state, args.save_state)
     return 0
 
@@ -149,25 +187,48 @@ def register(commands, evals) -> None:
         default=DEFAULT_BLOCK_CHARS,
         help="characters tokenized at a time, cut at line ends (<= 0: the whole file at once)",
     )
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 or auto")
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_read)
 
-    g = commands.add_parser("generate", help="generate text, optionally from a saved state")
+    # sampling defaults: those of the sample printed at the end of `titans train`
+    train = TrainConfig()
+    g = commands.add_parser(
+        "generate",
+        help="generate text, optionally from a saved state",
+        description="Continue --prompt with the model of --checkpoint, printing the text as it is generated.",
+    )
     g.add_argument("--checkpoint", required=True, help="checkpoint folder or run folder")
     g.add_argument("--state", help="a state saved by `titans read` (or generate --save-state)")
     g.add_argument("--prompt", required=True, help="text to continue (at least one token)")
-    g.add_argument("--max-new-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--max-new-tokens", type=int, default=200, help="tokens generated per sample at most")
+    g.add_argument(
+        "--temperature", type=float, default=train.sample_temperature, help="sampling temperature (0: greedy)"
+    )
+    g.add_argument(
+        "--top-k",
+        type=_int_or_none,
+        default=train.sample_top_k,
+        help="sample from the k most likely tokens (none: from all)",
+    )
+    g.add_argument(
+        "--top-p", type=float, default=None, help="sample from the most likely tokens up to this probability"
+    )
     g.add_argument("--greedy", action="store_true", help="always take the most likely token")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same samples)")
     g.add_argument("--num-samples", type=int, default=1, help="samples, each from the same starting state")
     g.add_argument("--no-stop", action="store_true", help="do not stop at the tokenizer's end-of-text token")
-    g.add_argument("--save-state", help="write the state after the generated text here")
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 or auto")
-    g.set_defaults(func=run_generate)
+    g.add_argument("--save-state", help="write the state after the generated text here (one sample only)")
+    g.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1")
+    g.set_defaults(func=run_generate, check=check_generate_args)
 
 
-__all__ = ["load_model", "peak_rss_mib", "read_text_blocks", "register", "run_generate", "run_read"]
+__all__ = [
+    "check_generate_args",
+    "load_model",
+    "peak_rss_mib",
+    "read_text_blocks",
+    "register",
+    "run_generate",
+    "run_read",
+]

@@ -6,6 +6,13 @@ The prompt is read with chunked prefill, then each new token goes through the mo
 state: the cost per token is constant for the memory and sliding-window variants (the memory learns from
 the generated tokens too, exactly as it would had they been in the prompt).
 
+Streaming: ``on_token`` is called with every new column as it is sampled; `IncrementalDecoder` turns one
+row's token ids into text pieces as they complete (``titans generate`` prints them as they come):
+
+    decoder = IncrementalDecoder(tokenizer)
+    generate(model, prompt, 50, on_token=lambda t: print(decoder.push(int(t[0])), end="", flush=True))
+    print(decoder.finish())
+
 Batches: all prompts of a batch have the same length (Titans states are per-row streams at one
 position; there is no padding). Generate rows of different lengths in separate calls.
 
@@ -14,6 +21,47 @@ The decoding loop lives in `titans.models.streaming` (`TitansLM.generate` is the
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from titans.models.streaming import decode_step, generate, sample_next
 
-__all__ = ["decode_step", "generate", "sample_next"]
+
+class _Decodes(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class IncrementalDecoder:
+    """Token ids in, text out as soon as it is complete: ``push(id)`` returns the new text (often "", while
+    a character's bytes or a word's pieces are incomplete), ``finish()`` the rest. The pieces concatenate
+    to ``tokenizer.decode(all ids)`` for byte-level tokenizers (bytes, byte-level BPE, SentencePiece with
+    byte fallback).
+
+    Each piece is decoded together with the tokens of the piece before it, so a tokenizer that decodes a
+    word's leading space or a multi-byte character from context gets it right; text that ends in U+FFFD
+    (an incomplete UTF-8 sequence) is held back until a later token completes it.
+    """
+
+    def __init__(self, tokenizer: _Decodes):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._prefix = 0  # ids[_prefix:_read] were emitted with the piece before the last one
+        self._read = 0  # ids[:_read] have been emitted
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        done = self.tokenizer.decode(self.ids[self._prefix : self._read])
+        text = self.tokenizer.decode(self.ids[self._prefix :])
+        if len(text) > len(done) and not text.endswith("\ufffd") and text.startswith(done):
+            self._prefix, self._read = self._read, len(self.ids)
+            return text[len(done) :]
+        return ""
+
+    def finish(self) -> str:
+        """The text not emitted yet (an incomplete character at the end comes out as U+FFFD)."""
+        done = self.tokenizer.decode(self.ids[self._prefix : self._read])
+        text = self.tokenizer.decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return text[len(done) :]
+
+
+__all__ = ["IncrementalDecoder", "decode_step", "generate", "sample_next"]

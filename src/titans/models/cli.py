@@ -30,5 +30,5 @@ def main(args) -> int:
 
 def register(commands, evals) -> None:
     p = commands.add_parser("presets", help="parameter count of every model preset, per variant")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants to count")
     p.set_defaults(func=main)

@@ -217,6 +217,52 @@ class TitansConfig:
 # computation of a model saved before them (`TitansConfig.from_saved_dict`).
 SAVED_WITHOUT: dict[str, Any] = {"mac_norm_memory_input": False}
 
+# One line per field, for listings (`titans train --list-fields` shows them as model.<field>).
+FIELD_HELP: dict[str, str] = {
+    "variant": f"model variant: {', '.join(VARIANTS)}",
+    "vocab_size": "vocabulary size (training: the tokenizer's unless set larger)",
+    "dim": "model width",
+    "depth": "number of residual blocks",
+    "heads": "attention heads",
+    "head_dim": "attention head width (null: dim / heads)",
+    "mlp_mult": "SwiGLU width as a multiple of dim (2/3 of it, for a plain MLP's parameters)",
+    "segment_len": "MAC segment length (attention span of a MAC block)",
+    "window": "sliding-window size (mag, mal, swa and the blocks without memory)",
+    "chunk_size": "tokens per memory update chunk",
+    "persistent_tokens": "learned tokens prepended to every attention",
+    "memory_layers": "indices of the blocks that carry a neural memory (null: all)",
+    "memory_heads": "memory heads (null: the attention heads)",
+    "memory_head_dim": "memory head width (null: dim / memory heads)",
+    "memory_depth": "layers of the memory MLP (L_M)",
+    "memory_expansion": "hidden width of a deep memory MLP as a multiple of its head width",
+    "memory_activation": "activation of the memory MLP",
+    "memory_conv_kernel": "causal depthwise convolution width on queries, keys and values (0: none)",
+    "memory_momentum": "surprise with momentum (eta); false: the plain gradient",
+    "memory_forgetting": "forgetting gate (alpha) on the memory weights",
+    "memory_max_lr": "upper bound of the memory's inner learning rate theta",
+    "memory_theta_init": "initial inner learning rate theta",
+    "memory_eta_init": "initial momentum decay eta, in (0, 1)",
+    "memory_alpha_init": "initial forgetting alpha, in (0, 1) (small: writes are kept longer)",
+    "memory_surprise_clip": "each token's inner gradient is rescaled to at most this norm (null: no clip)",
+    "memory_residual": "the memory computes k + MLP(k) instead of MLP(k)",
+    "memory_write": "false: read-only memory, no test-time learning (an ablation)",
+    "memory_checkpoint_every": "keep the memory state every this many chunks, recompute the rest "
+    "(null: keep all)",
+    "mac_norm_memory_tokens": "MAC: RMS-normalise the retrieved memory tokens before attention",
+    "mac_gate": f"MAC output gate: {', '.join(MAC_GATES)}",
+    "mac_norm_memory_input": "MAC: RMS-normalise the attention output before the memory writes it",
+    "attn_output_gate": "every attention normalises its output per head and gates it by the input "
+    "(the paper's output gate)",
+    "persistent_to_memory": "MAG and MAL: the persistent tokens are prepended to the memory's input too",
+    "mal_attn_persistent": "MAL: the sliding-window attention attends to the persistent tokens",
+    "qk_norm": "RMS-normalise queries and keys",
+    "rope_base": "rotary position embedding base",
+    "tie_embeddings": "the output head shares the token embedding",
+    "norm_eps": "epsilon of the RMS norms",
+    "init_std": "standard deviation of the initial weights",
+    "name": "preset name (informational)",
+}
+
 
 # Paper scales use a 32K vocabulary (Llama-2 style) and are sized for the default variant, mac (the
 # baselines at the same preset are smaller: `titans presets` prints every count). Small presets train on

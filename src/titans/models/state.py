@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from titans._fs import ordinary_mode
 from titans.layers.state_tree import STATE_TYPES, map_tensors, register_state_type
 from titans.models.variants import upgrade_layer_states
 
@@ -208,6 +209,7 @@ def save_state(state: TitansState, path: str | Path) -> Path:
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
+        ordinary_mode(tmp)  # mkstemp's file is private (0600)
         os.replace(tmp, path)  # a reader never sees a half-written file
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -42,6 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from titans._fs import ordinary_mode
+
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
 MODEL_FILE = "model.safetensors"
@@ -224,6 +226,7 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    ordinary_mode(tmp)  # mkdtemp's folder is private; the checkpoint is an ordinary folder
     old = None
     try:
         from safetensors.torch import save_file
@@ -233,6 +236,7 @@ def save_checkpoint(
             torch.save(_numpy_free(trainer_state), f)
         files = {}
         for name in (MODEL_FILE, TRAINER_FILE):
+            ordinary_mode(tmp / name)  # safetensors writes its file private (0600)
             _fsync(tmp / name)
             files[name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256_file(tmp / name)}
         meta = {

@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 from titans.training import distributed as D
-from titans.training.config import TrainConfig, parse_set
+from titans.training.config import TrainConfig, field_listing, parse_set
 from titans.training.report import compare_table, format_report
 from titans.training.trainer import Trainer
 
@@ -73,7 +73,8 @@ def _train_one(cfg: TrainConfig, resume: bool, overwrite: bool) -> bool:
                   " faster (docs/benchmarks.md, section 6)", flush=True)  # fmt: skip
     result = trainer.train()
     if trainer.info.is_main:
-        print(format_report(result, f"{cfg.variant} on {cfg.data}"), flush=True)
+        report = format_report(result, f"{cfg.variant} on {cfg.data}", run_dir=cfg.run_dir, resumed=resume)
+        print(report, flush=True)
     return trainer.info.is_main
 
 
@@ -92,6 +93,9 @@ def _comparable(configs: list[TrainConfig], paths: list[str]) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    if args.list_fields:
+        print(field_listing())
+        return 0
     logging.getLogger("titans").setLevel(logging.INFO)
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
@@ -123,25 +127,57 @@ def _run_train(args: argparse.Namespace) -> None:
 
 
 def register(commands, evals) -> None:
-    p = commands.add_parser("train", help="train a Titans language model (also under torchrun)")
-    p.add_argument("--config", default=None, help="JSON TrainConfig file (see configs/)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field (model.<field> too)")
-    p.add_argument("--preset", help="model size preset (tiny, small, base, 170M, ...)")
-    p.add_argument("--variant", help="mac, mag, mal, lmm, transformer or swa")
-    p.add_argument(
-        "--data", help="text source: builtin:stdlib, builtin:prose, a file, folder, glob, .jsonl, hf:..."
+    d = TrainConfig()  # the flags default to the config's values (shown in --help)
+    p = commands.add_parser(
+        "train",
+        help="train a Titans language model (also under torchrun)",
+        description="Train a Titans language model. Precedence: the TrainConfig defaults < --config < the "
+        "flags below < --set KEY=VALUE. `titans train --list-fields` lists every field --set accepts.",
     )
-    p.add_argument("--tokenizer", help="bytes, gpt2, mistral-32k or a tokenizer file")
-    p.add_argument("--steps", type=int, help="optimizer steps")
-    p.add_argument("--tokens", type=int, help="token budget (sets the steps)")
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--batch-size", type=int, help="global batch (all ranks together)")
-    p.add_argument("--lr", type=float, help="peak learning rate")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--run-dir", help="where checkpoints, metrics and plots go")
-    p.add_argument("--device", help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument("--config", default=None, help="JSON TrainConfig file (see configs/)")
     p.add_argument(
-        "--time-budget", type=float, metavar="MINUTES", help="stop (and checkpoint) after this long"
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a TrainConfig field, model.<field> for the model (repeatable); the value is parsed "
+        "as the field's type, null for None; --list-fields lists the fields",
+    )
+    p.add_argument(
+        "--list-fields",
+        action="store_true",
+        help="print every field --set accepts (type, default, meaning) and exit",
+    )
+    p.add_argument(
+        "--preset", help=f"model size preset (tiny, small, base, 170M, ...; config default: {d.preset})"
+    )
+    p.add_argument("--variant", help=f"mac, mag, mal, lmm, transformer or swa (config default: {d.variant})")
+    p.add_argument(
+        "--data",
+        help="text source: builtin:stdlib, builtin:prose, a file, folder, glob, .jsonl, hf:... "
+        f"(config default: {d.data})",
+    )
+    p.add_argument(
+        "--tokenizer", help=f"bytes, gpt2, mistral-32k or a tokenizer file (config default: {d.tokenizer})"
+    )
+    p.add_argument("--steps", type=int, help=f"optimizer steps (config default: {d.steps})")
+    p.add_argument("--tokens", type=int, help="token budget (sets the steps)")
+    p.add_argument("--seq-len", type=int, help=f"training sequence length (config default: {d.seq_len})")
+    p.add_argument(
+        "--batch-size", type=int, help=f"global batch (all ranks together; config default: {d.batch_size})"
+    )
+    p.add_argument("--lr", type=float, help=f"peak learning rate (config default: {d.lr:g})")
+    p.add_argument(
+        "--seed",
+        type=int,
+        help=f"seed of the weights, the batch order and the sample (config default: {d.seed})",
+    )
+    p.add_argument("--run-dir", help=f"where checkpoints, metrics and plots go (config default: {d.run_dir})")
+    p.add_argument("--device", help=f"auto, cpu, cuda, cuda:1, ... (config default: {d.device})")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="MINUTES",
+        help="stop (and checkpoint) after this long; the same command with --resume continues",
     )
     p.add_argument(
         "--fsdp", action="store_true", help="shard the model with FSDP2 (under torchrun, for CUDA)"

@@ -3,12 +3,17 @@
     cfg = TrainConfig.from_file("configs/main.json", overrides={"steps": 100, "model.dim": 128})
 
 Overrides use dotted keys for the model (``model.dim=128`` overrides one `TitansConfig` field of the
-preset). Unknown keys are errors that name them. The defaults train a small MAC (preset "tiny", ~0.7M
-parameters) on the Python standard library with the byte tokenizer, on CPU, out of the box. Precision:
+preset). Unknown keys are errors that name them. Every value is checked against its field's declared type
+(``titans.training.fields``): ``--set`` text is parsed as that type (``parse_set``), JSON values must
+already have it; ``titans train --list-fields`` prints every field with its type, default and meaning.
+
+The defaults train a small MAC (preset "tiny", ~0.7M parameters) on the Python standard library with the
+byte tokenizer, on CPU, out of the box. Precision:
 ``dtype="auto"`` is bf16 autocast on CUDA (the loss in float32) and float32 on CPU.
 
 Resuming: fields in ``RESUMABLE_CHANGES`` may differ between a run and its resume; any other difference
-is refused, naming the field (``TrainConfig.resume_mismatches``).
+is refused, naming the field (``TrainConfig.resume_mismatches``). The model is compared as the resulting
+`TitansConfig` (preset, variant and ``model`` overrides applied), not as the overrides that produced it.
 
 Optimizer (paper §5.1): AdamW, peak lr 4e-4, linear warmup then cosine decay to ``min_lr_ratio * lr``,
 weight decay 0.1, gradient clipping at 1.0. Weight decay applies to the weight matrices of linear and
@@ -25,7 +30,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from titans.models.config import FIELD_HELP as MODEL_FIELD_HELP
 from titans.models.config import PRESETS, VARIANTS, TitansConfig, read_json_object
+from titans.training.fields import check_field_value, describe_fields, parse_field_text
 
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -100,6 +107,8 @@ class TrainConfig:
     sample_top_k: int | None = 40
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # the declared types first: the checks below compare numbers
+            setattr(self, f.name, check_field_value(TrainConfig, f.name, getattr(self, f.name)))
         if self.preset not in PRESETS:
             raise ValueError(
                 f"TrainConfig.preset: unknown preset {self.preset!r}; choose from {sorted(PRESETS)}"
@@ -116,6 +125,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.model: unknown TitansConfig field(s) {unknown}")
         if "variant" in self.model:
             raise ValueError("TrainConfig.model: set the variant with the top-level 'variant' field")
+        self.model = {
+            k: check_field_value(TitansConfig, k, v, label=f"TrainConfig.model.{k}")
+            for k, v in self.model.items()
+        }
         positive = ("seq_len", "batch_size", "grad_accum", "steps", "log_every", "eval_every", "ckpt_every",
                     "keep_last", "eval_windows", "eval_batch_size")  # fmt: skip
         for name in positive:
@@ -150,8 +163,15 @@ class TrainConfig:
             raise ValueError("TrainConfig.cuda_graphs: not with fsdp (its collectives run outside the graph)")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"TrainConfig.threads must be a positive integer or null, got {self.threads!r}")
+        # the end-of-training sample: checked here so that a bad value stops the run before it trains
         if self.sample_tokens < 0:
             raise ValueError(f"TrainConfig.sample_tokens must be >= 0, got {self.sample_tokens}")
+        if self.sample_temperature < 0:
+            raise ValueError(
+                f"TrainConfig.sample_temperature must be >= 0 (0: greedy), got {self.sample_temperature}"
+            )
+        if self.sample_top_k is not None and self.sample_top_k < 1:
+            raise ValueError(f"TrainConfig.sample_top_k must be >= 1 or null, got {self.sample_top_k}")
 
     # ------------------------------------------------------------------------------------- derived
     @property
@@ -178,14 +198,12 @@ class TrainConfig:
         return TitansConfig.preset(self.preset, variant=self.variant, vocab_size=vocab, **overrides)
 
     def resume_mismatches(self, saved: dict[str, Any]) -> list[str]:
-        """Fields (``model.X`` for model overrides) that differ from a checkpoint's config and matter."""
+        """Fields that differ from a checkpoint's training config and matter. The model's fields
+        (``preset``, ``variant``, ``model``) are left out: what matters is the model they make, which the
+        trainer compares as a whole (``model_mismatches``)."""
         mine = self.to_dict()
-        diff = [k for k in set(mine) | set(saved) if k not in RESUMABLE_CHANGES | {"model"}
-                and mine.get(k) != saved.get(k)]  # fmt: skip
-        mine_model, saved_model = mine["model"], saved.get("model") or {}
-        diff += [f"model.{k}" for k in set(mine_model) | set(saved_model)
-                 if mine_model.get(k) != saved_model.get(k)]  # fmt: skip
-        return sorted(diff)
+        skip = RESUMABLE_CHANGES | MODEL_FIELDS
+        return sorted(k for k in set(mine) | set(saved) if k not in skip and mine.get(k) != saved.get(k))
 
     # ------------------------------------------------------------------------------------ file i/o
     def to_dict(self) -> dict[str, Any]:
@@ -219,6 +237,23 @@ class TrainConfig:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
 
+# TrainConfig fields that only say which model to build: compared on resume through the model they make
+MODEL_FIELDS = frozenset({"preset", "variant", "model"})
+
+
+def model_mismatches(mine: TitansConfig, saved: dict[str, Any]) -> list[str]:
+    """``model.X: checkpoint A, now B`` for every field in which ``mine`` differs from a checkpoint's model
+    config (a dict; fields added to TitansConfig since it was written take the values that compute what
+    the saved model computed: `TitansConfig.from_saved_dict`)."""
+    theirs = TitansConfig.from_saved_dict(saved).to_dict()
+    ours = mine.to_dict()
+    return [
+        f"model.{k}: checkpoint {theirs[k]!r}, now {ours[k]!r}"
+        for k in ours
+        if k != "name" and ours[k] != theirs[k]
+    ]
+
+
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """A copy of ``data`` with ``overrides`` applied; ``model.X`` keys go into the model overrides."""
     out = dict(data)
@@ -238,17 +273,107 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
     return out
 
 
-def parse_set(items: list[str]) -> dict[str, Any]:
-    """``["steps=100", "model.dim=64", "data=foo.txt"]`` -> {key: value}; values are JSON when they parse
-    as JSON (numbers, true/false/null, lists), else strings."""
+def parse_set(items: list[str], *, model_only: bool = False) -> dict[str, Any]:
+    """``["steps=100", "model.dim=64", "data=a.txt"]`` -> {"steps": 100, "model.dim": 64, "data": "a.txt"}.
+
+    Each value is parsed as its field's declared type (``titans.training.fields``: ``null`` for None where
+    the field allows it, true/false for a bool, a JSON or comma-separated list for a list); a value that
+    does not fit is refused naming the field, its type and the value. ``model_only``: the keys are
+    `TitansConfig` fields without the ``model.`` prefix (``titans eval --set``).
+    """
+    known = {f.name for f in fields(TrainConfig)}
+    model_fields = {f.name for f in fields(TitansConfig)} - {"variant", "name"}
     out: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set expects key=value, got {item!r}")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        out[key.strip()] = value
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        name = key[len("model.") :] if key.startswith("model.") and not model_only else key
+        if model_only or key.startswith("model."):
+            if name not in model_fields:
+                hint = "no such TitansConfig field"
+                if name == "variant":
+                    hint = "set the variant with --variant"
+                elif model_only and name.startswith("model.") and name[6:] in model_fields:
+                    hint = f"write --set {name[6:]}=... here (no model. prefix)"
+                raise ValueError(
+                    f"--set {key}: {hint} (`titans train --list-fields` lists the model.<field> ones)"
+                )
+            out[key] = parse_field_text(TitansConfig, name, raw, label=f"--set {key}")
+        elif key in known:
+            out[key] = parse_field_text(TrainConfig, key, raw, label=f"--set {key}")
+        else:
+            raise ValueError(
+                f"--set {key}: no such TrainConfig field (`titans train --list-fields` lists them, and the "
+                "model.<field> ones)"
+            )
     return out
+
+
+# One line per field for `titans train --list-fields`.
+FIELD_HELP: dict[str, str] = {
+    "preset": f"model size preset: {', '.join(PRESETS)}",
+    "variant": f"model variant: {', '.join(VARIANTS)}",
+    "model": "TitansConfig field overrides of the preset ({field: value}; --set model.<field>=...)",
+    "data": "text source: builtin:stdlib, builtin:prose, a file, folder, glob, .jsonl, hf:NAME[:CFG][:SPLIT]",
+    "tokenizer": "bytes, gpt2, mistral-32k or a tokenizer file",
+    "text_field": "the text field of .jsonl records and Hugging Face datasets",
+    "heldout_fraction": "share of the documents held out for evaluation, in (0, 1)",
+    "cache_dir": "where tokenized data is cached (null: the default cache folder)",
+    "seq_len": "training sequence length, tokens",
+    "batch_size": "global batch, sequences per optimizer step (all ranks together)",
+    "grad_accum": "micro-batches per rank per step (the same global batch in less memory)",
+    "steps": "optimizer steps of the run",
+    "tokens": "token budget; when set, steps = ceil(tokens / (batch_size * seq_len))",
+    "time_budget_min": "stop cleanly, with a checkpoint, after this many minutes (--resume continues)",
+    "lr": "peak learning rate (AdamW)",
+    "min_lr_ratio": "the cosine schedule ends at min_lr_ratio * lr",
+    "warmup_steps": "linear warm-up steps",
+    "weight_decay": "AdamW weight decay of weight matrices (not embeddings, norms, biases, gates)",
+    "beta1": "AdamW beta1",
+    "beta2": "AdamW beta2",
+    "eps": "AdamW epsilon",
+    "grad_clip": "gradient norm clipping (null: none)",
+    "seed": "seed of the initial weights, the batch order and the sample",
+    "device": "auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...",
+    "dtype": f"{', '.join(DTYPES)} (auto: bf16 autocast on CUDA, float32 on CPU)",
+    "fsdp": "shard the model with FSDP2 (under torchrun)",
+    "cuda_graphs": "replay each micro-step as a CUDA graph (one process, one GPU)",
+    "threads": "torch CPU threads of this process (null: torch's default)",
+    "run_dir": "where checkpoints, metrics, plots and the report go",
+    "log_every": "log the training loss every this many steps",
+    "eval_every": "evaluate on held-out windows every this many steps (and at the end)",
+    "eval_windows": "held-out windows per evaluation",
+    "eval_batch_size": "held-out windows per forward pass",
+    "ckpt_every": "checkpoint every this many steps (and at the end)",
+    "keep_last": "checkpoints kept (older ones are deleted)",
+    "progress": "show a progress bar",
+    "tensorboard": "write TensorBoard logs to run_dir/tb (needs the tensorboard package)",
+    "plot": "draw run_dir/loss.png at the end (needs matplotlib)",
+    "sample_tokens": "tokens of the sample printed at the end of training (0: none)",
+    "sample_prompt": "prompt of that sample",
+    "sample_temperature": "sampling temperature of that sample (0: greedy)",
+    "sample_top_k": "sample from the k most likely tokens (null: all)",
+}
+
+
+def field_listing() -> str:
+    """Every field ``titans train --set`` accepts: name, type, default, meaning (`--list-fields`)."""
+    rows = describe_fields(TrainConfig, FIELD_HELP, skip=("model",))
+    model_rows = describe_fields(TitansConfig, MODEL_FIELD_HELP, prefix="model.", skip=("variant", "name"))
+    width = [max(len(r[i]) for r in rows + model_rows) for i in range(3)]
+
+    def line(r: tuple[str, str, str, str]) -> str:
+        return f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]:<{width[2]}}  {r[3]}"
+
+    head = (
+        "# titans train --set KEY=VALUE (or the same keys in a --config JSON file): "
+        "name, type, default, meaning\n"
+        "# values are parsed as the field's type; null sets an optional field to None"
+    )
+    model_head = (
+        "# model fields (also `titans eval ... --set FIELD=VALUE` without the model. prefix): "
+        "defaults before the preset's own values (`titans presets`)"
+    )
+    return "\n".join([head, *map(line, rows), "", model_head, *map(line, model_rows)])

@@ -4,7 +4,7 @@
 (train: loss, lr, grad_norm, tokens, tokens_per_s; eval: loss, ppl, bpb). TensorBoard event files go to
 ``run_dir/tb`` when the ``tensorboard`` package is there (extra ``titans[train]``) and are skipped with a
 note otherwise. ``plot_losses`` draws ``run_dir/loss.png`` from the JSONL with matplotlib (imported only
-then; skipped with a note when missing).
+then; skipped with a note when missing): the losses, held-out bits per byte and the learning rate.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
+TENSORBOARD_DIR = "tb"
 
 
 class MetricsLogger:
@@ -45,7 +46,7 @@ class MetricsLogger:
                 )
             else:
                 purge = resume_step + 1 if resume_step > 0 else None
-                self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb"), purge_step=purge)
+                self._tb = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR), purge_step=purge)
 
     def log(self, split: str, step: int, **values: float) -> None:
         if not self.enabled:
@@ -100,7 +101,8 @@ def truncate_metrics(path: str | Path, last_step: int) -> None:
 
 
 def plot_losses(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path | None:
-    """Train and held-out loss vs step as a PNG; None (with a note) when matplotlib is missing."""
+    """The run as a PNG, three panels over the step: train and held-out loss, held-out bits per byte, and
+    the learning rate. None (with a note) when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -110,18 +112,42 @@ def plot_losses(metrics_path: str | Path, png_path: str | Path, title: str = "")
         log.warning("matplotlib is not installed (pip install 'titans[train]'): no loss plot")
         return None
     rows = read_metrics(metrics_path)
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    for split, style in (("train", dict(lw=1.0, alpha=0.8)), ("eval", dict(marker="o", lw=1.5))):
-        pts = [(r["step"], r["loss"]) for r in rows if r.get("split") == split and _is_number(r.get("loss"))]
-        if pts:
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, label="held-out" if split == "eval" else split, **style)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / token)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
+
+    def series(split: str, key: str) -> tuple[list, list]:
+        pts = [(r["step"], r[key]) for r in rows if r.get("split") == split and _is_number(r.get(key))]
+        return [x for x, _ in pts], [y for _, y in pts]
+
+    fig, (loss_ax, bpb_ax, lr_ax) = plt.subplots(
+        3, 1, figsize=(7, 6.4), dpi=110, sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.2]}
+    )
+    xs, ys = series("train", "loss")
+    if xs:
+        loss_ax.plot(xs, ys, lw=1.0, alpha=0.8, label="train")
+    xs, ys = series("eval", "loss")
+    if xs:
+        loss_ax.plot(xs, ys, marker="o", ms=3, lw=1.5, label="held-out")
+    loss_ax.set_ylabel("loss (nats / token)")
+    if loss_ax.get_legend_handles_labels()[0]:
+        loss_ax.legend()
+    xs, ys = series("eval", "bpb")
+    if xs:
+        bpb_ax.plot(xs, ys, marker="o", ms=3, lw=1.5, color="C1")
+        bpb_ax.annotate(f"{ys[-1]:.3f}", (xs[-1], ys[-1]), textcoords="offset points", xytext=(-4, 6),
+                        ha="right", fontsize=8, color="C1")  # fmt: skip
+    else:
+        bpb_ax.text(0.5, 0.5, "no bits per byte (tokenizer bytes unknown)", transform=bpb_ax.transAxes,
+                    ha="center", va="center", color="gray")  # fmt: skip
+    bpb_ax.set_ylabel("held-out\nbits / byte")
+    xs, ys = series("train", "lr")
+    if xs:
+        lr_ax.plot(xs, ys, lw=1.2, color="C2")
+    lr_ax.set_ylabel("learning\nrate")
+    lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    lr_ax.set_xlabel("step")
+    for ax in (loss_ax, bpb_ax, lr_ax):
+        ax.grid(alpha=0.3)
+    loss_ax.set_title(title, fontsize=10)
+    fig.align_ylabels()
     fig.tight_layout()
     png_path = Path(png_path)
     fig.savefig(png_path)

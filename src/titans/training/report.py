@@ -6,21 +6,42 @@ import json
 from pathlib import Path
 from typing import Any
 
-from titans.training.trainer import REPORT_FILE, TrainResult
+from titans.training.checkpoint import CHECKPOINTS
+from titans.training.metrics import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
+from titans.training.model_io import TOKENIZER_DIR
+from titans.training.trainer import CONFIG_FILE, REPORT_FILE, TrainResult
+
+# What a run folder holds, in the order the report names them: (name, what it is).
+RUN_FILES = (
+    (REPORT_FILE, "this summary as JSON (config, steps, losses, held-out bpb, sample)"),
+    (METRICS_FILE, "one JSON line per log: train loss, lr, grad norm, tokens/s; held-out loss, bpb"),
+    (PLOT_FILE, "loss, held-out bits per byte and learning rate vs step"),
+    (TENSORBOARD_DIR + "/", "TensorBoard logs (tensorboard --logdir)"),
+    (
+        CHECKPOINTS + "/",
+        "the newest checkpoints (weights, optimizer, data position): --resume, eval, generate",
+    ),
+    (CONFIG_FILE, "the TrainConfig of the run"),
+    (TOKENIZER_DIR + "/", "a copy of the tokenizer file (a file tokenizer only)"),
+)
 
 
 def _fmt(v: float | None, spec: str) -> str:
     return format(v, spec) if v is not None else "n/a"
 
 
-def format_report(result: TrainResult, title: str) -> str:
-    """A short block of text: steps, tokens, throughput, losses, held-out bpb and the sample."""
+def format_report(
+    result: TrainResult, title: str, run_dir: str | Path | None = None, resumed: bool = False
+) -> str:
+    """A short block of text: steps, tokens, throughput, losses, held-out bpb, the sample and, given
+    ``run_dir``, what the run wrote there and how to continue a run its time budget stopped."""
     ev = result.eval
+    stopped = result.stopped_early and result.step < result.total_steps
     lines = [
         f"== {title}",
         f"parameters      {result.num_parameters:,}",
         f"steps           {result.step:,} / {result.total_steps:,}"
-        + ("  (stopped by the time budget)" if result.stopped_early else ""),
+        + ("  (stopped by the time budget)" if stopped else ""),
         f"tokens          {result.tokens:,}",
         f"throughput      {result.tokens_per_s:,.0f} tokens/s "
         f"({result.train_time_s / 60:.1f} min of training)",
@@ -33,6 +54,14 @@ def format_report(result: TrainResult, title: str) -> str:
         )
     if result.checkpoint:
         lines.append(f"checkpoint      {result.checkpoint}")
+    if run_dir is not None:
+        lines.append(f"wrote to        {run_dir}/")
+        for name, what in RUN_FILES:
+            if (Path(run_dir) / name.rstrip("/")).exists():
+                lines.append(f"  {name:<15}{what}")
+    if stopped:
+        again = "the same command" if resumed else "the same command with --resume"
+        lines.append(f"continue        {again} trains on from step {result.step:,}")
     if result.sample is not None:
         lines += ["sample:", "-" * 60, result.sample, "-" * 60]
     return "\n".join(lines)

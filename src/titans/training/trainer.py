@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from titans.data.loader import EvalWindows, TokenBatches
 from titans.data.stream import load_token_streams
 from titans.data.tokenizers import load_tokenizer
-from titans.models.config import TitansConfig
 from titans.models.lm import TitansLM
 from titans.training import distributed as D
 from titans.training.checkpoint import (
@@ -41,11 +40,12 @@ from titans.training.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from titans.training.config import TrainConfig
+from titans.training.config import TrainConfig, model_mismatches
 from titans.training.cuda_graphs import GraphedMicroStep
 from titans.training.metrics import (
     METRICS_FILE,
     PLOT_FILE,
+    TENSORBOARD_DIR,
     MetricsLogger,
     plot_losses,
     read_metrics,
@@ -199,22 +199,14 @@ class Trainer:
     def _check_resumable(self, saved: dict[str, Any], path: Path) -> None:
         if "train" not in saved or "model" not in saved:
             raise ValueError(f"cannot resume from {str(path)!r}: it was not written by the titans trainer")
-        bad = self.config.resume_mismatches(saved["train"])
-        if bad:
-            mine = self.config.to_dict()
-
-            def value(d: dict, key: str) -> Any:
-                return d.get("model", {}).get(key[6:]) if key.startswith("model.") else d.get(key)
-
-            detail = "; ".join(
-                f"{k}: checkpoint {value(saved['train'], k)!r}, now {value(mine, k)!r}" for k in bad
-            )
-            raise ValueError(f"cannot resume from {str(path)!r}: the config differs in {detail}")
-        mine_model = self.model_config.to_dict()
-        saved_model = TitansConfig.from_saved_dict(saved["model"]).to_dict()
-        diff = sorted(k for k in mine_model if k != "name" and mine_model[k] != saved_model[k])
-        if diff:
-            raise ValueError(f"cannot resume from {str(path)!r}: the model config differs in {diff}")
+        mine = self.config.to_dict()
+        detail = [
+            f"{k}: checkpoint {saved['train'].get(k)!r}, now {mine.get(k)!r}"
+            for k in self.config.resume_mismatches(saved["train"])
+        ]
+        detail += model_mismatches(self.model_config, saved["model"])  # the model built, not its spelling
+        if detail:
+            raise ValueError(f"cannot resume from {str(path)!r}: the config differs in {'; '.join(detail)}")
 
     def _load_trainer_state(self, state: dict[str, Any]) -> None:
         if self.config.fsdp:
@@ -494,7 +486,7 @@ class Trainer:
 
 def clear_run(run_dir: Path) -> None:
     """Delete what a training run wrote in ``run_dir`` (only the trainer's own files and folders)."""
-    for name in (CHECKPOINTS, "tb", TOKENIZER_DIR):
+    for name in (CHECKPOINTS, TENSORBOARD_DIR, TOKENIZER_DIR):
         shutil.rmtree(run_dir / name, ignore_errors=True)
     for name in (METRICS_FILE, PLOT_FILE, REPORT_FILE, CONFIG_FILE):
         (run_dir / name).unlink(missing_ok=True)
