@@ -1,9 +1,9 @@
 """A/B timing of two versions of the memory op (`src/titans/ops/memory.py`) in ONE process: the
-NeuralMemory layer's fwd+bwd at the issue's shapes (batch 2, seq 2048, dim 256, 4 heads of 256 -> 1024
--> 256, chunk 64, GELU), the two versions taking turns every repetition (A B, B A, A B, ...) on the same
-module, weights and input, so that drift of the machine hits both alike. Separate runs of a script on this
-VM differ by a few percent, more than most single changes to the op gain (docs/benchmarks.md quotes
-its result for the op's Python-side changes at 21ad462 against 339cebb).
+NeuralMemory layer's fwd+bwd at the README's benchmark shapes (batch 2, seq 2048, dim 256, 4 heads of
+256 -> 1024 -> 256, chunk 64, GELU), the two versions taking turns every repetition (A B, B A, A B, ...)
+on the same module, weights and input, so that drift of the machine hits both alike. Separate runs of a
+script on this VM differ by a few percent, more than most single changes to the op gain
+(docs/benchmarks.md quotes its result for the op's Python-side changes at 21ad462 against 339cebb).
 
     python benchmarks/memory_ab.py --a HEAD~1 [--b WORKTREE] [--reps 12] [--threads 2] [--name NAME]
 

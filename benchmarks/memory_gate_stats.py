@@ -1,6 +1,6 @@
 """The neural memory's gates and surprise in a trained model: do they move from their initial values?
 
-Runs a checkpoint (or run folder) over held-out windows of its own data with `return_stats=True` and
+Runs a checkpoint (or run folder) over held-out windows of its own data with `forward_with_stats` and
 prints, per memory call, the median theta / eta / alpha and surprise quantiles, next to the values the
 config starts the gates at, and the size of the learned initial memory weights W_0.
 
@@ -28,7 +28,7 @@ def main() -> None:
     windows = EvalWindows(heldout, seq_len=cfg.seq_len, num_windows=args.windows, batch_size=args.windows)
     inputs, _ = next(iter(windows))
     with torch.no_grad():
-        _, _, stats = model(inputs, return_stats=True)
+        stats = model.forward_with_stats(inputs).stats
     mc = model.config
     print(
         f"{cfg.variant}: {len(stats)} memory calls on {inputs.shape[0]} x {inputs.shape[1]} held-out tokens; "

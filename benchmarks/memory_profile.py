@@ -1,5 +1,6 @@
-"""Where the NeuralMemory layer's time goes, at the issue's shapes (batch 2, seq 2048, dim 256, 4 heads of
-256 -> 1024 -> 256, chunk 64), forward + backward. One process, medians of --reps runs, printed as tables:
+"""Where the NeuralMemory layer's time goes, at the README's benchmark shapes (batch 2, seq 2048, dim 256,
+4 heads of 256 -> 1024 -> 256, chunk 64), forward + backward. One process, medians of --reps runs, printed
+as tables:
 
 1. the layer, and the share of its time in matmuls (torch.profiler, by op name);
 2. the causal conv + SiLU on the (2, 2048, 3072) q/k/v projections: the fused C++ kernel (the default on
@@ -65,6 +66,7 @@ def conv_rows(reps: int, layer_ms: float) -> list[dict]:
     import torch.nn.functional as F
 
     import titans.ops.conv as conv
+    from titans.ops.conv_ref import causal_conv_silu_ref
 
     torch.manual_seed(0)
     x = torch.randn(2, 2048, 3072, requires_grad=True)
@@ -78,8 +80,8 @@ def conv_rows(reps: int, layer_ms: float) -> list[dict]:
     def fast():
         conv.causal_conv_silu(x, weight, bias, tail).backward(grad)
 
-    def reference():  # as the layer used to run it: tail and rows concatenated first
-        conv.causal_conv_silu_ref(torch.cat([tail, x], 1), weight, bias).backward(grad)
+    def reference():  # the plain F.conv1d formulation: tail and rows concatenated first
+        causal_conv_silu_ref(torch.cat([tail, x], 1), weight, bias).backward(grad)
 
     kernels = conv.kernels
     for name, fn, block_elements, use_kernel in (

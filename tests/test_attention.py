@@ -11,12 +11,8 @@ import torch.nn.functional as F
 from titans.layers.attention import AttentionState, SegmentAttention, SegmentAttentionState, SelfAttention
 from titans.layers.mlp import SwiGLU
 from titans.layers.rotary import RotaryEmbedding
-from titans.ops.attention import (
-    causal_attention,
-    causal_attention_ref,
-    segment_attention,
-    segment_attention_ref,
-)
+from titans.ops.attention import causal_attention, segment_attention
+from titans.ops.attention_ref import causal_attention_ref, segment_attention_ref
 
 F64 = torch.float64
 

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from titans import MemoryState, NeuralMemory
 from titans.ops import cpu_kernels
-from titans.ops.conv import causal_conv_silu, causal_conv_silu_ref
+from titans.ops.conv import causal_conv_silu
+from titans.ops.conv_ref import causal_conv_silu_ref
 from titans.ops.memory import memory_forward, neural_memory_chunked, segsum, suffix_sum
 from titans.ops.memory_ref import neural_memory_ref
 
@@ -97,6 +98,11 @@ def test_chunked_equals_reference_float32(depth):
         assert_close_rel(a.double(), b, 1e-4)
 
 
+def with_stats(out):
+    """A `MemoryOutput` as (output, state, stats)."""
+    return out.output, out.state, out.stats
+
+
 def make_pair(**kw):
     torch.manual_seed(0)
     fast = NeuralMemory(max_lr=0.3, **kw).double()
@@ -111,8 +117,8 @@ def make_pair(**kw):
 def test_module_outputs_and_gradients_match_reference(depth, chunk, seq):
     fast, ref = make_pair(dim=12, heads=2, head_dim=5, depth=depth, expansion=2, chunk_size=chunk)
     x = torch.randn(2, seq, 12, dtype=F64, requires_grad=True)
-    y1, s1, st1 = fast(x, return_stats=True)
-    y2, s2, st2 = ref(x, return_stats=True)
+    y1, s1, st1 = with_stats(fast.forward_with_stats(x))
+    y2, s2, st2 = with_stats(ref.forward_with_stats(x))
     assert torch.isfinite(y1).all()
     assert_close_rel(y1, y2, 1e-10)
     assert_close_rel(st1.surprise, st2.surprise, 1e-10)
@@ -486,7 +492,7 @@ def test_empty_input_gives_empty_output_and_the_state_unchanged():
     """Zero tokens: an empty (B, 0, dim) output; no state in, the initial state out; a state in, the same
     state out (pending tokens and conv tail included); stats of zero length."""
     mem = NeuralMemory(16, heads=2, depth=2, chunk_size=4)
-    y, state, stats = mem(torch.randn(3, 0, 16), return_stats=True)
+    y, state, stats = with_stats(mem.forward_with_stats(torch.randn(3, 0, 16)))
     assert y.shape == (3, 0, 16) and stats.surprise.shape == (3, 2, 0)
     fresh = mem.initial_state(3)
     assert state.position == 0 and all(torch.equal(a, b) for a, b in zip(state.weights, fresh.weights))
@@ -708,7 +714,7 @@ def test_frozen_memory_state_is_bit_identical_after_any_input(impl):
         state = start
         for i, n in enumerate(lengths):
             x = torch.randn(2, n, 24) * (100 if i % 2 else 1)
-            y, state, stats = frozen(x, state, return_stats=True)
+            y, state, stats = with_stats(frozen.forward_with_stats(x, state))
             assert torch.isfinite(y).all()
         before = start or frozen.initial_state(2)
         for a, b in zip(state.weights + state.momentum, before.weights + before.momentum):

@@ -15,7 +15,8 @@ from test_memory import assert_close_rel, random_problem
 from titans import NeuralMemory
 from titans.ops import cpu_kernels
 from titans.ops import memory as ops_memory
-from titans.ops.conv import causal_conv_silu, causal_conv_silu_ref
+from titans.ops.conv import causal_conv_silu
+from titans.ops.conv_ref import causal_conv_silu_ref
 from titans.ops.memory import neural_memory_chunked
 from titans.ops.memory_ref import neural_memory_ref
 

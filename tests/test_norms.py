@@ -49,3 +49,21 @@ def test_float32_close_to_float64():
         with torch.set_grad_enabled(grad):
             torch.testing.assert_close(rms_norm(x, w), F.rms_norm(x64, (64,), w64).float())
             torch.testing.assert_close(l2_normalize(x), F.normalize(x64, dim=-1).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_l2_normalize_forms_are_the_callers_own(dtype):
+    """The attention's form (float32 accumulation, rsqrt, eps on the norm) and MAC's (autograd through
+    `F.normalize`) give, to the bit, what those callers computed with their own code."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 17, 8, dtype=dtype, requires_grad=True)
+    g = torch.randn_like(x)
+    xf = x.float()
+    want = (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True).clamp_min(1e-12))).to(dtype)
+    got = l2_normalize(x, eps=1e-6, in_float32=True)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(*(torch.autograd.grad(y, x, g)[0] for y in (got, want)))
+    plain = F.normalize(x, dim=-1)
+    mine = l2_normalize(x, fused_backward=False)
+    assert torch.equal(mine, plain)
+    assert torch.equal(*(torch.autograd.grad(y, x, g)[0] for y in (mine, plain)))

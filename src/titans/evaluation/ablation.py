@@ -41,6 +41,7 @@ from titans.evaluation.reporting import write_study
 from titans.evaluation.runner import evaluate
 from titans.evaluation.scoring import new_figure, render_table, save_figure
 from titans.evaluation.task_training import train_on_task
+from titans.models.variants import VARIANT_SPECS
 from titans.training.trainer import Trainer
 
 ABLATIONS: dict[str, dict[str, Any]] = {
@@ -135,10 +136,11 @@ def run_ablate(args: argparse.Namespace) -> int:
     unknown = [r for r in args.rows if r not in ABLATIONS]
     if unknown:
         raise ValueError(f"unknown ablation row(s) {unknown}: choose from {list(ABLATIONS)}")
-    if args.variant == "lmm" and "no_persistent" in args.rows:
-        # persistent tokens are attention keys: the memory-only variant has none, the row would equal `full`
+    spec = VARIANT_SPECS.get(args.variant)
+    if spec is not None and not spec.attention and "no_persistent" in args.rows:
+        # persistent tokens are attention keys: a memory-only variant has none, the row would equal `full`
         args.rows = [r for r in args.rows if r != "no_persistent"]
-        print("skipping no_persistent: the lmm variant has no attention, hence no persistent tokens")
+        print(f"skipping no_persistent: {args.variant} has no attention, hence no persistent tokens")
     if args.lm_steps <= 0 and args.steps <= 0:
         raise ValueError("nothing to train: set --lm-steps and/or --task-steps above 0")
     args.base_overrides = model_overrides(args)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from titans.evaluation.haystack import (
     HaystackSource,
+    PromptAnswer,
     TextTokenizer,
     TrainingExample,
     check_length,
@@ -38,7 +39,6 @@ from titans.evaluation.haystack import (
     insert_pieces,
     piece_separator,
     sample_haystack,
-    training_example,
 )
 
 TASKS = ("qa1", "qa2", "qa3", "qa4", "qa5")
@@ -399,7 +399,7 @@ def solve_babi(facts: Sequence[str], question: str) -> str:
 
 
 @dataclass(frozen=True)
-class BabiSample:
+class BabiSample(PromptAnswer):
     """One BABILong prompt. ``len(prompt_ids) + len(answer_ids) == length`` exactly.
 
     ``fact_token_spans[i]``: ``(start, end)`` of ``facts[i]`` in ``prompt_ids`` (in story order);
@@ -419,14 +419,6 @@ class BabiSample:
     haystack_tokens: int
     haystack: str
     seed: int
-
-    @property
-    def max_new_tokens(self) -> int:
-        """How many tokens to generate to read the answer."""
-        return len(self.answer_ids)
-
-    def training_example(self) -> TrainingExample:
-        return training_example(self.prompt_ids, self.answer_ids)
 
 
 def make_babilong_sample(

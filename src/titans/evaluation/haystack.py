@@ -282,6 +282,22 @@ def training_example(prompt_ids: list[int], answer_ids: list[int]) -> TrainingEx
     return TrainingExample(list(prompt_ids) + list(answer_ids), [0] * len(prompt_ids) + [1] * len(answer_ids))
 
 
+class PromptAnswer:
+    """What the generated samples (`NeedleSample`, `BabiSample`) share: a prompt and the answer's token ids
+    (fields of the dataclass that derives from this), how many tokens to generate, a training example."""
+
+    prompt_ids: list[int]
+    answer_ids: list[int]
+
+    @property
+    def max_new_tokens(self) -> int:
+        """How many tokens to generate to read the answer."""
+        return len(self.answer_ids)
+
+    def training_example(self) -> TrainingExample:
+        return training_example(self.prompt_ids, self.answer_ids)
+
+
 def check_length(length: int, fixed_tokens: int, what: str) -> int:
     """The haystack budget ``length - fixed_tokens``; a clear error when ``length`` cannot hold the rest."""
     if isinstance(length, bool) or not isinstance(length, int):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from titans.evaluation.haystack import (
     HaystackSource,
+    PromptAnswer,
     TextTokenizer,
     TrainingExample,
     check_length,
@@ -31,7 +32,6 @@ from titans.evaluation.haystack import (
     insert_pieces,
     piece_separator,
     sample_haystack,
-    training_example,
 )
 
 # Key words are "adjective-noun" pairs, like RULER's random-word keys.
@@ -110,7 +110,7 @@ NEEDLE_KINDS: dict[str, NeedleKind] = {
 
 
 @dataclass(frozen=True)
-class NeedleSample:
+class NeedleSample(PromptAnswer):
     """One S-NIAH prompt. ``len(prompt_ids) + len(answer_ids) == length`` exactly.
 
     ``needle_token_span``: ``(start, end)`` of the needle sentence in ``prompt_ids``.
@@ -132,14 +132,6 @@ class NeedleSample:
     kind: str
     haystack: str
     seed: int
-
-    @property
-    def max_new_tokens(self) -> int:
-        """How many tokens to generate to read the answer."""
-        return len(self.answer_ids)
-
-    def training_example(self) -> TrainingExample:
-        return training_example(self.prompt_ids, self.answer_ids)
 
 
 def _needle_kind(kind: str) -> NeedleKind:

@@ -13,9 +13,7 @@ trainer's own evaluations use), prints the result and writes it as JSON.
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -24,22 +22,15 @@ from titans.data.loader import EvalWindows
 from titans.data.sources import load_source
 from titans.data.stream import TokenStream, encode_documents, load_token_streams, separator_ids, token_dtype
 from titans.data.tokenizers import Tokenizer
+from titans.deprecation import moved_names
 from titans.training import perplexity as _heldout
 from titans.training.distributed import resolve_device
 from titans.training.model_io import load_checkpoint_from, load_model
 
-_MOVED = ("PerplexityResult", "autocast_context", "evaluate_perplexity")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        warnings.warn(
-            f"titans.evaluation.perplexity.{name} moved to titans.training.perplexity.{name}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(_heldout, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_names(
+    __name__,
+    dict.fromkeys(("PerplexityResult", "autocast_context", "evaluate_perplexity"), _heldout.__name__),
+)
 
 
 def whole_source_stream(spec: str, tokenizer: Tokenizer, text_field: str = "text") -> TokenStream:

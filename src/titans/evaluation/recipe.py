@@ -190,8 +190,9 @@ def babilong_samples(tokenizer, args, lengths: list[int]):
 
 
 def fits_attention(model_config, length: int, max_attention_length: int) -> bool:
-    """False for full attention (the transformer baseline) past ``max_attention_length`` tokens."""
-    return not (model_config.variant == "transformer" and length > max_attention_length)
+    """False for a variant with full (quadratic) attention, the transformer baseline, past
+    ``max_attention_length`` tokens."""
+    return not (model_config.spec.quadratic and length > max_attention_length)
 
 
 def _progress(label: str):

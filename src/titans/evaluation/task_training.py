@@ -44,6 +44,7 @@ from titans.evaluation.babilong import babilong_training_example, make_babilong_
 from titans.evaluation.haystack import TextTokenizer, TrainingExample
 from titans.evaluation.niah import NEEDLE_KINDS, make_niah_sample, niah_training_example
 from titans.training.optim import parameter_groups, warmup_cosine
+from titans.validation import check_int
 
 TASK_NAMES = ("niah", "babilong")
 
@@ -96,9 +97,7 @@ class TaskTrainConfig:
                 f"TaskTrainConfig.babi_tasks must be a non-empty subset of {BABI_TASKS}, got {bad}"
             )
         for name in ("train_length", "start_length", "steps", "batch_size", "length_multiple"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"TaskTrainConfig.{name} must be a positive integer, got {val!r}")
+            check_int(f"TaskTrainConfig.{name}", getattr(self, name))
         if not 0.0 <= self.curriculum <= 1.0:
             raise ValueError(f"TaskTrainConfig.curriculum must lie in [0, 1], got {self.curriculum}")
 

@@ -18,8 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreT
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from titans.hf.configuration import TitansHFConfig
-from titans.inference.state_io import expand_state, select_rows, state_batch_size
-from titans.models.lm import TitansLM, TitansState
+from titans.models.lm import TitansLM
+from titans.models.state import TitansState, expand_state, select_rows, state_batch_size
 
 
 class TitansCache:

@@ -9,19 +9,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from titans.layers.residual import residual_output
 from titans.layers.rotary import RotaryEmbedding
+from titans.layers.state_tree import StateTree, register_state_type
 from titans.ops.attention import causal_attention, segment_attention
+from titans.ops.norms import l2_normalize
+from titans.validation import check_int
 
 __all__ = ["AttentionState", "SegmentAttention", "SegmentAttentionState", "SelfAttention"]
 
 
+@register_state_type
 @dataclass(frozen=True)
-class AttentionState:
+class AttentionState(StateTree):
     """Streaming state of :class:`SelfAttention`: a KV cache.
 
     k, v: (batch, heads, n, head_dim), keys already rotated (RoPE). ``n = min(position, window - 1)`` for a
@@ -34,12 +40,10 @@ class AttentionState:
     v: Tensor
     position: int
 
-    def detach(self) -> AttentionState:
-        return AttentionState(self.k.detach(), self.v.detach(), self.position)
 
-
+@register_state_type
 @dataclass(frozen=True)
-class SegmentAttentionState:
+class SegmentAttentionState(StateTree):
     """Streaming state of :class:`SegmentAttention`: keys/values of the current, unfinished segment.
 
     k, v: (batch, heads, n, head_dim) from the segment's tokens; ctx_k, ctx_v: the same from the memory
@@ -53,30 +57,16 @@ class SegmentAttentionState:
     ctx_v: Tensor
     position: int
 
-    def detach(self) -> SegmentAttentionState:
-        return SegmentAttentionState(
-            self.k.detach(), self.v.detach(), self.ctx_k.detach(), self.ctx_v.detach(), self.position
-        )
 
-
-def _l2_normalize(t: Tensor, eps: float = 1e-6) -> Tensor:
-    """l2-normalise the last dim, computed in float32 (or wider) and returned in t's dtype."""
-    tf = t.to(torch.promote_types(t.dtype, torch.float32))
-    return (tf * torch.rsqrt(tf.pow(2).sum(-1, keepdim=True).clamp_min(eps * eps))).to(t.dtype)
-
-
-def _check_int(name: str, value: int, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+# q and k of attention are l2-normalised in at least float32 (bf16 under autocast), eps on the norm 1e-6
+_l2_normalize = partial(l2_normalize, eps=1e-6, in_float32=True)
 
 
 def _check_position(state: AttentionState | SegmentAttentionState | None) -> int:
     if state is None:
         return 0
-    position = state.position
-    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
-        raise ValueError(f"state.position must be an int >= 0, got {position!r}")
-    return position
+    check_int("state.position", state.position, 0)
+    return state.position
 
 
 def _take_last(t: Tensor, n: int) -> Tensor:
@@ -101,17 +91,17 @@ class _ProjectedAttention(nn.Module):
         output_gate: bool,
     ):
         super().__init__()
-        _check_int("dim", dim, 1)
-        _check_int("heads", heads, 1)
-        _check_int("head_dim", head_dim, 1)
-        _check_int("persistent_tokens", persistent_tokens, 0)
+        check_int("dim", dim)
+        check_int("heads", heads)
+        check_int("head_dim", head_dim)
+        check_int("persistent_tokens", persistent_tokens, 0)
         self.dim, self.heads, self.head_dim = dim, heads, head_dim
         self.qk_norm, self.silu_qkv = qk_norm, silu_qkv
         inner = heads * head_dim
         self.q_proj = nn.Linear(dim, inner, bias=False)
         self.k_proj = nn.Linear(dim, inner, bias=False)
         self.v_proj = nn.Linear(dim, inner, bias=False)
-        self.o_proj = nn.Linear(inner, dim, bias=False)
+        self.o_proj = residual_output(nn.Linear(inner, dim, bias=False))
         self.rotary = RotaryEmbedding(head_dim, base=rope_base)
         # Persistent memory (Titans §3.3): learned tokens in model space, shaped like normalised block inputs
         # (unit-variance entries), that go through the same k/v projections as the sequence.
@@ -245,10 +235,8 @@ class SelfAttention(_ProjectedAttention):
             silu_qkv=silu_qkv,
             output_gate=output_gate,
         )
-        if window is not None:
-            _check_int("window", window, 1)
-        if block_size is not None:
-            _check_int("block_size", block_size, 1)
+        check_int("window", window, none_ok=True)
+        check_int("block_size", block_size, none_ok=True)
         self.window = window
         self.block_size = block_size
 
@@ -330,7 +318,7 @@ class SegmentAttention(_ProjectedAttention):
             silu_qkv=silu_qkv,
             output_gate=output_gate,
         )
-        _check_int("segment_len", segment_len, 1)
+        check_int("segment_len", segment_len)
         self.segment_len = segment_len
 
     def extra_repr(self) -> str:

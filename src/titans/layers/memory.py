@@ -1,4 +1,4 @@
-"""`NeuralMemory`: the Titans long-term memory as a sequence layer (SPEC §1-2).
+"""`NeuralMemory`: the Titans long-term memory as a sequence layer (docs/design.md, "The memory").
 
     y, state = mem(x, state)          x, y: (batch, seq, dim)
 
@@ -18,16 +18,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from titans.deprecation import warn_deprecated
 from titans.layers.norm import RMSNorm
-from titans.layers.state_tree import map_tensors
+from titans.layers.residual import residual_output
+from titans.layers.state_tree import StateTree, register_state_type
 from titans.ops.conv import causal_conv_silu
 from titans.ops.memory import ACTIVATIONS, memory_forward, neural_memory_chunked
 from titans.ops.memory_ref import neural_memory_ref
 from titans.ops.norms import l2_normalize, rms_norm
+from titans.validation import check_int
 
 
+@register_state_type
 @dataclass
-class MemoryState:
+class MemoryState(StateTree):
     """Everything needed to continue the same sequences in a later call.
 
     weights, momentum: per memory layer (B, H, d_in, d_out), at the last chunk boundary.
@@ -46,14 +50,6 @@ class MemoryState:
     conv_tail: Tensor | None
     position: int
 
-    def detach(self) -> MemoryState:
-        """A copy cut from the autograd graph (e.g. for truncated backprop across calls)."""
-        return self.map(Tensor.detach)
-
-    def map(self, fn) -> MemoryState:
-        """Apply `fn` to every tensor (e.g. `state.map(lambda t: t.to("cuda"))`)."""
-        return map_tensors(self, fn)
-
 
 @dataclass
 class MemoryStats:
@@ -63,6 +59,22 @@ class MemoryStats:
     theta: Tensor
     eta: Tensor
     alpha: Tensor
+
+
+@dataclass
+class MemoryOutput:
+    """What `NeuralMemory.forward_with_stats` returns: output (B, T, dim), the new state, the call's stats."""
+
+    output: Tensor
+    state: MemoryState
+    stats: MemoryStats
+
+
+def _stats(surprise: Tensor, gates: Tensor) -> MemoryStats:
+    """MemoryStats from the surprise (B, H, T) and the gates (B, H, T, 3) of `NeuralMemory.gates`."""
+    return MemoryStats(
+        surprise, theta=gates[..., 0], eta=gates[..., 1].exp(), alpha=-torch.expm1(gates[..., 2])
+    )
 
 
 def _logit(p: float) -> float:
@@ -137,16 +149,12 @@ class NeuralMemory(nn.Module):
             ("depth", depth),
             ("chunk_size", chunk_size),
         ):
-            if not isinstance(val, int) or val < 1:
-                raise ValueError(f"NeuralMemory: {name} must be a positive integer, got {val!r}")
+            check_int(f"NeuralMemory: {name}", val)
         if activation not in ACTIVATIONS:
             raise ValueError(f"NeuralMemory: activation must be one of {ACTIVATIONS}, got {activation!r}")
         if conv_kernel < 0:
             raise ValueError(f"NeuralMemory: conv_kernel must be >= 0, got {conv_kernel}")
-        if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
-            raise ValueError(
-                f"NeuralMemory: checkpoint_every must be a positive integer or None, got {checkpoint_every!r}"
-            )
+        check_int("NeuralMemory: checkpoint_every", checkpoint_every, none_ok=True)
         if impl not in ("chunked", "reference"):
             raise ValueError(f"NeuralMemory: impl must be 'chunked' or 'reference', got {impl!r}")
         for name, val in (
@@ -186,7 +194,7 @@ class NeuralMemory(nn.Module):
         self.init_weights = nn.ParameterList(nn.Parameter(w, requires_grad=learned_init) for w in init)
         self.norm = RMSNorm(head_dim) if output_gate else None
         self.to_gate = nn.Linear(dim, inner, bias=False) if output_gate else None
-        self.to_out = nn.Linear(inner, dim, bias=False)
+        self.to_out = residual_output(nn.Linear(inner, dim, bias=False))
 
     # ----------------------------------------------------------------------------------------- state
     def initial_state(self, batch_size: int, device=None, dtype=None) -> MemoryState:
@@ -325,9 +333,24 @@ class NeuralMemory(nn.Module):
     def forward(self, x: Tensor, state: MemoryState | None = None, return_stats: bool = False):
         """Read and write the memory over x.
 
-        x: (B, T, dim). Returns (y, state) with y: (B, T, dim), or (y, state, MemoryStats) when
-        return_stats is set. Passing the returned state to the next call continues the sequences exactly.
+        x: (B, T, dim). Returns (y, state) with y: (B, T, dim). Passing the returned state to the next call
+        continues the sequences exactly. For the per-token stats as well, use `forward_with_stats`
+        (`return_stats=True`, which returns (y, state, MemoryStats), is deprecated).
         """
+        out = self.forward_with_stats(x, state)
+        if return_stats:
+            # stacklevel: the caller of model(...), past nn.Module.__call__
+            warn_deprecated(
+                "NeuralMemory(x, state, return_stats=True) is deprecated: use "
+                "NeuralMemory.forward_with_stats(x, state), which returns a MemoryOutput",
+                stacklevel=4,
+            )
+            return out.output, out.state, out.stats
+        return out.output, out.state
+
+    def forward_with_stats(self, x: Tensor, state: MemoryState | None = None) -> MemoryOutput:
+        """`forward`, with the per-token stats of the call: x (B, T, dim) -> MemoryOutput(output (B, T,
+        dim), state, stats)."""
         self._check_input(x)
         batch, t = x.shape[:2]
         if state is None:  # in the parameters' dtype (a bf16 input under autocast must not make a bf16 state)
@@ -337,14 +360,13 @@ class NeuralMemory(nn.Module):
         if t == 0:  # nothing to read or write: an empty output, the state as it was
             out = self.to_out(x.new_zeros(batch, 0, self.heads * self.head_dim))
             empty = x.new_zeros(batch, self.heads, 0, dtype=state.pending_gates.dtype)
-            return (out, state, MemoryStats(empty, empty, empty, empty)) if return_stats else (out, state)
+            return MemoryOutput(out, state, MemoryStats(empty, empty, empty, empty))
         self._check_finite(x, state.position)
         q, k, v, conv_tail = self.project(x, state.conv_tail)
         gates = self.gates(x)
         y, new_state, stats = self.scan(q, k, v, gates, state)
         new_state = replace(new_state, conv_tail=conv_tail)
-        out = self.combine_heads(y, x)
-        return (out, new_state, stats) if return_stats else (out, new_state)
+        return MemoryOutput(self.combine_heads(y, x), new_state, stats)
 
     def scan(
         self, q: Tensor, k: Tensor, v: Tensor, gates: Tensor, state: MemoryState
@@ -365,23 +387,8 @@ class NeuralMemory(nn.Module):
             q_all = F.pad(q, (0, 0, r, 0))
         else:  # nothing pending (a fresh sequence, or a call that starts on a chunk boundary)
             k_all, v_all, g_all, q_all = k, v, gates, q
-        if self.impl == "chunked":
-            fn = partial(neural_memory_chunked, checkpoint_every=self.checkpoint_every)
-        else:
-            fn = neural_memory_ref
-        y, weights, momentum, surprise = fn(
-            q_all,
-            k_all,
-            v_all,
-            g_all[..., 0],
-            g_all[..., 1],
-            g_all[..., 2],
-            state.weights,
-            state.momentum,
-            chunk_size=self.chunk_size,
-            activation=self.activation,
-            residual=self.residual,
-            surprise_clip=self.surprise_clip,
+        y, weights, momentum, surprise = self._run_op(
+            q_all, k_all, v_all, g_all, state, self.chunk_size, self.checkpoint_every
         )
         keep = (r + t) % self.chunk_size
         new_state = MemoryState(
@@ -393,20 +400,26 @@ class NeuralMemory(nn.Module):
             conv_tail=state.conv_tail,
             position=state.position + t,
         )
-        g = g_all[:, :, r:]
-        stats = MemoryStats(
-            surprise=surprise[:, :, r:], theta=g[..., 0], eta=g[..., 1].exp(), alpha=-torch.expm1(g[..., 2])
-        )
+        stats = _stats(surprise[:, :, r:], g_all[:, :, r:])
         return y[:, :, r:], new_state, stats
 
-    def _scan_frozen(
-        self, q: Tensor, k: Tensor, v: Tensor, gates: Tensor, state: MemoryState
-    ) -> tuple[Tensor, MemoryState, MemoryStats]:
-        """`scan` of a read-only memory (write=False): every token reads the state's weights, and weights,
-        momentum and pending tokens come back unchanged (the same tensors), whatever the input."""
-        fn = neural_memory_chunked if self.impl == "chunked" else neural_memory_ref
-        # one chunk longer than the call: all of it is read (with its surprise reported), none written
-        y, _, _, surprise = fn(
+    def _run_op(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        gates: Tensor,
+        state: MemoryState,
+        chunk_size: int,
+        checkpoint_every: int | None,
+    ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
+        """The memory op (`impl`) over q, k, v (B, H, n, d) and gates (B, H, n, 3) from the state's weights
+        and momentum: y, weights, momentum, surprise."""
+        if self.impl == "chunked":
+            fn = partial(neural_memory_chunked, checkpoint_every=checkpoint_every)
+        else:
+            fn = neural_memory_ref
+        return fn(
             q,
             k,
             v,
@@ -415,18 +428,21 @@ class NeuralMemory(nn.Module):
             gates[..., 2],
             state.weights,
             state.momentum,
-            chunk_size=q.shape[2] + 1,
+            chunk_size=chunk_size,
             activation=self.activation,
             residual=self.residual,
             surprise_clip=self.surprise_clip,
         )
+
+    def _scan_frozen(
+        self, q: Tensor, k: Tensor, v: Tensor, gates: Tensor, state: MemoryState
+    ) -> tuple[Tensor, MemoryState, MemoryStats]:
+        """`scan` of a read-only memory (write=False): every token reads the state's weights, and weights,
+        momentum and pending tokens come back unchanged (the same tensors), whatever the input."""
+        # one chunk longer than the call: all of it is read (with its surprise reported), none written
+        y, _, _, surprise = self._run_op(q, k, v, gates, state, q.shape[2] + 1, None)
         new_state = replace(state, position=state.position + q.shape[2])
-        stats = MemoryStats(
-            surprise=surprise,
-            theta=gates[..., 0],
-            eta=gates[..., 1].exp(),
-            alpha=-torch.expm1(gates[..., 2]),
-        )
+        stats = _stats(surprise, gates)
         return y, new_state, stats
 
     def extra_repr(self) -> str:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from titans.layers.residual import residual_output
+from titans.validation import check_int
+
 
 class SwiGLU(nn.Module):
     """Bias-free SwiGLU MLP (Shazeer 2020, as in Llama): ``W_down(silu(x W_gate) * (x W_up))``.
@@ -14,14 +17,13 @@ class SwiGLU(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
-        for name, value in (("dim", dim), ("hidden_dim", hidden_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SwiGLU {name} must be an int >= 1, got {value!r}")
+        check_int("SwiGLU dim", dim)
+        check_int("SwiGLU hidden_dim", hidden_dim)
         self.dim = dim
         self.hidden_dim = hidden_dim
         self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
-        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+        self.down_proj = residual_output(nn.Linear(hidden_dim, dim, bias=False))
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.dim:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from titans.validation import check_int
+
 
 class RotaryEmbedding(nn.Module):
     """Rotates channel pairs of queries/keys by position-dependent angles (Su et al., RoFormer).
@@ -20,8 +22,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, base: float = 10000.0, max_cached_positions: int = 8192):
         super().__init__()
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
-            raise ValueError(f"head_dim must be an int >= 1, got {head_dim!r}")
+        check_int("head_dim", head_dim)
         if not base > 1.0:
             raise ValueError(f"rope base must be > 1, got {base!r}")
         if max_cached_positions < 0:

@@ -1,4 +1,5 @@
-"""Residual blocks of the Titans variants (SPEC §4). Every block: `x, state = block(x, state)`.
+"""Residual blocks of the Titans variants (docs/design.md, "The variants"). Every block:
+`x, state = block(x, state)`.
 
 x: (B, T, dim). A block's state is whatever its mixers need to continue the same sequences in a later
 call (KV caches, memory weights), so streaming a sequence in pieces equals one parallel pass.
@@ -7,6 +8,7 @@ call (KV caches, memory weights), so streaming a sequence in pieces equals one p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +18,12 @@ from titans.layers.attention import AttentionState, SegmentAttention, SegmentAtt
 from titans.layers.memory import MemoryState, MemoryStats, NeuralMemory
 from titans.layers.mlp import SwiGLU
 from titans.layers.norm import RMSNorm
-from titans.models.config import TitansConfig
+from titans.layers.residual import residual_output
+from titans.layers.state_tree import StateTree, register_state_type
+from titans.ops.norms import l2_normalize
+
+if TYPE_CHECKING:  # the config imports the variant registry, which imports the blocks
+    from titans.models.config import TitansConfig
 
 
 def make_memory(cfg: TitansConfig) -> NeuralMemory:
@@ -62,7 +69,7 @@ class GatedCombine(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.norm_a, self.norm_b = RMSNorm(dim, eps=eps), RMSNorm(dim, eps=eps)
-        self.proj = nn.Linear(dim, dim, bias=False)
+        self.proj = residual_output(nn.Linear(dim, dim, bias=False))
 
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
         return self.proj(self.norm_a(a) * torch.sigmoid(self.norm_b(b)))
@@ -90,7 +97,11 @@ class IdentityInitGate(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + mixer(norm(x)), then x + SwiGLU(norm(x)). Subclasses define the mixer."""
+    """Pre-norm residual block: x + mixer(norm(x)), then x + SwiGLU(norm(x)). Subclasses define the mixer
+    (`mix`), and a block with a residual sub-layer before the mixer (MAL's memory) defines `pre_mix`.
+
+    `stats`: a list that memory calls append their `MemoryStats` to, or None.
+    """
 
     def __init__(self, cfg: TitansConfig):
         super().__init__()
@@ -98,10 +109,15 @@ class Block(nn.Module):
         self.norm_mlp = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.dim, cfg.mlp_hidden)
 
+    def pre_mix(self, x: Tensor, state, stats: list | None) -> tuple[Tensor, object]:
+        """x (B, T, dim) -> x with any residual sub-layer before the mixer added, and the state."""
+        return x, state
+
     def mix(self, x: Tensor, state, stats: list | None) -> tuple[Tensor, object]:
         raise NotImplementedError
 
     def forward(self, x: Tensor, state=None, stats: list | None = None):
+        x, state = self.pre_mix(x, state, stats)
         h, state = self.mix(self.norm_mix(x), state, stats)
         x = x + h
         return x + self.mlp(self.norm_mlp(x)), state
@@ -119,9 +135,9 @@ def _run_memory(
         _, state = mem(prefix.to(x.dtype).unsqueeze(0).expand(x.shape[0], -1, -1))
     if stats is None:
         return mem(x, state)
-    y, state, st = mem(x, state, return_stats=True)
-    stats.append(st)
-    return y, state
+    out = mem.forward_with_stats(x, state)
+    stats.append(out.stats)
+    return out.output, out.state
 
 
 class AttentionBlock(Block):
@@ -146,8 +162,9 @@ class MemoryBlock(Block):
         return _run_memory(self.memory, x, state, stats)
 
 
+@register_state_type
 @dataclass
-class MAGState:
+class MAGState(StateTree):
     attention: AttentionState | None
     memory: MemoryState | None
 
@@ -170,8 +187,16 @@ class MAGBlock(Block):
         return self.combine(y, m), MAGState(attn_state, mem_state)
 
 
+@register_state_type
+@dataclass
+class MALState(StateTree):
+    attention: AttentionState | None
+    memory: MemoryState | None
+
+
 class MALBlock(Block):
-    """Memory as layer: x + M(norm x), then x + SWA(norm x), then the MLP (an H3-like stack).
+    """Memory as layer: x + M(norm x) (`pre_mix`), then x + SWA(norm x) (`mix`), then the MLP (an H3-like
+    stack).
 
     The persistent tokens go to the attention (`mal_attn_persistent`), to the memory's input
     (`persistent_to_memory`), or both: one set of tokens either way.
@@ -187,33 +212,35 @@ class MALBlock(Block):
             self.memory_persistent = nn.Parameter(torch.randn(cfg.persistent_tokens, cfg.dim))
         self.persistent_to_memory = cfg.persistent_to_memory
 
-    def forward(self, x: Tensor, state: MAGState | None = None, stats: list | None = None):
-        state = state or MAGState(None, None)
+    def pre_mix(self, x: Tensor, state: MALState | None, stats):
+        state = state or MALState(None, None)
         prefix = None
         if self.persistent_to_memory:  # eq. 29
             prefix = self.attn.persistent if self.memory_persistent is None else self.memory_persistent
         m, mem_state = _run_memory(self.memory, self.norm_mem(x), state.memory, stats, prefix)
-        x = x + m
-        y, attn_state = self.attn(self.norm_mix(x), state.attention)
-        x = x + y
-        return x + self.mlp(self.norm_mlp(x)), MAGState(attn_state, mem_state)
+        return x + m, MALState(state.attention, mem_state)
+
+    def mix(self, x, state: MALState, stats):
+        y, attn_state = self.attn(x, state.attention)
+        return y, MALState(attn_state, state.memory)
 
 
+@register_state_type
 @dataclass
-class MACState:
+class MACState(StateTree):
     memory: MemoryState
     segment_weights: tuple[Tensor, ...]  # memory weights at the start of the current segment (for retrieval)
     attention: SegmentAttentionState | None
 
 
 class MACBlock(Block):
-    """Memory as context (SPEC §4).
+    """Memory as context (docs/design.md, "The variants").
 
     For each segment s: retrieve h = M_{s-1}(q(x)) with the weights from before the segment; causal attention
     over [persistent || h || segment] (h_j visible only to tokens >= j); write the attention output y into the
     memory chunk by chunk; output o = gate(y, M(y)), each token reading the memory before its chunk's write.
     With `mac_norm_memory_tokens`, h is RMS-normalised first, as the block input x is (the memory's output
-    projection is initialised small, for its residual uses: unnormalised, h sat at ~1/20 of x's scale).
+    projection is initialised small, for its residual uses: unnormalised, h is far below x's scale).
     With `mac_norm_memory_input`, the memory writes and reads norm(y) (RMSNorm, learned weight) instead of y:
     y comes out of the attention's small output projection, and unnormalised it is so small that the
     memory's keys and values are its conv bias alone, the same for every token.
@@ -245,7 +272,7 @@ class MACBlock(Block):
         b, n, _ = x.shape
         mem = self.memory
         q = F.silu(self.retrieve_q(x)).view(b, n, mem.heads, mem.head_dim).transpose(1, 2)
-        q = F.normalize(q, dim=-1)
+        q = l2_normalize(q, fused_backward=False)
         h = mem.combine_heads(mem.read(q, weights), x)
         return F.rms_norm(h, (h.shape[-1],), eps=self.eps) if self.norm_tokens else h
 
@@ -275,14 +302,16 @@ class MACBlock(Block):
         return torch.cat(outs, dim=1), MACState(mem_state, seg_w, attn_state)
 
 
-def make_block(cfg: TitansConfig, layer: int) -> Block:
-    if cfg.variant == "transformer":
-        return AttentionBlock(cfg, None)
-    if cfg.variant == "swa":
-        return AttentionBlock(cfg, cfg.window)
-    if not cfg.has_memory(layer):
-        return AttentionBlock(cfg, cfg.segment_len if cfg.variant == "mac" else cfg.window)
-    return {"mac": MACBlock, "mag": MAGBlock, "mal": MALBlock, "lmm": MemoryBlock}[cfg.variant](cfg)
-
-
-__all__ = ["Block", "IdentityInitGate", "MACState", "MAGState", "MemoryStats", "make_block"]
+__all__ = [
+    "AttentionBlock",
+    "Block",
+    "IdentityInitGate",
+    "MACBlock",
+    "MACState",
+    "MAGBlock",
+    "MAGState",
+    "MALBlock",
+    "MALState",
+    "MemoryBlock",
+    "MemoryStats",
+]

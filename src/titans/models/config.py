@@ -7,8 +7,11 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("mac", "mag", "mal", "lmm", "transformer", "swa")
-MEMORY_VARIANTS = ("mac", "mag", "mal", "lmm")
+from titans.models.variants import VARIANT_SPECS, Variant
+from titans.validation import check_int
+
+VARIANTS = tuple(VARIANT_SPECS)
+MEMORY_VARIANTS = tuple(name for name, spec in VARIANT_SPECS.items() if spec.memory)
 
 
 def read_json_object(path: str | Path, owner: str) -> dict[str, Any]:
@@ -30,7 +33,7 @@ MAC_GATES = ("norm", "open")
 
 @dataclass
 class TitansConfig:
-    """A Titans causal LM (SPEC §3-4). Core fields keep the issue's names; the rest have defaults.
+    """A Titans causal LM (docs/design.md, "The variants"). The core fields come first; all have defaults.
 
     variant: "mac" (memory as context), "mag" (memory as gate), "mal" (memory as layer), "lmm" (memory
         alone), or the baselines "transformer" (full causal attention) and "swa" (sliding window).
@@ -62,7 +65,7 @@ class TitansConfig:
     memory_conv_kernel: int = 4
     memory_momentum: bool = True
     memory_forgetting: bool = True
-    # inner learning rate: bound and initial value. Larger values (the old 1.0 / 0.1) make the outer
+    # inner learning rate: bound and initial value. Larger values (e.g. 1.0 / 0.1) make the outer
     # gradient through the memory grow exponentially with the number of chunks (docs/evaluations.md)
     memory_max_lr: float = 0.03
     memory_theta_init: float = 0.01
@@ -119,19 +122,17 @@ class TitansConfig:
             "chunk_size",
             "memory_depth",
         ):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"TitansConfig.{name} must be a positive integer, got {val!r}")
+            check_int(f"TitansConfig.{name}", getattr(self, name))
         if self.persistent_tokens < 0:
             raise ValueError(f"TitansConfig.persistent_tokens must be >= 0, got {self.persistent_tokens}")
         if self.head_dim is None and self.dim % self.heads:
             raise ValueError(
                 f"TitansConfig.heads={self.heads} does not divide dim={self.dim}; set head_dim explicitly"
             )
-        if self.variant == "mac" and self.segment_len % self.chunk_size:
+        if self.spec.segmented and self.segment_len % self.chunk_size:
             raise ValueError(
                 f"TitansConfig.chunk_size={self.chunk_size} must divide segment_len={self.segment_len} for "
-                "mac (the memory is written chunk by chunk inside each segment)"
+                f"{self.variant} (the memory is written chunk by chunk inside each segment)"
             )
         if self.memory_layers is not None:
             self.memory_layers = [int(i) for i in self.memory_layers]
@@ -150,11 +151,7 @@ class TitansConfig:
             val = getattr(self, name)
             if not isinstance(val, bool):
                 raise ValueError(f"TitansConfig.{name} must be a bool, got {val!r}")
-        every = self.memory_checkpoint_every
-        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
-            raise ValueError(
-                f"TitansConfig.memory_checkpoint_every must be a positive integer or null, got {every!r}"
-            )
+        check_int("TitansConfig.memory_checkpoint_every", self.memory_checkpoint_every, none_ok=True)
         if self.mlp_mult <= 0:
             raise ValueError(f"TitansConfig.mlp_mult must be > 0, got {self.mlp_mult}")
         for name in ("memory_eta_init", "memory_alpha_init"):
@@ -163,6 +160,11 @@ class TitansConfig:
                 raise ValueError(f"TitansConfig.{name} must lie in (0, 1) (a gate value), got {val!r}")
 
     # ------------------------------------------------------------------------------------- derived
+    @property
+    def spec(self) -> Variant:
+        """The variant's entry in the registry (`titans.models.variants`)."""
+        return VARIANT_SPECS[self.variant]
+
     @property
     def attn_head_dim(self) -> int:
         return self.head_dim or self.dim // self.heads
@@ -173,7 +175,7 @@ class TitansConfig:
         return -(-int(self.mlp_mult * self.dim * 2 / 3) // 8) * 8
 
     def has_memory(self, layer: int) -> bool:
-        if self.variant not in MEMORY_VARIANTS:
+        if not self.spec.memory:
             return False
         return self.memory_layers is None or layer in self.memory_layers
 

@@ -10,17 +10,22 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
 from torch import Tensor, nn
 
+from titans.deprecation import warn_deprecated
 from titans.layers.memory import MemoryStats, NeuralMemory
 from titans.layers.norm import RMSNorm
+from titans.layers.residual import is_residual_output
 from titans.layers.state_tree import map_tensors
-from titans.models.blocks import IdentityInitGate, make_block
+from titans.models import streaming
+from titans.models.blocks import IdentityInitGate
 from titans.models.config import TitansConfig
+from titans.models.state import TitansState
+from titans.models.variants import make_block
 
 # A CPU stream this long warns (once per process) if subnormal floats are not flushed to zero.
 SUBNORMAL_WARNING_POSITION = 1 << 15
@@ -59,33 +64,13 @@ def _warn_if_subnormals_kept(device: torch.device, position: int) -> None:
 
 
 @dataclass
-class TitansState:
-    """Per-block streaming states (see each block), the number of tokens consumed, and the config of the
-    model they belong to (a state is refused by a model with another config).
+class LMOutput:
+    """What `TitansLM.forward_with_stats` returns: logits (B, T, vocab), the new state, and the stats of
+    every memory call (per memory layer, per MAC segment piece)."""
 
-    `state.save(path)` / `TitansState.load(path)` persist it (safetensors + a metadata header);
-    see `titans.inference.state_io`.
-    """
-
-    layers: list = field(default_factory=list)
-    position: int = 0
-    config: Mapping | None = None
-
-    def save(self, path) -> None:
-        from titans.inference.state_io import save_state
-
-        save_state(self, path)
-
-    @classmethod
-    def load(cls, path, map_location="cpu") -> TitansState:
-        from titans.inference.state_io import load_state
-
-        return load_state(path, map_location=map_location)
-
-    def detach(self) -> TitansState:
-        from titans.inference.state_io import map_state
-
-        return map_state(self, lambda t: t.detach())
+    logits: Tensor
+    state: TitansState
+    stats: list[MemoryStats]
 
 
 class TitansLM(nn.Module):
@@ -101,17 +86,17 @@ class TitansLM(nn.Module):
             self.head.weight = self.embed.weight
 
     def reset_parameters(self) -> None:
-        """GPT-style init: N(0, init_std) for embeddings and projections, residual outputs scaled by depth.
+        """GPT-style init: N(0, init_std) for embeddings and projections, the projections into the residual
+        stream (marked by their layers, `titans.layers.residual`) scaled by 1 / sqrt(2 depth).
 
         The neural memory's gate biases and initial weights keep their own initialisation, and MAC's
         identity-initialised output gate its zeros.
         """
         std = self.config.init_std
         memory_gates = {id(m.to_gates) for m in self.modules() if isinstance(m, NeuralMemory)}
-        for name, module in self.named_modules():
+        for module in self.modules():
             if isinstance(module, nn.Linear) and id(module) not in memory_gates:
-                residual_out = name.endswith(("o_proj", "down_proj", "to_out", "combine.proj"))
-                scale = (2 * self.config.depth) ** -0.5 if residual_out else 1.0
+                scale = (2 * self.config.depth) ** -0.5 if is_residual_output(module) else 1.0
                 nn.init.normal_(module.weight, std=std * scale)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
@@ -164,12 +149,10 @@ class TitansLM(nn.Module):
                     "continue each batch of sequences with its own state"
                 )
 
-    @torch.no_grad()
     def generate(self, prompt: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
-        """Sample continuations of a batch of prompts (B, T); see `titans.inference.generation.generate`."""
-        from titans.inference.generation import generate
-
-        return generate(self, prompt, max_new_tokens, **kwargs)
+        """Sample continuations of a batch of prompts (B, T); see `titans.models.streaming.generate` (also
+        `titans.inference.generate`)."""
+        return streaming.generate(self, prompt, max_new_tokens, **kwargs)
 
     def forward(
         self,
@@ -178,9 +161,32 @@ class TitansLM(nn.Module):
         return_stats: bool = False,
         last_only: bool = False,
     ):
-        """tokens (B, T) -> (logits (B, T, vocab), state); with return_stats also a list of MemoryStats,
-        one per memory call (per memory layer, per MAC segment piece). ``last_only``: logits of the last
-        position only, (B, 1, vocab), which spares the output head on the rest (prefill)."""
+        """tokens (B, T) -> (logits (B, T, vocab), state). ``last_only``: logits of the last position only,
+        (B, 1, vocab), which spares the output head on the rest (prefill). For the memory's stats as well,
+        use `forward_with_stats` (`return_stats=True`, which returns (logits, state, stats), is
+        deprecated)."""
+        if return_stats:
+            # stacklevel: the caller of model(...), past nn.Module.__call__
+            warn_deprecated(
+                "TitansLM(tokens, state, return_stats=True) is deprecated: use "
+                "TitansLM.forward_with_stats(tokens, state), which returns an LMOutput",
+                stacklevel=4,
+            )
+            out = self._forward(tokens, state, [], last_only)
+            return out.logits, out.state, out.stats
+        out = self._forward(tokens, state, None, last_only)
+        return out.logits, out.state
+
+    def forward_with_stats(
+        self, tokens: Tensor, state: TitansState | None = None, last_only: bool = False
+    ) -> LMOutput:
+        """`forward`, with the `MemoryStats` of every memory call (per memory layer, per MAC segment
+        piece): tokens (B, T) -> LMOutput(logits, state, stats)."""
+        return self._forward(tokens, state, [], last_only)
+
+    def _forward(
+        self, tokens: Tensor, state: TitansState | None, stats: list[MemoryStats] | None, last_only: bool
+    ) -> LMOutput:
         if not isinstance(tokens, Tensor) or tokens.dim() != 2:
             shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
             raise ValueError(f"TitansLM: tokens must be a (batch, seq) tensor, got {shape}")
@@ -192,7 +198,6 @@ class TitansLM(nn.Module):
         if state is not None:
             self.check_state(state, tokens.shape[0])
         layer_states = state.layers if state is not None else [None] * len(self.blocks)
-        stats: list[MemoryStats] | None = [] if return_stats else None
         x = self.embed(tokens.long())
         new_states = []
         for block, s in zip(self.blocks, layer_states):
@@ -203,5 +208,7 @@ class TitansLM(nn.Module):
         logits = self.head(self.norm(x))
         position = (state.position if state is not None else 0) + tokens.shape[1]
         _warn_if_subnormals_kept(tokens.device, position)
-        new_state = TitansState(new_states, position, self.config_dict)
-        return (logits, new_state, stats) if return_stats else (logits, new_state)
+        return LMOutput(logits, TitansState(new_states, position, self.config_dict), stats)
+
+
+__all__ = ["LMOutput", "TitansLM", "TitansState", "check_token_ids", "subnormals_flushed"]

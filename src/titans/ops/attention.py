@@ -1,4 +1,4 @@
-"""Causal attention kernels for the Titans architectures, each with a plain dense reference beside it.
+"""Causal attention kernels for the Titans architectures (dense references beside them: `attention_ref.py`).
 
 All functions take tensors shaped (batch, heads, seq, head_dim). Queries are the LAST ``Tq`` positions of
 the ``Tk``-long key sequence, so one function serves a parallel pass (``Tq == Tk``) and streaming with a
@@ -12,24 +12,20 @@ key/value cache (``Tq < Tk``).
   ``[persistent || retrieved memory tokens h || segment tokens]`` with a causal rule on both ``h`` and the
   segment, computed by folding segments into the batch.
 
-The ``*_ref`` functions build the dense mask over the whole sequence and run a textbook softmax; they exist
-to be obviously right, and the tests compare the fast paths against them.
+The references in `titans.ops.attention_ref` build the dense mask over the whole sequence and run a
+textbook softmax; they exist to be obviously right, and the tests compare these fast paths against them.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = [
-    "causal_attention",
-    "causal_attention_ref",
-    "segment_attention",
-    "segment_attention_ref",
-]
+from titans.deprecation import moved_names
+from titans.validation import check_int
+
+__all__ = ["causal_attention", "segment_attention"]
 
 # Each SDPA call handles at most this many (query, key) score entries; larger problems are split into
 # groups of blocks along the folded dimension. Bounds peak memory independently of the sequence length.
@@ -101,15 +97,6 @@ def _persistent_kv(
     return persistent_k.expand(b, h, p, d), persistent_v.expand(b, h, p, d)
 
 
-def _check_positive(name: str, value: int | None, allow_none: bool) -> None:
-    if value is None:
-        if not allow_none:
-            raise ValueError(f"{name} must be an int >= 1, got None")
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
-
-
 # ----------------------------------------------------------------------------------------------------
 # shared helpers
 
@@ -140,14 +127,6 @@ def _sdpa_grouped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | 
             )
         )
     return torch.cat(outs, dim=1)
-
-
-def _dense_softmax_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float | None) -> Tensor:
-    """Textbook masked softmax attention. visible: (Tq, Tk) bool; every row must see at least one key."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("bhqk,bhkd->bhqd", scores.softmax(dim=-1), v)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -183,8 +162,8 @@ def causal_attention(
         (B, H, Tq, D).
     """
     _check_qkv(q, k, v)
-    _check_positive("window", window, allow_none=True)
-    _check_positive("block_size", block_size, allow_none=True)
+    check_int("window", window, none_ok=True)
+    check_int("block_size", block_size, none_ok=True)
     persistent = _persistent_kv(persistent_k, persistent_v, q)
     tq, tk = q.shape[2], k.shape[2]
     if tq == 0:
@@ -294,34 +273,6 @@ def _sliding_window_attention(
     return out.reshape(b, h, n_blocks * block, d)[:, :, :tq]
 
 
-def causal_attention_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    window: int | None,
-    persistent_k: Tensor | None = None,
-    persistent_v: Tensor | None = None,
-    block_size: int | None = None,
-    scale: float | None = None,
-) -> Tensor:
-    """Dense reference for :func:`causal_attention` (same arguments; ``block_size`` is ignored)."""
-    _check_qkv(q, k, v)
-    _check_positive("window", window, allow_none=True)
-    persistent = _persistent_kv(persistent_k, persistent_v, q)
-    tq, tk = q.shape[2], k.shape[2]
-    i = torch.arange(tk - tq, tk, device=q.device)[:, None]  # absolute query positions
-    j = torch.arange(tk, device=q.device)[None, :]
-    visible = j <= i
-    if window is not None:
-        visible &= j > i - window
-    if persistent is not None:
-        k = torch.cat([persistent[0], k], dim=2)
-        v = torch.cat([persistent[1], v], dim=2)
-        visible = torch.cat([visible.new_ones(tq, persistent[0].shape[2]), visible], dim=1)
-    return _dense_softmax_attention(q, k, v, visible, scale)
-
-
 # ----------------------------------------------------------------------------------------------------
 # segment attention (Titans MAC)
 
@@ -334,7 +285,7 @@ def _check_segment_inputs(q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_v:
             f"ctx_k {tuple(ctx_k.shape)} must have the shape of k {tuple(k.shape)} "
             "(one retrieved memory token per position)"
         )
-    _check_positive("segment_len", segment_len, allow_none=False)
+    check_int("segment_len", segment_len)
 
 
 def segment_attention(
@@ -408,30 +359,6 @@ def segment_attention(
     return out.reshape(b, h, n_seg * c, d)[:, :, lead : lead + tq]
 
 
-def segment_attention_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    ctx_k: Tensor,
-    ctx_v: Tensor,
-    *,
-    segment_len: int,
-    persistent_k: Tensor | None = None,
-    persistent_v: Tensor | None = None,
-    scale: float | None = None,
-) -> Tensor:
-    """Dense reference for :func:`segment_attention` (same arguments)."""
-    _check_segment_inputs(q, k, v, ctx_k, ctx_v, segment_len)
-    persistent = _persistent_kv(persistent_k, persistent_v, q)
-    tq, tk = q.shape[2], k.shape[2]
-    i = torch.arange(tk - tq, tk, device=q.device)[:, None]
-    j = torch.arange(tk, device=q.device)[None, :]
-    visible = (j <= i) & (j // segment_len == i // segment_len)
-    keys, values, masks = [ctx_k, k], [ctx_v, v], [visible, visible]
-    if persistent is not None:
-        keys.insert(0, persistent[0])
-        values.insert(0, persistent[1])
-        masks.insert(0, visible.new_ones(tq, persistent[0].shape[2]))
-    return _dense_softmax_attention(
-        q, torch.cat(keys, dim=2), torch.cat(values, dim=2), torch.cat(masks, dim=1), scale
-    )
+__getattr__ = moved_names(
+    __name__, dict.fromkeys(("causal_attention_ref", "segment_attention_ref"), "titans.ops.attention_ref")
+)

@@ -10,7 +10,7 @@ that keeps only the input and recomputes the pre-activation, so training holds o
 layer instead of three. It can write its output straight into the memory's (3, B, H, T, d) q/k/v layout.
 On CPU a fused C++ kernel (`csrc/causal_conv.cpp`, one pass per direction; `titans.ops.cpu_kernels`
 builds it on first use) does the same work where it can be built; the torch-op path is its fallback.
-`causal_conv_silu_ref` is the plain ``F.conv1d`` formulation both are tested against.
+`titans.ops.conv_ref.causal_conv_silu_ref` is the plain ``F.conv1d`` formulation both are tested against.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from titans.deprecation import moved_names
 from titans.ops.cpu_kernels import kernels
 
 # On CPU, time rows per block of the fused passes: a block of (B, rows, C) holds about this many elements
@@ -211,12 +212,7 @@ def causal_conv_silu(
     return _CausalConvSiLU.apply(x, tail, weight, bias, split)
 
 
-def causal_conv_silu_ref(padded: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """The reference on the K - 1 context rows and the rows together, padded (B, T + K - 1, C): ``F.conv1d``
-    with groups = C on the transposed input, then SiLU."""
-    b = None if bias is None else bias.to(padded.dtype)
-    out = F.conv1d(padded.transpose(1, 2), weight.to(padded.dtype), b, groups=weight.shape[0])
-    return F.silu(out.transpose(1, 2))
+__all__ = ["causal_conv_silu", "causal_depthwise_conv"]
 
 
-__all__ = ["causal_conv_silu", "causal_conv_silu_ref", "causal_depthwise_conv"]
+__getattr__ = moved_names(__name__, {"causal_conv_silu_ref": "titans.ops.conv_ref"})

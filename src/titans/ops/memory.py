@@ -1,4 +1,4 @@
-"""Chunked parallel neural-memory update (SPEC §2): the fast path.
+"""Chunked parallel neural-memory update (docs/design.md, "The chunked form"): the fast path.
 
 Inside a chunk of `b` tokens every surprise is taken at the chunk-start weights `W_0`, so with
 per-token gates the end-of-chunk state is a *weighted sum* of per-token gradients:
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from titans.ops.cpu_kernels import kernels
+from titans.validation import check_int
 
 ACTIVATIONS = ("silu", "gelu", "relu")
 
@@ -315,12 +316,10 @@ class _GradBuffers:
     """Two state-gradient buffers per layer that the chunk steps of one `_run_chunks` call take turns with
     in the backward pass (chunk c writes slot c % 2).
 
-    A fresh weight-sized gradient per chunk can land on newly faulted pages; reusing two buffers saved
-    1-2% of the layer's fwd+bwd on CPU when introduced, 0.2% in the latest run of
-    `benchmarks/memory_profile.py`, which compares both. Reuse is
-    safe because the backward pass runs the chunks in reverse order and each chunk's state gradient goes
-    only to the chunk before it: when chunk c - 2 overwrites slot c % 2, chunk c - 1 has already consumed
-    what chunk c wrote there.
+    A fresh weight-sized gradient per chunk can land on newly faulted pages (`benchmarks/memory_profile.py`
+    compares both; docs/benchmarks.md has the numbers). Reuse is safe because the backward pass runs the
+    chunks in reverse order and each chunk's state gradient goes only to the chunk before it: when chunk
+    c - 2 overwrites slot c % 2, chunk c - 1 has already consumed what chunk c wrote there.
     """
 
     def __init__(self) -> None:
@@ -580,8 +579,7 @@ def neural_memory_chunked(
             not written: the caller keeps its tokens pending until the chunk completes).
         surprise: (B, H, T) the norm of each token's inner gradient u_t.
     """
-    if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
-        raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
+    check_int("checkpoint_every", checkpoint_every, none_ok=True)
     if torch.is_autocast_enabled(q.device.type):
         # The memory runs in its state's dtype, not autocast's: the state's in-place updates need one dtype,
         # and a bf16 state would lose each write's small increments. q, k, v (often bf16 there) are cast.

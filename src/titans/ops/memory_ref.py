@@ -1,7 +1,10 @@
-"""Reference neural-memory recurrence: SPEC §1-2 written literally, one token at a time.
+"""Reference neural-memory recurrence: the equations of docs/design.md ("The memory") written literally,
+one token at a time.
 
 This is the ground truth the fast chunked path (`titans.ops.memory`) is tested against. It is slow on
-purpose: a Python loop over tokens, inner gradients by autograd, no algebra. Use it in float64.
+purpose: a Python loop over tokens, inner gradients by autograd, no algebra. Use it in float64. It shares
+no code with the fast path (its own memory MLP and clipping), so a bug there cannot hide on both sides of
+a test.
 
 Per token t inside a chunk that starts after position t' (all tensors per batch element and head):
 
@@ -10,6 +13,9 @@ Per token t inside a chunk that starts after position t' (all tensors per batch 
     W_t = (1 - alpha_t) * W_{t-1} + S_t                  forgetting
     y_t = M(q_t; W_{t'})                                 read-before-write at chunk granularity
 
+M(x; W) = x W_1 for depth 1, act(... act(x W_1) ...) W_L for depth L (+ x with `residual`). With
+`surprise_clip` c, u_t is scaled by min(1, c / ||u_t||) (||.|| over all of the token's layers).
+
 Only complete chunks are written; a trailing partial chunk is read (and its surprise reported) but its
 update is left for the caller to apply once the chunk completes (see `NeuralMemory`'s pending tokens).
 """
@@ -17,9 +23,20 @@ update is left for the caller to apply once the chunk completes (see `NeuralMemo
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from titans.ops.memory import clip_scale, memory_forward
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+def _mlp(x: Tensor, weights: list[Tensor], activation: str, residual: bool) -> Tensor:
+    """M(x; W): x (B, H, n, d) through the layers W_l (B, H, d_l, d_{l+1}), the activation between them."""
+    h = x
+    for i, w in enumerate(weights):
+        if i:
+            h = _ACTIVATIONS[activation](h)
+        h = h @ w
+    return h + x if residual else h
 
 
 def neural_memory_ref(
@@ -48,15 +65,16 @@ def neural_memory_ref(
         complete = end - start == chunk_size
         w_chunk = [p if p.requires_grad else p.detach().requires_grad_(True) for p in w]
         for t in range(start, end):
-            ys.append(memory_forward(q[:, :, t : t + 1], w_chunk, activation, residual)[:, :, 0])
-            pred = memory_forward(k[:, :, t : t + 1], w_chunk, activation, residual)
+            ys.append(_mlp(q[:, :, t : t + 1], w_chunk, activation, residual)[:, :, 0])
+            pred = _mlp(k[:, :, t : t + 1], w_chunk, activation, residual)
             loss = (pred - v[:, :, t : t + 1]).pow(2).sum()
             # Each (batch, head) owns its weights, so the gradient of the sum is the per-head gradient.
             u = torch.autograd.grad(loss, w_chunk, create_graph=True)
             norm = torch.stack([g.pow(2).sum((-1, -2)) for g in u]).sum(0).sqrt()  # (B, H)
             surprises.append(norm)
-            if surprise_clip is not None:
-                u = [g * clip_scale(norm, surprise_clip)[..., None, None] for g in u]
+            if surprise_clip is not None:  # min(1, c / ||u||); a zero surprise stays zero
+                scale = torch.clamp(surprise_clip / norm.clamp_min(torch.finfo(norm.dtype).tiny), max=1.0)
+                u = [g * scale[..., None, None] for g in u]
             if complete:
                 th, et, kp = (x[:, :, t, None, None] for x in (theta, eta, keep))
                 s = [et * s_l - th * u_l for s_l, u_l in zip(s, u)]

@@ -38,10 +38,22 @@ class _L2Normalize(torch.autograd.Function):
         return torch.addcmul(g, y, dot, value=-1).div_(norm.clamp_min(ctx.eps)), None
 
 
-def l2_normalize(x: Tensor, eps: float = 1e-12) -> Tensor:
+def l2_normalize(
+    x: Tensor, eps: float = 1e-12, *, in_float32: bool = False, fused_backward: bool = True
+) -> Tensor:
     """x / max(||x||, eps) over the last dim: `F.normalize(x, dim=-1, eps=eps)`, with a fused backward on
-    CPU when autograd records (otherwise, and off CPU, `F.normalize` itself)."""
-    if x.device.type != "cpu" or not _records_grad(x):
+    CPU when autograd records (otherwise, off CPU, or with `fused_backward=False`, `F.normalize` itself).
+
+    Other forms, the same values up to rounding; a caller keeps its form, so that its outputs and gradients
+    stay the same to the bit:
+    in_float32: compute in at least float32 and return x's dtype, as x * rsqrt(max(||x||^2, eps^2)) (the
+        attention's queries and keys, which are bf16 under autocast).
+    fused_backward=False: autograd's backward through `F.normalize` (MAC's retrieval queries).
+    """
+    if in_float32:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True).clamp_min(eps * eps))).to(x.dtype)
+    if not fused_backward or x.device.type != "cpu" or not _records_grad(x):
         return F.normalize(x, dim=-1, eps=eps)
     return _L2Normalize.apply(x, eps)
 

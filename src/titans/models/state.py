@@ -1,0 +1,332 @@
+"""`TitansState`, the streaming state of a `TitansLM`, as a first-class value: map over its tensors, grow
+or reorder its batch, save and load it.
+
+File format (safetensors): every tensor of the nested per-layer states under a stable dotted name
+(``layers.3.memory.weights.1``), plus a JSON header in the safetensors metadata:
+
+    titans.state_format   format version ("1")
+    titans.config         the config dict of the model the state belongs to (a model with another config
+                          refuses it: `TitansLM.check_state`)
+    titans.position       tokens consumed
+    titans.layers         one tree per layer: {"type": "MACState", "fields": {...}} where a tensor is
+                          {"tensor": name}, a tuple {"tuple": [...]}, and ints / None are themselves
+    titans.sha256         digest of every tensor's name, dtype, shape and bytes (catches flipped bits)
+
+A tensor reachable twice (MAC's segment weights are often the memory's current weights) is stored once
+and comes back as one tensor. Only registered state classes are rebuilt (`register_state_type`, applied
+where each state class is defined; no pickle, no imports named by the file).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from titans._fs import ordinary_mode
+from titans.layers.state_tree import STATE_TYPES, map_tensors, register_state_type
+from titans.models.variants import upgrade_layer_states
+
+FORMAT_VERSION = 1
+_KEYS = ("titans.state_format", "titans.config", "titans.position", "titans.layers", "titans.sha256")
+
+
+@dataclass
+class TitansState:
+    """Per-block streaming states (see each block), the number of tokens consumed, and the config of the
+    model they belong to (a state is refused by a model with another config).
+
+    `state.save(path)` / `TitansState.load(path)` persist it (safetensors + a metadata header, see this
+    module's docstring).
+    """
+
+    layers: list = field(default_factory=list)
+    position: int = 0
+    config: Mapping | None = None
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> TitansState:
+        """A new state with `fn` applied to every tensor; the position and the config are kept."""
+        return TitansState(map_tensors(list(self.layers), fn), self.position, self.config)
+
+    def detach(self) -> TitansState:
+        """A copy cut from the autograd graph (e.g. for truncated backprop across calls)."""
+        return self.map(Tensor.detach)
+
+    def save(self, path: str | Path) -> Path:
+        return save_state(self, path)
+
+    @classmethod
+    def load(cls, path: str | Path, map_location: str | torch.device = "cpu") -> TitansState:
+        return load_state(path, map_location=map_location)
+
+
+# ------------------------------------------------------------------------------------------ mapping
+class StateFileError(ValueError):
+    """A state file that cannot be read: missing, truncated, damaged, or not a Titans state."""
+
+
+def map_state(state: TitansState, fn: Callable[[Tensor], Tensor]) -> TitansState:
+    """A new state with `fn` applied to every tensor, e.g. `map_state(s, lambda t: t.to("cuda"))`.
+
+    Ints (positions) and the config are kept; a tensor that appears twice is mapped once.
+    """
+    if not isinstance(state, TitansState):
+        raise TypeError(f"map_state: expected a TitansState, got {type(state).__name__}")
+    return state.map(fn)
+
+
+def state_tensors(state: TitansState) -> dict[str, Tensor]:
+    """Every distinct tensor of the state under its stable name (the names a state file uses)."""
+    tensors: dict[str, Tensor] = {}
+    _encode_layers(state, tensors)
+    return tensors
+
+
+def state_nbytes(state: TitansState) -> int:
+    """Bytes held by the state's tensors (what stays in memory between calls)."""
+    return sum(t.numel() * t.element_size() for t in state_tensors(state).values())
+
+
+def state_batch_size(state: TitansState) -> int:
+    """The batch size of a state (dim 0 of every tensor in it)."""
+    sizes = {t.shape[0] for t in state_tensors(state).values() if t.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"state_batch_size: the state's tensors disagree on the batch size: {sorted(sizes)}")
+    return sizes.pop()
+
+
+def expand_state(state: TitansState, batch_size: int) -> TitansState:
+    """A batch-1 state repeated to `batch_size` independent rows (many samples from one read document)."""
+    current = state_batch_size(state)
+    if current == batch_size:
+        return state
+    if current != 1:
+        raise ValueError(f"expand_state: only a batch-1 state can be expanded, this one has batch {current}")
+    return map_state(state, lambda t: t.expand(batch_size, *t.shape[1:]).contiguous())
+
+
+def select_rows(state: TitansState, index: Tensor) -> TitansState:
+    """The rows `index` (1-D int64) of every tensor: reorders or subsets the batch (beam search)."""
+    return map_state(state, lambda t: t.index_select(0, index.to(t.device)))
+
+
+# ------------------------------------------------------------------------------------------ encoding
+def _encode(obj: Any, name: str, tensors: dict[str, Tensor], names: dict[int, str]) -> Any:
+    if obj is None or (isinstance(obj, int) and not isinstance(obj, bool)):
+        return obj
+    if isinstance(obj, Tensor):
+        if id(obj) not in names:
+            names[id(obj)] = name
+            tensors[name] = obj
+        return {"tensor": names[id(obj)]}
+    if isinstance(obj, tuple):
+        return {"tuple": [_encode(v, f"{name}.{i}", tensors, names) for i, v in enumerate(obj)]}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        kind = type(obj).__name__
+        if STATE_TYPES.get(kind) is not type(obj):
+            raise TypeError(f"save_state: state type {kind} is not registered (see register_state_type)")
+        fields = {
+            f.name: _encode(getattr(obj, f.name), f"{name}.{f.name}", tensors, names)
+            for f in dataclasses.fields(obj)
+        }
+        return {"type": kind, "fields": fields}
+    raise TypeError(f"save_state: cannot store a {type(obj).__name__} (at {name}) in a state file")
+
+
+def _encode_layers(state: TitansState, tensors: dict[str, Tensor]) -> list:
+    names: dict[int, str] = {}
+    return [_encode(s, f"layers.{i}", tensors, names) for i, s in enumerate(state.layers)]
+
+
+def _decode(spec: Any, tensors: dict[str, Tensor], where: str) -> Any:
+    if spec is None or (isinstance(spec, int) and not isinstance(spec, bool)):
+        return spec
+    if isinstance(spec, dict) and set(spec) == {"tensor"}:
+        name = spec["tensor"]
+        if name not in tensors:
+            raise StateFileError(f"{where}: tensor {name!r} is missing from the file")
+        return tensors[name]
+    if isinstance(spec, dict) and set(spec) == {"tuple"}:
+        return tuple(_decode(v, tensors, where) for v in spec["tuple"])
+    if isinstance(spec, dict) and set(spec) == {"type", "fields"}:
+        cls = STATE_TYPES.get(spec["type"])
+        if cls is None:
+            known = sorted(STATE_TYPES)
+            raise StateFileError(f"{where}: unknown state type {spec['type']!r}; known: {known}")
+        expected = {f.name for f in dataclasses.fields(cls)}
+        if set(spec["fields"]) != expected:
+            raise StateFileError(
+                f"{where}: {spec['type']} has fields {sorted(spec['fields'])}, expected {sorted(expected)}"
+            )
+        return cls(**{k: _decode(v, tensors, where) for k, v in spec["fields"].items()})
+    raise StateFileError(f"{where}: malformed state header entry {str(spec)[:80]!r}")
+
+
+def _digest(tensors: dict[str, Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------ files
+def save_state(state: TitansState, path: str | Path) -> Path:
+    """Write `state` to `path` (safetensors + JSON header, see the module docstring), atomically.
+
+    Tensors are saved as they are (dtype kept), on CPU. Returns the path. Refuses a state holding NaN or
+    inf (ValueError naming the tensor): the memory of a model that diverged is nothing to keep. A write
+    that fails (a full disk) raises OSError naming the path, and leaves an existing file at `path` as it was.
+    """
+    from safetensors.torch import save_file
+
+    if not isinstance(state, TitansState):
+        raise TypeError(f"save_state: expected a TitansState, got {type(state).__name__}")
+    path = Path(path)
+    raw: dict[str, Tensor] = {}
+    layers = _encode_layers(state, raw)
+    # independent contiguous CPU copies: safetensors refuses views and tensors sharing storage
+    tensors = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in raw.items()}
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ValueError(
+                f"save_state: refusing to write {str(path)!r}: the state's tensor {name} holds {bad} NaN or "
+                f"inf values (of {t.numel()}); the model diverged on the text it read"
+            )
+    metadata = {
+        "format": "pt",
+        "titans.state_format": str(FORMAT_VERSION),
+        "titans.config": json.dumps(dict(state.config) if state.config is not None else None),
+        "titans.position": str(int(state.position)),
+        "titans.layers": json.dumps(layers),
+        "titans.sha256": _digest(tensors),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        ordinary_mode(tmp)  # mkstemp's file is private (0600)
+        os.replace(tmp, path)  # a reader never sees a half-written file
+    except BaseException as e:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, Exception):
+            raise _write_failure(e, path) from e
+        raise
+    return path
+
+
+def _write_failure(e: Exception, path: Path) -> OSError:
+    """A write error in words: safetensors reports the OS error (a full disk) inside its own message."""
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None and ("os error 28" in str(e) or "No space left" in str(e)):
+        code = errno.ENOSPC
+    cause = "the disk is full" if code == errno.ENOSPC else f"the write failed ({type(e).__name__}: {e})"
+    message = f"could not write the state to {str(path)!r}: {cause}"
+    return OSError(code, message) if code is not None else OSError(message)
+
+
+def read_state_header(path: str | Path) -> dict[str, Any]:
+    """The parsed header of a state file (format, config, position, layers) without loading tensors."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"load_state: no state file at {str(path)!r}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            names = set(f.keys())
+    except Exception as e:  # safetensors raises its own error type for truncated / malformed files
+        raise StateFileError(
+            f"{str(path)!r} is not a readable safetensors file (truncated or damaged?): {e}"
+        ) from e
+    missing = [k for k in _KEYS if k not in meta]
+    if missing:
+        raise StateFileError(f"{str(path)!r} is not a Titans state file: header lacks {missing}")
+    if meta["titans.state_format"] != str(FORMAT_VERSION):
+        raise StateFileError(
+            f"{str(path)!r}: state format {meta['titans.state_format']!r} is not supported "
+            f"(this version reads format {FORMAT_VERSION})"
+        )
+    try:
+        header = {
+            "config": json.loads(meta["titans.config"]),
+            "position": int(meta["titans.position"]),
+            "layers": json.loads(meta["titans.layers"]),
+            "sha256": meta["titans.sha256"],
+        }
+    except (ValueError, TypeError) as e:
+        raise StateFileError(f"{str(path)!r}: damaged state header ({e})") from e
+    if not isinstance(header["layers"], list):
+        raise StateFileError(f"{str(path)!r}: damaged state header (titans.layers is not a list)")
+    header["tensor_names"] = names
+    return header
+
+
+def load_state(path: str | Path, map_location: str | torch.device = "cpu", model=None) -> TitansState:
+    """Rebuild the exact `TitansState` saved at `path`, its tensors on `map_location`.
+
+    Refuses a truncated or damaged file (StateFileError naming it). With `model`, also refuses a state
+    that belongs to a model with another config (ValueError naming the file and the differing fields).
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    header = read_state_header(path)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            tensors = {name: f.get_tensor(name) for name in header["tensor_names"]}
+    except Exception as e:
+        raise StateFileError(f"{str(path)!r}: could not read its tensors (truncated or damaged?): {e}") from e
+    layers = [_decode(spec, tensors, f"{str(path)!r} layer {i}") for i, spec in enumerate(header["layers"])]
+    layers = upgrade_layer_states(layers, header["config"])
+    used: dict[str, Tensor] = {}
+    _encode_layers(TitansState(layers), used)
+    extra = sorted(set(tensors) - set(used))
+    if extra:
+        raise StateFileError(f"{str(path)!r} holds tensors no layer uses: {extra[:5]}")
+    if _digest(tensors) != header["sha256"]:
+        raise StateFileError(f"{str(path)!r} is corrupted: its tensors do not match the header checksum")
+    config = header["config"]
+    # read-only, as the states a model returns carry it
+    state = TitansState(layers, header["position"], None if config is None else MappingProxyType(config))
+    if str(map_location) != "cpu":
+        state = map_state(state, lambda t: t.to(map_location))
+    if model is not None:
+        try:
+            model.check_state(state)
+        except ValueError as e:
+            raise ValueError(f"{str(path)!r}: {e}") from e
+    return state
+
+
+__all__ = [
+    "FORMAT_VERSION",
+    "STATE_TYPES",
+    "StateFileError",
+    "TitansState",
+    "expand_state",
+    "load_state",
+    "map_state",
+    "read_state_header",
+    "register_state_type",
+    "save_state",
+    "select_rows",
+    "state_batch_size",
+    "state_nbytes",
+    "state_tensors",
+]

@@ -1,0 +1,287 @@
+"""Streaming a model over tokens: chunked prefill, one decoding step, sampling, generation.
+
+    logits, state = prefill(model, tokens, state=None, piece_len=None)
+    out = generate(model, prompt, max_new_tokens=50, temperature=0.8, top_k=50)    # (B, T + n)
+
+Prefill: `tokens` is a (B, T) tensor or an iterable of pieces (a streaming reader: tensors (B, t) or (t,),
+lists or numpy arrays of ids), so the whole prompt never needs to be in memory. Pieces are re-cut to
+`piece_len` tokens and fed through the model under `torch.no_grad()`, threading the state. Memory stays
+bounded by the state plus one piece (the state of the memory and sliding-window variants does not grow
+with context; the full-attention baseline's KV cache does). Streaming equals one parallel pass, so the
+result does not depend on how the input is cut.
+
+Generation reads the prompt with chunked prefill, then feeds each new token through the model alone,
+threading the state: the cost per token is constant for the memory and sliding-window variants (the
+memory learns from the generated tokens too, exactly as it would had they been in the prompt). All prompts
+of a batch have the same length (Titans states are per-row streams at one position; there is no
+padding): generate rows of different lengths in separate calls.
+
+`titans.inference` re-exports these (`titans.inference.prefill`, `titans.inference.generation`), and
+`TitansLM.generate` is `generate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from titans.models.state import TitansState, expand_state, state_batch_size
+from titans.validation import check_int
+
+if TYPE_CHECKING:  # TitansLM.generate calls into this module
+    from titans.models.lm import TitansLM
+
+# Default piece size: batch x piece_len x vocab near this many elements. Prefill computes the last
+# position's logits only, so this now just bounds a piece's activations (shorter for large vocabularies).
+_LOGITS_BUDGET = 1 << 24
+
+
+def default_piece_len(model: TitansLM, batch_size: int = 1) -> int:
+    """A piece length that is a multiple of the chunk size (and MAC segment) with batch x length x vocab
+    near 16M: 4096 tokens for a byte vocabulary, about 512 for a 32K vocabulary."""
+    cfg = model.config
+    unit = cfg.spec.streaming_unit(cfg)
+    target = max(64, min(4096, _LOGITS_BUDGET // max(1, batch_size * cfg.vocab_size)))
+    return max(unit, target // unit * unit)
+
+
+def _as_piece(item, batch_size: int | None, index: int) -> Tensor:
+    """One piece from a reader as a (B, t) int64 tensor; a 1-D piece is batch 1."""
+    if isinstance(item, Tensor):
+        t = item
+    elif isinstance(item, np.ndarray):
+        t = torch.from_numpy(np.ascontiguousarray(item))
+    elif isinstance(item, (list, tuple)):
+        t = torch.tensor(item, dtype=torch.int64)
+    else:
+        kind = type(item).__name__
+        raise TypeError(f"prefill: piece {index} is a {kind}; expected a tensor, array or list")
+    if t.dim() == 1:
+        t = t.unsqueeze(0)
+    if t.dim() != 2:
+        raise ValueError(f"prefill: piece {index} must be (batch, len) or (len,), got shape {tuple(t.shape)}")
+    if t.numel() and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+        raise TypeError(f"prefill: piece {index} must hold integer token ids, got dtype {t.dtype}")
+    if batch_size is not None and t.shape[0] != batch_size:
+        raise ValueError(f"prefill: piece {index} has batch {t.shape[0]}, earlier pieces had {batch_size}")
+    return t.long()
+
+
+def iter_pieces(tokens: Tensor | Iterable, piece_len: int) -> Iterator[Tensor]:
+    """Re-cut a (B, T) tensor or an iterable of pieces into (B, <= piece_len) int64 pieces, in order.
+
+    Small pieces from a reader are buffered (one model call per `piece_len` tokens); empty pieces skipped.
+    """
+    if isinstance(tokens, Tensor):
+        tokens = _as_piece(tokens, None, 0)
+        for start in range(0, tokens.shape[1], piece_len):
+            yield tokens[:, start : start + piece_len]
+        return
+    if isinstance(tokens, (str, bytes)):
+        raise TypeError("prefill: got text; tokenize it first (tokens are integer ids)")
+    buffer: list[Tensor] = []
+    buffered = 0
+    batch_size = None
+    for i, item in enumerate(tokens):
+        piece = _as_piece(item, batch_size, i)
+        batch_size = piece.shape[0]
+        if piece.shape[1] == 0:
+            continue
+        buffer.append(piece)
+        buffered += piece.shape[1]
+        if buffered >= piece_len:
+            joined = torch.cat(buffer, dim=1) if len(buffer) > 1 else buffer[0]
+            full = buffered // piece_len * piece_len
+            for start in range(0, full, piece_len):
+                yield joined[:, start : start + piece_len]
+            rest = joined[:, full:]
+            buffer, buffered = ([rest.clone()] if rest.shape[1] else []), rest.shape[1]
+    if buffered:
+        yield torch.cat(buffer, dim=1)
+
+
+@torch.no_grad()
+def prefill(
+    model: TitansLM,
+    tokens: Tensor | Iterable,
+    state: TitansState | None = None,
+    *,
+    piece_len: int | None = None,
+    progress: bool = False,
+    total: int | None = None,
+) -> tuple[Tensor | None, TitansState | None]:
+    """Feed `tokens` through `model` piece by piece, threading `state`.
+
+    tokens: (B, T) int tensor, or an iterable of pieces (see `iter_pieces`).
+    piece_len: tokens per model call (default `default_piece_len`); any value gives the same result.
+    progress: show a tqdm bar (tokens); `total` sets its length for a reader of known size.
+    Returns (logits of the last token (B, vocab), state after all tokens). With no tokens at all:
+    (None, state) — the state unchanged.
+    """
+    if piece_len is None:
+        batch = tokens.shape[0] if isinstance(tokens, Tensor) and tokens.dim() == 2 else 1
+        piece_len = default_piece_len(model, batch)
+    check_int("prefill: piece_len", piece_len)
+    if isinstance(tokens, Tensor) and total is None and tokens.dim() == 2:
+        total = tokens.shape[1]
+    device = next(model.parameters()).device
+    last = None
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm  # only for the progress bar
+
+        bar = tqdm(total=total, unit="tok", unit_scale=True, desc="prefill", dynamic_ncols=True)
+    try:
+        for piece in iter_pieces(tokens, piece_len):
+            logits, state = model(piece.to(device), state, last_only=True)
+            last = logits[:, -1]
+            if bar is not None:
+                bar.update(piece.shape[1])
+    finally:
+        if bar is not None:
+            bar.close()
+    return last, state
+
+
+def decode_step(model: TitansLM, tokens: Tensor, state: TitansState | None) -> tuple[Tensor, TitansState]:
+    """One incremental step: tokens (B, 1) -> (logits of the next token (B, vocab), new state)."""
+    logits, state = model(tokens, state)
+    return logits[:, -1], state
+
+
+def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
+        raise ValueError(f"generate: temperature must be a number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"generate: top_k must be a positive int or None, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"generate: top_p must be in (0, 1] or None, got {top_p!r}")
+
+
+def sample_next(
+    logits: Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    greedy: bool = False,
+) -> Tensor:
+    """Pick the next token of every row from logits (B, vocab) -> (B,) int64.
+
+    greedy or temperature 0: argmax. Otherwise sample from softmax(logits / temperature) restricted to the
+    top_k most likely tokens and to the smallest set whose probability reaches top_p (nucleus).
+    """
+    if greedy or temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kept = torch.topk(logits, top_k, dim=-1)
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, kept.indices, kept.values)
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # probability of the more likely tokens
+        sorted_logits = sorted_logits.masked_fill(before >= top_p, float("-inf"))  # the first is always kept
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _stop_tensor(stop_tokens: int | Iterable[int] | None, vocab: int, device) -> Tensor | None:
+    if stop_tokens is None:
+        return None
+    ids = [stop_tokens] if isinstance(stop_tokens, int) else list(stop_tokens)
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"generate: stop_tokens must be token ids in [0, {vocab}), got {bad}")
+    return torch.tensor(ids, dtype=torch.int64, device=device) if ids else None
+
+
+@torch.no_grad()
+def generate(
+    model: TitansLM,
+    prompt: Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_tokens: int | Iterable[int] | None = None,
+    generator: torch.Generator | None = None,
+    state: TitansState | None = None,
+    greedy: bool = False,
+    return_state: bool = False,
+    piece_len: int | None = None,
+    progress: bool = False,
+    on_token: Callable[[Tensor], None] | None = None,
+) -> Tensor | tuple[Tensor, TitansState]:
+    """Continue each prompt row by up to `max_new_tokens` tokens.
+
+    prompt: (B, T) int64, T >= 1, all rows the same length. state: continue from a state (e.g. a document
+        read earlier, `titans.models.state.load_state`); a batch-1 state is shared by all B rows.
+    temperature / top_k / top_p / generator: sampling (see `sample_next`); greedy=True or temperature=0
+        takes the argmax. A seeded `generator` reproduces samples.
+    stop_tokens: a row that emits one of these ids is finished; its later positions repeat that stop
+        token. Generation ends early once every row is finished, so the output may be shorter than
+        T + max_new_tokens.
+    return_state: also return the state after every returned token (prompt and generated), ready to
+        continue; finished rows have consumed their padding stop tokens too.
+    on_token: called with each new column (B,) as it is produced (streaming output).
+    Returns out (B, T + n) with out[:, :T] == prompt, or (out, state).
+    """
+    if not isinstance(prompt, Tensor) or prompt.dim() != 2:
+        shape = tuple(prompt.shape) if isinstance(prompt, Tensor) else type(prompt).__name__
+        raise ValueError(f"generate: prompt must be a (batch, seq) tensor of token ids, got {shape}")
+    if prompt.shape[1] == 0:
+        raise ValueError(
+            "generate: the prompt is empty; give at least one token (the next-token logits come from the "
+            "last prompt token, a saved state does not hold them)"
+        )
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    vocab = model.config.vocab_size
+    _check_sampling(temperature, top_k, top_p)
+    device = next(model.parameters()).device
+    if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+        raise TypeError(f"generate: prompt must hold integer token ids, got dtype {prompt.dtype}")
+    prompt = prompt.to(device=device, dtype=torch.int64)
+    stops = _stop_tensor(stop_tokens, vocab, device)
+    batch = prompt.shape[0]
+    if state is not None:
+        model.check_state(state)
+        if state_batch_size(state) != batch:
+            state = expand_state(state, batch)
+
+    logits, state = prefill(model, prompt, state, piece_len=piece_len, progress=progress)
+    columns = [prompt]
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    pad = torch.zeros(batch, dtype=torch.int64, device=device)
+    for step in range(max_new_tokens):
+        token = sample_next(
+            logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, greedy=greedy
+        )
+        done = False
+        if stops is not None:
+            token = torch.where(finished, pad, token)
+            newly = torch.isin(token, stops) & ~finished
+            pad = torch.where(newly, token, pad)
+            finished |= newly
+            done = bool(finished.all())
+        columns.append(token[:, None])
+        if on_token is not None:
+            on_token(token)
+        last = done or step == max_new_tokens - 1
+        if not last or return_state:  # the last token is only fed when the caller wants the state after it
+            logits, state = decode_step(model, token[:, None], state)
+        if done:
+            break
+    out = torch.cat(columns, dim=1)
+    return (out, state) if return_state else out
+
+
+__all__ = ["decode_step", "default_piece_len", "generate", "iter_pieces", "prefill", "sample_next"]
