@@ -22,7 +22,7 @@ def cache_dir(tmp_path_factory):
 
 
 def test_config_refuses_what_a_graph_cannot_do(tmp_path, cache_dir):
-    with pytest.raises(ValueError, match="cuda_graphs must be true or false"):
+    with pytest.raises(ValueError, match="cuda_graphs: expected a bool"):
         TrainConfig(cuda_graphs="yes")
     with pytest.raises(ValueError, match="cuda_graphs: not with fsdp"):
         TrainConfig(cuda_graphs=True, fsdp=True)

@@ -73,8 +73,10 @@ def test_torchrun_two_ranks_match_one_process(single_process, mode, overrides):
     ref_model, _, _ = load_model(root / "single")
     model, _, _ = load_model(run_dir)  # rank 0 wrote full (unsharded) weights
     ref_state = ref_model.state_dict()
+    # the ranks sum gradients in another order than one process does; with MAC writing its RMS-normalised
+    # attention output (mac_norm_memory_input), that rounding reaches ~1.6e-5 in a weight after three steps
     for name, tensor in model.state_dict().items():
-        assert (tensor - ref_state[name]).abs().max().item() <= 1e-5, name
+        assert (tensor - ref_state[name]).abs().max().item() <= 5e-5, name
 
 
 def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):

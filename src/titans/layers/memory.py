@@ -263,6 +263,10 @@ class NeuralMemory(nn.Module):
                 "torch.autocast"
             )
 
+    # Refuse non-finite inputs (one reduction and host sync per call). The trainer turns this off: a
+    # diverged model shows in its loss, which it checks on every rank together, so no rank raises alone.
+    check_finite: bool = True
+
     def _check_finite(self, x: Tensor, position: int) -> None:
         """Refuse a NaN or inf in x (B, T, dim): one would make the memory's weights, and so every later
         output, non-finite. One reduction and host sync per call; skipped while a CUDA graph is captured
@@ -361,7 +365,8 @@ class NeuralMemory(nn.Module):
             out = self.to_out(x.new_zeros(batch, 0, self.heads * self.head_dim))
             empty = x.new_zeros(batch, self.heads, 0, dtype=state.pending_gates.dtype)
             return MemoryOutput(out, state, MemoryStats(empty, empty, empty, empty))
-        self._check_finite(x, state.position)
+        if self.check_finite:
+            self._check_finite(x, state.position)
         q, k, v, conv_tail = self.project(x, state.conv_tail)
         gates = self.gates(x)
         y, new_state, stats = self.scan(q, k, v, gates, state)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from titans.data.loader import EvalWindows, TokenBatches
 from titans.data.stream import load_token_streams
 from titans.data.tokenizers import load_tokenizer
+from titans.layers.memory import NeuralMemory
 from titans.models.lm import TitansLM
 from titans.training import distributed as D
 from titans.training.checkpoint import (
@@ -142,6 +143,9 @@ class Trainer:
         _check_split_lengths(streams.train.n_tokens, streams.heldout.n_tokens, cfg)
         self.model_config = cfg.model_config(self.tokenizer.vocab_size)
         self.model = TitansLM(self.model_config)
+        for module in self.model.modules():  # divergence is caught collectively (the loss, checkpoints)
+            if isinstance(module, NeuralMemory):
+                module.check_finite = False
         # `checkpoint` comes from latest_checkpoint, which has just hashed its files
         saved = load_checkpoint(checkpoint, map_location="cpu", verified=True) if checkpoint else None
         if saved is not None:
