@@ -17,24 +17,22 @@ from titans.training.config import parse_set
 from titans.training.distributed import resolve_device
 
 
-def int_list(text: str) -> list[int]:
+def _number_list(text: str, cast, plural: str, singular: str) -> list:
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [cast(v) for v in text.split(",") if v.strip()]
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+        raise argparse.ArgumentTypeError(f"expected comma-separated {plural}, got {text!r}") from e
     if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer")
+        raise argparse.ArgumentTypeError(f"expected at least one {singular}")
     return values
+
+
+def int_list(text: str) -> list[int]:
+    return _number_list(text, int, "integers", "integer")
 
 
 def float_list(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from e
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one number")
-    return values
+    return _number_list(text, float, "numbers", "number")
 
 
 def str_list(text: str) -> list[str]:
