@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from titans._fs import ordinary_mode
+from titans._fs import ordinary_mode, save_safetensors
 from titans.layers.state_tree import STATE_TYPES, map_tensors, register_state_type
 from titans.models.variants import upgrade_layer_states
 
@@ -190,8 +190,6 @@ def save_state(state: TitansState, path: str | Path) -> Path:
     inf (ValueError naming the tensor): the memory of a model that diverged is nothing to keep. A write
     that fails (a full disk) raises OSError naming the path, and leaves an existing file at `path` as it was.
     """
-    from safetensors.torch import save_file
-
     if not isinstance(state, TitansState):
         raise TypeError(f"save_state: expected a TitansState, got {type(state).__name__}")
     path = Path(path)
@@ -218,7 +216,7 @@ def save_state(state: TitansState, path: str | Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        save_safetensors(tensors, tmp, metadata)
         ordinary_mode(tmp)  # mkstemp's file is private (0600)
         os.replace(tmp, path)  # a reader never sees a half-written file
     except BaseException as e:
