@@ -36,6 +36,8 @@ LEVELS = {
     "training": 3,
     "inference": 3,
     "hf": 3,
+    "forecast": 3,  # time-series forecasting on the model blocks
+    "dna": 3,  # DNA language modelling and classification (uses the trainer)
     "evaluation": 4,
     "cli": TOP,
     "demo": TOP,
