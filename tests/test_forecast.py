@@ -135,12 +135,29 @@ def test_train_eval_and_cli(tmp_path):
 
     path = _write_csv(tmp_path / "ecl.csv", 700, ["MT_001", "MT_002", "MT_003"])
     sp = split_series(read_series_csv(path), lookback=32)
-    res = train_forecaster(sp, ForecastRun(model="lmm", horizon=8, steps=3, eval_every=2, dim=16, depth=1, heads=2))
+    res = train_forecaster(
+        sp, ForecastRun(model="lmm", horizon=8, steps=3, eval_every=2, dim=16, depth=1, heads=2)
+    )
     again = evaluate(res.model, sp.windows(8)[2])
     assert res.metrics["test_mse"] == pytest.approx(again["mse"]) and np.isfinite(again["mae"])
     out = tmp_path / "run"
-    argv = ["forecast", "train", "--series", str(path), "--model", "linear", "--lookback", "32", "--horizon",
-            "8", "--steps", "5", "--out", str(out), "--no-progress"]  # fmt: skip
+    argv = [
+        "forecast",
+        "train",
+        "--series",
+        str(path),
+        "--model",
+        "linear",
+        "--lookback",
+        "32",
+        "--horizon",
+        "8",
+        "--steps",
+        "5",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     assert main(argv) == 0
     rec = json.loads((out / "result.json").read_text())
     assert rec["run"]["model"] == "linear" and (out / "forecast.png").stat().st_size > 0

@@ -48,7 +48,11 @@ class FastaRecord:
 def _open_text(path: Path):
     with open(path, "rb") as f:
         gz = f.read(2) == b"\x1f\x8b"
-    return gzip.open(path, "rt", encoding="ascii", errors="replace") if gz else open(path, encoding="ascii", errors="replace")
+    return (
+        gzip.open(path, "rt", encoding="ascii", errors="replace")
+        if gz
+        else open(path, encoding="ascii", errors="replace")
+    )
 
 
 def read_fasta(path: str | Path, ambiguous: str = "error") -> list[FastaRecord]:
@@ -73,7 +77,9 @@ def read_fasta(path: str | Path, ambiguous: str = "error") -> list[FastaRecord]:
                 name, parts = line[1:].strip(), []
                 continue
             if name is None:
-                raise ValueError(f"FASTA file {str(path)!r}: sequence before the first '>' header (line {lineno})")
+                raise ValueError(
+                    f"FASTA file {str(path)!r}: sequence before the first '>' header (line {lineno})"
+                )
             seq = line.upper()
             bad = set(seq) - allowed
             if bad:
@@ -148,7 +154,9 @@ class FastaSource(TextSource):
 
     def fingerprint(self) -> str:
         st = self.path.stat()
-        return hashlib.sha256(f"fasta|{self.path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+        return hashlib.sha256(
+            f"fasta|{self.path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()
+        ).hexdigest()
 
     def document_ids(self) -> list[str]:
         return [r.name for r in self._records]
@@ -172,7 +180,9 @@ def _hf_rows(spec: str):
     try:
         import datasets
     except ImportError as e:
-        raise ImportError(f"{spec!r} needs the Hugging Face 'datasets' package: pip install 'titans[datasets]'") from e
+        raise ImportError(
+            f"{spec!r} needs the Hugging Face 'datasets' package: pip install 'titans[datasets]'"
+        ) from e
     name, config = parts[0], (parts[1] or None) if len(parts) > 1 else None
     split = (parts[2] or "train") if len(parts) > 2 else "train"
     try:
@@ -184,7 +194,9 @@ def _hf_rows(spec: str):
         raise ValueError(f"labelled sequences {spec!r}: cannot load dataset ({type(e).__name__}: {e})") from e
 
 
-def load_labelled_sequences(spec: str, seq_field: str = "seq", label_field: str = "label") -> list[tuple[str, int]]:
+def load_labelled_sequences(
+    spec: str, seq_field: str = "seq", label_field: str = "label"
+) -> list[tuple[str, int]]:
     """(sequence, label) pairs from ``hf:NAME[:CONFIG][:SPLIT]`` (GenomicsBenchmarks on the hub, through
     ``datasets``) or a local ``.csv`` / ``.jsonl`` file with columns ``seq_field`` and ``label_field``."""
     if spec.startswith("hf:"):

@@ -1,8 +1,8 @@
 """Multivariate time series for long-horizon forecasting: loaders, the chronological split and the scaler.
 
-    series = load_series("tmy3:greensboro")            # or a CSV path / URL in the ETT/ECL/Traffic/Weather form
+    series = load_series("tmy3:greensboro")  # or an ETT/ECL/Traffic/Weather CSV path / URL
     split = split_series(series, lookback=96, protocol="auto")
-    train, val, test = split.windows(horizon=96)        # ForecastWindows: x (N, lookback, C), y (N, horizon, C)
+    train, val, test = split.windows(horizon=96)  # ForecastWindows: x (N, lookback, C), y (N, horizon, C)
 
 Series specs understood by ``load_series``:
 
@@ -10,10 +10,10 @@ Series specs understood by ``load_series``:
   ``date`` column (any name given by ``date_column``; the first column by default) then one numeric column
   per channel. ``columns`` selects and orders channels (default: every column but the date).
 - ``tmy3:greensboro`` / ``tmy3:sand-point``: typical-meteorological-year hourly weather (8,760 steps, 8
-  channels; a channel constant over the year is dropped) from the TMY3 files shipped inside the PyPI package ``pvlib`` (``pvlib/data/723170TYA.CSV``,
-  ``703165TY.csv``; US public-domain data of NREL's National Solar Radiation Database). Read from the
-  installed package, nothing is copied. Each TMY month comes from a different real year, so the series has
-  a seam at every month boundary.
+  channels; a channel constant over the year is dropped) from the TMY3 files shipped inside the PyPI
+  package ``pvlib`` (``pvlib/data/723170TYA.CSV``, ``703165TY.csv``; US public-domain data of NREL's
+  National Solar Radiation Database). Read from the installed package, nothing is copied. Each TMY month
+  comes from a different real year, so the series has a seam at every month boundary.
 
 The protocol of the long-horizon literature (Informer / Autoformer / DLinear code): ``"ett-hour"`` and
 ``"ett-minute"`` split 12/4/4 months (of 30 days) of hourly / 15-minute data into train/val/test; ``"ratio"``
@@ -42,9 +42,15 @@ TMY3_SITES = {
     "sand-point": ("703165TY.csv", "Sand Point, AK (USAF 703165)"),
 }
 TMY3_COLUMNS = (
-    "GHI (W/m^2)", "DNI (W/m^2)", "DHI (W/m^2)", "Dry-bulb (C)", "Dew-point (C)", "RHum (%)",
-    "Pressure (mbar)", "Wspd (m/s)",
-)  # fmt: skip
+    "GHI (W/m^2)",
+    "DNI (W/m^2)",
+    "DHI (W/m^2)",
+    "Dry-bulb (C)",
+    "Dew-point (C)",
+    "RHum (%)",
+    "Pressure (mbar)",
+    "Wspd (m/s)",
+)
 
 
 @dataclass(frozen=True)
@@ -203,8 +209,8 @@ class SeriesSplit:
             if len(w) < 1:
                 a, b = self.borders[("train", "val", "test").index(name)]
                 raise ValueError(
-                    f"series {self.series.name!r}: the {name} part (steps {a}-{b}, {b - a} long) is too short "
-                    f"for lookback {self.lookback} + horizon {horizon} = {self.lookback + horizon} steps"
+                    f"series {self.series.name!r}: the {name} part (steps {a}-{b}, {b - a} long) is too "
+                    f"short for lookback {self.lookback} + horizon {horizon} steps"
                 )
             out.append(w)
         return tuple(out)  # type: ignore[return-value]

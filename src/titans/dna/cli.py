@@ -42,8 +42,9 @@ def cmd_study(args) -> int:
     if bad:
         raise ValueError(f"unknown variant(s) {bad}; expected from {', '.join(VARIANTS)}")
     records = read_fasta(_fasta(args.fasta))
-    result = run_study(records, variants, _budget(args), progress=not args.no_progress,
-                       log=lambda m: print(m, flush=True))  # fmt: skip
+    result = run_study(
+        records, variants, _budget(args), progress=not args.no_progress, log=lambda m: print(m, flush=True)
+    )
     result = {"command": "titans " + " ".join(sys.argv[1:]), "fasta": str(_fasta(args.fasta)), **result}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -59,7 +60,9 @@ def _labelled(spec: str, length: int | None) -> ClassificationSet:
     tok = DNATokenizer()
     n = length or max(len(s) for s, _ in pairs)
     # left-pad with N to a common length (shorter sequences) and keep the last n bases (longer ones)
-    x = np.stack([np.asarray(tok.encode(("N" * max(0, n - len(s)) + s)[-n:]), dtype=np.int64) for s, _ in pairs])
+    x = np.stack(
+        [np.asarray(tok.encode(("N" * max(0, n - len(s)) + s)[-n:]), dtype=np.int64) for s, _ in pairs]
+    )
     return ClassificationSet(x, np.asarray([label for _, label in pairs], dtype=np.int64))
 
 
@@ -69,35 +72,65 @@ def cmd_classify(args) -> int:
     train = _labelled(args.train, args.length)
     test = _labelled(args.test, train.x.shape[1])
     if args.pretrain_fasta:
-        lm, _ = pretrain(args.variant, encode_records(read_fasta(_fasta(args.pretrain_fasta))), budget,
-                         progress=not args.no_progress)  # fmt: skip
+        lm, _ = pretrain(
+            args.variant,
+            encode_records(read_fasta(_fasta(args.pretrain_fasta))),
+            budget,
+            progress=not args.no_progress,
+        )
     else:
         torch.manual_seed(budget.seed)
         lm = TitansLM(dna_config(args.variant, budget.dim, budget.depth, budget.heads, budget.window))
     clf = finetune(lm, train, budget, progress=not args.no_progress)
-    print(json.dumps({"variant": args.variant, "train": len(train.y), "test": len(test.y),
-                      "test_accuracy": accuracy(clf, test)}, indent=2))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "variant": args.variant,
+                "train": len(train.y),
+                "test": len(test.y),
+                "test_accuracy": accuracy(clf, test),
+            },
+            indent=2,
+        )
+    )
     return 0
 
 
 def _budget_options(p) -> None:
     d = DNABudget()
-    p.add_argument("--pretrain-steps", dest="pretrain_steps", type=int, default=d.pretrain_steps, help="LM steps")
-    p.add_argument("--finetune-steps", dest="finetune_steps", type=int, default=d.finetune_steps,
-                   help="classifier steps")  # fmt: skip
-    p.add_argument("--batch-size", dest="batch_size", type=int, default=d.batch_size, help="sequences per step")
+    p.add_argument(
+        "--pretrain-steps", dest="pretrain_steps", type=int, default=d.pretrain_steps, help="LM steps"
+    )
+    p.add_argument(
+        "--finetune-steps", dest="finetune_steps", type=int, default=d.finetune_steps, help="classifier steps"
+    )
+    p.add_argument(
+        "--batch-size", dest="batch_size", type=int, default=d.batch_size, help="sequences per step"
+    )
     p.add_argument("--seq-len", dest="seq_len", type=int, default=d.seq_len, help="LM window length")
-    p.add_argument("--window-len", dest="window_len", type=int, default=d.window_len,
-                   help="proximal / distal window length (study)")  # fmt: skip
+    p.add_argument(
+        "--window-len",
+        dest="window_len",
+        type=int,
+        default=d.window_len,
+        help="proximal / distal window length (study)",
+    )
     p.add_argument("--lr", type=float, default=d.lr, help="pre-training learning rate")
-    p.add_argument("--finetune-lr", dest="finetune_lr", type=float, default=d.finetune_lr, help="fine-tuning lr")
+    p.add_argument(
+        "--finetune-lr", dest="finetune_lr", type=float, default=d.finetune_lr, help="fine-tuning lr"
+    )
     p.add_argument("--dim", type=int, default=d.dim, help="model width")
     p.add_argument("--depth", type=int, default=d.depth, help="blocks")
     p.add_argument("--heads", type=int, default=d.heads, help="attention / memory heads")
     p.add_argument("--window", type=int, default=d.window, help="sliding window (swa, mag, mal; mac segment)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed")
-    p.add_argument("--eval-windows", dest="eval_windows", type=int, default=d.eval_windows,
-                   help="held-out LM windows measured (study)")  # fmt: skip
+    p.add_argument(
+        "--eval-windows",
+        dest="eval_windows",
+        type=int,
+        default=d.eval_windows,
+        help="held-out LM windows measured (study)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
 
@@ -107,7 +140,9 @@ def register(commands, evals) -> None:
     sub = dna.add_subparsers(dest="dna_command", metavar="SUBCOMMAND")
     sub.required = True
     p = sub.add_parser("study", help="variants side by side: bits per base and proximal/distal accuracy")
-    p.add_argument("--fasta", default="builtin", help="FASTA file (plain or .gz), or builtin (Drosophila sample)")
+    p.add_argument(
+        "--fasta", default="builtin", help="FASTA file (plain or .gz), or builtin (Drosophila sample)"
+    )
     p.add_argument("--variants", default="lmm,transformer,swa", help="comma-separated model variants")
     p.add_argument("--out", default="results/dna", help="output folder")
     _budget_options(p)
@@ -116,7 +151,9 @@ def register(commands, evals) -> None:
     p.add_argument("--train", required=True, help="hf:NAME[:CONFIG][:SPLIT], or a CSV / JSONL (seq, label)")
     p.add_argument("--test", required=True, help="the test sequences, same forms")
     p.add_argument("--variant", default="lmm", choices=VARIANTS, help="model variant")
-    p.add_argument("--length", type=int, default=None, help="sequence length (default: the longest train one)")
+    p.add_argument(
+        "--length", type=int, default=None, help="sequence length (default: the longest train one)"
+    )
     p.add_argument("--pretrain-fasta", default=None, help="pre-train the LM on this FASTA first (or builtin)")
     _budget_options(p)
     p.set_defaults(func=cmd_classify)

@@ -17,12 +17,23 @@ from titans.models.config import TitansConfig
 from titans.models.lm import TitansLM, check_token_ids
 
 
-def dna_config(variant: str, dim: int = 64, depth: int = 2, heads: int = 4, window: int = 64, **kw) -> TitansConfig:
+def dna_config(
+    variant: str, dim: int = 64, depth: int = 2, heads: int = 4, window: int = 64, **kw
+) -> TitansConfig:
     """A small nucleotide LM config (vocab: `DNATokenizer`)."""
     return TitansConfig(
-        variant=variant, vocab_size=DNATokenizer.vocab_size, dim=dim, depth=depth, heads=heads,
-        segment_len=window, window=window, chunk_size=16, persistent_tokens=4, name=f"dna-{variant}", **kw,
-    )  # fmt: skip
+        variant=variant,
+        vocab_size=DNATokenizer.vocab_size,
+        dim=dim,
+        depth=depth,
+        heads=heads,
+        segment_len=window,
+        window=window,
+        chunk_size=16,
+        persistent_tokens=4,
+        name=f"dna-{variant}",
+        **kw,
+    )
 
 
 class SequenceClassifier(nn.Module):

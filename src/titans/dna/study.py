@@ -55,7 +55,9 @@ def _bar(total: int, desc: str, progress: bool):
     return tqdm(total=total, desc=desc, leave=False)
 
 
-def pretrain(variant: str, train: list[np.ndarray], budget: DNABudget, progress: bool = False) -> tuple[TitansLM, list[float]]:
+def pretrain(
+    variant: str, train: list[np.ndarray], budget: DNABudget, progress: bool = False
+) -> tuple[TitansLM, list[float]]:
     """A nucleotide LM trained for ``budget.pretrain_steps`` steps of random windows; (model, losses)."""
     torch.manual_seed(budget.seed)
     rng = np.random.default_rng(budget.seed)
@@ -92,7 +94,9 @@ def accuracy(model: nn.Module, data: ClassificationSet, batch_size: int = 64) ->
     return right / len(data.y)
 
 
-def finetune(lm: TitansLM, train: ClassificationSet, budget: DNABudget, progress: bool = False) -> SequenceClassifier:
+def finetune(
+    lm: TitansLM, train: ClassificationSet, budget: DNABudget, progress: bool = False
+) -> SequenceClassifier:
     """All of ``lm`` plus a new pooled head, trained on ``train`` for ``budget.finetune_steps`` steps."""
     torch.manual_seed(budget.seed)
     rng = np.random.default_rng(budget.seed + 1)
@@ -102,7 +106,9 @@ def finetune(lm: TitansLM, train: ClassificationSet, budget: DNABudget, progress
     for _ in range(budget.finetune_steps):
         clf.train()
         idx = rng.integers(0, len(train.y), budget.batch_size)
-        loss = nn.functional.cross_entropy(clf(torch.from_numpy(train.x[idx])), torch.from_numpy(train.y[idx]))
+        loss = nn.functional.cross_entropy(
+            clf(torch.from_numpy(train.x[idx])), torch.from_numpy(train.y[idx])
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(clf.parameters(), 1.0)
@@ -116,6 +122,7 @@ def finetune(lm: TitansLM, train: ClassificationSet, budget: DNABudget, progress
 
 def gc_threshold_accuracy(train: ClassificationSet, test: ClassificationSet) -> float:
     """Accuracy of the best single GC-fraction threshold (and direction) on train, applied to test."""
+
     def gc(x: np.ndarray) -> np.ndarray:
         return np.isin(x, (4, 5)).mean(axis=1)  # C and G ids
 
@@ -130,24 +137,33 @@ def gc_threshold_accuracy(train: ClassificationSet, test: ClassificationSet) -> 
     return float(((sign * (gc(test.x) - t) > 0) == (test.y == 1)).mean())
 
 
-def run_study(records: list[FastaRecord], variants: list[str], budget: DNABudget, progress: bool = False,
-              log=print) -> dict:  # fmt: skip
+def run_study(
+    records: list[FastaRecord], variants: list[str], budget: DNABudget, progress: bool = False, log=print
+) -> dict:
     """Every variant pre-trained and fine-tuned at ``budget``; the JSON-ready results."""
     train_recs, test_recs = split_records(records)
     train_seqs, test_seqs = encode_records(train_recs), encode_records(test_recs)
     test_windows = lm_windows(test_seqs, budget.seq_len)
     if len(test_windows) > budget.eval_windows:  # evenly spaced, so every part of the test records counts
         test_windows = test_windows[np.linspace(0, len(test_windows) - 1, budget.eval_windows).astype(int)]
-    cls_train, cls_test = proximal_distal(train_recs, budget.window_len), proximal_distal(test_recs, budget.window_len)
+    cls_train, cls_test = (
+        proximal_distal(train_recs, budget.window_len),
+        proximal_distal(test_recs, budget.window_len),
+    )
     out: dict = {
         "budget": asdict(budget),
         "records": {"train": len(train_recs), "test": len(test_recs)},
         "lm_test_windows": int(len(test_windows)),
-        "classification": {"train": int(len(cls_train.y)), "test": int(len(cls_test.y)),
-                           "test_positive_fraction": float(cls_test.y.mean())},  # fmt: skip
+        "classification": {
+            "train": int(len(cls_train.y)),
+            "test": int(len(cls_test.y)),
+            "test_positive_fraction": float(cls_test.y.mean()),
+        },
         "reference": {
-            **{f"markov{k}_bits_per_base": markov_bits_per_base(train_seqs, test_seqs, k, budget.seq_len)
-               for k in (0, 2, 5)},  # fmt: skip
+            **{
+                f"markov{k}_bits_per_base": markov_bits_per_base(train_seqs, test_seqs, k, budget.seq_len)
+                for k in (0, 2, 5)
+            },
             "gc_threshold_accuracy": gc_threshold_accuracy(cls_train, cls_test),
             "majority_accuracy": float(max(cls_test.y.mean(), 1 - cls_test.y.mean())),
         },
@@ -165,14 +181,18 @@ def run_study(records: list[FastaRecord], variants: list[str], budget: DNABudget
             "parameters": sum(p.numel() for p in lm.parameters()),
             "test_bits_per_base": bpb,
             "final_train_bits_per_base": float(np.mean(losses[-10:])),
-            "train_curve_bits_per_base": [float(np.mean(losses[i : i + 10])) for i in range(0, len(losses), 10)],
+            "train_curve_bits_per_base": [
+                float(np.mean(losses[i : i + 10])) for i in range(0, len(losses), 10)
+            ],
             "test_accuracy": acc,
             "pretrain_seconds": t1 - t0,
             "finetune_seconds": time.perf_counter() - t1,
         }
         out["variants"][variant] = row
-        log(f"{variant:12s} bits/base {bpb:.4f}  accuracy {acc:.4f}  ({row['pretrain_seconds']:.0f}s + "
-            f"{row['finetune_seconds']:.0f}s)")  # fmt: skip
+        log(
+            f"{variant:12s} bits/base {bpb:.4f}  accuracy {acc:.4f}  ({row['pretrain_seconds']:.0f}s + "
+            f"{row['finetune_seconds']:.0f}s)"
+        )
     return out
 
 
@@ -186,10 +206,16 @@ def plot_study(result: dict, path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     for name, row in result["variants"].items():
         curve = row["train_curve_bits_per_base"]
-        a.plot([10 * i + 5 for i in range(len(curve))], curve, label=f"{name} (test {row['test_bits_per_base']:.3f})")
+        a.plot(
+            [10 * i + 5 for i in range(len(curve))],
+            curve,
+            label=f"{name} (test {row['test_bits_per_base']:.3f})",
+        )
     ref = result["reference"]
     for k, style in ((0, ":"), (5, "--")):
-        a.axhline(ref[f"markov{k}_bits_per_base"], color="grey", ls=style, lw=1, label=f"order-{k} Markov (test)")
+        a.axhline(
+            ref[f"markov{k}_bits_per_base"], color="grey", ls=style, lw=1, label=f"order-{k} Markov (test)"
+        )
     a.set_xlabel("pre-training step")
     a.set_ylabel("train bits per base")
     a.legend(fontsize=7)
@@ -205,4 +231,12 @@ def plot_study(result: dict, path) -> None:
     plt.close(fig)
 
 
-__all__ = ["DNABudget", "accuracy", "finetune", "gc_threshold_accuracy", "plot_study", "pretrain", "run_study"]
+__all__ = [
+    "DNABudget",
+    "accuracy",
+    "finetune",
+    "gc_threshold_accuracy",
+    "plot_study",
+    "pretrain",
+    "run_study",
+]

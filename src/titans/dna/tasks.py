@@ -23,7 +23,9 @@ import numpy as np
 from titans.data.dna import DNATokenizer, FastaRecord
 
 
-def split_records(records: list[FastaRecord], test_every: int = 5) -> tuple[list[FastaRecord], list[FastaRecord]]:
+def split_records(
+    records: list[FastaRecord], test_every: int = 5
+) -> tuple[list[FastaRecord], list[FastaRecord]]:
     """Every ``test_every``-th record (1-based: records 5, 10, ...) is a test record, the rest train."""
     if test_every < 2:
         raise ValueError(f"test_every must be >= 2, got {test_every}")
@@ -46,7 +48,9 @@ def lm_windows(seqs: list[np.ndarray], seq_len: int) -> np.ndarray:
     return np.stack(rows)
 
 
-def sample_lm_batch(seqs: list[np.ndarray], seq_len: int, batch_size: int, rng: np.random.Generator) -> np.ndarray:
+def sample_lm_batch(
+    seqs: list[np.ndarray], seq_len: int, batch_size: int, rng: np.random.Generator
+) -> np.ndarray:
     """(batch_size, seq_len) random windows, a record drawn in proportion to its length."""
     lengths = np.array([max(0, len(s) - seq_len + 1) for s in seqs], dtype=np.float64)
     if lengths.sum() == 0:

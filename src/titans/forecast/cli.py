@@ -40,10 +40,18 @@ def _models(text: str) -> list[str]:
 
 def _run(args, model: str, horizon: int) -> ForecastRun:
     return ForecastRun(
-        model=model, horizon=horizon, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-        eval_every=args.eval_every, dim=args.dim, depth=args.depth, heads=args.heads,
-        revin=not args.no_revin, seed=args.seed,
-    )  # fmt: skip
+        model=model,
+        horizon=horizon,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        eval_every=args.eval_every,
+        dim=args.dim,
+        depth=args.depth,
+        heads=args.heads,
+        revin=not args.no_revin,
+        seed=args.seed,
+    )
 
 
 def _split(args):
@@ -62,9 +70,12 @@ def cmd_train(args) -> int:
     torch.save({"record": record, "state_dict": result.model.state_dict()}, out / "model.pt")
     _, _, test = split.windows(args.horizon)
     plot_forecasts(
-        out / "forecast.png", test, {args.model: result.model}, f"{split.series.name} H={args.horizon}",
+        out / "forecast.png",
+        test,
+        {args.model: result.model},
+        f"{split.series.name} H={args.horizon}",
         channels=split.series.channels,
-    )  # fmt: skip
+    )
     print(json.dumps({k: record[k] for k in ("series", "test_mse", "test_mae", "val_mse")}, indent=2))
     return 0
 
@@ -77,9 +88,15 @@ def cmd_eval(args) -> int:
     series = load_series(rec["series_spec"], date_column=rec.get("date_column"))
     split = split_series(series, lookback=rec["lookback"], protocol=rec["protocol"])
     model = build_forecaster(
-        run.model, lookback=rec["lookback"], horizon=run.horizon, channels=len(series.channels),
-        dim=run.dim, depth=run.depth, heads=run.heads, revin=run.revin,
-    )  # fmt: skip
+        run.model,
+        lookback=rec["lookback"],
+        horizon=run.horizon,
+        channels=len(series.channels),
+        dim=run.dim,
+        depth=run.depth,
+        heads=run.heads,
+        revin=run.revin,
+    )
     model.load_state_dict(saved["state_dict"])
     m = evaluate(model, split.windows(run.horizon)[2])
     print(json.dumps({"series": series.name, "model": run.model, "horizon": run.horizon, **m}, indent=2))
@@ -101,17 +118,25 @@ def cmd_study(args) -> int:
                 rows.append(run_record(split, result))
                 trained[m] = result.model
                 r = result.metrics
-                print(f"{split.series.name} H={h} {m:12s} mse {r['test_mse']:.4f} mae {r['test_mae']:.4f} "
-                      f"({r['train_seconds']:.0f}s)", flush=True)  # fmt: skip
+                print(
+                    f"{split.series.name} H={h} {m:12s} mse {r['test_mse']:.4f} mae {r['test_mae']:.4f} "
+                    f"({r['train_seconds']:.0f}s)",
+                    flush=True,
+                )
             plot_forecasts(
-                out / f"{split.series.name}-H{h}.png", split.windows(h)[2], trained,
-                f"{split.series.name}, test window, horizon {h}", channels=split.series.channels,
-            )  # fmt: skip
+                out / f"{split.series.name}-H{h}.png",
+                split.windows(h)[2],
+                trained,
+                f"{split.series.name}, test window, horizon {h}",
+                channels=split.series.channels,
+            )
             doc = {
                 "command": "titans " + " ".join(sys.argv[1:]),
                 "series": split.series.name,
                 "source": split.series.source,
-                "budget": {k: v for k, v in asdict(_run(args, "linear", 1)).items() if k not in ("model", "horizon")},
+                "budget": {
+                    k: v for k, v in asdict(_run(args, "linear", 1)).items() if k not in ("model", "horizon")
+                },
                 "runs": rows,
             }
             (out / f"{split.series.name}.json").write_text(json.dumps(doc, indent=2) + "\n")
@@ -119,12 +144,19 @@ def cmd_study(args) -> int:
 
 
 def _common(p, study: bool = False) -> None:
-    p.add_argument("--series", default="tmy3:greensboro",
-                   help="tmy3:greensboro, tmy3:sand-point, or an ETT/ECL/Traffic/Weather CSV path or URL"
-                   + (" (comma-separated for several)" if study else ""))  # fmt: skip
+    p.add_argument(
+        "--series",
+        default="tmy3:greensboro",
+        help="tmy3:greensboro, tmy3:sand-point, or an ETT/ECL/Traffic/Weather CSV path or URL"
+        + (" (comma-separated for several)" if study else ""),
+    )
     p.add_argument("--date-column", default=None, help="the CSV's date column (default: the first column)")
-    p.add_argument("--protocol", default="auto", choices=("auto", "ratio", "ett-hour", "ett-minute"),
-                   help="split: 7:1:2 ratio, or ETT's 12/4/4 months (auto: from the file name)")  # fmt: skip
+    p.add_argument(
+        "--protocol",
+        default="auto",
+        choices=("auto", "ratio", "ett-hour", "ett-minute"),
+        help="split: 7:1:2 ratio, or ETT's 12/4/4 months (auto: from the file name)",
+    )
     p.add_argument("--lookback", type=int, default=96, help="input steps")
     p.add_argument("--steps", type=int, default=150, help="Adam steps")
     p.add_argument("--batch-size", type=int, default=32, help="windows per step")
@@ -140,7 +172,9 @@ def _common(p, study: bool = False) -> None:
 
 
 def register(commands, evals) -> None:
-    forecast = commands.add_parser("forecast", help="long-horizon time-series forecasting (train, eval, study)")
+    forecast = commands.add_parser(
+        "forecast", help="long-horizon time-series forecasting (train, eval, study)"
+    )
     sub = forecast.add_subparsers(dest="forecast_command", metavar="SUBCOMMAND")
     sub.required = True
     p = sub.add_parser("train", help="train one model at one horizon; JSON, weights and a PNG into --out")

@@ -121,7 +121,9 @@ def build_forecaster(
     if model not in FORECAST_MODELS:
         raise ValueError(f"unknown forecasting model {model!r}; expected one of {', '.join(FORECAST_MODELS)}")
     if lookback < 1 or horizon < 1 or channels < 1:
-        raise ValueError(f"lookback, horizon and channels must be >= 1, got {lookback}, {horizon}, {channels}")
+        raise ValueError(
+            f"lookback, horizon and channels must be >= 1, got {lookback}, {horizon}, {channels}"
+        )
     if model == "linear":
         return DLinear(lookback, horizon, channels)
     cfg = TitansConfig(

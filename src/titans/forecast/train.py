@@ -74,7 +74,9 @@ def evaluate(model: nn.Module, windows: ForecastWindows, batch_size: int = 256) 
 
 
 @torch.no_grad()
-def predict(model: nn.Module, windows: ForecastWindows, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def predict(
+    model: nn.Module, windows: ForecastWindows, index: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The lookback (L, C), truth (H, C) and prediction (H, C) of window ``index``."""
     model.eval()
     x, y = windows.batch(np.array([index]))
@@ -157,9 +159,14 @@ def run_record(split: SeriesSplit, result: ForecastResult) -> dict:
 
 
 def plot_forecasts(
-    path, windows: ForecastWindows, models: dict[str, nn.Module], title: str, index: int | None = None,
-    channels: tuple[str, ...] = (), show: int = 3,
-) -> None:  # fmt: skip
+    path,
+    windows: ForecastWindows,
+    models: dict[str, nn.Module],
+    title: str,
+    index: int | None = None,
+    channels: tuple[str, ...] = (),
+    show: int = 3,
+) -> None:
     """A PNG of one test window: the lookback, the truth and each model's forecast, for ``show`` channels."""
     import matplotlib
 
@@ -188,4 +195,12 @@ def plot_forecasts(
     plt.close(fig)
 
 
-__all__ = ["ForecastResult", "ForecastRun", "evaluate", "plot_forecasts", "predict", "run_record", "train_forecaster"]
+__all__ = [
+    "ForecastResult",
+    "ForecastRun",
+    "evaluate",
+    "plot_forecasts",
+    "predict",
+    "run_record",
+    "train_forecaster",
+]
