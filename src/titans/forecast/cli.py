@@ -84,7 +84,7 @@ def cmd_eval(args) -> int:
     torch.set_num_threads(args.threads)
     saved = torch.load(Path(args.run) / "model.pt", map_location="cpu", weights_only=True)
     rec = saved["record"]
-    run = ForecastRun(**rec["run"])
+    run = ForecastRun(**{k: v for k, v in rec["run"].items() if k in ForecastRun.__dataclass_fields__})
     series = load_series(rec["series_spec"], date_column=rec.get("date_column"))
     split = split_series(series, lookback=rec["lookback"], protocol=rec["protocol"])
     model = build_forecaster(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -39,7 +39,6 @@ class ForecastRun:
     heads: int = 4
     revin: bool = True
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.model not in FORECAST_MODELS:
