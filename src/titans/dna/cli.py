@@ -45,7 +45,9 @@ def cmd_study(args) -> int:
     result = run_study(
         records, variants, _budget(args), progress=not args.no_progress, log=lambda m: print(m, flush=True)
     )
-    result = {"command": "titans " + " ".join(sys.argv[1:]), "fasta": str(_fasta(args.fasta)), **result}
+    builtin = f"builtin (titans/data/genomes/{dm3_sample_path().name})"
+    fasta = builtin if args.fasta == "builtin" else args.fasta
+    result = {"command": "titans " + " ".join(sys.argv[1:]), "fasta": fasta, **result}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "dna.json").write_text(json.dumps(result, indent=2) + "\n")
