@@ -21,7 +21,7 @@ COMMAND_MODULES = (
     "titans.inference.cli",  # generate, read
     "titans.evaluation.cli",  # eval ppl | niah | babilong | tasks | ablate | depth
     "titans.forecast.cli",  # forecast train | eval | study
-    "titans.dna.cli",  # dna lm | classify | study
+    "titans.dna.cli",  # dna study | classify
 )
 
 
