@@ -20,6 +20,8 @@ COMMAND_MODULES = (
     "titans.training.cli",  # train
     "titans.inference.cli",  # generate, read
     "titans.evaluation.cli",  # eval ppl | niah | babilong | tasks | ablate | depth
+    "titans.forecast.cli",  # forecast train | eval | study
+    "titans.dna.cli",  # dna study | classify
 )
 
 
