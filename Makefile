@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-EXTRAS ?= dev,tokenizers,train,hf
+EXTRAS ?= dev,tokenizers,train,hf,domains
 
 .PHONY: setup main test lint compare eval-essays
 $(VENV)/.installed: pyproject.toml
