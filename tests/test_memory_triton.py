@@ -17,7 +17,6 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from test_memory import random_problem  # noqa: E402
-
 from titans import NeuralMemory, TitansConfig  # noqa: E402
 from titans.ops import memory_triton  # noqa: E402
 from titans.ops.memory import neural_memory_chunked  # noqa: E402
@@ -106,8 +105,8 @@ def test_kernel_with_momentum_or_forgetting_off(momentum, forgetting):
 @interpreted
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
 def test_half_inputs_with_float32_state(half):
-    """bf16 / fp16 q, k, v with a float32 state: the kernel computes in float32, so it agrees with the torch
-    path on the same (rounded) inputs to float32 accuracy, and the gradients come back in the inputs' dtype."""
+    """bf16 / fp16 q, k, v with a float32 state: the kernel computes in float32, so it agrees with the
+    torch path on the same (rounded) inputs to float32 accuracy; the gradients come in the inputs' dtype."""
     args, w, s = random_problem(1, 2, 10, 8, 2, seed=3)
     args = [x.float() for x in args]
     qkv = [x.to(half).requires_grad_(True) for x in args[:3]]

@@ -157,7 +157,8 @@ class TitansConfig:
         check_int("TitansConfig.memory_checkpoint_every", self.memory_checkpoint_every, none_ok=True)
         if self.memory_backend not in ("auto", "triton", "torch"):
             raise ValueError(
-                f"TitansConfig.memory_backend must be 'auto', 'triton' or 'torch', got {self.memory_backend!r}"
+                "TitansConfig.memory_backend must be 'auto', 'triton' or 'torch', "
+                f"got {self.memory_backend!r}"
             )
         if self.mlp_mult <= 0:
             raise ValueError(f"TitansConfig.mlp_mult must be > 0, got {self.mlp_mult}")
