@@ -56,6 +56,7 @@ def interpreting() -> bool:
 
 @functools.cache
 def _kernels():
+    # lazily: importing it imports triton (optional), and TRITON_INTERPRET must be set by then
     from titans.ops import _memory_triton_kernels
 
     return _memory_triton_kernels
