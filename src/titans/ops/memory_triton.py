@@ -40,6 +40,8 @@ from titans.ops.memory import (
 )
 from titans.validation import check_int
 
+# the backward kernel where every chunk's state is kept (False: the torch chunk step recomputes, for tests)
+FUSED_BACKWARD = True
 MAX_WIDTH = 256  # widest head dim / hidden width the kernel keeps on chip
 _ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
 
@@ -97,10 +99,17 @@ def _precision(t: Tensor) -> str:
     return "ieee"
 
 
-def _launch(config, q, k, v, gamma, beta, mix, states, save_every: int):
+def _num_warps(dim: int, hidden: int, chunk: int) -> int:
+    """Warps per program: more for wider states (they are spread over the program's registers)."""
+    width = _block(dim) * _block(hidden) + _block(chunk) * _block(hidden)
+    return int(os.environ.get("TITANS_MEMORY_TRITON_WARPS", 0)) or (4 if width <= 2 * 64 * 64 else 8)
+
+
+def _launch(config, q, k, v, gamma, beta, mix, states, save_every: int, save_tail: bool):
     """Run the forward kernel. q, k, v (N, T, d); gamma, beta (N, n_full, b); mix (N, n_full, 2, 2);
     states: per layer (N, 2, d_in, d_out). Returns y (N, T, d), norm (N, T), the new states (like
-    `states`) and per layer the saved chunk-start states (N, n_saved, 2, d_in, d_out)."""
+    `states`) and per layer the saved chunk-start states (N, n_saved, 2, d_in, d_out): of every
+    `save_every`-th complete chunk (none if 0), and with `save_tail` of the trailing partial chunk too."""
     activation, residual, clip, b = config
     n_seq, seq, dim = q.shape
     n_full = gamma.shape[1]
@@ -109,7 +118,9 @@ def _launch(config, q, k, v, gamma, beta, mix, states, save_every: int):
     dtype, device = states[0].dtype, q.device
     q, k, v = (x.contiguous() for x in (q, k, v))
     states = [x.contiguous() for x in states]
-    n_saved = -(-n_full // save_every) if save_every else 0
+    n_chunks = -(-seq // b)
+    save_until = n_chunks if save_tail else n_full
+    n_saved = -(-save_until // save_every) if save_every else 0
     y = torch.empty(n_seq, seq, dim, dtype=dtype, device=device)
     norm = torch.empty(n_seq, seq, dtype=dtype, device=device)
     new_states = [torch.empty_like(x) for x in states]
@@ -137,8 +148,9 @@ def _launch(config, q, k, v, gamma, beta, mix, states, save_every: int):
         norm,
         seq,
         n_full,
-        -(-seq // b),
+        n_chunks,
         n_saved,
+        save_until,
         float(clip) if clip is not None else 0.0,
         D=dim,
         H1=hidden,
@@ -152,6 +164,7 @@ def _launch(config, q, k, v, gamma, beta, mix, states, save_every: int):
         CLIP=clip is not None,
         SAVE_EVERY=save_every if n_saved else 0,
         PREC=_precision(q),
+        num_warps=_num_warps(dim, hidden, b),
     )
     return y, norm, new_states, saved
 
@@ -168,10 +181,11 @@ class _TritonChunks(torch.autograd.Function):
     def forward(ctx, config, q, k, v, gamma, beta, mix, *states):
         group = config[4]
         grad = any(ctx.needs_input_grad[1:])
+        fused = group == 1 and FUSED_BACKWARD  # every chunk's start state kept: the backward kernel runs
         y, norm, new_states, saved = _launch(
-            config[:4], q, k, v, gamma, beta, mix, states, group if grad else 0
+            config[:4], q, k, v, gamma, beta, mix, states, group if grad else 0, fused
         )
-        ctx.config, ctx.depth = config, len(states)
+        ctx.config, ctx.depth, ctx.fused = config, len(states), fused
         if grad:
             ctx.save_for_backward(q, k, v, gamma, beta, mix, *new_states, *saved)
         return (y, norm, *new_states)
@@ -180,6 +194,8 @@ class _TritonChunks(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     @_without_autocast
     def backward(ctx, g_y, g_norm, *g_final):
+        if ctx.fused:
+            return _fused_backward(ctx, g_y, g_norm, *g_final)
         activation, residual, clip, b, group = ctx.config
         depth = ctx.depth
         q, k, v, gamma, beta, mix, *rest = ctx.saved_tensors
@@ -250,6 +266,77 @@ class _TritonChunks(torch.autograd.Function):
         g_qkv = [None if g is None else g.to(x.dtype) for g, x in zip(g_qkv, (q, k, v))]
         g_init = [g if need else None for g, need in zip(g_states, needs[6:])]
         return (None, *g_qkv, *g_coefs, *g_init)
+
+
+def _fused_backward(ctx, g_y, g_norm, *g_final):
+    """`_TritonChunks.backward` by the backward kernel (every chunk's start state saved)."""
+    activation, residual, clip, b, _ = ctx.config
+    depth = ctx.depth
+    q, k, v, gamma, beta, mix, *rest = ctx.saved_tensors
+    final, saved = rest[:depth], rest[depth:]
+    needs = ctx.needs_input_grad[1:]
+    n_seq, seq, dim = q.shape
+    n_full, hidden = gamma.shape[1], final[0].shape[-1]
+    device = q.device
+    f32 = torch.float32
+    g_states = [
+        torch.zeros(x.shape, dtype=f32, device=device) if g is None else g.to(f32).contiguous()
+        for x, g in zip(final, g_final)
+    ]
+    g_y = torch.zeros(n_seq, seq, dim, dtype=f32, device=device) if g_y is None else g_y.contiguous()
+    g_norm = torch.zeros(n_seq, seq, dtype=f32, device=device) if g_norm is None else g_norm.contiguous()
+    g_q, g_k, g_v = (torch.empty(n_seq, seq, dim, dtype=f32, device=device) for _ in range(3))
+    g_gamma = torch.empty(n_seq, max(n_full, 1), b, dtype=f32, device=device)
+    g_beta = torch.empty_like(g_gamma)
+    g_mix = torch.empty(n_seq, max(n_full, 1), 2, 2, dtype=f32, device=device)
+    dummy = torch.zeros(1, dtype=f32, device=device)
+    if n_full:
+        gamma, beta, mix = (x.contiguous() for x in (gamma, beta, mix))
+    else:
+        gamma = beta = mix = dummy
+    _kernels().memory_chunks_bwd[(n_seq,)](
+        q,
+        k,
+        v,
+        gamma,
+        beta,
+        mix,
+        saved[0],
+        saved[1] if depth == 2 else dummy,
+        g_y,
+        g_norm,
+        g_states[0],
+        g_states[1] if depth == 2 else dummy,
+        g_q,
+        g_k,
+        g_v,
+        g_gamma,
+        g_beta,
+        g_mix,
+        seq,
+        n_full,
+        -(-seq // b),
+        float(clip) if clip is not None else 0.0,
+        D=dim,
+        H1=hidden,
+        BD=_block(dim),
+        BH=_block(hidden),
+        BC=_block(b),
+        CHUNK=b,
+        DEPTH=depth,
+        ACT=_ACT_CODES[activation],
+        RESIDUAL=bool(residual),
+        CLIP=clip is not None,
+        PREC=_precision(q),
+        num_warps=_num_warps(dim, hidden, b),
+    )
+    g_qkv = [g.to(x.dtype) if need else None for g, x, need in zip((g_q, g_k, g_v), (q, k, v), needs[:3])]
+    g_coefs = [
+        g[:, :n_full].to(x.dtype) if need else None
+        for g, x, need in zip((g_gamma, g_beta, g_mix), (ctx.saved_tensors[3:6]), needs[3:6])
+    ]
+    g_init = [g.to(x.dtype) if need else None for g, x, need in zip(g_states, final, needs[6:])]
+    return (None, *g_qkv, *g_coefs, *g_init)
 
 
 def neural_memory_triton(
