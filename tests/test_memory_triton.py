@@ -220,3 +220,25 @@ def test_auto_picks_kernels_on_cuda_and_matches_torch():
     mem.backend = "torch"
     y_ref, state_ref = mem(x)
     _close(y, y_ref, 1e-4, "cuda kernels vs torch")
+
+
+@interpreted
+def test_backward_falls_back_where_the_kernel_does_not_fit(monkeypatch):
+    """A backward kernel too big for the device's shared memory (simulated): the torch chunk step takes
+    over from the same saved states, the same gradients, and later calls of that shape skip the kernel."""
+    args, w, s = random_problem(1, 2, 10, 4, 2, seed=7)
+    kw = {"chunk_size": 4, "surprise_clip": 0.5}
+    outs, grads = _loss_and_grads(neural_memory_triton, args, w, s, kw, torch.float32)
+    tried = []
+
+    def too_big(*a):
+        tried.append(1)
+        raise memory_triton._kernels().OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(memory_triton, "_fused_backward", too_big)
+    monkeypatch.setattr(memory_triton, "_UNFIT", set())
+    for _ in range(2):
+        outs_f, grads_f = _loss_and_grads(neural_memory_triton, args, w, s, kw, torch.float32)
+        for a, b in zip(outs + grads, outs_f + grads_f):
+            _close(a, b, 1e-6, "fallback")
+    assert len(tried) == 1 and len(memory_triton._UNFIT) == 1

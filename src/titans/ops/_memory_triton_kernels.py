@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources  # noqa: F401 (memory_triton catches it)
 
 SILU, GELU, RELU = 0, 1, 2
 

@@ -94,6 +94,8 @@ def _block(n: int) -> int:
 
 def _precision(t: Tensor) -> str:
     """tl.dot's float32 precision: tf32 where torch's own float32 matmuls may use it (its setting)."""
+    if os.environ.get("TITANS_MEMORY_TRITON_PREC"):
+        return os.environ["TITANS_MEMORY_TRITON_PREC"]
     if t.is_cuda and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     return "ieee"
@@ -103,6 +105,19 @@ def _num_warps(dim: int, hidden: int, chunk: int) -> int:
     """Warps per program: more for wider states (they are spread over the program's registers)."""
     width = _block(dim) * _block(hidden) + _block(chunk) * _block(hidden)
     return int(os.environ.get("TITANS_MEMORY_TRITON_WARPS", 0)) or (4 if width <= 2 * 64 * 64 else 8)
+
+
+# no software pipelining of the chunk loop: its buffers would multiply the shared memory the dots stage
+# their operands in, beyond what one SM has for a state of 64 x 128
+_NUM_STAGES = int(os.environ.get("TITANS_MEMORY_TRITON_STAGES", 1))
+
+
+# shapes whose backward kernel needs more shared memory than the device has (found at the first try)
+_UNFIT: set[tuple] = set()
+
+
+def _shape_key(config, q: Tensor, states) -> tuple:
+    return (q.device.type, q.shape[-1], tuple(tuple(x.shape[-2:]) for x in states), *config[:2], config[3])
 
 
 def _launch(config, q, k, v, gamma, beta, mix, states, save_every: int, save_tail: bool):
@@ -165,6 +180,7 @@ def _launch(config, q, k, v, gamma, beta, mix, states, save_every: int, save_tai
         SAVE_EVERY=save_every if n_saved else 0,
         PREC=_precision(q),
         num_warps=_num_warps(dim, hidden, b),
+        num_stages=_NUM_STAGES,
     )
     return y, norm, new_states, saved
 
@@ -181,7 +197,8 @@ class _TritonChunks(torch.autograd.Function):
     def forward(ctx, config, q, k, v, gamma, beta, mix, *states):
         group = config[4]
         grad = any(ctx.needs_input_grad[1:])
-        fused = group == 1 and FUSED_BACKWARD  # every chunk's start state kept: the backward kernel runs
+        # every chunk's start state kept: the backward kernel runs (where it fits on the device)
+        fused = group == 1 and FUSED_BACKWARD and _shape_key(config, q, states) not in _UNFIT
         y, norm, new_states, saved = _launch(
             config[:4], q, k, v, gamma, beta, mix, states, group if grad else 0, fused
         )
@@ -195,11 +212,16 @@ class _TritonChunks(torch.autograd.Function):
     @_without_autocast
     def backward(ctx, g_y, g_norm, *g_final):
         if ctx.fused:
-            return _fused_backward(ctx, g_y, g_norm, *g_final)
+            try:
+                return _fused_backward(ctx, g_y, g_norm, *g_final)
+            except _kernels().OutOfResources:
+                # too big for one SM's shared memory: the torch chunk step from the same saved states
+                _UNFIT.add(_shape_key(ctx.config, ctx.saved_tensors[0], ctx.saved_tensors[6 : 6 + ctx.depth]))
         activation, residual, clip, b, group = ctx.config
         depth = ctx.depth
         q, k, v, gamma, beta, mix, *rest = ctx.saved_tensors
         final, saved = rest[:depth], rest[depth:]
+        saved = [x[:, : gamma.shape[1]] for x in saved]  # the fused backward's also holds the tail's
         needs = ctx.needs_input_grad[1:]
         dtype = final[0].dtype
         n_seq, seq, dim = q.shape
@@ -329,6 +351,7 @@ def _fused_backward(ctx, g_y, g_norm, *g_final):
         CLIP=clip is not None,
         PREC=_precision(q),
         num_warps=_num_warps(dim, hidden, b),
+        num_stages=_NUM_STAGES,
     )
     g_qkv = [g.to(x.dtype) if need else None for g, x, need in zip((g_q, g_k, g_v), (q, k, v), needs[:3])]
     g_coefs = [
