@@ -242,3 +242,20 @@ def test_backward_falls_back_where_the_kernel_does_not_fit(monkeypatch):
         for a, b in zip(outs + grads, outs_f + grads_f):
             _close(a, b, 1e-6, "fallback")
     assert len(tried) == 1 and len(memory_triton._UNFIT) == 1
+
+
+@interpreted
+def test_decode_step_is_one_kernel_launch(monkeypatch):
+    """One token at a time (pending tokens prepended, the chunk written when it completes): the memory op is
+    one forward-kernel launch per call, and none of the torch chunk loop runs."""
+    mem = _memory(backend="triton")
+    _, state = mem(torch.randn(1, 6, 12))
+    launches = []
+    real = memory_triton._launch
+    monkeypatch.setattr(memory_triton, "_launch", lambda *a: launches.append(1) or real(*a))
+    for name in ("_run_chunks", "_read_and_grads"):
+        monkeypatch.setattr(memory_triton, name, lambda *a, **k: pytest.fail("torch chunk loop ran"))
+    with torch.no_grad():
+        for _ in range(3):  # 6 + 2 = 8 completes a chunk of 4 on the second step
+            _, state = mem(torch.randn(1, 1, 12), state)
+    assert len(launches) == 3 and state.position == 9 and state.pending_k.shape[2] == 1
