@@ -259,3 +259,11 @@ def test_decode_step_is_one_kernel_launch(monkeypatch):
         for _ in range(3):  # 6 + 2 = 8 completes a chunk of 4 on the second step
             _, state = mem(torch.randn(1, 1, 12), state)
     assert len(launches) == 3 and state.position == 9 and state.pending_k.shape[2] == 1
+
+
+@interpreted
+def test_backward_in_row_blocks(monkeypatch):
+    """Chunks of 20 (padded to 32) taken 16 rows at a time by the backward kernel: the same gradients as
+    the reference."""
+    monkeypatch.setattr(memory_triton, "BACKWARD_ROWS", 16)
+    check_against_reference((1, 2, 45, 4), 2, {"chunk_size": 20, "surprise_clip": 0.5, "activation": "gelu"})

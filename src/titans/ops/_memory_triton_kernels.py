@@ -230,6 +230,7 @@ def memory_chunks_bwd(
     BD: tl.constexpr,
     BH: tl.constexpr,
     BC: tl.constexpr,
+    RB: tl.constexpr,
     CHUNK: tl.constexpr,
     DEPTH: tl.constexpr,
     ACT: tl.constexpr,
@@ -239,11 +240,12 @@ def memory_chunks_bwd(
 ):
     """The chunks in reverse: each chunk's forward recomputed from its saved start state, then its
     backward (the maths of `titans.ops.memory._ChunkStep.backward`), the state gradient carried in
-    registers from chunk to chunk."""
+    registers from chunk to chunk. A chunk's rows go RB at a time (fewer rows per matmul: less shared
+    memory to stage the operands in)."""
     pid = tl.program_id(0).to(tl.int64)
     rd = tl.arange(0, BD)
     rh = tl.arange(0, BH)
-    rc = tl.arange(0, BC)
+    rr = tl.arange(0, RB)
     md = rd < D
     mh = rh < H1
     off1 = rd[:, None] * H1 + rh[None, :]
@@ -261,62 +263,17 @@ def memory_chunks_bwd(
 
     for i in range(0, n_chunks):
         c = n_chunks - 1 - i
-        rows = c * CHUNK + rc
-        mr = (rc < CHUNK) & (rows < T)
-        mrd = mr[:, None] & md[None, :]
-        off = pid * T * D + rows[:, None] * D + rd[None, :]
-        k = tl.load(K + off, mask=mrd, other=0.0).to(tl.float32)
-        q = tl.load(Q + off, mask=mrd, other=0.0).to(tl.float32)
-        v = tl.load(V + off, mask=mrd, other=0.0).to(tl.float32)
-        gy = tl.load(GY + off, mask=mrd, other=0.0).to(tl.float32)
-        g_norm = tl.load(GNORM + pid * T + rows, mask=mr, other=0.0).to(tl.float32)
         base = (pid * n_chunks + c) * 2 * size1
         w1 = tl.load(SAVE1 + base + off1, mask=m1, other=0.0).to(tl.float32)
         s1 = tl.load(SAVE1 + base + size1 + off1, mask=m1, other=0.0).to(tl.float32)
         if DEPTH == 2:
             w2 = tl.load(SAVE2 + base + off2, mask=m2, other=0.0).to(tl.float32)
             s2 = tl.load(SAVE2 + base + size1 + off2, mask=m2, other=0.0).to(tl.float32)
-        full = (rc * 0 + c) < n_full
-        coef = (pid * n_full + c) * CHUNK + rc
-        gam = tl.load(GAMMA + coef, mask=mr & full, other=0.0).to(tl.float32)
-        bet = tl.load(BETA + coef, mask=mr & full, other=0.0).to(tl.float32)
         full4 = (r4 * 0 + c) < n_full
         mix = tl.load(MIX + (pid * n_full + c) * 4 + r4, mask=full4, other=identity).to(tl.float32)
         a = tl.sum(tl.where(r4 == 0, mix, 0.0), 0)
         carry = tl.sum(tl.where(r4 == 1, mix, 0.0), 0)
         decay_s = tl.sum(tl.where(r4 == 3, mix, 0.0), 0)
-
-        # the chunk's forward, recomputed
-        zk = tl.dot(k, w1, input_precision=PREC)
-        if DEPTH == 1:
-            out_k = zk
-        else:
-            hk = _act(zk, ACT)
-            out_k = tl.dot(hk, w2, input_precision=PREC)
-        if RESIDUAL:
-            out_k += k
-        d_out = 2.0 * (out_k - v)
-        kk = tl.sum(k * k, 1)
-        if DEPTH == 1:
-            dd = tl.sum(d_out * d_out, 1)
-            sq = kk * dd
-        else:
-            e = tl.dot(d_out, tl.trans(w2), input_precision=PREC)
-            p = _act_grad(zk, ACT)
-            d_hid = e * p
-            hh = tl.sum(hk * hk, 1)
-            dh = tl.sum(d_hid * d_hid, 1)
-            do = tl.sum(d_out * d_out, 1)
-            sq = kk * dh + hh * do
-        norm = tl.sqrt(tl.maximum(sq, 1e-30))
-        if CLIP:
-            nc = tl.maximum(norm, 1e-12)
-            ratio = clip / nc
-            scale = tl.minimum(ratio, 1.0)
-        else:
-            scale = tl.full([BC], 1.0, tl.float32)
-        c_w = -gam * scale
-        c_s = -bet * scale
 
         # 1. X' = mix @ X + U: the mix's gradient, and the state gradient passed through the mix
         g_a = tl.sum(tl.sum(g_w1 * w1, 1), 0)
@@ -331,93 +288,143 @@ def memory_chunks_bwd(
         )
         tl.store(GMIX + (pid * n_full + c) * 4 + r4, g_mix, mask=full4)
 
-        # 2. U = a^T (c_w d) and a^T (c_s d) per layer: gradients of the inputs, errors and coefficients
-        if DEPTH == 1:
-            pw = tl.dot(k, g_w1, input_precision=PREC)
-            ps = tl.dot(k, g_s1, input_precision=PREC)
-            g_dout = c_w[:, None] * pw + c_s[:, None] * ps
-            g_cw = tl.sum(pw * d_out, 1)
-            g_cs = tl.sum(ps * d_out, 1)
-            g_k = tl.dot(c_w[:, None] * d_out, tl.trans(g_w1), input_precision=PREC)
-            g_k += tl.dot(c_s[:, None] * d_out, tl.trans(g_s1), input_precision=PREC)
-        else:
-            pw = tl.dot(k, g_w1, input_precision=PREC)
-            ps = tl.dot(k, g_s1, input_precision=PREC)
-            g_dhid = c_w[:, None] * pw + c_s[:, None] * ps
-            g_cw = tl.sum(pw * d_hid, 1)
-            g_cs = tl.sum(ps * d_hid, 1)
-            g_k = tl.dot(c_w[:, None] * d_hid, tl.trans(g_w1), input_precision=PREC)
-            g_k += tl.dot(c_s[:, None] * d_hid, tl.trans(g_s1), input_precision=PREC)
-            pw2 = tl.dot(hk, g_w2, input_precision=PREC)
-            ps2 = tl.dot(hk, g_s2, input_precision=PREC)
-            g_dout = c_w[:, None] * pw2 + c_s[:, None] * ps2
-            g_cw += tl.sum(pw2 * d_out, 1)
-            g_cs += tl.sum(ps2 * d_out, 1)
-            g_hk = tl.dot(c_w[:, None] * d_out, tl.trans(g_w2), input_precision=PREC)
-            g_hk += tl.dot(c_s[:, None] * d_out, tl.trans(g_s2), input_precision=PREC)
-
-        # 3. c = -(gamma, beta) * scale
-        tl.store(GGAMMA + coef, -g_cw * scale, mask=mr & full)
-        tl.store(GBETA + coef, -g_cs * scale, mask=mr & full)
-        g_n = g_norm
-        if CLIP:
-            active = (ratio <= 1.0) & (norm >= 1e-12)
-            g_scale = -(g_cw * gam + g_cs * bet)
-            g_n += tl.where(active, -g_scale * ratio / nc, 0.0)
-        # 4. norm = sqrt(max(sq, 1e-30)), sq = sum_l ||a_l||^2 ||delta_l||^2
-        g_sq = tl.where(sq >= 1e-30, g_n * 0.5 / norm, 0.0)
-        if DEPTH == 1:
-            g_k += (2.0 * g_sq * dd)[:, None] * k
-            g_dout += (2.0 * g_sq * kk)[:, None] * d_out
-        else:
-            g_k += (2.0 * g_sq * dh)[:, None] * k
-            g_dhid += (2.0 * g_sq * kk)[:, None] * d_hid
-            g_hk += (2.0 * g_sq * do)[:, None] * hk
-            g_dout += (2.0 * g_sq * hh)[:, None] * d_out
-
-        # the new state gradient (before this chunk's write), from the mix
+        # the state gradient before this chunk's write: through the mix here, the writes' terms below
         n_w1 = a * g_w1
         n_s1 = carry * g_w1 + decay_s * g_s1
         if DEPTH == 2:
             n_w2 = a * g_w2
             n_s2 = carry * g_w2 + decay_s * g_s2
-            # 5. the inner backprop: d_hid = e * act'(zk), e = d_out W2^T
-            g_e = g_dhid * p
-            g_zk = g_dhid * e * _act_second(zk, ACT)
-            g_dout += tl.dot(g_e, w2, input_precision=PREC)
-            n_w2 += tl.dot(tl.trans(g_e), d_out, input_precision=PREC)
-        # 6. d_out = 2 (M(k) - v), and the read y = M(q)
-        g_v = -2.0 * g_dout
-        g_ok = 2.0 * g_dout
-        if RESIDUAL:
-            g_k += g_ok
-            g_q = gy
-        else:
-            g_q = gy * 0.0
-        if DEPTH == 1:
-            n_w1 += tl.dot(tl.trans(k), g_ok, input_precision=PREC)
-            n_w1 += tl.dot(tl.trans(q), gy, input_precision=PREC)
-            g_k += tl.dot(g_ok, tl.trans(w1), input_precision=PREC)
-            g_q += tl.dot(gy, tl.trans(w1), input_precision=PREC)
-        else:
-            g_hk += tl.dot(g_ok, tl.trans(w2), input_precision=PREC)
-            n_w2 += tl.dot(tl.trans(hk), g_ok, input_precision=PREC)
-            g_zk += g_hk * p
-            zq = tl.dot(q, w1, input_precision=PREC)
-            hq = _act(zq, ACT)
-            n_w2 += tl.dot(tl.trans(hq), gy, input_precision=PREC)
-            g_zq = tl.dot(gy, tl.trans(w2), input_precision=PREC) * _act_grad(zq, ACT)
-            n_w1 += tl.dot(tl.trans(k), g_zk, input_precision=PREC)
-            n_w1 += tl.dot(tl.trans(q), g_zq, input_precision=PREC)
-            g_k += tl.dot(g_zk, tl.trans(w1), input_precision=PREC)
-            g_q += tl.dot(g_zq, tl.trans(w1), input_precision=PREC)
-            g_w2 = n_w2
-            g_s2 = n_s2
+        # the chunk's rows, RB at a time: each row's terms depend on the chunk-start state alone
+        for rb in range(0, BC // RB):
+            rc = rb * RB + rr
+            rows = c * CHUNK + rc
+            mr = (rc < CHUNK) & (rows < T)
+            mrd = mr[:, None] & md[None, :]
+            off = pid * T * D + rows[:, None] * D + rd[None, :]
+            k = tl.load(K + off, mask=mrd, other=0.0).to(tl.float32)
+            q = tl.load(Q + off, mask=mrd, other=0.0).to(tl.float32)
+            v = tl.load(V + off, mask=mrd, other=0.0).to(tl.float32)
+            gy = tl.load(GY + off, mask=mrd, other=0.0).to(tl.float32)
+            g_norm = tl.load(GNORM + pid * T + rows, mask=mr, other=0.0).to(tl.float32)
+            full = (rc * 0 + c) < n_full
+            coef = (pid * n_full + c) * CHUNK + rc
+            gam = tl.load(GAMMA + coef, mask=mr & full, other=0.0).to(tl.float32)
+            bet = tl.load(BETA + coef, mask=mr & full, other=0.0).to(tl.float32)
+            # the chunk's forward, recomputed
+            zk = tl.dot(k, w1, input_precision=PREC)
+            if DEPTH == 1:
+                out_k = zk
+            else:
+                hk = _act(zk, ACT)
+                out_k = tl.dot(hk, w2, input_precision=PREC)
+            if RESIDUAL:
+                out_k += k
+            d_out = 2.0 * (out_k - v)
+            kk = tl.sum(k * k, 1)
+            if DEPTH == 1:
+                dd = tl.sum(d_out * d_out, 1)
+                sq = kk * dd
+            else:
+                e = tl.dot(d_out, tl.trans(w2), input_precision=PREC)
+                p = _act_grad(zk, ACT)
+                d_hid = e * p
+                hh = tl.sum(hk * hk, 1)
+                dh = tl.sum(d_hid * d_hid, 1)
+                do = tl.sum(d_out * d_out, 1)
+                sq = kk * dh + hh * do
+            norm = tl.sqrt(tl.maximum(sq, 1e-30))
+            if CLIP:
+                nc = tl.maximum(norm, 1e-12)
+                ratio = clip / nc
+                scale = tl.minimum(ratio, 1.0)
+            else:
+                scale = tl.full([RB], 1.0, tl.float32)
+            c_w = -gam * scale
+            c_s = -bet * scale
+
+            # 2. U = a^T (c_w d) and a^T (c_s d) per layer: gradients of the inputs, errors and coefficients
+            if DEPTH == 1:
+                pw = tl.dot(k, g_w1, input_precision=PREC)
+                ps = tl.dot(k, g_s1, input_precision=PREC)
+                g_dout = c_w[:, None] * pw + c_s[:, None] * ps
+                g_cw = tl.sum(pw * d_out, 1)
+                g_cs = tl.sum(ps * d_out, 1)
+                g_k = tl.dot(c_w[:, None] * d_out, tl.trans(g_w1), input_precision=PREC)
+                g_k += tl.dot(c_s[:, None] * d_out, tl.trans(g_s1), input_precision=PREC)
+            else:
+                pw = tl.dot(k, g_w1, input_precision=PREC)
+                ps = tl.dot(k, g_s1, input_precision=PREC)
+                g_dhid = c_w[:, None] * pw + c_s[:, None] * ps
+                g_cw = tl.sum(pw * d_hid, 1)
+                g_cs = tl.sum(ps * d_hid, 1)
+                g_k = tl.dot(c_w[:, None] * d_hid, tl.trans(g_w1), input_precision=PREC)
+                g_k += tl.dot(c_s[:, None] * d_hid, tl.trans(g_s1), input_precision=PREC)
+                pw2 = tl.dot(hk, g_w2, input_precision=PREC)
+                ps2 = tl.dot(hk, g_s2, input_precision=PREC)
+                g_dout = c_w[:, None] * pw2 + c_s[:, None] * ps2
+                g_cw += tl.sum(pw2 * d_out, 1)
+                g_cs += tl.sum(ps2 * d_out, 1)
+                g_hk = tl.dot(c_w[:, None] * d_out, tl.trans(g_w2), input_precision=PREC)
+                g_hk += tl.dot(c_s[:, None] * d_out, tl.trans(g_s2), input_precision=PREC)
+
+            # 3. c = -(gamma, beta) * scale
+            tl.store(GGAMMA + coef, -g_cw * scale, mask=mr & full)
+            tl.store(GBETA + coef, -g_cs * scale, mask=mr & full)
+            g_n = g_norm
+            if CLIP:
+                active = (ratio <= 1.0) & (norm >= 1e-12)
+                g_scale = -(g_cw * gam + g_cs * bet)
+                g_n += tl.where(active, -g_scale * ratio / nc, 0.0)
+            # 4. norm = sqrt(max(sq, 1e-30)), sq = sum_l ||a_l||^2 ||delta_l||^2
+            g_sq = tl.where(sq >= 1e-30, g_n * 0.5 / norm, 0.0)
+            if DEPTH == 1:
+                g_k += (2.0 * g_sq * dd)[:, None] * k
+                g_dout += (2.0 * g_sq * kk)[:, None] * d_out
+            else:
+                g_k += (2.0 * g_sq * dh)[:, None] * k
+                g_dhid += (2.0 * g_sq * kk)[:, None] * d_hid
+                g_hk += (2.0 * g_sq * do)[:, None] * hk
+                g_dout += (2.0 * g_sq * hh)[:, None] * d_out
+
+            if DEPTH == 2:
+                # 5. the inner backprop: d_hid = e * act'(zk), e = d_out W2^T
+                g_e = g_dhid * p
+                g_zk = g_dhid * e * _act_second(zk, ACT)
+                g_dout += tl.dot(g_e, w2, input_precision=PREC)
+                n_w2 += tl.dot(tl.trans(g_e), d_out, input_precision=PREC)
+            # 6. d_out = 2 (M(k) - v), and the read y = M(q)
+            g_v = -2.0 * g_dout
+            g_ok = 2.0 * g_dout
+            if RESIDUAL:
+                g_k += g_ok
+                g_q = gy
+            else:
+                g_q = gy * 0.0
+            if DEPTH == 1:
+                n_w1 += tl.dot(tl.trans(k), g_ok, input_precision=PREC)
+                n_w1 += tl.dot(tl.trans(q), gy, input_precision=PREC)
+                g_k += tl.dot(g_ok, tl.trans(w1), input_precision=PREC)
+                g_q += tl.dot(gy, tl.trans(w1), input_precision=PREC)
+            else:
+                g_hk += tl.dot(g_ok, tl.trans(w2), input_precision=PREC)
+                n_w2 += tl.dot(tl.trans(hk), g_ok, input_precision=PREC)
+                g_zk += g_hk * p
+                zq = tl.dot(q, w1, input_precision=PREC)
+                hq = _act(zq, ACT)
+                n_w2 += tl.dot(tl.trans(hq), gy, input_precision=PREC)
+                g_zq = tl.dot(gy, tl.trans(w2), input_precision=PREC) * _act_grad(zq, ACT)
+                n_w1 += tl.dot(tl.trans(k), g_zk, input_precision=PREC)
+                n_w1 += tl.dot(tl.trans(q), g_zq, input_precision=PREC)
+                g_k += tl.dot(g_zk, tl.trans(w1), input_precision=PREC)
+                g_q += tl.dot(g_zq, tl.trans(w1), input_precision=PREC)
+            tl.store(GQ + off, g_q, mask=mrd)
+            tl.store(GK + off, g_k, mask=mrd)
+            tl.store(GV + off, g_v, mask=mrd)
         g_w1 = n_w1
         g_s1 = n_s1
-        tl.store(GQ + off, g_q, mask=mrd)
-        tl.store(GK + off, g_k, mask=mrd)
-        tl.store(GV + off, g_v, mask=mrd)
+        if DEPTH == 2:
+            g_w2 = n_w2
+            g_s2 = n_s2
 
     tl.store(G1 + pid * 2 * size1 + off1, g_w1, mask=m1)
     tl.store(G1 + pid * 2 * size1 + size1 + off1, g_s1, mask=m1)

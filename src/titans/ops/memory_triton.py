@@ -42,6 +42,8 @@ from titans.validation import check_int
 
 # the backward kernel where every chunk's state is kept (False: the torch chunk step recomputes, for tests)
 FUSED_BACKWARD = True
+# rows of a chunk the backward kernel takes at a time (a power of two >= 16)
+BACKWARD_ROWS = int(os.environ.get("TITANS_MEMORY_TRITON_ROWS", 32))
 MAX_WIDTH = 256  # widest head dim / hidden width the kernel keeps on chip
 _ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
 
@@ -344,6 +346,7 @@ def _fused_backward(ctx, g_y, g_norm, *g_final):
         BD=_block(dim),
         BH=_block(hidden),
         BC=_block(b),
+        RB=min(_block(b), BACKWARD_ROWS),
         CHUNK=b,
         DEPTH=depth,
         ACT=_ACT_CODES[activation],
