@@ -267,3 +267,19 @@ def test_backward_in_row_blocks(monkeypatch):
     the reference."""
     monkeypatch.setattr(memory_triton, "BACKWARD_ROWS", 16)
     check_against_reference((1, 2, 45, 4), 2, {"chunk_size": 20, "surprise_clip": 0.5, "activation": "gelu"})
+
+
+@interpreted
+def test_layer_under_bf16_autocast_matches_torch_backend():
+    """bf16 autocast: bf16 q, k, v reach the kernels, the state stays float32, as on the torch path."""
+    x = torch.randn(2, 11, 12)
+    runs = []
+    for backend in ("triton", "torch"):
+        mem = _memory(backend=backend)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, state = mem(x)
+        y.float().sum().backward()
+        assert state.weights[0].dtype == torch.float32
+        runs.append((y.float().detach(), mem.init_weights[0].grad))
+    _close(runs[0][0], runs[1][0], 1e-3, "y")
+    _close(runs[0][1], runs[1][1], 1e-3, "grad")
