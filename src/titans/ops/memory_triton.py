@@ -7,10 +7,12 @@ state and, when gradients are recorded, the state at the start of every chunk (o
 `checkpoint_every`-th chunk). A call shorter than a chunk (decoding one token at a time) is the same single
 launch: a read, plus the write when the pending tokens complete a chunk.
 
-Backward: the chunks in reverse, each group of `checkpoint_every` chunks (1 without checkpointing)
-recomputed from its saved start state by the torch chunk step (`titans.ops.memory._run_chunks`, the
-hand-written `_ChunkStep` backward) and backpropagated. So the backward is the torch path's, minus its
-forward: it is not fused into one launch.
+Backward: ONE launch too (`memory_chunks_bwd`): the chunks in reverse, each chunk's forward recomputed
+from its saved start state and backpropagated, the state gradient carried on chip. Two cases go through
+the torch chunk step instead (`titans.ops.memory._run_chunks`, recomputed per group of chunks from the saved
+states and backpropagated: the same gradients at the torch path's speed): `checkpoint_every` (only every
+n-th state is kept), and a shape whose backward kernel needs more shared memory than the GPU has (found at
+its first backward, then remembered).
 
 Covered (`covered()`): depth 1 and 2, silu / gelu / relu, residual or not, clipping on or off, per-token
 gates with momentum or forgetting switched off, any chunk size, trailing partial chunks, a state in and
