@@ -10,6 +10,7 @@ returned `MemoryState` lets a later call continue the same sequences exactly whe
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, replace
 from functools import partial
@@ -25,8 +26,13 @@ from titans.layers.state_tree import StateTree, register_state_type
 from titans.ops.conv import causal_conv_silu
 from titans.ops.memory import ACTIVATIONS, memory_forward, neural_memory_chunked
 from titans.ops.memory_ref import neural_memory_ref
+from titans.ops.memory_triton import covered, device_reason, neural_memory_triton
 from titans.ops.norms import l2_normalize, rms_norm
 from titans.validation import check_int
+
+log = logging.getLogger(__name__)
+BACKENDS = ("auto", "triton", "torch")
+_logged_choices: set[tuple[str, str]] = set()
 
 
 @register_state_type
@@ -113,6 +119,10 @@ class NeuralMemory(nn.Module):
         checkpoint_every: opt-in activation checkpointing of the chunked path in groups of this many chunks
             (training on very long sequences: O(T / checkpoint_every) saved states instead of O(T), for
             about one extra forward pass). None (default) keeps every chunk's state.
+        backend: the chunked path's chunk loop: "torch" (`ops/memory.py`), "triton" (the Triton kernels of
+            `ops/memory_triton.py`: CUDA tensors, or CPU ones under TRITON_INTERPRET=1; an error where they
+            do not cover the config) or "auto" (the kernels on CUDA where triton is installed and they cover
+            the config, else torch; the choice is logged once).
     """
 
     def __init__(
@@ -139,6 +149,7 @@ class NeuralMemory(nn.Module):
         write: bool = True,
         impl: str = "chunked",
         checkpoint_every: int | None = None,
+        backend: str = "auto",
     ) -> None:
         super().__init__()
         head_dim = head_dim or dim // heads
@@ -157,6 +168,8 @@ class NeuralMemory(nn.Module):
         check_int("NeuralMemory: checkpoint_every", checkpoint_every, none_ok=True)
         if impl not in ("chunked", "reference"):
             raise ValueError(f"NeuralMemory: impl must be 'chunked' or 'reference', got {impl!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"NeuralMemory: backend must be one of {BACKENDS}, got {backend!r}")
         for name, val in (
             ("theta_init", theta_init / max_lr),
             ("eta_init", eta_init),
@@ -174,6 +187,7 @@ class NeuralMemory(nn.Module):
         self.max_lr, self.residual, self.surprise_clip, self.impl = max_lr, residual, surprise_clip, impl
         self.checkpoint_every = checkpoint_every
         self.write = write
+        self.backend = backend
 
         inner = heads * head_dim
         self.to_qkv = nn.Linear(dim, 3 * inner, bias=False)
@@ -421,7 +435,8 @@ class NeuralMemory(nn.Module):
         """The memory op (`impl`) over q, k, v (B, H, n, d) and gates (B, H, n, 3) from the state's weights
         and momentum: y, weights, momentum, surprise."""
         if self.impl == "chunked":
-            fn = partial(neural_memory_chunked, checkpoint_every=checkpoint_every)
+            op = neural_memory_triton if self._use_triton(q) else neural_memory_chunked
+            fn = partial(op, checkpoint_every=checkpoint_every)
         else:
             fn = neural_memory_ref
         return fn(
@@ -438,6 +453,25 @@ class NeuralMemory(nn.Module):
             residual=self.residual,
             surprise_clip=self.surprise_clip,
         )
+
+    def _use_triton(self, q: Tensor) -> bool:
+        """Whether the chunked path runs on the Triton kernels for q (B, H, n, d) (`backend`): "triton"
+        raises where they cannot run, "auto" falls back to torch and logs its choice once."""
+        if self.backend == "torch":
+            return False
+        hidden = self.init_weights[0].shape[-1]
+        reason = covered(self.depth, self.head_dim, hidden, self.activation) or device_reason(q.device)
+        if self.backend == "triton":
+            if reason is not None:
+                raise ValueError(f"NeuralMemory(backend='triton'): the kernels cannot run here: {reason}")
+            return True
+        if reason is None and q.device.type != "cuda":
+            reason = "not on CUDA (under the interpreter only backend='triton' runs the kernels)"
+        choice = ("triton", "the kernels cover this config on CUDA") if reason is None else ("torch", reason)
+        if choice not in _logged_choices:
+            _logged_choices.add(choice)
+            log.info("NeuralMemory(backend='auto'): the %s chunk loop (%s)", *choice)
+        return reason is None
 
     def _scan_frozen(
         self, q: Tensor, k: Tensor, v: Tensor, gates: Tensor, state: MemoryState

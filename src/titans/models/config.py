@@ -80,6 +80,9 @@ class TitansConfig:
     # training memory: keep the memory's state every this many chunks and recompute the rest in the
     # backward pass (NeuralMemory.checkpoint_every; None: keep every chunk's). Same outputs and gradients
     memory_checkpoint_every: int | None = None
+    # the memory's chunk loop: "auto" (Triton kernels on CUDA where they cover the config, else torch),
+    # "triton" or "torch" (NeuralMemory.backend)
+    memory_backend: str = "auto"
     # The MAC block (docs/design.md, "The MAC block"). mac_norm_memory_tokens: the retrieved memory tokens h
     # enter the attention RMS-normalised, in the scale of the normed block input beside them. mac_gate: the
     # output o = y * gate(M(y)) is "norm", W (norm(y) * sigmoid(norm(M(y)))) as MAG combines its branches,
@@ -152,6 +155,11 @@ class TitansConfig:
             if not isinstance(val, bool):
                 raise ValueError(f"TitansConfig.{name} must be a bool, got {val!r}")
         check_int("TitansConfig.memory_checkpoint_every", self.memory_checkpoint_every, none_ok=True)
+        if self.memory_backend not in ("auto", "triton", "torch"):
+            raise ValueError(
+                "TitansConfig.memory_backend must be 'auto', 'triton' or 'torch', "
+                f"got {self.memory_backend!r}"
+            )
         if self.mlp_mult <= 0:
             raise ValueError(f"TitansConfig.mlp_mult must be > 0, got {self.mlp_mult}")
         for name in ("memory_eta_init", "memory_alpha_init"):
@@ -248,6 +256,8 @@ FIELD_HELP: dict[str, str] = {
     "memory_write": "false: read-only memory, no test-time learning (an ablation)",
     "memory_checkpoint_every": "keep the memory state every this many chunks, recompute the rest "
     "(null: keep all)",
+    "memory_backend": "the memory's chunk loop: auto (Triton kernels on CUDA where covered, else torch), "
+    "triton, torch",
     "mac_norm_memory_tokens": "MAC: RMS-normalise the retrieved memory tokens before attention",
     "mac_gate": f"MAC output gate: {', '.join(MAC_GATES)}",
     "mac_norm_memory_input": "MAC: RMS-normalise the attention output before the memory writes it",
