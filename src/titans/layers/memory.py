@@ -23,7 +23,7 @@ from titans.layers.norm import RMSNorm
 from titans.layers.residual import residual_output
 from titans.layers.state_tree import StateTree, register_state_type
 from titans.ops.conv import causal_conv_silu
-from titans.ops.memory import ACTIVATIONS, memory_forward, neural_memory_chunked
+from titans.ops.memory import ACTIVATIONS, check_threshold, memory_forward, neural_memory_chunked, write_mask
 from titans.ops.memory_ref import neural_memory_ref
 from titans.ops.norms import l2_normalize, rms_norm
 from titans.validation import check_int
@@ -53,12 +53,23 @@ class MemoryState(StateTree):
 
 @dataclass
 class MemoryStats:
-    """Per-token monitoring values, each (B, H, T): surprise ||u_t|| and the gates."""
+    """Per-token monitoring values, each (B, H, T): surprise ||u_t|| and the gates, and `written` (bool):
+    whether the token's gradient enters the memory (False below the surprise threshold, and everywhere in
+    a frozen memory). A token of a trailing partial chunk is written when its chunk completes, at the
+    weights its surprise was measured at."""
 
     surprise: Tensor
     theta: Tensor
     eta: Tensor
     alpha: Tensor
+    written: Tensor | None = None
+
+    @property
+    def write_rate(self) -> float:
+        """The fraction of (row, head, token) entries written (1.0 with no tokens)."""
+        if self.written is None or not self.written.numel():
+            return 1.0 if self.written is None else float("nan")
+        return float(self.written.float().mean())
 
 
 @dataclass
@@ -69,11 +80,21 @@ class MemoryOutput:
     state: MemoryState
     stats: MemoryStats
 
+    @property
+    def write_rate(self) -> float:
+        """The fraction of this call's tokens (over rows and heads) the memory writes."""
+        return self.stats.write_rate
 
-def _stats(surprise: Tensor, gates: Tensor) -> MemoryStats:
-    """MemoryStats from the surprise (B, H, T) and the gates (B, H, T, 3) of `NeuralMemory.gates`."""
+
+def _stats(surprise: Tensor, gates: Tensor, written: Tensor) -> MemoryStats:
+    """MemoryStats from the surprise (B, H, T), the gates (B, H, T, 3) of `NeuralMemory.gates` and the write
+    decisions (B, H, T)."""
     return MemoryStats(
-        surprise, theta=gates[..., 0], eta=gates[..., 1].exp(), alpha=-torch.expm1(gates[..., 2])
+        surprise,
+        theta=gates[..., 0],
+        eta=gates[..., 1].exp(),
+        alpha=-torch.expm1(gates[..., 2]),
+        written=written,
     )
 
 
@@ -104,6 +125,10 @@ class NeuralMemory(nn.Module):
         surprise_clip: if set, each token's inner gradient is rescaled to at most this norm. On by default:
             it bounds every token's write, which keeps deep memories finite over very long streams
             (without it, gradients that grow with W feed back into W and diverge). None turns it off.
+        surprise_threshold: surprise-gated writes: a token whose surprise ||u_t|| (its inner gradient's
+            norm at its chunk-start weights, before clipping: the `surprise` the stats report) is below
+            this adds no gradient to the momentum S; momentum decay and forgetting still apply. None
+            (default) or 0 writes every token. `MemoryStats.written` reports the decisions.
         output_gate: normalise the read and gate it with a linear function of x (paper §4.4).
         learned_init: W_0 is a learned parameter (False: fixed at its random init).
         write: False freezes the memory (an ablation twin with the same parameters): every token reads the
@@ -139,6 +164,7 @@ class NeuralMemory(nn.Module):
         write: bool = True,
         impl: str = "chunked",
         checkpoint_every: int | None = None,
+        surprise_threshold: float | None = None,
     ) -> None:
         super().__init__()
         head_dim = head_dim or dim // heads
@@ -155,6 +181,7 @@ class NeuralMemory(nn.Module):
         if conv_kernel < 0:
             raise ValueError(f"NeuralMemory: conv_kernel must be >= 0, got {conv_kernel}")
         check_int("NeuralMemory: checkpoint_every", checkpoint_every, none_ok=True)
+        check_threshold("NeuralMemory: surprise_threshold", surprise_threshold)
         if impl not in ("chunked", "reference"):
             raise ValueError(f"NeuralMemory: impl must be 'chunked' or 'reference', got {impl!r}")
         for name, val in (
@@ -174,6 +201,7 @@ class NeuralMemory(nn.Module):
         self.max_lr, self.residual, self.surprise_clip, self.impl = max_lr, residual, surprise_clip, impl
         self.checkpoint_every = checkpoint_every
         self.write = write
+        self.surprise_threshold = surprise_threshold
 
         inner = heads * head_dim
         self.to_qkv = nn.Linear(dim, 3 * inner, bias=False)
@@ -364,7 +392,8 @@ class NeuralMemory(nn.Module):
         if t == 0:  # nothing to read or write: an empty output, the state as it was
             out = self.to_out(x.new_zeros(batch, 0, self.heads * self.head_dim))
             empty = x.new_zeros(batch, self.heads, 0, dtype=state.pending_gates.dtype)
-            return MemoryOutput(out, state, MemoryStats(empty, empty, empty, empty))
+            written = empty.bool()
+            return MemoryOutput(out, state, MemoryStats(empty, empty, empty, empty, written))
         if self.check_finite:
             self._check_finite(x, state.position)
         q, k, v, conv_tail = self.project(x, state.conv_tail)
@@ -405,7 +434,12 @@ class NeuralMemory(nn.Module):
             conv_tail=state.conv_tail,
             position=state.position + t,
         )
-        stats = _stats(surprise[:, :, r:], g_all[:, :, r:])
+        surprise = surprise[:, :, r:]
+        if self.surprise_threshold is None:
+            written = torch.ones_like(surprise, dtype=torch.bool)
+        else:  # the comparison the op makes, on the same values
+            written = write_mask(surprise, self.surprise_threshold)
+        stats = _stats(surprise, g_all[:, :, r:], written)
         return y[:, :, r:], new_state, stats
 
     def _run_op(
@@ -437,6 +471,7 @@ class NeuralMemory(nn.Module):
             activation=self.activation,
             residual=self.residual,
             surprise_clip=self.surprise_clip,
+            surprise_threshold=self.surprise_threshold,
         )
 
     def _scan_frozen(
@@ -447,7 +482,7 @@ class NeuralMemory(nn.Module):
         # one chunk longer than the call: all of it is read (with its surprise reported), none written
         y, _, _, surprise = self._run_op(q, k, v, gates, state, q.shape[2] + 1, None)
         new_state = replace(state, position=state.position + q.shape[2])
-        stats = _stats(surprise, gates)
+        stats = _stats(surprise, gates, torch.zeros_like(surprise, dtype=torch.bool))
         return y, new_state, stats
 
     def extra_repr(self) -> str:
