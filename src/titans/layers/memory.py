@@ -69,7 +69,7 @@ class MemoryStats:
         """The fraction of (row, head, token) entries written (1.0 with no tokens)."""
         if self.written is None or not self.written.numel():
             return 1.0 if self.written is None else float("nan")
-        return float(self.written.float().mean())
+        return int(self.written.sum()) / self.written.numel()
 
 
 @dataclass

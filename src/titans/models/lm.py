@@ -79,7 +79,7 @@ class LMOutput:
         written = [s.written for s in self.stats if s.written is not None and s.written.numel()]
         if not written:
             return float("nan")
-        return float(sum(w.sum() for w in written) / sum(w.numel() for w in written))
+        return sum(int(w.sum()) for w in written) / sum(w.numel() for w in written)
 
 
 class TitansLM(nn.Module):
