@@ -7,10 +7,13 @@
 - `save_state(state, path)` / `load_state(path)` / `map_state(state, fn)`: the state as a value to keep.
 - `memory_report(model, stats, state)` / `prefill_with_report(model, tokens, state)`: the memory's monitoring
   numbers (surprise, write rate, ||W|| against a max norm, gates) per layer and head.
+- `MemorySession(model, ...)`: one reader's memory in operation: read, generate, freeze, rollback, a guard
+  against harmful writes, and bytes to persist it (`titans.inference.session`).
 """
 
 from titans.inference.generation import IncrementalDecoder, decode_step, generate, sample_next
 from titans.inference.prefill import default_piece_len, iter_pieces, prefill
+from titans.inference.session import MemorySession, ReadResult, SessionEvent, SessionFormatError, SnapshotInfo
 from titans.inference.state_io import (
     StateFileError,
     expand_state,
@@ -27,6 +30,11 @@ from titans.models.monitor import MemoryReport, memory_report, prefill_with_repo
 __all__ = [
     "IncrementalDecoder",
     "MemoryReport",
+    "MemorySession",
+    "ReadResult",
+    "SessionEvent",
+    "SessionFormatError",
+    "SnapshotInfo",
     "StateFileError",
     "decode_step",
     "default_piece_len",

@@ -250,7 +250,10 @@ def memory_report(
         if mem_state is None:  # a block that has not run yet (an empty state): its initial state
             mem_state = model.blocks[i].memory.initial_state(1)
         layers.append(_layer_report(i, by_layer.get(i), mem_state, max_norm))
-    return MemoryReport(layers, max_norm, model.config.memory_surprise_threshold)
+    # the memories' own setting (an operator may change it at run time: `titans inspect --threshold`)
+    thresholds = {model.blocks[i].memory.surprise_threshold for i in memory_layers(model)}
+    threshold = thresholds.pop() if len(thresholds) == 1 else model.config.memory_surprise_threshold
+    return MemoryReport(layers, max_norm, threshold)
 
 
 class MemoryMonitor:
