@@ -3,6 +3,8 @@ undoes a harmful write (and only that), and a session survives its bytes; the st
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -143,6 +145,10 @@ def test_guard_undoes_a_harmful_write_and_keeps_a_harmless_one(max_lr, clip):
     assert_identical(session.state, kept, 16)
     assert len(session.snapshots) == 1  # the undone write's snapshot went with it
     assert [e.kind for e in session.events] == ["guard"]
+    # strict JSON for a server, even with a non-finite probe loss
+    info = json.loads(json.dumps(session.info(), allow_nan=False))
+    assert info["frozen"] and info["events"][0]["kind"] == "guard" and info["position"] == 16
+    json.dumps(result.to_dict(), allow_nan=False)
     # frozen now: a read changes nothing; unfrozen with a gentle write, writes are kept again
     session.read(text(5, 3))
     assert_identical(session.state, kept, 16)

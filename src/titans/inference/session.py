@@ -79,6 +79,16 @@ class SessionEvent:
     probe_before: float | None = None
     probe_after: float | None = None
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (strict JSON: None for a probe loss that is not finite)."""
+        out = asdict(self)
+        out["probe_before"], out["probe_after"] = map(_finite_or_none, (self.probe_before, self.probe_after))
+        return out
+
+
+def _finite_or_none(v: float | None) -> float | None:
+    return v if v is None or math.isfinite(v) else None
+
 
 @dataclass
 class ReadResult:
@@ -93,6 +103,17 @@ class ReadResult:
     report: MemoryReport
     kept: bool
     event: SessionEvent | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (strict JSON: None for a number that is not finite)."""
+        return {
+            "tokens": self.tokens,
+            "position": self.position,
+            "loss": _finite_or_none(self.loss),
+            "kept": self.kept,
+            "event": None if self.event is None else self.event.to_dict(),
+            "report": self.report.to_dict(),
+        }
 
 
 # ------------------------------------------------------------------------------------------ frozen twin
@@ -222,6 +243,21 @@ class MemorySession:
         self._probe_loss = None
         self._record("rollback", f"restored snapshot {k} (position {info.position})")
         return info
+
+    def info(self) -> dict[str, Any]:
+        """The session at a glance, JSON-ready: position, frozen, guarded, guard_max_rise, probe_loss (as
+        last measured; None before), max_snapshots, snapshots, events and the memory report."""
+        return {
+            "position": self.position,
+            "frozen": self._frozen,
+            "guarded": self.guarded,
+            "guard_max_rise": self.guard_max_rise,
+            "probe_loss": _finite_or_none(self._probe_loss),
+            "max_snapshots": self.max_snapshots,
+            "snapshots": [asdict(s) for s in self.snapshots],
+            "events": [e.to_dict() for e in self.events],
+            "report": self.report().to_dict(),
+        }
 
     def report(self) -> MemoryReport:
         """The memory's numbers: the last read's token statistics (None before one) and the current state's

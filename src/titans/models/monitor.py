@@ -103,14 +103,17 @@ class MemoryReport:
         return max(u for layer in self.layers for row in layer.utilisation for u in row)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: plain floats and lists (NaN where there were no tokens)."""
-        return {
-            "max_norm": self.max_norm,
-            "surprise_threshold": self.surprise_threshold,
-            "write_rate": self.write_rate,
-            "max_utilisation": self.max_utilisation,
-            "layers": [dataclasses.asdict(layer) for layer in self.layers],
-        }
+        """JSON-ready: plain floats and lists, None where a number is undefined (no tokens) or not finite
+        (strict JSON has no NaN)."""
+        return _json_safe(
+            {
+                "max_norm": self.max_norm,
+                "surprise_threshold": self.surprise_threshold,
+                "write_rate": self.write_rate,
+                "max_utilisation": self.max_utilisation,
+                "layers": [dataclasses.asdict(layer) for layer in self.layers],
+            }
+        )
 
     def summary(self, prefix: str = "") -> dict[str, float]:
         """Flat numbers for a metrics log: ``{prefix}L{layer}/{name}`` (head means), plus the overall
@@ -121,6 +124,17 @@ class MemoryReport:
         for layer in self.layers:
             out.update({f"{prefix}L{layer.layer}/{k}": v for k, v in layer.summary().items()})
         return out
+
+
+def _json_safe(obj: Any) -> Any:
+    """`obj` with every non-finite float replaced by None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
 
 
 def _mean(values: Sequence[float]) -> float:
