@@ -1,9 +1,9 @@
 """Surprise-gated writes on a trained checkpoint: held-out loss and write rate against the threshold.
 
-For each threshold (the quantiles of the ungated memory's surprise on the same windows, so the rates are
-spread), every held-out window is read from a fresh state with `forward_with_stats`; the mean next-token
-loss (nats; bits per byte for a byte tokenizer: loss / ln 2) and the share of (layer, head, token) entries
-written are reported. 1 thread.
+Thresholds: none, the quantiles of the ungated memory's surprise on the same windows (so the write rates
+are spread), and 1e30 (above every surprise: nothing written, only the decay acts). Every held-out window
+is read from a fresh state with `forward_with_stats`; the mean next-token loss (nats; bits per byte for a
+byte tokenizer: loss / ln 2) and the share of (layer, head, token) entries written are reported. 1 thread.
 
     python benchmarks/surprise_threshold.py --checkpoint RUN [--seq-len 1024] [--windows 16] [--json]
 """
@@ -68,10 +68,11 @@ def main() -> None:
         row = run(float(tau))
         row["quantile"] = q
         rows.append(row)
+    rows.append(run(1e30))  # above every surprise: nothing written, only the decay acts
     print(f"{args.windows} held-out windows x {args.seq_len} tokens, fresh state per window")
     print(f"{'threshold':>10} {'quantile':>9} {'write rate':>11} {'loss':>8} {'bits/token':>11}")
     for r in rows:
-        tau = "none" if r["threshold"] is None else f"{r['threshold']:.4f}"
+        tau = "none" if r["threshold"] is None else f"{r['threshold']:.4g}"
         q = f"{r.get('quantile', 0):.2f}" if "quantile" in r else "-"
         print(f"{tau:>10} {q:>9} {r['write_rate']:>11.3f} {r['loss']:>8.4f} {r['bits_per_token']:>11.4f}")
     for r in rows:

@@ -245,7 +245,7 @@ h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:22px 0 8px}
 #text{font:13px/1.9 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;white-space:pre-wrap;
  border:1px solid #ddd;border-radius:6px;padding:12px;max-height:420px;overflow:auto;background:#fcfcfc}
 .t{border-radius:2px;cursor:default} .t:hover{outline:1px solid #000}
-.w{box-shadow:inset 0 -2px 0 rgba(20,80,220,var(--w))}
+.w{box-shadow:inset 0 -3px 0 rgba(20,70,230,var(--w))}
 #info{position:sticky;top:0;background:#f4f6fa;border:1px solid #d8dce6;border-radius:6px;padding:6px 10px;
  margin:8px 0;font:12px ui-monospace,Menlo,Consolas,monospace;min-height:18px}
 .chart{display:block;margin:6px 0} .chart .title{font:600 12px system-ui,sans-serif;fill:#222}
@@ -253,7 +253,8 @@ h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:22px 0 8px}
 .chart .grid{stroke:#eee} .chart .hline{stroke:#444;stroke-dasharray:4 3}
 table{border-collapse:collapse;font-size:12px} td,th{border:1px solid #ddd;padding:3px 7px;text-align:right}
 th{background:#f3f3f3} .bar{display:inline-block;width:160px;height:10px;vertical-align:middle;
- background:linear-gradient(90deg,#fff,#ffd2c2,#ff9d7a,#f0523a,#b3001b);border:1px solid #ccc}
+ background:linear-gradient(90deg,hsl(52,95%,96%),hsl(40,95%,85%),hsl(27,95%,74%),hsl(14,95%,63%),
+ hsl(2,95%,52%));border:1px solid #ccc}
 """
 
 JS = """
@@ -266,10 +267,9 @@ document.getElementById('text').addEventListener('mouseover',e=>{
 
 
 def _colour(z: float) -> str:
-    """White (low surprise) to dark red (high), z in [0, 1]."""
+    """Pale yellow (low surprise) through orange to red (high), z in [0, 1]; dark text stays readable."""
     z = min(1.0, max(0.0, z)) if math.isfinite(z) else 0.0
-    light = 100 - 62 * z
-    return f"hsl({12 - 8 * z:.0f},{90 if z > 0 else 0}%,{light:.0f}%)"
+    return f"hsl({52 - 50 * z:.0f},95%,{96 - 44 * z:.0f}%)"
 
 
 def render_html(trace: Trace, pieces: list[str], title: str, meta: dict[str, str] | None = None) -> str:
