@@ -85,8 +85,7 @@ def test_inspect_command_and_its_errors(run_dir, tmp_path, capsys):
     CHROMIUM is None, reason="chromium is not installed (scripts/install_test_deps.sh installs it)"
 )
 def test_report_renders_in_headless_chromium(run_dir, tmp_path):
-    from PIL import Image
-
+    image = pytest.importorskip("PIL.Image", reason="Pillow is not installed (it comes with titans[train])")
     page, png = tmp_path / "report.html", tmp_path / "shot.png"
     text = tmp_path / "text.txt"
     text.write_text(TEXT * 4)
@@ -123,7 +122,7 @@ def test_report_renders_in_headless_chromium(run_dir, tmp_path):
         timeout=120,
     )
     assert png.is_file(), f"no screenshot (exit {proc.returncode}): {proc.stderr[-2000:]}"
-    pixels = np.asarray(Image.open(png).convert("RGB"), dtype=np.float64)
+    pixels = np.asarray(image.open(png).convert("RGB"), dtype=np.float64)
     assert pixels.shape == (900, 1200, 3)
     assert pixels.std() > 20  # text, colours and plots, not a blank page
     reddish = (pixels[..., 0] > pixels[..., 2] + 40).mean()  # the surprise colouring shows

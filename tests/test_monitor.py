@@ -128,10 +128,18 @@ def test_report_without_max_norm_or_tokens():
 
 
 def test_training_logs_memory_rows(tmp_path):
-    cfg = micro_config(tmp_path / "run", tmp_path / "cache", steps=2, batch_size=2, eval_windows=1)
+    tb = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    cfg = micro_config(
+        tmp_path / "run", tmp_path / "cache", steps=2, batch_size=2, eval_windows=1, tensorboard=True
+    )
     Trainer(cfg).train(handle_signals=False)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     memory = [r for r in rows if r["split"] == "memory"]
     assert [r["step"] for r in memory] == [1, 2]
     assert memory[0]["L0/surprise_mean"] > 0 and memory[0]["write_rate"] == 1.0
     assert 0 < memory[0]["L0/theta"] < 1 and memory[0]["L0/weight_norm"] > 0
+    events = tb.EventAccumulator(str(tmp_path / "run" / "tb"))
+    events.Reload()
+    logged = events.Scalars("memory/L0/surprise_mean")
+    assert [e.step for e in logged] == [1, 2]
+    assert logged[1].value == pytest.approx(memory[1]["L0/surprise_mean"], rel=1e-6)

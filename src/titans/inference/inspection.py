@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from titans.inference.cli import load_model
 from titans.inference.generation import IncrementalDecoder
 from titans.layers.memory import NeuralMemory
 from titans.models.lm import TitansLM
@@ -34,6 +35,8 @@ from titans.models.monitor import (
     memory_layers,
 )
 from titans.models.streaming import iter_pieces
+from titans.ops.memory import check_threshold
+from titans.training.distributed import resolve_device
 
 DEFAULT_MAX_TOKENS = 4000
 MAX_POINTS = 1200  # points per plotted line (longer series are averaged in bins)
@@ -118,8 +121,6 @@ def trace_text(model: TitansLM, tokens: Tensor, max_norm: float | None = None, s
 
 def set_surprise_threshold(model: TitansLM, threshold: float | None) -> None:
     """Every memory of `model` gates its writes at `threshold` from now on (None: writes every token)."""
-    from titans.ops.memory import check_threshold  # (the check the layer makes at construction)
-
     check_threshold("inspect: threshold", threshold)
     for module in model.modules():
         if isinstance(module, NeuralMemory):
@@ -426,9 +427,6 @@ def check_inspect_args(args: argparse.Namespace) -> None:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from titans.inference.cli import load_model  # the checkpoint loader of `titans read` / `generate`
-    from titans.training.distributed import resolve_device
-
     check_inspect_args(args)
     if args.text is not None:
         path = Path(args.text)
