@@ -165,3 +165,19 @@ def test_bad_threshold_is_refused_by_name(bad):
         NeuralMemory(8, heads=2, surprise_threshold=bad)
     with pytest.raises(ValueError, match="memory_surprise_threshold"):
         TitansConfig(memory_surprise_threshold=bad)
+
+
+def test_checkpointed_chunks_keep_the_write_decisions():
+    """Activation checkpointing recomputes each group's forward: the same decisions, outputs, gradients."""
+    args, w, s = random_problem(2, 2, 37, 4, 2, seed=21)
+    tau = _median_threshold(args, w, s, 5)
+    results = []
+    for every in (None, 2):
+        leaves = [a.clone().requires_grad_() for a in args]
+        out = neural_memory_chunked(
+            *leaves, w, s, chunk_size=5, surprise_threshold=tau, checkpoint_every=every
+        )
+        loss = sum((t * (i + 1)).sum() for i, t in enumerate(_flat(out)[:-1]))
+        results.append((_flat(out), torch.autograd.grad(loss, leaves)))
+    for a, b in zip(results[0][0] + list(results[0][1]), results[1][0] + list(results[1][1])):
+        assert_close_rel(a, b, 1e-12)
