@@ -29,23 +29,41 @@ def ordinary_mode(path: str | Path) -> None:
     os.chmod(path, base & ~current_umask())
 
 
+def _canonical_header(header: bytes) -> bytes | None:
+    """A safetensors header with its metadata in sorted key order, padded to the same length (None if the
+    canonical form would be longer: a writer escaping differently)."""
+    import json
+
+    parsed = json.loads(header)
+    parsed["__metadata__"] = dict(sorted(parsed.get("__metadata__", {}).items()))
+    canonical = json.dumps(parsed, separators=(",", ":"), ensure_ascii=False).encode()
+    return canonical.ljust(len(header), b" ") if len(canonical) <= len(header) else None
+
+
 def save_safetensors(tensors: dict, path: str | Path, metadata: dict[str, str]) -> None:
     """`safetensors.torch.save_file`, with the header's metadata in sorted key order.
 
     safetensors keeps metadata in a hash map whose order changes from process to process, so two saves
     of the same tensors would differ in bytes (and in sha256). The header is rewritten in place with the
     keys sorted: the same characters in another order, so its length, and every tensor's offset, stay."""
-    import json
-
     from safetensors.torch import save_file
 
     save_file(tensors, str(path), metadata=metadata)
     with open(path, "r+b") as f:
         size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-        header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
-        canonical = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-        if len(canonical) > size:  # a writer escaping differently: keep its file as it is
-            return
-        f.seek(8)
-        f.write(canonical.ljust(size, b" "))
+        header = _canonical_header(f.read(size))
+        if header is not None:
+            f.seek(8)
+            f.write(header)
+
+
+def safetensors_bytes(tensors: dict, metadata: dict[str, str]) -> bytes:
+    """`safetensors.torch.save` (the file's bytes in memory), reproducible as `save_safetensors` is."""
+    from safetensors.torch import save
+
+    data = bytearray(save(tensors, metadata=metadata))
+    size = int.from_bytes(data[:8], "little")
+    header = _canonical_header(bytes(data[8 : 8 + size]))
+    if header is not None:
+        data[8 : 8 + size] = header
+    return bytes(data)
