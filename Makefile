@@ -25,6 +25,7 @@ compare: setup
 	PYTHON=$(PY) scripts/compare.sh
 
 test: setup
+	sh scripts/install_test_deps.sh
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m pytest -q -n 2 --durations=15
 
