@@ -234,6 +234,7 @@ def test_simple_evaluate_on_local_tasks(tmp_path, offline):
     )
 
 
+@pytest.mark.slow  # a fresh interpreter importing lm-eval: the registration the command line relies on
 def test_titans_lm_eval_command(tmp_path):
     write_tasks(tmp_path)
     run = tmp_path / "run"
