@@ -5,7 +5,7 @@ Every module under src/titans is read with `ast` (nothing is imported), top-leve
 alike. Package order, lower first (a module may import its own level and lower ones, never a higher one):
 
     ops, data, validation, deprecation, _fs < layers < models < training, inference, hf, forecast, dna
-    < evaluation < cli, demo, __main__, titans
+    < evaluation < cli, demo, __main__, lm_eval, titans
 
 `titans.hf` wraps models for `transformers` (beside training and inference); the root package
 `titans/__init__.py` only re-exports public names, so nothing inside the package imports from it.
@@ -42,6 +42,7 @@ LEVELS = {
     "cli": TOP,
     "demo": TOP,
     "__main__": TOP,
+    "lm_eval": TOP,  # `python -m titans.lm_eval`: lm-eval's command line with the titans model type
 }
 
 
