@@ -234,25 +234,34 @@ def test_simple_evaluate_on_local_tasks(tmp_path, offline):
     )
 
 
-@pytest.mark.slow  # a fresh interpreter importing lm-eval: the registration the command line relies on
-def test_titans_lm_eval_command(tmp_path):
+@pytest.mark.slow  # a fresh interpreter importing lm-eval: what a plain `lm_eval --model titans` runs
+def test_plain_lm_eval_command_with_the_hook(tmp_path):
+    """`python -m titans.lm_eval --install-hook` puts a .pth hook in site-packages; here it is installed
+    into a folder that a fresh interpreter adds as a site dir, and lm-eval's own command line (not titans')
+    then finds the `titans` model by name, and still finds its own models."""
+    from titans.evaluation.lm_eval_hook import install_hook
+
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    install_hook(site_dir)
     write_tasks(tmp_path)
     run = tmp_path / "run"
     save_tiny_checkpoint(run)
     env = {**os.environ, "PYTHONPATH": str(SRC), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     out_dir = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        "-m",
-        "titans",
-        "lm-eval",
-        "--model",
-        "titans",
-        "--model_args",
-        f"checkpoint={run}",
-    ]
-    cmd += ["--tasks", "titans_test_mc", "--include_path", str(tmp_path), "--output_path", str(out_dir)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    args = ["--model", "titans", "--model_args", f"checkpoint={run}", "--tasks", "titans_test_mc"]
+    args += ["--include_path", str(tmp_path), "--output_path", str(out_dir)]
+    code = (
+        "import site, sys\n"
+        f"site.addsitedir({str(site_dir)!r})\n"
+        "assert 'titans' not in sys.modules\n"  # the hook imports nothing of titans at start-up
+        "from lm_eval.__main__ import cli_evaluate\n"
+        "from lm_eval.api.registry import get_model\n"
+        "assert get_model('dummy').__name__ == 'DummyLM'\n"
+        f"sys.argv = ['lm_eval', *{args!r}]\n"
+        "cli_evaluate()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     [result] = out_dir.rglob("results_*.json")
     assert "acc,none" in json.loads(result.read_text())["results"]["titans_test_mc"]
