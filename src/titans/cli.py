@@ -1,4 +1,4 @@
-"""The `titans` command line: `titans train | eval ... | generate | read | demo`.
+"""The `titans` command line: `titans train | eval ... | generate | read | serve | demo`.
 
 Each command lives in the module of the part of the library it drives and registers itself through
 `register(commands, evals)`; `commands` and `evals` are argparse sub-parser collections for top-level
@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "titans.training.cli",  # train
     "titans.inference.cli",  # generate, read
     "titans.evaluation.cli",  # eval ppl | niah | babilong | tasks | ablate | depth
+    "titans.serving.cli",  # serve
 )
 
 

@@ -24,6 +24,7 @@ import errno
 import hashlib
 import json
 import os
+import struct
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -314,6 +315,73 @@ def load_state(path: str | Path, map_location: str | torch.device = "cpu", model
     return state
 
 
+# ------------------------------------------------------------------------------------------ bytes
+def state_to_bytes(state: TitansState) -> bytes:
+    """The bytes `save_state` would write to a file (same format, same checks), for a database column."""
+    from safetensors.torch import save
+
+    if not isinstance(state, TitansState):
+        raise TypeError(f"state_to_bytes: expected a TitansState, got {type(state).__name__}")
+    raw: dict[str, Tensor] = {}
+    layers = _encode_layers(state, raw)
+    tensors = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in raw.items()}
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"state_to_bytes: the state's tensor {name} holds NaN or inf values")
+    metadata = {
+        "format": "pt",
+        "titans.state_format": str(FORMAT_VERSION),
+        "titans.config": json.dumps(dict(state.config) if state.config is not None else None),
+        "titans.position": str(int(state.position)),
+        "titans.layers": json.dumps(layers),
+        "titans.sha256": _digest(tensors),
+    }
+    return save(tensors, metadata=metadata)
+
+
+def state_from_bytes(data: bytes, *, where: str = "state bytes", model=None) -> TitansState:
+    """The `TitansState` of `state_to_bytes` (or of a state file's bytes), on CPU.
+
+    Refuses damaged bytes (StateFileError naming `where`) and, given `model`, a state of another config.
+    """
+    from safetensors.torch import load
+
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"state_from_bytes: expected bytes, got {type(data).__name__}")
+    data = bytes(data)
+    try:
+        (size,) = struct.unpack("<Q", data[:8])
+        meta = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
+        tensors = load(data)
+    except Exception as e:  # struct, json and safetensors each raise their own error types
+        raise StateFileError(
+            f"{where} are not a readable safetensors state (truncated or damaged?): {e}"
+        ) from e
+    missing = [k for k in _KEYS if k not in meta]
+    if missing:
+        raise StateFileError(f"{where} are not a Titans state: header lacks {missing}")
+    if meta["titans.state_format"] != str(FORMAT_VERSION):
+        raise StateFileError(f"{where}: state format {meta['titans.state_format']!r} is not supported")
+    try:
+        config = json.loads(meta["titans.config"])
+        position = int(meta["titans.position"])
+        specs = json.loads(meta["titans.layers"])
+    except (ValueError, TypeError) as e:
+        raise StateFileError(f"{where}: damaged state header ({e})") from e
+    if not isinstance(specs, list):
+        raise StateFileError(f"{where}: damaged state header (titans.layers is not a list)")
+    layers = [_decode(spec, tensors, f"{where} layer {i}") for i, spec in enumerate(specs)]
+    layers = upgrade_layer_states(layers, config)
+    used: dict[str, Tensor] = {}
+    _encode_layers(TitansState(layers), used)
+    if set(tensors) - set(used) or _digest(tensors) != meta["titans.sha256"]:
+        raise StateFileError(f"{where} are corrupted: the tensors do not match the header checksum")
+    state = TitansState(layers, position, None if config is None else MappingProxyType(config))
+    if model is not None:
+        model.check_state(state)
+    return state
+
+
 __all__ = [
     "FORMAT_VERSION",
     "STATE_TYPES",
@@ -328,5 +396,7 @@ __all__ = [
     "select_rows",
     "state_batch_size",
     "state_nbytes",
+    "state_from_bytes",
     "state_tensors",
+    "state_to_bytes",
 ]
