@@ -40,7 +40,13 @@ from torch import Tensor
 from titans.data.tokenizers import Tokenizer
 from titans.layers.memory import NeuralMemory
 from titans.models.lm import TitansLM
-from titans.models.state import StateFileError, TitansState, state_from_bytes, state_to_bytes
+from titans.models.state import (
+    StateFileError,
+    TitansState,
+    state_from_bytes,
+    state_tensors,
+    state_to_bytes,
+)
 from titans.models.streaming import default_piece_len, generate, iter_pieces
 
 MAGIC = b"TTNSESS1"
@@ -138,6 +144,19 @@ def read_stats(stats: list, tokens: int) -> dict[str, Any]:
         "eta_mean": float(eta.mean()),
         "alpha_mean": float(alpha.mean()),
     }
+
+
+def state_digest(state: TitansState | None) -> str:
+    """sha256 of the state's position and every tensor's name, dtype, shape and bytes: equal digests,
+    bit-identical states (the state's encoded bytes are not canonical: safetensors orders its metadata
+    freely)."""
+    h = hashlib.sha256(f"position={state.position if state is not None else 0}|".encode())
+    if state is not None:
+        for name, t in sorted(state_tensors(state).items()):
+            t = t.detach().cpu().contiguous()
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def memory_norms(state: TitansState | None) -> list[float]:
@@ -282,8 +301,8 @@ class MemorySession:
         self.rollbacks += 1
 
     def stats(self) -> dict[str, Any]:
-        """Counters, the last read's statistics, ||W|| per memory layer and a digest of the state (sha256
-        of its bytes: equal digests, bit-identical states)."""
+        """Counters, the last read's statistics, ||W|| per memory layer and `state_digest` (equal digests,
+        bit-identical states)."""
         return {
             "position": self.position,
             "reads": self.reads,
@@ -295,7 +314,7 @@ class MemorySession:
             "created": self.created,
             "last_read": self.last_read,
             "memory_norm": memory_norms(self._state),
-            "state_sha256": hashlib.sha256(self.state_bytes()).hexdigest(),
+            "state_sha256": state_digest(self._state),
         }
 
     def state_bytes(self) -> bytes:
@@ -429,4 +448,5 @@ __all__ = [
     "SessionDataError",
     "memory_norms",
     "read_stats",
+    "state_digest",
 ]
