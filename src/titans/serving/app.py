@@ -353,7 +353,7 @@ def create_app(
     async def read(sid: str, body: ReadBody, owner: str = owner_dep) -> dict[str, Any]:
         def work() -> dict[str, Any]:
             ids = service.tokens(body.text, "text")
-            return service.change(sid, owner, guarded(lambda s: s.read(ids)))
+            return service.change(sid, owner, guarded(lambda s: {**s.read(ids), "reads": s.reads}))
 
         return await locked(sid, work)
 
