@@ -12,14 +12,15 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
-import torch
-
-from serving_support import ThreadServer, make_checkpoint, start_redis, stop_redis
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
+pytest.importorskip("httpx", reason="the serve-test extra is not installed")
 
+import httpx  # noqa: E402
+import torch
+
+from serving_support import ThreadServer, make_checkpoint, start_redis, stop_redis  # noqa: E402
 from titans.inference.cli import load_model  # noqa: E402
 from titans.models.state import state_from_bytes, state_tensors  # noqa: E402
 from titans.models.streaming import generate, prefill  # noqa: E402

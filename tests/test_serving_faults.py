@@ -12,13 +12,14 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from serving_support import ProcessServer, make_checkpoint, start_redis, stop_redis
-
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
+pytest.importorskip("httpx", reason="the serve-test extra is not installed")
 
+import httpx  # noqa: E402
+
+from serving_support import ProcessServer, make_checkpoint, start_redis, stop_redis  # noqa: E402
 from titans.serving.stores import RedisStore, SQLiteStore, VersionConflict, open_store  # noqa: E402
 
 KEY = "fault-test-key"

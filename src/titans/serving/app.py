@@ -227,7 +227,11 @@ class SessionService:
             record, session = self.load(sid, owner)
             result = op(session)
             try:
-                version = self.store.put(sid, session.to_bytes(), expected_version=record.version)
+                data = session.to_bytes()
+            except ValueError as e:  # a state holding NaN or inf: the model diverged on this input
+                raise ApiError(422, f"session {sid} was not changed: {e}") from e
+            try:
+                version = self.store.put(sid, data, expected_version=record.version)
             except VersionConflict:
                 time.sleep(random.uniform(0, 0.002 * (attempt + 1)))  # let the other writer finish
                 continue
