@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-EXTRAS ?= dev,tokenizers,train,hf
+EXTRAS ?= dev,tokenizers,train,hf,domains,kernels
 
 .PHONY: setup main test lint compare eval-essays
 $(VENV)/.installed: pyproject.toml
@@ -25,6 +25,7 @@ compare: setup
 	PYTHON=$(PY) scripts/compare.sh
 
 test: setup
+	sh scripts/install_test_deps.sh
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m pytest -q -n 2 --durations=15
 

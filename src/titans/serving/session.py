@@ -407,7 +407,7 @@ class MemorySession:
         if not blob:
             return None
         try:
-            return state_from_bytes(blob, where=f"the session's {what} bytes", model=self.engine.model)
+            return state_from_bytes(blob, model=self.engine.model, name=f"the session's {what} bytes")
         except (StateFileError, ValueError, TypeError) as e:
             raise SessionDataError(str(e)) from e
 
