@@ -35,7 +35,7 @@ from pathlib import Path
 BASE_RECIPE = (
     "--set memory_conv_kernel=8 --set memory_max_lr=0.03 --set memory_theta_init=0.002 "
     "--set memory_forgetting=false --train-length 1024 --start-length 320 --curriculum 0.5 "
-    "--curriculum-loss 0.3 --steps 1000 --batch-size 8 --lr 0.003 --warmup-steps 20 --lm-loss-weight 0.1"
+    "--curriculum-loss 0.3 --steps 800 --batch-size 8 --lr 0.003 --warmup-steps 20 --lm-loss-weight 0.1"
 )
 # Full attention needs its own recipe (docs/evaluations.md, "Transformer++"): the linear length ramp (the
 # adaptive one keeps it at <= 500 tokens, where its loss never stays under the threshold), lr 1e-3 and more
