@@ -208,6 +208,30 @@ def test_a_frozen_session_reads_without_writing_its_memory(served):
     assert not torch.equal(learned.layers[0].memory.weights[0], after.layers[0].memory.weights[0])
 
 
+def test_a_guarded_server_undoes_a_diverging_write(checkpoint, tmp_path):
+    """`titans serve --guard-probe`: a read whose write diverges (an inner learning rate raised 200-fold,
+    unclipped) is undone and the session frozen; the answer and /stats carry the guard's event."""
+    model, _, tokenizer = load_model(checkpoint)
+    for block in model.blocks:
+        block.memory.max_lr, block.memory.surprise_clip = 200.0, None
+    engine = Engine(model, tokenizer, probe="The whale was white. Ahab chased it.")
+    store = SQLiteStore(tmp_path / "sessions.db")
+    app = create_app(engine, store, key_hashes=None, limits=LIMITS, workers=1)
+    try:
+        with ThreadServer(app) as server, httpx.Client(timeout=60) as http:
+            sid = http.post(f"{server.url}/v1/sessions").json()["id"]
+            r = http.post(f"{server.url}/v1/sessions/{sid}/read", json={"text": DOC})
+            assert r.status_code == 200, r.text
+            got = r.json()
+            assert not got["kept"] and got["frozen"] and got["position"] == 0 and got["version"] == 2
+            assert got["event"]["kind"] == "guard" and "diverged" in got["event"]["reason"]
+            stats = http.get(f"{server.url}/v1/sessions/{sid}/stats").json()
+            assert stats["guarded"] and stats["frozen"] and [e["kind"] for e in stats["events"]] == ["guard"]
+            assert stats["state_sha256"] == state_digest(None)  # the state before the write: none yet
+    finally:
+        store.close()
+
+
 # ------------------------------------------------------------------------------------------ access
 def test_another_key_cannot_touch_a_session(served):
     sid = served.new(A)
@@ -408,6 +432,8 @@ def test_the_server_refuses_to_start_without_keys_on_a_public_host(tmp_path):
     check_serve_args(args("--host", "0.0.0.0", "--no-auth"))  # said explicitly
     check_serve_args(args("--host", "127.0.0.1"))  # loopback: only this machine
     check_serve_args(args("--host", "::1"))
+    with pytest.raises(ValueError, match="guard-max-rise"):
+        check_serve_args(args("--guard-max-rise", "-0.1"))
     with pytest.raises(ValueError, match="contradict"):
         check_serve_args(args("--no-auth", "--api-keys", "k"))
     keys = tmp_path / "keys.txt"
