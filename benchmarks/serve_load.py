@@ -236,7 +236,7 @@ async def run_load(
 # ------------------------------------------------------------------------------------------ one store
 def bench_store(kind: str, url: str, args: argparse.Namespace, checkpoint: Path, folder: Path) -> dict:
     from titans.inference.cli import load_model
-    from titans.serving.session import Engine, MemorySession
+    from titans.serving.session import Engine
     from titans.serving.stores import open_store
 
     keys = folder / "keys.txt"
@@ -285,7 +285,7 @@ def bench_store(kind: str, url: str, args: argparse.Namespace, checkpoint: Path,
                 record_bytes.append(len(record.data) if record is not None else 0)
                 try:
                     assert record is not None and record.intact
-                    MemorySession.from_bytes(record.data, engine)
+                    engine.load(record.data)
                 except Exception:  # any failure to read it back is a torn record
                     torn += 1
         finally:

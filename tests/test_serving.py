@@ -22,11 +22,12 @@ import torch
 
 from serving_support import ThreadServer, make_checkpoint, start_redis, stop_redis  # noqa: E402
 from titans.inference.cli import load_model  # noqa: E402
-from titans.models.state import state_from_bytes, state_tensors  # noqa: E402
+from titans.inference.session import MemorySession, SessionFormatError  # noqa: E402
+from titans.models.state import state_digest, state_tensors  # noqa: E402
 from titans.models.streaming import generate, prefill  # noqa: E402
 from titans.serving.app import Limits, create_app  # noqa: E402
 from titans.serving.auth import hash_key  # noqa: E402
-from titans.serving.session import Engine, MemorySession, state_digest  # noqa: E402
+from titans.serving.session import Engine  # noqa: E402
 from titans.serving.stores import RedisStore, SQLiteStore, checksum  # noqa: E402
 
 KEY_A, KEY_B = "key-of-a", "key of b (any string)"
@@ -79,7 +80,7 @@ class Served:
 
     def session(self, sid: str) -> MemorySession:
         """The session as the store holds it (read past the server)."""
-        return MemorySession.from_bytes(self.store.get(sid).data, self.engine)
+        return self.engine.load(self.store.get(sid).data)
 
 
 @pytest.fixture(scope="module", params=["sqlite", "redis"])
@@ -149,12 +150,12 @@ def test_generate_continues_from_the_session_memory(served):
     assert body["text"] == served.engine.tokenizer.decode(want.tolist())
     assert body["new_tokens"] == 12 and body["position"] == len(enc(DOC)) + len(enc(prompt)) + 12
     # seeded sampling: the same seed from the same state gives the same text
-    served.post(f"/v1/sessions/{sid}/rollback", json={"snapshot": 0})
+    served.post(f"/v1/sessions/{sid}/rollback", json={"snapshot": 1})
     samples = []
     for _ in range(2):
         body = {"prompt": prompt, "max_new_tokens": 8, "temperature": 1.0, "top_k": 20, "seed": 7}
         samples.append(served.post(f"/v1/sessions/{sid}/generate", json=body).json()["text"])
-        served.post(f"/v1/sessions/{sid}/rollback", json={"snapshot": 0})
+        served.post(f"/v1/sessions/{sid}/rollback", json={"snapshot": 1})
     assert samples[0] == samples[1]
 
 
@@ -166,8 +167,9 @@ def test_rollback_restores_a_bit_identical_state(served):
     served.read(sid, "A second text, about something else entirely.")
     served.read(sid, "And a third.")
     snaps = served.get(f"/v1/sessions/{sid}/snapshots").json()["snapshots"]
-    assert [s["index"] for s in snaps] == [0, 1, 2] and snaps[1]["position"] == after_doc["position"]
-    r = served.post(f"/v1/sessions/{sid}/rollback", json={"snapshot": 1})
+    # k counts back from 1 (the state before the last change), as `MemorySession.rollback` does
+    assert [s["k"] for s in snaps] == [1, 2, 3] and snaps[1]["position"] == after_doc["position"]
+    r = served.post(f"/v1/sessions/{sid}/rollback", json={"snapshot": 2})
     assert r.status_code == 200, r.text
     back = served.stats(sid)
     assert_bit_identical(served.session(sid).state, state_after_doc)
@@ -178,7 +180,7 @@ def test_rollback_restores_a_bit_identical_state(served):
     assert [s["position"] for s in served.get(f"/v1/sessions/{sid}/snapshots").json()["snapshots"]] == [0]
     # the same read from the restored state gives the same state again, bit for bit
     served.read(sid, "A second text, about something else entirely.")
-    first = MemorySession.new(served.engine)
+    first = served.engine.new_session()
     first.read(served.engine.encode(DOC))
     first.read(served.engine.encode("A second text, about something else entirely."))
     assert_bit_identical(served.session(sid).state, first.state)
@@ -197,11 +199,37 @@ def test_a_frozen_session_reads_without_writing_its_memory(served):
     for b, a in zip(before.layers, after.layers):
         for wb, wa in zip((*b.memory.weights, *b.memory.momentum), (*a.memory.weights, *a.memory.momentum)):
             assert torch.equal(wb, wa)
-    assert served.stats(sid)["frozen"] is True
+    stats = served.stats(sid)
+    assert stats["frozen"] is True and [e["kind"] for e in stats["events"]] == ["freeze"]
+    assert stats["reads"] == 2 and stats["snapshots"] == 2  # a frozen read is a change: kept as a snapshot
     served.post(f"/v1/sessions/{sid}/unfreeze")
     served.read(sid, "Now it learns again.")
     learned = served.session(sid).state
     assert not torch.equal(learned.layers[0].memory.weights[0], after.layers[0].memory.weights[0])
+
+
+def test_a_guarded_server_undoes_a_diverging_write(checkpoint, tmp_path):
+    """`titans serve --guard-probe`: a read whose write diverges (an inner learning rate raised 200-fold,
+    unclipped) is undone and the session frozen; the answer and /stats carry the guard's event."""
+    model, _, tokenizer = load_model(checkpoint)
+    for block in model.blocks:
+        block.memory.max_lr, block.memory.surprise_clip = 200.0, None
+    engine = Engine(model, tokenizer, probe="The whale was white. Ahab chased it.")
+    store = SQLiteStore(tmp_path / "sessions.db")
+    app = create_app(engine, store, key_hashes=None, limits=LIMITS, workers=1)
+    try:
+        with ThreadServer(app) as server, httpx.Client(timeout=60) as http:
+            sid = http.post(f"{server.url}/v1/sessions").json()["id"]
+            r = http.post(f"{server.url}/v1/sessions/{sid}/read", json={"text": DOC})
+            assert r.status_code == 200, r.text
+            got = r.json()
+            assert not got["kept"] and got["frozen"] and got["position"] == 0 and got["version"] == 2
+            assert got["event"]["kind"] == "guard" and "diverged" in got["event"]["reason"]
+            stats = http.get(f"{server.url}/v1/sessions/{sid}/stats").json()
+            assert stats["guarded"] and stats["frozen"] and [e["kind"] for e in stats["events"]] == ["guard"]
+            assert stats["state_sha256"] == state_digest(None)  # the state before the write: none yet
+    finally:
+        store.close()
 
 
 # ------------------------------------------------------------------------------------------ access
@@ -216,7 +244,7 @@ def test_another_key_cannot_touch_a_session(served):
         ("get", f"/v1/sessions/{sid}/snapshots", None),
         ("post", f"/v1/sessions/{sid}/freeze", None),
         ("post", f"/v1/sessions/{sid}/unfreeze", None),
-        ("post", f"/v1/sessions/{sid}/rollback", {"snapshot": 0}),
+        ("post", f"/v1/sessions/{sid}/rollback", {"snapshot": 1}),
         ("delete", f"/v1/sessions/{sid}", None),
     ]
     missing = "0" * 32
@@ -305,8 +333,8 @@ def test_bad_requests_get_a_clear_4xx_and_change_nothing(served):
             "no snapshot 3",
         ),
         (
-            "negative snapshot",
-            served.http.post(f"{url}/rollback", headers=A, json={"snapshot": -1}),
+            "snapshot 0 (k counts from 1)",
+            served.http.post(f"{url}/rollback", headers=A, json={"snapshot": 0}),
             422,
             "snapshot",
         ),
@@ -352,7 +380,7 @@ def test_a_corrupted_stored_state_is_refused_and_reported(served, caplog):
             for method, path, body in [
                 ("post", "read", {"text": "more"}),
                 ("get", "stats", None),
-                ("post", "rollback", {"snapshot": 0}),
+                ("post", "rollback", {"snapshot": 1}),
             ]:
                 r = served.http.request(
                     method, f"{served.url}/v1/sessions/{damaged}/{path}", headers=A, json=body
@@ -375,19 +403,20 @@ def test_the_api_is_described(served):
         assert path in paths
 
 
-def test_session_bytes_round_trip_and_damage_is_named(engine):
-    session = MemorySession.new(engine)
+def test_stored_sessions_are_the_library_sessions_bytes(engine):
+    """The store holds `MemorySession.to_bytes`: a session loaded and written again gives the same bytes
+    (its states are not decoded and encoded again), and damage is refused by the session's own checks."""
+    session = engine.new_session()
     session.read(engine.encode(DOC))
+    session.read(engine.encode("more"))
     session.freeze()
     data = session.to_bytes()
-    again = MemorySession.from_bytes(data, engine)
-    assert again.to_bytes() == data and again.frozen and again.snapshots() == session.snapshots()
-    assert state_from_bytes(again.state_bytes()).position == len(engine.encode(DOC))
-    from titans.serving.session import SessionDataError
-
-    for bad, words in [(data[:-5], "truncated"), (b"x" + data[1:], "header mark"), (data[:20], "header")]:
-        with pytest.raises(SessionDataError, match=words):
-            MemorySession.from_bytes(bad, engine)
+    again = engine.load(data)
+    assert isinstance(again, MemorySession) and again.frozen and again.snapshots == session.snapshots
+    assert again.to_bytes() == data and again.state.position == len(engine.encode(DOC + "more"))
+    for bad, words in [(data[:-5], "checksum"), (b"x" + data[1:], "magic"), (data[:20], "checksum")]:
+        with pytest.raises(SessionFormatError, match=words):
+            engine.load(bad)
 
 
 def test_the_server_refuses_to_start_without_keys_on_a_public_host(tmp_path):
@@ -403,6 +432,8 @@ def test_the_server_refuses_to_start_without_keys_on_a_public_host(tmp_path):
     check_serve_args(args("--host", "0.0.0.0", "--no-auth"))  # said explicitly
     check_serve_args(args("--host", "127.0.0.1"))  # loopback: only this machine
     check_serve_args(args("--host", "::1"))
+    with pytest.raises(ValueError, match="guard-max-rise"):
+        check_serve_args(args("--guard-max-rise", "-0.1"))
     with pytest.raises(ValueError, match="contradict"):
         check_serve_args(args("--no-auth", "--api-keys", "k"))
     keys = tmp_path / "keys.txt"

@@ -1,5 +1,6 @@
-"""`MemorySession`: rollback restores bit-identical states, a frozen session changes nothing, the guard
-undoes a harmful write (and only that), and a session survives its bytes; the state's bytes format."""
+"""`MemorySession`: rollback restores bit-identical states, a frozen session reads without writing its
+memory (the memory bit-identical, attention and position moving on), the guard undoes a harmful write (and
+only that), and a session survives its bytes; the state's bytes format."""
 
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ import torch
 
 from titans.inference.session import MemorySession, SessionFormatError, frozen_twin
 from titans.models import TitansConfig, TitansLM
+from titans.models.monitor import find_memory_state
 from titans.models.state import (
     StateFileError,
+    TitansState,
     load_state,
     save_state,
     state_from_bytes,
     state_tensors,
     state_to_bytes,
 )
+from titans.models.streaming import generate
 
 VOCAB = 40
 
@@ -47,6 +51,22 @@ def tensors(state) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in state_tensors(state).items()}
 
 
+def memory_tensors(state: TitansState) -> list[torch.Tensor]:
+    """Copies of every memory's weights, momentum and pending tokens (keys, values, gates)."""
+    out = []
+    for layer in state.layers:
+        m = find_memory_state(layer)
+        out += [t.clone() for t in (*m.weights, *m.momentum, m.pending_k, m.pending_v, m.pending_gates)]
+    return out
+
+
+def assert_same_memory(state: TitansState, expected: list[torch.Tensor]) -> None:
+    got = memory_tensors(state)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and g.shape == e.shape and torch.equal(g, e)
+
+
 def assert_identical(state, expected: dict[str, torch.Tensor], position: int) -> None:
     got = state_tensors(state)
     assert state.position == position
@@ -71,7 +91,7 @@ def test_rollback_restores_bit_identical_states():
     session.rollback(2)  # two more writes back: the state after read 1
     assert_identical(session.state, *seen[0])
     assert session.snapshots == []
-    with pytest.raises(ValueError, match="keeps 0 snapshots"):
+    with pytest.raises(ValueError, match="no snapshot 1: the session keeps 0 snapshots"):
         session.rollback(1)
     # reading again from the restored state gives the same state as the first time
     session.read(text(6, 1))
@@ -81,18 +101,34 @@ def test_rollback_restores_bit_identical_states():
         session.rollback(0)
 
 
-def test_frozen_session_leaves_the_state_bit_identical():
+def test_frozen_session_reads_without_writing_its_memory():
+    """Frozen: the memory (weights, momentum, pending tokens) stays bit-identical while the position and the
+    attention context move on, so a later answer draws on what was read frozen, through attention only."""
     model = tiny("mag")
     session = MemorySession(model, piece_len=5)
     session.read(text(14, 0))
-    before = tensors(session.state)
+    start, memory = session.state, memory_tensors(session.state)
     session.freeze()
     result = session.read(text(9, 1))
     assert not result.kept and result.report.write_rate == 0.0 and result.loss is not None
+    assert session.position == 23
+    assert_same_memory(session.state, memory)
+    assert not torch.equal(
+        state_tensors(session.state)["layers.0.attention.k"], state_tensors(start)["layers.0.attention.k"]
+    )
+    # the frozen read is in the attention context: generating now equals the read-only twin generating from
+    # the text read and the prompt together
     out = session.generate(text(3, 2), 6, greedy=True)
-    assert out.shape == (1, 9)
-    assert_identical(session.state, before, 14)
-    assert session.snapshots[0].position == 0 and len(session.snapshots) == 1  # no snapshot for frozen calls
+    want = generate(
+        frozen_twin(model), torch.cat([text(9, 1), text(3, 2)])[None], 6, greedy=True, state=start
+    )
+    assert out.shape == (1, 9) and torch.equal(out, want[:, 9:])
+    assert session.position == 23 + 9 and session.tokens_generated == 6 and session.reads == 2
+    assert_same_memory(session.state, memory)
+    # frozen calls change the state, so they are kept as snapshots too: a rollback undoes them
+    assert [s.position for s in session.snapshots] == [23, 14, 0]
+    session.rollback(2)
+    assert_identical(session.state, tensors(start), 14)
     # the frozen twin shares the model's parameters, and the model itself still writes
     twin = frozen_twin(model)
     assert twin.embed.weight is model.embed.weight and twin is frozen_twin(model)
@@ -100,8 +136,7 @@ def test_frozen_session_leaves_the_state_bit_identical():
     session.unfreeze()
     result = session.read(text(9, 1))
     assert result.kept and result.report.write_rate == 1.0 and session.position == 23
-    assert [e.kind for e in session.events] == ["freeze", "unfreeze"]
-    # a frozen read measures what an unfrozen read of the same text would (the reads differ only in writes)
+    assert [e.kind for e in session.events] == ["freeze", "rollback", "unfreeze"]
     assert session.generate(text(3, 2), 4, greedy=True).shape == (1, 7)
     assert session.position == 23 + 3 + 4
 
@@ -149,12 +184,17 @@ def test_guard_undoes_a_harmful_write_and_keeps_a_harmless_one(max_lr, clip):
     info = json.loads(json.dumps(session.info(), allow_nan=False))
     assert info["frozen"] and info["events"][0]["kind"] == "guard" and info["position"] == 16
     json.dumps(result.to_dict(), allow_nan=False)
-    # frozen now: a read changes nothing; unfrozen with a gentle write, writes are kept again
-    session.read(text(5, 3))
-    assert_identical(session.state, kept, 16)
+    # frozen now: a read writes nothing (the memory is the one before the harmful write) and the guard,
+    # with nothing to check, leaves it; its probe measurement changed nothing either
+    memory = memory_tensors(session.state)
+    assert not session.read(text(5, 3)).kept and session.position == 21
+    assert_same_memory(session.state, memory)
+    probed = tensors(session.state)
+    session.probe_loss()
+    assert_identical(session.state, probed, 21)
     _set_write_strength(model, 1e-4, None)
     session.unfreeze()
-    assert session.read(text(5, 3)).kept and session.position == 21
+    assert session.read(text(5, 3)).kept and session.position == 26
 
 
 def test_session_bytes_round_trip_and_damage():

@@ -4,20 +4,23 @@ back to one of its last snapshots, guarded against harmful writes, and serialise
     session = MemorySession(model, snapshots=4, probe=probe_ids, guard_max_rise=0.05)
     result = session.read(tokens)          # the memory learns the text (a ReadResult: loss, report, ...)
     out = session.generate(prompt, 50)     # continues from the memory (reading the prompt into it)
-    session.freeze(); session.unfreeze()   # frozen: reads and generation leave the state bit-identical
-    session.rollback(1)                    # the state before the last write, bit for bit
+    session.freeze(); session.unfreeze()   # frozen: reads and generation leave the memory bit-identical
+    session.rollback(1)                    # the state before the last read or generation, bit for bit
     blob = session.to_bytes(); session = MemorySession.from_bytes(model, blob)
 
-A session holds one stream (batch 1). Every call that changes the state (a read or a generation while not
-frozen) is a *write*: the state before it is kept as a snapshot (the last `snapshots` of them). A frozen
-session runs the model with its memory read-only (`NeuralMemory.write = False`, on a twin of the model that
-shares its parameters: other sessions on the same model are unaffected) and then drops the new state, so
-nothing of what it reads stays: attention context included.
+A session holds one stream (batch 1). Every read or generation changes the state: the state before it is
+kept as a snapshot (the last `snapshots` of them; snapshot k = 1 is the state before the last change). While
+not frozen, a change is also a *write* of the memory. A frozen session runs the model with its memory
+read-only (`NeuralMemory.write = False`, on a twin of the model that shares its parameters: other sessions
+on the same model are unaffected): the memory's weights, momentum and pending tokens come back
+bit-identical, while the position and the attention context (KV cache, window) advance, so the model answers
+from attention plus the frozen memory.
 
 The guard (given a `probe` text): after each write, the loss on the probe is measured with the memory
-frozen, from the new state. If it rose by more than `guard_max_rise` (a share: 0.05 = 5%) over the loss
-before the write, or is not finite, the write is undone (the snapshot restored) and the session frozen; a
-`SessionEvent` records it. Every freeze, unfreeze and rollback is recorded too (`events`).
+frozen, from the new state (a frozen session writes nothing, so it has nothing to check); measuring it
+changes nothing of the session. If it rose by more than `guard_max_rise` (a share: 0.05 = 5%) over the
+loss before the write, or is not finite, the write is undone (the snapshot restored) and the session
+frozen; a `SessionEvent` records it. Every freeze, unfreeze and rollback is recorded too (`events`).
 
 Not thread-safe: one caller at a time per session (different sessions may run in parallel on one model).
 """
@@ -31,15 +34,15 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from titans.layers.memory import NeuralMemory
+from titans.layers.memory import MemoryStats, NeuralMemory
 from titans.models.lm import TitansLM
 from titans.models.monitor import MemoryMonitor, MemoryReport, memory_report
 from titans.models.state import StateFileError, TitansState, map_state, state_from_bytes, state_to_bytes
@@ -58,12 +61,13 @@ class SessionFormatError(StateFileError):
 
 @dataclass(frozen=True)
 class SnapshotInfo:
-    """A kept state: `rollback(k)` restores it (k = 1: the state before the last write). position: tokens
-    it had consumed; created: when it was taken (Unix time)."""
+    """A kept state: `rollback(k)` restores it (k = 1: the state before the last read or generation).
+    position: tokens it had consumed; created: when it was taken (Unix time); reads: the reads it held."""
 
     k: int
     position: int
     created: float
+    reads: int = 0
 
 
 @dataclass
@@ -94,8 +98,10 @@ def _finite_or_none(v: float | None) -> float | None:
 class ReadResult:
     """What a read did. tokens: read; position: the session's position after it; loss: mean next-token loss
     over the text's tokens after its first (None for a single token); report: the memory's numbers over the
-    text (surprise, write rate, gates) and its state after it; kept: the new state was kept (False when
-    frozen or rolled back by the guard); event: the guard's event when it undid the write."""
+    text (surprise, write rate, gates) and its state after it; kept: the memory kept what it read (False
+    when frozen, which writes nothing, or when the guard undid the write); event: the guard's event when it
+    undid the write; stats: the per-token numbers behind the report, one `MemoryStats` per memory layer
+    (None for an empty read or a diverged one)."""
 
     tokens: int
     position: int
@@ -103,6 +109,7 @@ class ReadResult:
     report: MemoryReport
     kept: bool
     event: SessionEvent | None = None
+    stats: dict[int, MemoryStats] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (strict JSON: None for a number that is not finite)."""
@@ -128,9 +135,9 @@ def frozen_twin(model: TitansLM) -> TitansLM:
         twin = _twins.get(model)
         if twin is None:
             memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
-            proxy = getattr(model, "_config_dict", None)
-            if proxy is not None:  # the read-only config mapping cannot be copied; it is shared as well
-                memo[id(proxy)] = proxy
+            # the read-only config mapping cannot be copied; shared, the twin's states carry the model's own
+            memo[id(model.config_dict)] = model.config_dict
+            memo[id(model.config)] = model.config
             twin = copy.deepcopy(model, memo)
             for module in twin.modules():
                 if isinstance(module, NeuralMemory):
@@ -140,6 +147,43 @@ def frozen_twin(model: TitansLM) -> TitansLM:
         return twin
 
 
+# ------------------------------------------------------------------------------------------ kept states
+@dataclass
+class _Kept:
+    """A state as a session keeps it, with the counters that go with it: its tensors, its state-file bytes
+    (`state_to_bytes`), or both, the one made from the other when first needed. A state read from bytes
+    is decoded only when it is used, and bytes already made are reused (a served session is decoded and
+    encoded once per request, its snapshots not at all). Nothing read yet: state None, data b""."""
+
+    state: TitansState | None
+    data: bytes | None
+    position: int
+    reads: int
+    tokens_generated: int
+    created: float
+
+    def tensors(self, model: TitansLM, device: torch.device | str, what: str) -> TitansState | None:
+        if self.state is None and self.data:
+            self.state = state_from_bytes(self.data, device, model=model, name=f"session {what}")
+        return self.state
+
+    def encoded(self) -> bytes:
+        if self.data is None:
+            self.data = b"" if self.state is None else state_to_bytes(self.state)
+        return self.data
+
+    def copy(self) -> _Kept:
+        """An independent copy taken now: the bytes when known (immutable), else cloned tensors."""
+        if self.data is not None:
+            return replace(self, state=None, created=time.time())
+        return replace(self, state=map_state(self.state, lambda t: t.clone()), created=time.time())
+
+
+def _kept(state: TitansState | None, reads: int = 0, tokens_generated: int = 0) -> _Kept:
+    position = 0 if state is None else state.position
+    return _Kept(state, None if state is not None else b"", position, reads, tokens_generated, time.time())
+
+
 # ------------------------------------------------------------------------------------------ the session
 class MemorySession:
     """A memory in operation (see the module docstring).
@@ -147,7 +191,7 @@ class MemorySession:
     Args:
         model: the `TitansLM` (batch-1 streams; any variant, also the baselines without a memory).
         state: the state to start from (None: a fresh sequence).
-        snapshots: how many states before the last writes are kept for `rollback` (>= 0).
+        snapshots: how many states before the last changes are kept for `rollback` (>= 0).
         probe: token ids (>= 2) of a fixed probe text; turns the guard on.
         guard_max_rise: the guard undoes a write that raises the probe loss by more than this share.
         frozen: start frozen.
@@ -184,9 +228,10 @@ class MemorySession:
             )
         if state is not None:
             model.check_state(state, 1)
-        self._state = state
+        self._device = next(model.parameters()).device
+        self._current = _kept(state)
         self._frozen = bool(frozen)
-        self._snapshots: list[tuple[TitansState | None, float]] = []  # oldest first
+        self._snapshots: list[_Kept] = []  # oldest first
         self.events: list[SessionEvent] = []
         self._probe_loss: float | None = None  # the probe loss of the current state, once measured
         self.last_report: MemoryReport | None = None
@@ -196,11 +241,21 @@ class MemorySession:
     @property
     def state(self) -> TitansState | None:
         """The current state (None: nothing read yet)."""
-        return self._state
+        return self._current.tensors(self.model, self._device, "state")
 
     @property
     def position(self) -> int:
-        return 0 if self._state is None else self._state.position
+        return self._current.position
+
+    @property
+    def reads(self) -> int:
+        """Reads (calls of `read` with at least one token) the current state holds; a rollback restores it."""
+        return self._current.reads
+
+    @property
+    def tokens_generated(self) -> int:
+        """Generated tokens the current state holds (the rest of `position` was read or prompted)."""
+        return self._current.tokens_generated
 
     @property
     def frozen(self) -> bool:
@@ -214,12 +269,12 @@ class MemorySession:
     def snapshots(self) -> list[SnapshotInfo]:
         """The kept states, newest first: `snapshots[i].k == i + 1`."""
         return [
-            SnapshotInfo(k, 0 if s is None else s.position, created)
-            for k, (s, created) in enumerate(reversed(self._snapshots), start=1)
+            SnapshotInfo(k, s.position, s.created, s.reads)
+            for k, s in enumerate(reversed(self._snapshots), start=1)
         ]
 
     def freeze(self, reason: str = "requested") -> None:
-        """Reads and generation stop changing the state (a no-op when already frozen)."""
+        """Reads and generation stop writing the memory (a no-op when already frozen)."""
         if not self._frozen:
             self._frozen = True
             self._record("freeze", reason)
@@ -230,25 +285,33 @@ class MemorySession:
             self._record("unfreeze", reason)
 
     def rollback(self, k: int = 1) -> SnapshotInfo:
-        """Restore the state of snapshot k (1: before the last write), bit for bit; it and the newer
-        snapshots are dropped (rollback(1) twice undoes two writes). Returns the restored snapshot's info."""
+        """Restore the state of snapshot k (1: before the last read or generation) bit for bit, with its
+        counters; it and the newer snapshots are dropped (rollback(1) twice undoes two changes), the older
+        ones kept, the frozen flag left as it is. Returns the restored snapshot's info."""
         check_int("MemorySession.rollback: k", k)
-        if k > len(self._snapshots):
+        n = len(self._snapshots)
+        if k > n:
             raise ValueError(
-                f"MemorySession.rollback: k={k}, but the session keeps {len(self._snapshots)} snapshots"
+                f"MemorySession.rollback: no snapshot {k}: the session keeps {n} snapshots "
+                "(k counts back from 1, the state before the last change)"
             )
         info = self.snapshots[k - 1]
-        self._state = self._snapshots[-k][0]
+        kept = self._snapshots[-k]
+        kept.tensors(self.model, self._device, f"snapshot {k}")  # a damaged one fails before anything changes
+        self._current = kept
         del self._snapshots[-k:]
         self._probe_loss = None
         self._record("rollback", f"restored snapshot {k} (position {info.position})")
         return info
 
     def info(self) -> dict[str, Any]:
-        """The session at a glance, JSON-ready: position, frozen, guarded, guard_max_rise, probe_loss (as
-        last measured; None before), max_snapshots, snapshots, events and the memory report."""
+        """The session at a glance, JSON-ready: position, reads, tokens_generated, frozen, guarded,
+        guard_max_rise, probe_loss (as last measured; None before), max_snapshots, snapshots, events and the
+        memory report."""
         return {
             "position": self.position,
+            "reads": self.reads,
+            "tokens_generated": self.tokens_generated,
             "frozen": self._frozen,
             "guarded": self.guarded,
             "guard_max_rise": self.guard_max_rise,
@@ -271,38 +334,34 @@ class MemorySession:
         tokens = self._tokens(tokens, "read")
         if tokens.shape[1] == 0:
             return ReadResult(0, self.position, None, self.report(), kept=False)
-        if self._frozen:
-            _, loss, stats = self._run(frozen_twin(self.model), tokens, self._state)
-            return self._result(tokens, loss, stats, self._state, kept=False)
 
-        def write(state):
-            new_state, loss, stats = self._run(self.model, tokens, state)
-            return new_state, (loss, stats)
+        def read(model, state):
+            new_state, loss, stats = self._run(model, tokens, state)
+            return new_state, (loss, stats), 0
 
-        event, payload = self._write(write)
+        event, payload = self._change(read, reads=1)
         loss, stats = payload if payload is not None else (None, None)
-        return self._result(tokens, loss, stats, self._state, kept=event is None, event=event)
+        kept = event is None and not self._frozen
+        return self._result(tokens, loss, stats, kept=kept, event=event)
 
     @torch.no_grad()
     def generate(self, prompt: Tensor | Sequence[int], max_new_tokens: int, **sampling: Any) -> Tensor:
         """Continue `prompt` from the session's memory (`titans.models.streaming.generate`; `sampling`:
-        temperature, top_k, top_p, greedy, stop_tokens, generator). Returns (1, T + n) ids. Unfrozen, the
-        prompt and the generated tokens are read into the state (a write, guarded); frozen, nothing is
-        kept."""
+        temperature, top_k, top_p, greedy, stop_tokens, generator). Returns (1, T + n) ids. The prompt and
+        the generated tokens are read into the state (a change, kept as a snapshot); unfrozen, they are
+        written into the memory too (a write, guarded)."""
         prompt = self._tokens(prompt, "generate")
         for key in ("state", "return_state"):
             if key in sampling:
                 raise TypeError(f"MemorySession.generate: {key} is the session's own")
-        if self._frozen:
-            return generate(frozen_twin(self.model), prompt, max_new_tokens, state=self._state, **sampling)
 
-        def write(state):
+        def continuation(model, state):
             out, new_state = generate(
-                self.model, prompt, max_new_tokens, state=state, return_state=True, **sampling
+                model, prompt, max_new_tokens, state=state, return_state=True, **sampling
             )
-            return new_state, out
+            return new_state, out, out.shape[1] - prompt.shape[1]
 
-        _, out = self._write(write)
+        _, out = self._change(continuation, reads=0)
         if out is None:  # the guard undid a write that diverged: no continuation to return
             raise FloatingPointError(f"MemorySession.generate: {self.events[-1].reason}")
         return out
@@ -313,7 +372,7 @@ class MemorySession:
         if self.probe is None:
             return None
         if self._probe_loss is None:
-            self._probe_loss = self._measure_probe(self._state)
+            self._probe_loss = self._measure_probe(self.state)
         return self._probe_loss
 
     # ---------------------------------------------------------------------------------------- bytes
@@ -323,15 +382,22 @@ class MemorySession:
         NaN or inf (ValueError)."""
         blobs: list[bytes] = []
 
-        def put(state: TitansState | None) -> int | None:
-            if state is None:
-                return None
-            blobs.append(state_to_bytes(state))
-            return len(blobs) - 1
+        def put(kept: _Kept) -> dict[str, Any]:
+            data = kept.encoded()
+            if data:
+                blobs.append(data)
+            return {
+                "state": len(blobs) - 1 if data else None,
+                "position": kept.position,
+                "reads": kept.reads,
+                "tokens_generated": kept.tokens_generated,
+                "created": kept.created,
+            }
 
+        current = put(self._current)
         header = {
             "format": SESSION_FORMAT,
-            "state": put(self._state),
+            **current,
             "frozen": self._frozen,
             "max_snapshots": self.max_snapshots,
             "guard_max_rise": self.guard_max_rise,
@@ -339,9 +405,7 @@ class MemorySession:
             "probe": None if self.probe is None else self.probe[0].tolist(),
             "probe_loss": self._probe_loss,
             "events": [asdict(e) for e in self.events],
-            "snapshots": [
-                {"state": put(s), "created": created} for s, created in (self._snapshots if snapshots else [])
-            ],
+            "snapshots": [put(s) for s in (self._snapshots if snapshots else [])],
             "blobs": [len(b) for b in blobs],
         }
         head = json.dumps(header).encode()
@@ -369,36 +433,46 @@ class MemorySession:
             header = json.loads(body[start + 8 : start + 8 + size])
             if header.get("format") != SESSION_FORMAT:
                 raise SessionFormatError(f"session bytes: format {header.get('format')!r} is not supported")
-            offsets, pos = [], start + 8 + size
+            blobs, pos = [], start + 8 + size
             for n in header["blobs"]:
-                offsets.append((pos, pos + n))
+                blobs.append(body[pos : pos + n])
                 pos += n
             if pos != len(body):
                 raise SessionFormatError("session bytes: blob sizes do not add up")
-        except (ValueError, KeyError, TypeError) as e:
+
+            def get(entry: dict[str, Any]) -> _Kept:
+                index = entry["state"]
+                return _Kept(
+                    None,
+                    b"" if index is None else blobs[index],
+                    int(entry.get("position", 0)),
+                    int(entry.get("reads", 0)),
+                    int(entry.get("tokens_generated", 0)),
+                    float(entry.get("created", 0.0)),
+                )
+
+            current = get(header)
+            snapshots = [get(s) for s in header["snapshots"]]
+        except (ValueError, KeyError, TypeError, IndexError) as e:
             if isinstance(e, SessionFormatError):
                 raise
             raise SessionFormatError(f"session bytes: damaged header ({e})") from e
-        device = map_location if map_location is not None else next(model.parameters()).device
-
-        def get(index: int | None, what: str) -> TitansState | None:
-            if index is None:
-                return None
-            a, b = offsets[index]
-            return state_from_bytes(body[a:b], device, model=model, name=f"session {what}")
-
         session = cls(
             model,
-            get(header["state"], "state"),
             snapshots=header["max_snapshots"],
             probe=header["probe"],
             guard_max_rise=header["guard_max_rise"],
             frozen=header["frozen"],
             piece_len=header["piece_len"],
         )
-        session._snapshots = [
-            (get(s["state"], f"snapshot {i}"), s["created"]) for i, s in enumerate(header["snapshots"])
-        ]
+        if map_location is not None:
+            session._device = torch.device(map_location)
+        state = current.tensors(model, session._device, "state")  # decoded now: another model's is refused
+        if state is not None:
+            current.position = state.position
+            model.check_state(state, 1)
+        session._current = current
+        session._snapshots = snapshots  # decoded when rolled back to
         session.events = [SessionEvent(**e) for e in header["events"]]
         session._probe_loss = header["probe_loss"]
         return session
@@ -464,24 +538,30 @@ class MemorySession:
             return float("nan")
         return float("nan") if loss is None else loss
 
-    def _write(self, fn):
-        """Run fn(state) -> (new state, payload) as a write: snapshot, apply, guard. Returns (event or None,
-        payload)."""
-        before = self._state
-        probe_before = self.probe_loss() if self.guarded else None
-        snapshot = None if before is None else map_state(before, lambda t: t.clone())
+    def _change(
+        self, fn: Callable[[TitansLM, TitansState | None], tuple[TitansState | None, Any, int]], reads: int
+    ) -> tuple[SessionEvent | None, Any]:
+        """Run fn(model, state) -> (new state, payload, tokens generated) as a change of the state: the state
+        before it kept as a snapshot; the memory read-only when frozen, else written and guarded. Returns
+        (the guard's event or None, payload)."""
+        before = self._current
+        guard = self.guarded and not self._frozen
+        probe_before = self.probe_loss() if guard else None
+        model = frozen_twin(self.model) if self._frozen else self.model
+        state = before.tensors(self.model, self._device, "state")
+        snapshot = before.copy()
         diverged = None
         try:
-            new_state, payload = fn(before)
+            new_state, payload, generated = fn(model, state)
         except ValueError as e:  # the memory refuses to go on from a non-finite value: the write diverged
-            if not self.guarded or "non-finite" not in str(e):
+            if not guard or "non-finite" not in str(e):
                 raise
-            new_state, payload, diverged = before, None, str(e)
-        self._snapshots.append((snapshot, time.time()))
+            new_state, payload, generated, diverged = state, None, 0, str(e)
+        self._snapshots.append(snapshot)
         del self._snapshots[: max(0, len(self._snapshots) - self.max_snapshots)]
-        self._state = new_state
+        self._current = _kept(new_state, before.reads + reads, before.tokens_generated + generated)
         self._probe_loss = None
-        if not self.guarded:
+        if not guard:
             return None, payload
         after = self._measure_probe(new_state) if diverged is None else float("nan")
         limit = probe_before * (1 + self.guard_max_rise) if math.isfinite(probe_before) else math.inf
@@ -491,7 +571,7 @@ class MemorySession:
         # undo: the state before the write (kept even with snapshots=0), and freeze
         if self.max_snapshots:
             self._snapshots.pop()
-        self._state = snapshot
+        self._current = before
         self._probe_loss = probe_before
         self._frozen = True
         if diverged is not None:
@@ -515,13 +595,14 @@ class MemorySession:
         return event
 
     def _state_or_empty(self) -> TitansState:
-        return self._state if self._state is not None else TitansState([], 0, self.model.config_dict)
+        state = self.state
+        return state if state is not None else TitansState([], 0, self.model.config_dict)
 
-    def _result(self, tokens, loss, stats, state, kept, event=None) -> ReadResult:
+    def _result(self, tokens, loss, stats, kept, event=None) -> ReadResult:
         self._last_stats = stats
-        report = memory_report(self.model, stats, state if state is not None else self._state_or_empty())
+        report = memory_report(self.model, stats, self._state_or_empty())
         self.last_report = report
-        return ReadResult(tokens.shape[1], self.position, loss, report, kept, event)
+        return ReadResult(tokens.shape[1], self.position, loss, report, kept, event, stats)
 
 
 __all__ = [

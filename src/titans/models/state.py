@@ -182,6 +182,15 @@ def _digest(tensors: dict[str, Tensor]) -> str:
     return h.hexdigest()
 
 
+def state_digest(state: TitansState | None) -> str:
+    """sha256 of the state's position and of every tensor's name, dtype, shape and bytes (None: a fresh
+    sequence): equal digests, bit-identical states. The state's bytes are not canonical (safetensors orders
+    its metadata freely); this is."""
+    tensors = {} if state is None else state_tensors(state)
+    position = 0 if state is None else state.position
+    return hashlib.sha256(f"position={position}|{_digest(tensors)}".encode()).hexdigest()
+
+
 # ------------------------------------------------------------------------------------------ files
 def save_state(state: TitansState, path: str | Path) -> Path:
     """Write `state` to `path` (safetensors + JSON header, see the module docstring), atomically.
@@ -377,6 +386,7 @@ __all__ = [
     "save_state",
     "select_rows",
     "state_batch_size",
+    "state_digest",
     "state_from_bytes",
     "state_nbytes",
     "state_tensors",

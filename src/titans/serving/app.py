@@ -15,6 +15,8 @@ Errors: every refused request gets a 4xx (or 503 when the store is unreachable) 
 naming the problem: 401 no or unknown key, 404 unknown session or one of another key, 409 a stored state
 that cannot be read (damaged bytes, or a state of another model), 413 a body over the limit, 422 a
 malformed body, a text over the token limit, symbols the model cannot read, no such snapshot.
+
+The sessions are `titans.inference.session.MemorySession`s, stored as their `to_bytes`.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from titans.inference.session import MemorySession
 from titans.serving.auth import ANONYMOUS, bearer_key, hash_key
-from titans.serving.session import Engine, MemorySession, SessionDataError
+from titans.serving.session import Engine, generate_json, read_json, snapshots_json, stats_json
 from titans.serving.stores import Record, SessionExists, SessionStore, StoreError, VersionConflict
 from titans.training.config import TrainConfig
 
@@ -84,7 +87,7 @@ class GenerateBody(_Body):
 
 
 class RollbackBody(_Body):
-    snapshot: int = Field(ge=0, description="index from GET .../snapshots (0: before the last change)")
+    snapshot: int = Field(ge=1, description="k from GET .../snapshots (1: the state before the last change)")
 
 
 # ------------------------------------------------------------------------------------------ errors
@@ -191,8 +194,8 @@ class SessionService:
             reason = "its bytes do not match their checksum"
         else:
             try:
-                return MemorySession.from_bytes(record.data, self.engine)
-            except SessionDataError as e:
+                return self.engine.load(record.data)
+            except ValueError as e:  # SessionFormatError (damaged bytes), or a state of another model
                 reason = str(e)
         log.error(
             "stored state of session %s (version %d) is corrupted: %s", record.id, record.version, reason
@@ -209,7 +212,7 @@ class SessionService:
 
     # -------------------------------------------------------------- operations
     def create(self, owner: str) -> dict[str, Any]:
-        data = MemorySession.new(self.engine).to_bytes()
+        data = self.engine.new_session().to_bytes()
         for _ in range(8):
             sid = uuid.uuid4().hex
             try:
@@ -258,6 +261,10 @@ class SessionService:
             )
         if not ids:
             raise ApiError(422, f"the {what} holds no tokens")
+        try:
+            self.engine.check_tokens(ids)
+        except ValueError as e:
+            raise ApiError(422, str(e)) from e
         return ids
 
 
@@ -336,7 +343,7 @@ def create_app(
         def op(session: MemorySession) -> dict[str, Any]:
             try:
                 return fn(session)
-            except (ValueError, IndexError) as e:
+            except (ValueError, FloatingPointError) as e:  # FloatingPointError: a write the guard undid
                 raise ApiError(422, str(e)) from e
 
         return op
@@ -357,7 +364,7 @@ def create_app(
     async def read(sid: str, body: ReadBody, owner: str = owner_dep) -> dict[str, Any]:
         def work() -> dict[str, Any]:
             ids = service.tokens(body.text, "text")
-            return service.change(sid, owner, guarded(lambda s: {**s.read(ids), "reads": s.reads}))
+            return service.change(sid, owner, guarded(lambda s: read_json(s, ids)))
 
         return await locked(sid, work)
 
@@ -374,8 +381,9 @@ def create_app(
             ids = service.tokens(body.prompt, "prompt")
 
             def op(session: MemorySession) -> dict[str, Any]:
-                start = session.position
-                text = session.generate(
+                return generate_json(
+                    engine,
+                    session,
                     ids,
                     body.max_new_tokens,
                     temperature=body.temperature,
@@ -385,23 +393,16 @@ def create_app(
                     seed=body.seed,
                     stop_at_eos=body.stop_at_eos,
                 )
-                new = session.position - start - len(ids)
-                return {
-                    "text": text,
-                    "prompt_tokens": len(ids),
-                    "new_tokens": new,
-                    "position": session.position,
-                }
 
             return service.change(sid, owner, guarded(op))
 
         return await locked(sid, work)
 
-    @app.get("/v1/sessions/{sid}/stats", summary="counters, the last read's surprise, memory norms")
+    @app.get("/v1/sessions/{sid}/stats", summary="counters, the guard's events, memory norms, a digest")
     async def stats(sid: str, owner: str = owner_dep) -> dict[str, Any]:
         def work() -> dict[str, Any]:
             record, session = service.load(sid, owner)
-            return {"id": sid, "version": record.version, **session.stats()}
+            return {"id": sid, "version": record.version, **stats_json(session)}
 
         return await service.run(work)
 
@@ -421,11 +422,11 @@ def create_app(
 
         return await locked(sid, lambda: service.change(sid, owner, op))
 
-    @app.get("/v1/sessions/{sid}/snapshots", summary="the kept snapshots, newest first")
+    @app.get("/v1/sessions/{sid}/snapshots", summary="the kept snapshots, newest first (k from 1)")
     async def snapshots(sid: str, owner: str = owner_dep) -> dict[str, Any]:
         def work() -> dict[str, Any]:
             record, session = service.load(sid, owner)
-            return {"id": sid, "version": record.version, "snapshots": session.snapshots()}
+            return {"id": sid, "version": record.version, "snapshots": snapshots_json(session)}
 
         return await service.run(work)
 
@@ -433,11 +434,7 @@ def create_app(
     async def rollback(sid: str, body: RollbackBody, owner: str = owner_dep) -> dict[str, Any]:
         def op(session: MemorySession) -> dict[str, Any]:
             session.rollback(body.snapshot)
-            return {
-                "position": session.position,
-                "reads": session.reads,
-                "snapshots": len(session.snapshots()),
-            }
+            return {"position": session.position, "reads": session.reads, "snapshots": len(session.snapshots)}
 
         return await locked(sid, lambda: service.change(sid, owner, guarded(op)))
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+from pathlib import Path
 
 import torch
 
 from titans.inference.cli import load_model
+from titans.inference.session import DEFAULT_GUARD_MAX_RISE
 from titans.serving.auth import is_loopback, load_api_keys
 from titans.serving.session import DEFAULT_MAX_SNAPSHOTS, Engine
 from titans.serving.stores import open_store
@@ -40,6 +43,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
     for name in ("max_new_tokens", "snapshots"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not 0 <= args.guard_max_rise < math.inf:
+        raise ValueError(f"--guard-max-rise must be a number >= 0, got {args.guard_max_rise}")
 
 
 def build_app(args: argparse.Namespace):
@@ -52,7 +57,15 @@ def build_app(args: argparse.Namespace):
     keys = load_api_keys(args.api_keys) if args.api_keys else None
     device = resolve_device(args.device)
     model, _, tokenizer = load_model(args.checkpoint, map_location=device)
-    engine = Engine(model, tokenizer, max_snapshots=args.snapshots)
+    probe = None
+    if args.guard_probe:
+        try:
+            probe = Path(args.guard_probe).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--guard-probe {args.guard_probe}: cannot read it as UTF-8 text ({e})") from e
+    engine = Engine(
+        model, tokenizer, max_snapshots=args.snapshots, probe=probe, guard_max_rise=args.guard_max_rise
+    )
     store = open_store(args.store)
     limits = Limits(
         max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_new_tokens=args.max_new_tokens
@@ -102,6 +115,18 @@ def register(commands, evals) -> None:
     p.add_argument("--max-tokens", type=int, default=16384, help="tokens of text or prompt per request (422)")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="max_new_tokens a generate may ask for")
     p.add_argument("--snapshots", type=int, default=DEFAULT_MAX_SNAPSHOTS, help="snapshots kept per session")
+    p.add_argument(
+        "--guard-probe",
+        metavar="FILE",
+        help="a fixed probe text (UTF-8): new sessions are guarded; a write that raises its loss by more "
+        "than --guard-max-rise is undone and the session frozen",
+    )
+    p.add_argument(
+        "--guard-max-rise",
+        type=float,
+        default=DEFAULT_GUARD_MAX_RISE,
+        help="the guard's limit on the probe loss's rise, a share (0.05: 5%%)",
+    )
     p.add_argument("--workers", type=int, default=4, help="threads running model work (sessions in parallel)")
     p.add_argument(
         "--torch-threads", type=int, default=1, help="torch intra-op threads (torch.set_num_threads)"
