@@ -213,6 +213,8 @@ def test_cpu_kernel_build_name_follows_sources_flags_cpu_and_torch(tmp_path, mon
         cpu_kernels.build_key(sources, flags[:-1], "cpu0", "2.13.0"),
         cpu_kernels.build_key(sources, flags, "cpu1", "2.13.0"),
         cpu_kernels.build_key(sources, flags, "cpu0", "2.14.0"),
+        # the same sources in another checkout: ninja's build file names them by path
+        cpu_kernels.build_key(sources, flags, "cpu0", "2.13.0", "/elsewhere/titans/ops/csrc"),
     ]
     assert len({key, *others}) == 1 + len(others)
     # this checkout's name, and the name after one source file changes

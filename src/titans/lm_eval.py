@@ -11,6 +11,7 @@ import sys
 
 def _hook_command(argv: list[str]) -> int | None:
     """--install-hook / --remove-hook; None for anything else (lm-eval's arguments)."""
+    # local: the hook commands run without lm-eval installed; the adapter imports it
     from titans.evaluation.lm_eval_hook import install_hook, remove_hook
 
     if argv == ["--install-hook"]:
@@ -27,7 +28,7 @@ def _hook_command(argv: list[str]) -> int | None:
 
 if __name__ == "__main__":
     code = _hook_command(sys.argv[1:])
-    if code is None:
+    if code is None:  # lm-eval is an optional extra: imported only when its command line runs
         from titans.evaluation.lm_eval_adapter import main
 
         code = main()

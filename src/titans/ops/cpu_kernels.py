@@ -8,8 +8,9 @@
 Each has a torch-op path beside it that computes the same (the reference its tests compare against); that
 path runs wherever `kernels()` is None: off CPU, with no C++ compiler, after a failed build, or with
 `TITANS_CPU_KERNELS=0`. The build is cached in torch's extensions folder under a name keyed by the CPU, the
-sources, the compile flags and the torch version (`extension_name`): checkouts or versions that differ in
-any of them keep a build each instead of rebuilding each other's, and a build says so on stderr first.
+sources, the compile flags, the torch version and the sources' folder (`extension_name`): checkouts or
+versions that differ in any of them keep a build each instead of rebuilding each other's, and a build says
+so on stderr first.
 
 torch guards a build with a plain `lock` file that a killed builder leaves behind, after which every later
 load waits on it forever. So builders here also hold an OS lock (`flock`, released when its holder dies) on
@@ -49,11 +50,15 @@ def _cpu_fingerprint() -> str:
     return "\n".join(lines)
 
 
-def build_key(sources: Iterable[bytes], flags: Sequence[str], cpu: str, torch_version: str) -> str:
+def build_key(
+    sources: Iterable[bytes], flags: Sequence[str], cpu: str, torch_version: str, source_dir: str = ""
+) -> str:
     """A short hash of everything a build depends on: the sources' bytes, the compile and link flags, the
-    CPU (for -march=native) and the torch version (its headers and ABI)."""
+    CPU (for -march=native), the torch version (its headers and ABI) and where the sources are (ninja's
+    build file names them by path: two checkouts sharing one build would rebuild it for each other)."""
     h = hashlib.sha256()
-    for part in (*sources, "\0".join(flags).encode(), cpu.encode(), torch_version.encode()):
+    parts = (*sources, "\0".join(flags).encode(), cpu.encode(), torch_version.encode(), source_dir.encode())
+    for part in parts:
         h.update(len(part).to_bytes(8, "little"))  # length-prefixed: no two splits of the bytes collide
         h.update(part)
     return h.hexdigest()[:16]
@@ -65,7 +70,9 @@ def extension_name() -> str:
     import torch
 
     sources = [(SOURCE_DIR / name).read_bytes() for name in SOURCES]
-    key = build_key(sources, CFLAGS + LDFLAGS, _cpu_fingerprint(), torch.__version__)
+    key = build_key(
+        sources, CFLAGS + LDFLAGS, _cpu_fingerprint(), torch.__version__, str(SOURCE_DIR.resolve())
+    )
     return f"titans_cpu_kernels_{key}"
 
 
