@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from titans.models.variants import VARIANT_SPECS, Variant
+from titans.ops.rules import resolve_rule
 from titans.validation import check_int
 
 VARIANTS = tuple(VARIANT_SPECS)
@@ -80,6 +81,10 @@ class TitansConfig:
     # training memory: keep the memory's state every this many chunks and recompute the rest in the
     # backward pass (NeuralMemory.checkpoint_every; None: keep every chunk's). Same outputs and gradients
     memory_checkpoint_every: int | None = None
+    # the memory's update rule (docs/design.md, "Memory rules"): a preset name ("titans", "moneta", "yaad",
+    # "memora", "atlas"), a parts dict or a MemoryRule object (stored as its preset name or parts dict).
+    # Typed Any: the command line takes a name or a JSON object
+    memory_rule: Any = "titans"
     # The MAC block (docs/design.md, "The MAC block"). mac_norm_memory_tokens: the retrieved memory tokens h
     # enter the attention RMS-normalised, in the scale of the normed block input beside them. mac_gate: the
     # output o = y * gate(M(y)) is "norm", W (norm(y) * sigmoid(norm(M(y)))) as MAG combines its branches,
@@ -152,6 +157,10 @@ class TitansConfig:
             if not isinstance(val, bool):
                 raise ValueError(f"TitansConfig.{name} must be a bool, got {val!r}")
         check_int("TitansConfig.memory_checkpoint_every", self.memory_checkpoint_every, none_ok=True)
+        try:
+            self.memory_rule = resolve_rule(self.memory_rule).to_config()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"TitansConfig.memory_rule: {e}") from e
         if self.mlp_mult <= 0:
             raise ValueError(f"TitansConfig.mlp_mult must be > 0, got {self.mlp_mult}")
         for name in ("memory_eta_init", "memory_alpha_init"):
@@ -248,6 +257,8 @@ FIELD_HELP: dict[str, str] = {
     "memory_write": "false: read-only memory, no test-time learning (an ablation)",
     "memory_checkpoint_every": "keep the memory state every this many chunks, recompute the rest "
     "(null: keep all)",
+    "memory_rule": "memory update rule: titans, moneta, yaad, memora, atlas, or a parts dict "
+    "(bias, retention, window, optimizer)",
     "mac_norm_memory_tokens": "MAC: RMS-normalise the retrieved memory tokens before attention",
     "mac_gate": f"MAC output gate: {', '.join(MAC_GATES)}",
     "mac_norm_memory_input": "MAC: RMS-normalise the attention output before the memory writes it",

@@ -436,6 +436,24 @@ def memory_rule_chunked(
     Returns y (B, H, T, d), weights, momentum after the last complete chunk, surprise (B, H, T): the norm of
     each token's (windowed) inner gradient. Shapes and chunking as `titans.ops.memory.neural_memory_chunked`.
     """
+    if torch.is_autocast_enabled(q.device.type):
+        # as the Titans path: the memory runs in its state's dtype (its small increments need it)
+        with torch.autocast(q.device.type, enabled=False):
+            return memory_rule_chunked(
+                q,
+                k,
+                v,
+                gates,
+                weights,
+                momentum,
+                rule=rule,
+                chunk_size=chunk_size,
+                history=history,
+                activation=activation,
+                residual=residual,
+                surprise_clip=surprise_clip,
+            )
+    check_int("memory_rule_chunked: chunk_size", chunk_size)
     batch, heads, total, dim = k.shape
     if gates.shape[:3] != k.shape[:3] or gates.shape[-1] != 3 + len(rule.extra_gates):
         raise ValueError(
