@@ -60,7 +60,9 @@ def speed(rules: list[str], reps: int) -> list[dict]:
         for m in s:
             newton_schulz(m, 5)
     ns = (time.perf_counter() - t0) / reps
-    rows.append({"rule": "(atlas: Newton-Schulz per sequence, forward only)", "fwd_bwd_s": ns, "vs_titans": None})
+    rows.append(
+        {"rule": "(atlas: Newton-Schulz per sequence, forward only)", "fwd_bwd_s": ns, "vs_titans": None}
+    )
     return rows
 
 
@@ -81,7 +83,9 @@ def capacity_error(rule_name: str, d: int, n: int, theta: float, epochs: int, se
     extra = [torch.ones(1, 1, t) if e == "omega" else torch.full((1, 1, t), 0.1) for e in rule.extra_gates]
     gates = torch.stack(core + extra, -1)
     with torch.no_grad():
-        _, a_end, _, _ = memory_rule_chunked(k, k, v, gates, tuple(weights), momentum, rule=rule, chunk_size=1)
+        _, a_end, _, _ = memory_rule_chunked(
+            k, k, v, gates, tuple(weights), momentum, rule=rule, chunk_size=1
+        )
         w = [read_weights(rule.retention, a) for a in a_end]
         h = F.silu(keys @ w[0][0, 0])
         pred = h @ w[1][0, 0]
@@ -149,13 +153,23 @@ def main() -> None:
     if "capacity" in sections:
         counts = [int(n) for n in args.pairs.split(",")]
         out["capacity"] = capacity(rules, args.dim, counts, args.epochs, args.seeds)
-        out["capacity_config"] = {"dim": args.dim, "epochs": args.epochs, "seeds": args.seeds, "thetas": THETAS}
-        print(f"\nrecall error (best over theta; d = {args.dim}, depth 2, hidden d, {args.epochs} epochs, chunk 1)")
+        out["capacity_config"] = {
+            "dim": args.dim,
+            "epochs": args.epochs,
+            "seeds": args.seeds,
+            "thetas": THETAS,
+        }
+        print(
+            f"\nrecall error (best over theta; d = {args.dim}, depth 2, hidden d, {args.epochs} epochs, "
+            "chunk 1)"
+        )
         print_table(out["capacity"], [("N", "N")] + [(r, r) for r in rules])
     if "lm" in sections:
         rows, lm_args = lm(rules, ["--threads", str(args.threads), *rest])
         out["lm"] = rows
-        out["lm_args"] = {k: v for k, v in lm_args.items() if isinstance(v, (int, float, str, list, type(None)))}
+        out["lm_args"] = {
+            k: v for k, v in lm_args.items() if isinstance(v, (int, float, str, list, type(None)))
+        }
         cols = [("name", "rule"), ("parameters", "params"), ("heldout_bpb", "held-out bpb")]
         cols += [("niah_accuracy", "NIAH"), ("niah_final_task_loss", "answer loss"), ("seconds", "seconds")]
         print_table(rows, cols)

@@ -401,7 +401,9 @@ def _chunk(rule, activation, residual, clip, n, q, k, v, extra, gates, states, w
         if muon:
             # A_b = A_b' A_0 + (sum_t theta_t A_b / A_t) NS(S_b)
             lr = (theta * suffix_sum(log_keep)[..., 1:].exp()).sum(-1)
-            a_new = decay[:, None, None] * a_state + lr[:, None, None] * newton_schulz(s_new, rule.optimizer.steps)
+            a_new = decay[:, None, None] * a_state + lr[:, None, None] * newton_schulz(
+                s_new, rule.optimizer.steps
+            )
         else:
             a_new = (
                 decay[:, None, None] * a_state
@@ -467,7 +469,9 @@ def memory_rule_chunked(
         return x.reshape(n_seq, total, *x.shape[3:])
 
     q, k, v, g = flat(q.to(dtype)), flat(k.to(dtype)), flat(v.to(dtype)), flat(gates.to(dtype))
-    states = [(w.reshape(n_seq, *w.shape[2:]), s.reshape(n_seq, *s.shape[2:])) for w, s in zip(weights, momentum)]
+    states = [
+        (w.reshape(n_seq, *w.shape[2:]), s.reshape(n_seq, *s.shape[2:])) for w, s in zip(weights, momentum)
+    ]
     back = rule.window.size - 1
     ys, norms = [], []
     for start in range(history, total, chunk_size):
