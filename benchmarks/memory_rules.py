@@ -5,8 +5,9 @@ and S-NIAH pass-key retrieval for each preset of `titans.ops.rules` at the same 
         [any `titans eval ablate` option for the lm section, e.g. --lm-steps 60 --task-steps 150]
 
 Sections:
-- speed: forward + backward time of one `NeuralMemory` (dim 128, 4 heads, depth 2, chunk 16, batch 8, 256
-  tokens, float32, the threads given) per rule, and the Muon orthogonalisation's share.
+- speed: forward + backward time of the memory op (batch 8, 4 heads of width 32, 256 tokens, depth 2, hidden
+  64, chunk 16, float32, the threads given): the Titans fast path, Titans's parts on the generic autograd op,
+  each rule; and the Muon orthogonalisation alone.
 - capacity: `benchmarks/memory_capacity.py`'s protocol per rule: N random associations written by the
   rule's own op at chunk size 1, 4 epochs, no momentum, no forgetting, no clip, the inner learning rate
   tuned over a grid, recall error of the final weights (1.0 = a memory that reads 0). Depth-2 memory, hidden
@@ -23,46 +24,70 @@ import argparse
 import math
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from bench_utils import machine_info, print_table, save_json
-from titans import NeuralMemory
-from titans.ops.rules import RULE_PRESETS, memory_rule_chunked, newton_schulz, read_weights
+from titans.ops.memory import neural_memory_chunked
+from titans.ops.rules import RULE_PRESETS, MemoryRule, memory_rule_chunked, newton_schulz, read_weights
 
 THETAS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 
 
 def speed(rules: list[str], reps: int) -> list[dict]:
-    """Median forward + backward seconds of one memory layer per rule."""
-    rows = []
-    x = torch.randn(8, 256, 128)
-    for name in rules:
-        torch.manual_seed(0)
-        mem = NeuralMemory(128, heads=4, depth=2, expansion=2.0, chunk_size=16, rule=name)
+    """Median forward + backward seconds of the memory op per rule (B 8, 4 heads of width 32, T 256, depth 2
+    with hidden width 64, chunk 16, float32): the Titans fast path, Titans's parts on the generic autograd
+    op (the implementation's own cost), and each rule on the generic op."""
+    g = torch.Generator().manual_seed(0)
+    b, h, t, d = 8, 4, 256, 32
+    q, k, v = (torch.randn(b, h, t, d, generator=g) for _ in range(3))
+    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    core = [0.01 * torch.rand(b, h, t, generator=g), F.logsigmoid(torch.randn(b, h, t, generator=g) + 2)]
+    core.append(F.logsigmoid(torch.randn(b, h, t, generator=g) - 4))
+    w0 = (
+        torch.randn(h, d, 2 * d, generator=g) / d**0.5,
+        torch.randn(h, 2 * d, d, generator=g) / (2 * d) ** 0.5,
+    )
+
+    def timed(fn, n_extra):
+        extra = [torch.rand(b, h, t, generator=g) + 0.1 for _ in range(n_extra)]
+        gates = torch.stack(core + extra, -1)
         times = []
         for i in range(reps + 1):
+            leaves = [x.clone().requires_grad_() for x in (q, k, v, gates, *w0)]
+            ws = tuple(w.expand(b, *w.shape) for w in leaves[4:])
+            ms = tuple(torch.zeros_like(w) for w in ws)
             t0 = time.perf_counter()
-            y, _ = mem(x)
+            y, *_ = fn(*leaves[:4], ws, ms)
             y.square().mean().backward()
             if i:  # the first run warms up
                 times.append(time.perf_counter() - t0)
-        times.sort()
-        rows.append({"rule": name, "fwd_bwd_s": times[len(times) // 2]})
-    base = next((r["fwd_bwd_s"] for r in rows if r["rule"] == "titans"), None)
+        return sorted(times)[len(times) // 2]
+
+    def fast(q, k, v, gates, ws, ms):
+        return neural_memory_chunked(q, k, v, *gates.unbind(-1), ws, ms, chunk_size=16, surprise_clip=1.0)
+
+    def generic(rule):
+        return partial(memory_rule_chunked, rule=rule, chunk_size=16, surprise_clip=1.0)
+
+    rows = [{"rule": "titans (fast path)", "fwd_bwd_s": timed(fast, 0)}]
+    rows.append({"rule": "titans parts on the generic op", "fwd_bwd_s": timed(generic(MemoryRule()), 0)})
+    for name in rules:
+        if name != "titans":
+            rule = RULE_PRESETS[name]
+            rows.append({"rule": name, "fwd_bwd_s": timed(generic(rule), len(rule.extra_gates))})
     for r in rows:
-        r["vs_titans"] = None if base is None else r["fwd_bwd_s"] / base
-    # Muon's orthogonalisation alone: once per chunk per layer, on the (B H, d_in, d_out) momentum
-    s = [torch.randn(32, 32, 64), torch.randn(32, 64, 32)]
+        r["vs_titans"] = r["fwd_bwd_s"] / rows[0]["fwd_bwd_s"]
+    # Muon's orthogonalisation alone, forward: once per chunk per layer on the (B H, d_in, d_out) momentum
+    s = [torch.randn(b * h, d, 2 * d), torch.randn(b * h, 2 * d, d)]
     t0 = time.perf_counter()
-    for _ in range(16 * reps):  # 16 chunks per sequence
+    for _ in range(reps * t // 16):
         for m in s:
             newton_schulz(m, 5)
     ns = (time.perf_counter() - t0) / reps
-    rows.append(
-        {"rule": "(atlas: Newton-Schulz per sequence, forward only)", "fwd_bwd_s": ns, "vs_titans": None}
-    )
+    rows.append({"rule": "atlas: its Newton-Schulz alone (forward)", "fwd_bwd_s": ns, "vs_titans": None})
     return rows
 
 
@@ -148,7 +173,9 @@ def main() -> None:
     start = time.perf_counter()
     if "speed" in sections:
         out["speed"] = speed(rules, args.reps)
-        print("\nforward + backward of one NeuralMemory (B 8, T 256, dim 128, 4 heads, depth 2, chunk 16)")
+        print(
+            "\nforward + backward of the memory op (B 8, 4 heads x 32, T 256, depth 2, hidden 64, chunk 16)"
+        )
         print_table(out["speed"], [("rule", "rule"), ("fwd_bwd_s", "seconds"), ("vs_titans", "x titans")])
     if "capacity" in sections:
         counts = [int(n) for n in args.pairs.split(",")]

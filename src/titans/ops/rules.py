@@ -11,8 +11,8 @@ bias (the inner loss), its retention (how old content is kept) and its learning 
                                            2 delta_t |e| - delta_t^2 outside  (Yaad)
     retention  DecayRetention()            W = A, A_t = (1 - alpha_t) A_{t-1} + ...        (Titans)
                LqRetention(q)              W = A / ||A||_q^(q-2)                            (Moneta)
-               KLRetention()               W = scale * softmax(A) over each row: the memory
-                                           lives on a (scaled) simplex, A its logits        (Memora)
+               KLRetention()               W = softmax(A) over each row: the memory lives on
+                                           the simplex, A its logits                        (Memora)
     window     Window(1)                   token t's objective is its own loss             (Titans)
                Window(c)                   sum_{i=t-c+1..t} gamma_i loss_i, gamma_i a
                                            learned per-token gate in (0, 1)                (Omega rule)
@@ -118,12 +118,15 @@ class LqRetention:
 class KLRetention:
     """W = scale * softmax(A) along each row's d_out entries (Memora): the KL-regularised update
     W_t = softmax(alpha_t log W_{t-1} - eta_t grad) is linear in the logits A (softmax ignores the row's
-    log-normaliser), so the decay and the chunk's closed form act on A. A simplex row has entries of
-    about 1 / d_out, so the memory's outputs would be tiny; `scale` (None: d_out, entries 1 on average)
-    restores a usable output scale. Entries stay positive: the memory cannot flip a sign."""
+    log-normaliser), so the decay and the chunk's closed form act on A. scale 1 is the paper's simplex;
+    the entries stay positive either way, so the memory cannot flip a sign."""
 
-    scale: float | None = None
+    scale: float = 1.0
     kind: str = field(default="kl", init=False)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.scale, (int, float)) and self.scale > 0):
+            raise ValueError(f"KLRetention: scale must be > 0, got {self.scale!r}")
 
 
 @dataclass(frozen=True)
@@ -323,8 +326,7 @@ def read_weights(retention, a: Tensor) -> Tensor:
         q = retention.q
         norm = a.abs().pow(q).sum((-1, -2), keepdim=True).pow(1 / q)
         return a / norm.clamp_min(1e-12).pow(q - 2)
-    scale = a.shape[-1] if retention.scale is None else retention.scale
-    return scale * torch.softmax(a, dim=-1)
+    return retention.scale * torch.softmax(a, dim=-1)
 
 
 def newton_schulz(x: Tensor, steps: int) -> Tensor:

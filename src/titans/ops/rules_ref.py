@@ -5,7 +5,7 @@ inner gradients by autograd of the inner loss itself (not of an error map), floa
 with the fast path (its own MLP, losses, retention maps and Newton-Schulz).
 
 Per token t in a chunk starting after position t' (per batch element and head), with W(A) the rule's
-retention map (identity; A / ||A||_q^(q-2); scale * softmax over each row):
+retention map (identity; A / ||A||_q^(q-2); scale * softmax over each row, scale 1 by default):
 
     loss_i(W)  = ||M(k_i; W) - v_i||^2 | sum |M(k_i; W) - v_i|^p | Huber_{delta_i}(M(k_i; W) - v_i)
     u_t        = grad_W sum_{i = t-c+1..t} omega_i loss_i(W) at W = W(A_{t'})   (omega = 1 for c = 1)
@@ -46,9 +46,8 @@ def _weights(retention, a: Tensor) -> Tensor:
     if kind == "lq":
         q = float(retention.q)
         return a / ((a.abs() ** q).sum((-1, -2), keepdim=True) ** (1.0 / q)) ** (q - 2)
-    scale = a.shape[-1] if retention.scale is None else retention.scale
     e = torch.exp(a - a.amax(-1, keepdim=True))
-    return scale * e / e.sum(-1, keepdim=True)
+    return retention.scale * e / e.sum(-1, keepdim=True)
 
 
 def _loss(bias, e: Tensor, delta: Tensor | None) -> Tensor:
