@@ -6,8 +6,8 @@ and S-NIAH pass-key retrieval for each preset of `titans.ops.rules` at the same 
 
 Sections:
 - speed: forward + backward time of the memory op (batch 8, 4 heads of width 32, 256 tokens, depth 2, hidden
-  64, chunk 16, float32, the threads given): the Titans fast path, Titans's parts on the generic autograd op,
-  each rule; and the Muon orthogonalisation alone.
+  64, chunk 16, float32, the threads given): the Titans fast path, each rule as it runs, Titans's and
+  Yaad's parts on the generic autograd op (the implementation's own cost); the Muon orthogonalisation alone.
 - capacity: `benchmarks/memory_capacity.py`'s protocol per rule: N random associations written by the
   rule's own op at chunk size 1, 4 epochs, no momentum, no forgetting, no clip, the inner learning rate
   tuned over a grid, recall error of the final weights (1.0 = a memory that reads 0). Depth-2 memory, hidden
@@ -31,7 +31,15 @@ import torch.nn.functional as F
 
 from bench_utils import machine_info, print_table, save_json
 from titans.ops.memory import neural_memory_chunked
-from titans.ops.rules import RULE_PRESETS, MemoryRule, memory_rule_chunked, newton_schulz, read_weights
+from titans.ops.rules import (
+    RULE_PRESETS,
+    MemoryRule,
+    fits_fast_path,
+    memory_rule_chunked,
+    memory_rule_chunked_autograd,
+    newton_schulz,
+    read_weights,
+)
 
 THETAS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 
@@ -69,15 +77,18 @@ def speed(rules: list[str], reps: int) -> list[dict]:
     def fast(q, k, v, gates, ws, ms):
         return neural_memory_chunked(q, k, v, *gates.unbind(-1), ws, ms, chunk_size=16, surprise_clip=1.0)
 
-    def generic(rule):
-        return partial(memory_rule_chunked, rule=rule, chunk_size=16, surprise_clip=1.0)
+    def op(rule, fn=memory_rule_chunked):
+        return partial(fn, rule=rule, chunk_size=16, surprise_clip=1.0)
 
     rows = [{"rule": "titans (fast path)", "fwd_bwd_s": timed(fast, 0)}]
-    rows.append({"rule": "titans parts on the generic op", "fwd_bwd_s": timed(generic(MemoryRule()), 0)})
     for name in rules:
         if name != "titans":
             rule = RULE_PRESETS[name]
-            rows.append({"rule": name, "fwd_bwd_s": timed(generic(rule), len(rule.extra_gates))})
+            path = "fast path" if fits_fast_path(rule) else "autograd op"
+            rows.append({"rule": f"{name} ({path})", "fwd_bwd_s": timed(op(rule), len(rule.extra_gates))})
+    for name, rule in (("titans", MemoryRule()), ("yaad", RULE_PRESETS["yaad"])):
+        t = timed(op(rule, memory_rule_chunked_autograd), len(rule.extra_gates))
+        rows.append({"rule": f"{name} on the autograd op", "fwd_bwd_s": t})
     for r in rows:
         r["vs_titans"] = r["fwd_bwd_s"] / rows[0]["fwd_bwd_s"]
     # Muon's orthogonalisation alone, forward: once per chunk per layer on the (B H, d_in, d_out) momentum

@@ -19,10 +19,13 @@ from titans.ops.rules import (
     LpBias,
     LqRetention,
     MemoryRule,
+    MomentumSGD,
     Muon,
     Window,
     error_map,
+    fits_fast_path,
     memory_rule_chunked,
+    memory_rule_chunked_autograd,
     newton_schulz,
     resolve_rule,
 )
@@ -66,13 +69,18 @@ def run_with_grads(fn, inputs, depth, **kw):
     return (y, *w, *s, norm), grads
 
 
+OPS = {"dispatch": memory_rule_chunked, "autograd": memory_rule_chunked_autograd}
+
+
+@pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize(
     "depth, chunk, seq, history, clip, act",
     [(1, 1, 6, 0, None, "silu"), (2, 3, 11, 2, 0.5, "gelu"), (2, 5, 13, 0, 0.3, "silu")],
 )
-def test_rule_op_matches_float64_reference(preset, depth, chunk, seq, history, clip, act):
-    """Outputs, final state, surprise and every input's gradient: chunked op == per-token reference."""
+def test_rule_op_matches_float64_reference(op, preset, depth, chunk, seq, history, clip, act):
+    """Outputs, final state, surprise and every input's gradient: chunked op == per-token reference, on
+    the generic autograd op and on `memory_rule_chunked` (the fast path where the rule fits it)."""
     rule = RULE_PRESETS[preset]
     q, k, v, gates, w, s = rule_problem(rule, seq, depth, seed=depth * 10 + chunk)
     kw = dict(
@@ -82,7 +90,7 @@ def test_rule_op_matches_float64_reference(preset, depth, chunk, seq, history, c
         activation=act,
         surprise_clip=clip,
     )
-    fast, g_fast = run_with_grads(memory_rule_chunked, [q, k, v, gates, *w, *s], depth, **kw)
+    fast, g_fast = run_with_grads(OPS[op], [q, k, v, gates, *w, *s], depth, **kw)
     ref, g_ref = run_with_grads(memory_rule_ref, [q, k, v, gates, *w, *s], depth, **kw)
     for a, b in zip(fast, ref):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
@@ -103,7 +111,12 @@ def test_titans_rule_on_the_rules_op_equals_the_fast_path(depth):
 
     fast, g_fast = run_with_grads(titans, [q, k, v, gates, *w, *s], depth)
     generic, g_gen = run_with_grads(
-        memory_rule_chunked, [q, k, v, gates, *w, *s], depth, rule=rule, chunk_size=4, surprise_clip=0.4
+        memory_rule_chunked_autograd,
+        [q, k, v, gates, *w, *s],
+        depth,
+        rule=rule,
+        chunk_size=4,
+        surprise_clip=0.4,
     )
     for a, b in zip(fast + g_fast, generic + g_gen):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
@@ -245,3 +258,25 @@ def test_a_frozen_rule_memory_writes_nothing():
     state = mem.initial_state(1)
     _, new = mem(torch.randn(1, 11, 12), state)
     assert all(a is b for a, b in zip(new.weights, state.weights)) and new.position == 11
+
+
+@pytest.mark.parametrize(
+    "bias", [LpBias(1.5), LpBias(2.0), LpBias(2.5), HuberBias()], ids=["p1.5", "p2", "p2.5", "huber"]
+)
+def test_biases_on_the_fast_path_equal_autograd_with_checkpointing(bias):
+    """A bias with Titans's other parts runs on the custom-autograd fast path (its error map threaded into
+    the chunk step's forward and backward), with momentum, clipping and activation checkpointing, and
+    equals the generic autograd op: outputs, state, surprise, every input's gradient (delta's too)."""
+    rule = MemoryRule(bias=bias, optimizer=MomentumSGD(momentum=True))
+    assert fits_fast_path(rule)
+    q, k, v, gates, w, s = rule_problem(rule, 19, 2, seed=7)
+    kw = dict(rule=rule, chunk_size=3, surprise_clip=0.6)
+    auto, g_auto = run_with_grads(memory_rule_chunked_autograd, [q, k, v, gates, *w, *s], 2, **kw)
+    for every in (None, 2):
+        fast, g_fast = run_with_grads(
+            memory_rule_chunked, [q, k, v, gates, *w, *s], 2, checkpoint_every=every, **kw
+        )
+        for a, b in zip(fast + g_fast, auto + g_auto):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+    if isinstance(bias, HuberBias):  # the threshold gets its gradient through the fast path's backward
+        assert g_fast[3][..., 3].abs().sum() > 0

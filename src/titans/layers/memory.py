@@ -118,9 +118,9 @@ class NeuralMemory(nn.Module):
             (training on very long sequences: O(T / checkpoint_every) saved states instead of O(T), for
             about one extra forward pass). None (default) keeps every chunk's state.
         rule: the update rule (`titans.ops.rules`): a preset name ("titans", the default, "moneta", "yaad",
-            "memora", "atlas"), a parts dict or a `MemoryRule`. Rules other than "titans" run on the
-            autograd chunked op of `titans.ops.rules` (no checkpoint_every there), and their state's
-            `weights` are the pre-retention A (the memory reads W = g(A)).
+            "memora", "atlas"), a parts dict or a `MemoryRule` (`titans.ops.rules.memory_rule_chunked`
+            says which run on the fast path; checkpoint_every applies to those). A rule's state `weights`
+            are the pre-retention A (the memory reads W = g(A)).
     """
 
     def __init__(
@@ -485,7 +485,10 @@ class NeuralMemory(nn.Module):
         weights and momentum: y, weights, momentum, surprise (y and surprise for the rows after the first
         `history`, context-only rows of a windowed rule)."""
         if not self.rule.is_titans:
-            fn = memory_rule_chunked if self.impl == "chunked" else memory_rule_ref
+            if self.impl == "chunked":
+                fn = partial(memory_rule_chunked, checkpoint_every=checkpoint_every)
+            else:
+                fn = memory_rule_ref
             return fn(
                 q,
                 k,

@@ -29,8 +29,10 @@ objective is evaluated at one point); Muon orthogonalises the chunk-end momentum
 applies it with the chunk's summed (decayed) learning rates, NS(S_t) ~ NS(S_b) inside a chunk (exact at
 chunk_size 1).
 
-The "titans" rule runs on the custom-autograd fast path of `titans.ops.memory`; every other rule runs on
-`memory_rule_chunked` here: the same chunked matmul form, differentiated by torch autograd.
+The "titans" rule, and every rule with Titans's retention, window and optimiser (any bias: "yaad"), runs
+on the custom-autograd fast path of `titans.ops.memory`, the bias threaded in as its error map (forward
+phi(e), backward phi'(e)); the others run on `memory_rule_chunked_autograd` here: the same chunked matmul
+form, differentiated by torch autograd.
 
 Retention gates MIRAS defines that do not fit the chunked form and are not offered: elastic net (its
 soft-threshold of the accumulated state is not linear in the chunk's gradients, so the closed form over a
@@ -50,6 +52,7 @@ from titans.ops.memory import (
     _layers_forward,
     chunk_coefficients,
     clip_scale,
+    neural_memory_chunked,
     segsum,
     suffix_sum,
 )
@@ -80,6 +83,14 @@ class LpBias:
         if not self.eps > 0:
             raise ValueError(f"LpBias: eps must be > 0, got {self.eps!r}")
 
+    def value(self, e: Tensor, aux: Tensor | None) -> Tensor:
+        """phi(e) (the fast path's error map interface, `neural_memory_chunked(error=...)`)."""
+        return error_map(self, e, aux)
+
+    def grad(self, g: Tensor, e: Tensor, aux: Tensor | None) -> tuple[Tensor, None]:
+        """(g * phi'(e), None): the error map's backward (no per-token input)."""
+        return g * _lp_derivative(e, float(self.p), float(self.eps)), None
+
 
 @dataclass(frozen=True)
 class HuberBias:
@@ -93,6 +104,17 @@ class HuberBias:
     def __post_init__(self) -> None:
         if not self.delta_init > 0:
             raise ValueError(f"HuberBias: delta_init must be > 0, got {self.delta_init!r}")
+
+    def value(self, e: Tensor, aux: Tensor) -> Tensor:
+        """phi(e) = 2 clamp(e, -delta, delta), delta = aux (..., n) per token."""
+        return error_map(self, e, aux)
+
+    def grad(self, g: Tensor, e: Tensor, aux: Tensor) -> tuple[Tensor, Tensor]:
+        """(dL/de, dL/ddelta) for dL/dphi = g: 2 g inside |e| <= delta (the boundary counts as inside),
+        else 2 g sign(e) summed over the token's coordinates for delta."""
+        inside = e.abs() <= aux.unsqueeze(-1)
+        g2 = 2 * g
+        return g2 * inside, torch.where(inside, 0.0, g2 * e.sign()).sum(-1)
 
 
 @dataclass(frozen=True)
@@ -294,13 +316,16 @@ class _LpError(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor):
         (e,) = ctx.saved_tensors
-        p, eps = ctx.p, ctx.eps
-        if p >= 2:  # p (p - 1) |e|^(p-2); 0^0 = 1 gives phi'(0) = 2 at p = 2
-            d = p * (p - 1) * e.abs().pow(p - 2)
-        else:
-            s = e.square() + eps * eps
-            d = p * s.pow((p - 4) / 2) * ((p - 1) * e.square() + eps * eps)
-        return g * d, None, None
+        return g * _lp_derivative(e, ctx.p, ctx.eps), None, None
+
+
+def _lp_derivative(e: Tensor, p: float, eps: float) -> Tensor:
+    """phi'(e) of the l_p error map: p (p - 1) |e|^(p-2) (0^0 = 1 gives phi'(0) = 2 at p = 2), or below
+    p = 2 the smoothed p (e^2 + eps^2)^((p-4)/2) ((p - 1) e^2 + eps^2)."""
+    if p >= 2:
+        return p * (p - 1) * e.abs().pow(p - 2)
+    s = e.square() + eps * eps
+    return p * s.pow((p - 4) / 2) * ((p - 1) * e.square() + eps * eps)
 
 
 def error_map(bias, e: Tensor, delta: Tensor | None) -> Tensor:
@@ -416,7 +441,81 @@ def _chunk(rule, activation, residual, clip, n, q, k, v, extra, gates, states, w
     return y, norm, new_states
 
 
+def fits_fast_path(rule: MemoryRule) -> bool:
+    """Whether `rule` runs on the custom-autograd fast path (`neural_memory_chunked` with the bias's error
+    map): the decay retention, window 1 and (momentum) SGD, any bias."""
+    return (
+        isinstance(rule.retention, DecayRetention)
+        and rule.window.size == 1
+        and isinstance(rule.optimizer, MomentumSGD)
+    )
+
+
 def memory_rule_chunked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gates: Tensor,
+    weights: tuple[Tensor, ...],
+    momentum: tuple[Tensor, ...],
+    *,
+    rule: MemoryRule,
+    chunk_size: int,
+    history: int = 0,
+    activation: str = "silu",
+    residual: bool = False,
+    surprise_clip: float | None = None,
+    checkpoint_every: int | None = None,
+) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
+    """Read and write a memory with `rule` (contract of `memory_rule_chunked_autograd`). Rules that fit
+    (`fits_fast_path`: the biases with the Titans retention, window and optimiser) run on the fast path
+    of `titans.ops.memory` with the bias's error map; the others on `memory_rule_chunked_autograd`.
+    checkpoint_every: as `neural_memory_chunked`'s, on the fast path only."""
+    if not fits_fast_path(rule):
+        return memory_rule_chunked_autograd(
+            q,
+            k,
+            v,
+            gates,
+            weights,
+            momentum,
+            rule=rule,
+            chunk_size=chunk_size,
+            history=history,
+            activation=activation,
+            residual=residual,
+            surprise_clip=surprise_clip,
+        )
+    _check_gates(rule, k, gates)
+    q, k, v, gates = (x[:, :, history:] for x in (q, k, v, gates))
+    return neural_memory_chunked(
+        q,
+        k,
+        v,
+        gates[..., 0],
+        gates[..., 1],
+        gates[..., 2],
+        weights,
+        momentum,
+        chunk_size=chunk_size,
+        activation=activation,
+        residual=residual,
+        surprise_clip=surprise_clip,
+        checkpoint_every=checkpoint_every,
+        error=None if isinstance(rule.bias, L2Bias) else rule.bias,
+        error_aux=gates[..., 3] if isinstance(rule.bias, HuberBias) else None,
+    )
+
+
+def _check_gates(rule: MemoryRule, k: Tensor, gates: Tensor) -> None:
+    if gates.shape[:3] != k.shape[:3] or gates.shape[-1] != 3 + len(rule.extra_gates):
+        raise ValueError(
+            f"memory_rule_chunked: gates must be (B, H, T, {3 + len(rule.extra_gates)}) for this rule, "
+            f"got {tuple(gates.shape)}"
+        )
+
+
+def memory_rule_chunked_autograd(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -443,7 +542,7 @@ def memory_rule_chunked(
     if torch.is_autocast_enabled(q.device.type):
         # as the Titans path: the memory runs in its state's dtype (its small increments need it)
         with torch.autocast(q.device.type, enabled=False):
-            return memory_rule_chunked(
+            return memory_rule_chunked_autograd(
                 q,
                 k,
                 v,
@@ -459,11 +558,7 @@ def memory_rule_chunked(
             )
     check_int("memory_rule_chunked: chunk_size", chunk_size)
     batch, heads, total, dim = k.shape
-    if gates.shape[:3] != k.shape[:3] or gates.shape[-1] != 3 + len(rule.extra_gates):
-        raise ValueError(
-            f"memory_rule_chunked: gates must be (B, H, T, {3 + len(rule.extra_gates)}) for this rule, "
-            f"got {tuple(gates.shape)}"
-        )
+    _check_gates(rule, k, gates)
     dtype = weights[0].dtype
     n_seq = batch * heads
 
@@ -526,7 +621,9 @@ __all__ = [
     "RULE_PRESETS",
     "Window",
     "error_map",
+    "fits_fast_path",
     "memory_rule_chunked",
+    "memory_rule_chunked_autograd",
     "newton_schulz",
     "read_weights",
     "resolve_rule",
