@@ -145,8 +145,9 @@ def capacity(rules: list[str], d: int, counts: list[int], epochs: int, seeds: in
     return rows
 
 
-def lm(rules: list[str], rest: list[str]) -> list[dict]:
-    """One `titans eval ablate` row per rule (its parser, its defaults, `rest` on top)."""
+def lm(rules: list[str], rest: list[str], control: bool = False) -> tuple[list[dict], dict]:
+    """One `titans eval ablate` row per rule (its parser, its defaults, `rest` on top); with `control`, a
+    last row of Titans with its momentum gate off (eta = 0, as the MIRAS presets' plain gradient descent)."""
     from titans.evaluation import ablation
     from titans.evaluation.args import model_overrides, set_threads
     from titans.evaluation.lm_study import run_root
@@ -157,11 +158,11 @@ def lm(rules: list[str], rest: list[str]) -> list[dict]:
     set_threads(args)
     args.base_overrides = model_overrides(args)
     args.task_time_budget = None if args.time_budget is None else 60.0 * args.time_budget
-    rows = []
     with run_root(args, "titans-rules-") as root:
-        for name in rules:
-            rec = ablation.run_row(args, name, {"memory_rule": name}, root)
-            rows.append(rec)
+        rows = [ablation.run_row(args, name, {"memory_rule": name}, root) for name in rules]
+        if control:
+            overrides = {"memory_rule": "titans", "memory_momentum": False}
+            rows.append(ablation.run_row(args, "titans, eta = 0", overrides, root))
     return rows, vars(args)
 
 
@@ -176,6 +177,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--name", default="memory_rules")
+    p.add_argument("--control", action="store_true", help="lm: add Titans with momentum off (eta = 0)")
     args, rest = p.parse_known_args()
     torch.set_num_threads(args.threads)
     rules = args.rules.split(",")
@@ -203,7 +205,7 @@ def main() -> None:
         )
         print_table(out["capacity"], [("N", "N")] + [(r, r) for r in rules])
     if "lm" in sections:
-        rows, lm_args = lm(rules, ["--threads", str(args.threads), *rest])
+        rows, lm_args = lm(rules, ["--threads", str(args.threads), *rest], args.control)
         out["lm"] = rows
         out["lm_args"] = {
             k: v for k, v in lm_args.items() if isinstance(v, (int, float, str, list, type(None)))
