@@ -87,8 +87,8 @@ def speed(rules: list[str], reps: int) -> list[dict]:
             path = "fast path" if fits_fast_path(rule) else "autograd op"
             rows.append({"rule": f"{name} ({path})", "fwd_bwd_s": timed(op(rule), len(rule.extra_gates))})
     for name, rule in (("titans", MemoryRule()), ("yaad", RULE_PRESETS["yaad"])):
-        t = timed(op(rule, memory_rule_chunked_autograd), len(rule.extra_gates))
-        rows.append({"rule": f"{name} on the autograd op", "fwd_bwd_s": t})
+        seconds = timed(op(rule, memory_rule_chunked_autograd), len(rule.extra_gates))
+        rows.append({"rule": f"{name} on the autograd op", "fwd_bwd_s": seconds})
     for r in rows:
         r["vs_titans"] = r["fwd_bwd_s"] / rows[0]["fwd_bwd_s"]
     # Muon's orthogonalisation alone, forward: once per chunk per layer on the (B H, d_in, d_out) momentum
