@@ -167,7 +167,9 @@ def lm(rules: list[str], rest: list[str], control: bool = False) -> tuple[list[d
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--sections", default="speed,capacity,lm")
     p.add_argument("--rules", default=",".join(RULE_PRESETS))
     p.add_argument("--threads", type=int, default=1)
