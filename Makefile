@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-EXTRAS ?= dev,tokenizers,train,hf
+EXTRAS ?= dev,tokenizers,train,hf,domains,kernels,lmeval
 
 .PHONY: setup main test lint compare eval-essays
 $(VENV)/.installed: pyproject.toml
@@ -11,6 +11,8 @@ $(VENV)/.installed: pyproject.toml
 	# CPU torch first, explicitly: a loose requirement would download a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	# a plain `lm_eval --model titans` in this environment (lm-eval loads no model plugins by itself)
+	$(PY) -m titans.lm_eval --install-hook >/dev/null
 	touch $@
 
 setup: $(VENV)/.installed
@@ -25,6 +27,7 @@ compare: setup
 	PYTHON=$(PY) scripts/compare.sh
 
 test: setup
+	sh scripts/install_test_deps.sh
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m pytest -q -n 2 --durations=15
 

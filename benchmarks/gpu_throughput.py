@@ -1,6 +1,8 @@
 """Training throughput and peak GPU memory of every variant on a CUDA device (bf16 autocast, as `titans
 train` runs there), eager and with the micro-step replayed as a CUDA graph (`titans train --cuda-graphs`),
-plus the neural memory layer alone in float32 and bf16.
+plus the neural memory layer alone in float32 and bf16. Every memory row also runs with the memory's chunk
+loop on the Triton kernels (`memory_backend="triton"`, `titans.ops.memory_triton`): modes "kernels" (eager)
+and "kernels+graphs"; the torch chunk loop is modes "eager" and "graphs".
 
 One process, one model at a time, eager and graphed side by side. A step is forward + backward + AdamW;
 its time is the median over `--steps` steps after two warm-up steps, read with CUDA events. All variants
@@ -8,6 +10,7 @@ share the preset's sizes (dim, depth, heads, window = segment_len, chunk_size), 
 with like; the memory variants carry the memory's extra parameters.
 
     python benchmarks/gpu_throughput.py [--preset 170M] [--seqs 2048,8192] [--variants mac,mag,...]
+        [--modes eager,graphs,kernels,kernels+graphs]
 """
 
 from __future__ import annotations
@@ -48,12 +51,16 @@ def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace) -> di
 
     torch.manual_seed(0)
     every = args.memory_checkpoint_every
-    model = TitansLM(TitansConfig.preset(args.preset, variant=variant, memory_checkpoint_every=every)).cuda()
+    backend = "triton" if mode.startswith("kernels") else "torch"
+    cfg = TitansConfig.preset(
+        args.preset, variant=variant, memory_checkpoint_every=every, memory_backend=backend
+    )
+    model = TitansLM(cfg).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     tokens = torch.randint(0, model.config.vocab_size, (args.batch, seq + 1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     graphed = None
-    if mode == "graphs":
+    if mode.endswith("graphs"):
         torch.cuda.reset_peak_memory_stats()
         graphed = GraphedMicroStep(model, tuple(inputs.shape), 1, torch.bfloat16, model.config.vocab_size)
 
@@ -81,14 +88,17 @@ def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace) -> di
     }
 
 
-def memory_row(seq: int, dtype: str, args: argparse.Namespace) -> dict:
-    """The NeuralMemory layer alone at the preset's sizes: forward + backward, no optimizer."""
+def memory_row(seq: int, dtype: str, backend: str, args: argparse.Namespace) -> dict:
+    """The NeuralMemory layer alone at the preset's sizes: forward + backward, no optimizer; its chunk loop
+    on `backend` ("torch" or "triton")."""
     from titans import TitansConfig
     from titans.layers.memory import NeuralMemory
 
     cfg = TitansConfig.preset(args.preset)
     torch.manual_seed(0)
-    mem = NeuralMemory(cfg.dim, heads=cfg.heads, depth=cfg.memory_depth, chunk_size=cfg.chunk_size).cuda()
+    mem = NeuralMemory(
+        cfg.dim, heads=cfg.heads, depth=cfg.memory_depth, chunk_size=cfg.chunk_size, backend=backend
+    ).cuda()
     x = torch.randn(args.batch, seq, cfg.dim, device="cuda", requires_grad=True)
 
     def step() -> None:
@@ -99,8 +109,8 @@ def memory_row(seq: int, dtype: str, args: argparse.Namespace) -> dict:
         x.grad = None
 
     sec, peak = _timed(step, args.steps)
-    return {"layer": "NeuralMemory", "dtype": dtype, "seq": seq, "batch": args.batch, "step_s": sec,
-            "tokens_per_s": args.batch * seq / sec, "peak_reserved_gib": peak}  # fmt: skip
+    return {"layer": "NeuralMemory", "dtype": dtype, "backend": backend, "seq": seq, "batch": args.batch,
+            "step_s": sec, "tokens_per_s": args.batch * seq / sec, "peak_reserved_gib": peak}  # fmt: skip
 
 
 def main() -> None:
@@ -111,7 +121,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--memory-checkpoint-every", type=int, help="TitansConfig.memory_checkpoint_every")
-    p.add_argument("--modes", default="eager,graphs", help="eager and/or graphs (CUDA graph replay)")
+    p.add_argument(
+        "--modes",
+        default="eager,graphs,kernels,kernels+graphs",
+        help="eager, graphs (CUDA graph replay), kernels (the memory's Triton kernels), kernels+graphs",
+    )
+    p.add_argument("--memory-backends", default="torch,triton", help="memory-alone rows: torch and/or triton")
     p.add_argument("--out", default=str(RESULTS / "gpu_throughput.json"))
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -133,9 +148,12 @@ def main() -> None:
     for seq in seqs:
         for variant in args.variants.split(","):
             for mode in args.modes.split(","):
+                if mode.startswith("kernels") and variant in ("swa", "transformer"):
+                    continue  # no memory: the kernels change nothing
                 run(model_row, variant, seq, mode)
         for dtype in ("fp32", "bf16"):
-            run(memory_row, seq, dtype)
+            for backend in args.memory_backends.split(","):
+                run(memory_row, seq, dtype, backend)
 
     name = torch.cuda.get_device_name()
     print(f"\n{name}, preset {args.preset}, batch {args.batch}, bf16 autocast, median of {args.steps} steps")
@@ -143,18 +161,19 @@ def main() -> None:
     print("reserved: peak GPU memory the allocator held, GiB")
     if args.memory_checkpoint_every:
         print(f"memory_checkpoint_every={args.memory_checkpoint_every}")
-    print(f"{'variant':<14}{'mode':<8}{'seq':>7}{'params':>13}{'step ms':>10}{'tok/s':>12}{'reserved':>10}"
+    print(f"{'variant':<14}{'mode':<15}{'seq':>7}{'params':>13}{'step ms':>10}{'tok/s':>12}{'reserved':>10}"
           f"{'vs eager':>10}")  # fmt: skip
     eager = {(r["variant"], r["seq"]): r["step_s"] for r in rows if r.get("mode") == "eager"}
     for r in rows:
         if "error" in r:
-            print(f"{' '.join(r['args']):<29}  {r['error']}")
+            print(f"{' '.join(r['args']):<36}  {r['error']}")
             continue
         label = r.get("variant") or f"memory {r['dtype']}"
+        mode = r.get("mode", r.get("backend", ""))
         params = f"{r['params']:,}" if "params" in r else ""
         ref = eager.get((r.get("variant"), r["seq"]))
-        ratio = f"{ref / r['step_s']:.2f}x" if ref and r.get("mode") == "graphs" else ""
-        print(f"{label:<14}{r.get('mode', ''):<8}{r['seq']:>7}{params:>13}{r['step_s'] * 1e3:>10.1f}"
+        ratio = f"{ref / r['step_s']:.2f}x" if ref and r.get("mode") != "eager" else ""
+        print(f"{label:<14}{mode:<15}{r['seq']:>7}{params:>13}{r['step_s'] * 1e3:>10.1f}"
               f"{r['tokens_per_s']:>12,.0f}{r['peak_reserved_gib']:>10.2f}{ratio:>10}")  # fmt: skip
     Path(args.out).write_text(json.dumps({"device": name, "torch": torch.__version__, "args": vars(args),
                                           "rows": rows}, indent=1))  # fmt: skip

@@ -6,6 +6,9 @@ import copy
 import math
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -733,3 +736,25 @@ def test_frozen_memory_reads_the_state_weights():
     one_chunk.write, one_chunk.chunk_size = True, 64
     x = torch.randn(2, 40, 24, dtype=F64)
     torch.testing.assert_close(frozen(x)[0], one_chunk(x)[0], rtol=0, atol=1e-12)
+
+
+def test_a_kernel_build_killed_holding_torchs_lock_does_not_block_the_next(tmp_path):
+    """torch's build lock is a plain file: a builder killed while holding it leaves it behind, and torch's
+    `load` would then wait for it forever. A real process takes that lock and is SIGKILLed; taking
+    `build_lock` clears it, and torch's lock can be had again at once."""
+    pytest.importorskip("fcntl")
+    from torch.utils.file_baton import FileBaton
+
+    code = (
+        "import os, signal, sys\n"
+        "from torch.utils.file_baton import FileBaton\n"
+        "assert FileBaton(sys.argv[1]).try_acquire()\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "lock")], timeout=60)
+    assert proc.returncode == -signal.SIGKILL and (tmp_path / "lock").exists()
+    assert not FileBaton(str(tmp_path / "lock")).try_acquire()  # what torch's load would wait on
+    with cpu_kernels.build_lock(tmp_path):
+        baton = FileBaton(str(tmp_path / "lock"))
+        assert baton.try_acquire()
+        baton.release()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
+import subprocess
+import sys
 from functools import partial
 
 import pytest
@@ -211,3 +213,23 @@ def test_header_is_json_readable(saved):
     assert meta["config"]["variant"] == "mag"
     assert [layer["type"] for layer in meta["layers"]] == ["MAGState", "MAGState"]
     json.dumps(meta["layers"])
+
+
+def test_safetensors_files_are_byte_reproducible_across_processes(tmp_path):
+    """safetensors orders the header's metadata by a per-process hash: the same tensors saved by two
+    processes differ in bytes unless the header is canonicalised (`save_safetensors`)."""
+    code = (
+        "import sys, torch\n"
+        "from titans._fs import save_safetensors\n"
+        "meta = {f'key{i}': str(i) for i in range(8)}\n"
+        "save_safetensors({'b': torch.arange(5.0), 'a': torch.ones(3, 2)}, sys.argv[1], meta)\n"
+    )
+    paths = [tmp_path / f"{i}.safetensors" for i in range(2)]
+    for path in paths:
+        subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=120)
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    from safetensors import safe_open
+
+    with safe_open(str(paths[0]), "pt") as f:
+        assert f.metadata() == {f"key{i}": str(i) for i in range(8)}
+        assert torch.equal(f.get_tensor("b"), torch.arange(5.0))

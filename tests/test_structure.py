@@ -4,8 +4,8 @@ function-local import of `titans` says why it is local.
 Every module under src/titans is read with `ast` (nothing is imported), top-level and function-local imports
 alike. Package order, lower first (a module may import its own level and lower ones, never a higher one):
 
-    ops, data, validation, deprecation, _fs < layers < models < training, inference, hf < evaluation
-    < cli, demo, __main__, titans
+    ops, data, validation, deprecation, _fs < layers < models < training, inference, hf, forecast, dna
+    < evaluation < cli, demo, __main__, lm_eval, titans
 
 `titans.hf` wraps models for `transformers` (beside training and inference); the root package
 `titans/__init__.py` only re-exports public names, so nothing inside the package imports from it.
@@ -36,10 +36,13 @@ LEVELS = {
     "training": 3,
     "inference": 3,
     "hf": 3,
+    "forecast": 3,  # time-series forecasting on the model blocks
+    "dna": 3,  # DNA language modelling and classification (uses the trainer)
     "evaluation": 4,
     "cli": TOP,
     "demo": TOP,
     "__main__": TOP,
+    "lm_eval": TOP,  # `python -m titans.lm_eval`: lm-eval's command line with the titans model type
 }
 
 

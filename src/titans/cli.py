@@ -1,4 +1,4 @@
-"""The `titans` command line: `titans train | eval ... | generate | read | demo`.
+"""The `titans` command line: `titans train | eval ... | generate | read | inspect | demo`.
 
 Each command lives in the module of the part of the library it drives and registers itself through
 `register(commands, evals)`; `commands` and `evals` are argparse sub-parser collections for top-level
@@ -19,7 +19,10 @@ COMMAND_MODULES = (
     "titans.models.cli",  # presets: parameter counts
     "titans.training.cli",  # train
     "titans.inference.cli",  # generate, read
+    "titans.inference.inspection",  # inspect: an HTML report of the memory along a text
     "titans.evaluation.cli",  # eval ppl | niah | babilong | tasks | ablate | depth
+    "titans.forecast.cli",  # forecast train | eval | study
+    "titans.dna.cli",  # dna study | classify
 )
 
 

@@ -17,6 +17,9 @@ Source specs understood by ``load_source(spec, *, text_field="text")``:
   the local cache work offline); a folder written by ``Dataset.save_to_disk`` is read with
   ``datasets.load_from_disk``. SPLIT defaults to ``train``; use ``hf:NAME::SPLIT`` for a split without a
   config. One document per row, text in column ``text_field``; id ``row-<i>``. Needs ``titans[datasets]``.
+- ``fasta:PATH`` (plain or gzipped FASTA; ``fasta:builtin`` is the Drosophila sample shipped in
+  ``titans/data/genomes``): one document per record, id = its header, text = its sequence in upper case
+  (``titans.data.dna``; use it with the ``dna`` tokenizer).
 
 Public API (names are stable): ``Document``, ``TextSource`` (``spec``, ``fingerprint()``,
 ``document_ids()``, ``documents()``), ``FileSource``, ``JsonlSource``, ``HFDatasetSource``,
@@ -273,6 +276,10 @@ def load_source(spec: str | TextSource, *, text_field: str = "text") -> TextSour
         raise ValueError(f"unknown built-in text source {spec!r}; expected one of {', '.join(_BUILTINS)}")
     if spec.startswith("hf:"):
         return HFDatasetSource(spec, text_field=text_field)
+    if spec.startswith("fasta:"):
+        from titans.data.dna import fasta_source  # dna imports this module: import it on use
+
+        return fasta_source(spec)
     if any(c in spec for c in "*?["):
         return _glob_source(spec)
     path = Path(spec).expanduser()
@@ -290,5 +297,5 @@ def load_source(spec: str | TextSource, *, text_field: str = "text") -> TextSour
         return FileSource(spec, path.parent, [path])
     raise FileNotFoundError(
         f"text source {spec!r}: no such file or directory (known specs: {', '.join(_BUILTINS)}, a path, "
-        "a glob, a .jsonl file or hf:NAME[:CONFIG][:SPLIT])"
+        "a glob, a .jsonl file, hf:NAME[:CONFIG][:SPLIT] or fasta:PATH)"
     )

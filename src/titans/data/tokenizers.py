@@ -15,7 +15,8 @@ Public API (names are stable):
   ``<|endoftext|>`` is appended as the eos token with id ``len(ranks)`` unless the file already has it.
 - ``load_tokenizer(spec)``: ``"bytes"``, a path to one of the files above (chosen by suffix: ``.json``,
   ``.model``, ``.tiktoken``), or a named shortcut: ``"mistral-32k"`` (the 32K SentencePiece model shipped in
-  the PyPI package ``mistral-common``) or ``"gpt2"`` (the GPT-2 BPE ranks shipped in ``openai-whisper``).
+  the PyPI package ``mistral-common``), ``"gpt2"`` (the GPT-2 BPE ranks shipped in ``openai-whisper``) or
+  ``"dna"`` (one token per nucleotide, ``titans.data.dna.DNATokenizer``).
 - ``train_bpe(texts, vocab_size, path)``: train a byte-level BPE with the ``tokenizers`` library, save it
   to ``path`` (JSON) and return it loaded; lossless on any text, eos ``<|endoftext|>`` has id 0.
 
@@ -39,7 +40,7 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 ENDOFTEXT = "<|endoftext|>"
 # Tokens we recognise as "end of document" in tokenizer files, most specific first.
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eos|>")
-_NAMED_TOKENIZERS = ("bytes", "mistral-32k", "gpt2")
+_NAMED_TOKENIZERS = ("bytes", "mistral-32k", "gpt2", "dna")
 
 
 @runtime_checkable
@@ -244,7 +245,7 @@ def _gpt2_ranks_path() -> Path:
 
 
 def load_tokenizer(spec: str | Path) -> Tokenizer:
-    """Build a tokenizer from ``spec``: ``"bytes"``, ``"mistral-32k"``, ``"gpt2"`` or a tokenizer file path.
+    """Build a tokenizer from ``spec``: ``"bytes"``, ``"mistral-32k"``, ``"gpt2"``, ``"dna"`` or a file path.
 
     Files are recognised by suffix: ``.json`` (Hugging Face tokenizers), ``.model`` (SentencePiece),
     ``.tiktoken`` (tiktoken ranks).
@@ -256,6 +257,10 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
         return SentencePieceTokenizer(_mistral_32k_path(), name="mistral-32k")
     if s == "gpt2":
         return TiktokenTokenizer(_gpt2_ranks_path(), name="gpt2")
+    if s == "dna":
+        from titans.data.dna import DNATokenizer  # dna imports sources, which is independent of this module
+
+        return DNATokenizer()
     path = Path(s).expanduser()
     suffix = path.suffix.lower()
     if suffix not in (".json", ".model", ".tiktoken"):

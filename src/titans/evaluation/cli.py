@@ -16,6 +16,7 @@ files (``reporting``).
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from titans.data.tokenizers import load_tokenizer
@@ -48,6 +49,7 @@ from titans.evaluation.recipe import (
 )
 from titans.evaluation.reporting import command_line, output_paths, report_table
 from titans.evaluation.scoring import AccuracyTable, format_table
+from titans.evaluation.seeds import aggregate_tables, format_seed_table
 from titans.models.config import VARIANTS
 
 # ---------------------------------------------------------------------------------------------------------
@@ -105,13 +107,23 @@ def add_niah_parser(evals) -> None:
 
 def run_babilong(args: argparse.Namespace) -> int:
     set_threads(args)
+    if args.seeds:
+        return _run_babilong_seeds(args)
+    _babilong_once(args)
+    return 0
+
+
+def _babilong_once(args: argparse.Namespace, samples: list | None = None) -> tuple[Path, AccuracyTable, list]:
+    """Obtain (train) one model, evaluate it on ``samples`` (default: drawn with ``--seed``), write its
+    result file; returns (its path, its table, the samples)."""
     model, tokenizer, info = obtain_model(
         args,
         lambda: task_config(
             args, "babilong", babi_tasks=tuple(args.tasks), haystack=args.haystack, num_facts=args.num_facts
         ),
     )
-    samples = babilong_samples(tokenizer, args, args.lengths)
+    if samples is None:
+        samples = babilong_samples(tokenizer, args, args.lengths)
     result, kept, skipped = evaluate_lengths(
         model, tokenizer, samples, by="task", args=args, label="babilong"
     )
@@ -135,6 +147,37 @@ def run_babilong(args: argparse.Namespace) -> int:
         samples=result.records(kept, "task"),
         command=command_line(args),
     )
+    return json_path, result.table, samples
+
+
+def _run_babilong_seeds(args: argparse.Namespace) -> int:
+    """``--seeds``: one model per seed (``--seed`` set to each), all evaluated on the samples drawn with
+    the given ``--seed``; each seed's result file is ``<name>_seed<k>``, the summary ``<name>_seeds``."""
+    if len(set(args.seeds)) != len(args.seeds):
+        raise ValueError(f"--seeds has duplicates: {args.seeds}")
+    if args.checkpoint and not args.train_recipe:
+        raise ValueError("--seeds trains one model per seed: give --train-recipe")
+    base = argparse.Namespace(**vars(args))
+    stem = args.name or f"babilong_{'_'.join(args.tasks)}_{args.variant}"
+    files, tables, samples = [], [], None
+    for seed in args.seeds:
+        run = argparse.Namespace(**vars(base))
+        run.seed, run.name = seed, f"{stem}_seed{seed}"
+        if base.save_model:
+            run.save_model = f"{base.save_model}_seed{seed}"
+        print(f"=== seed {seed}")
+        path, table, samples = _babilong_once(run, samples)
+        files.append(str(path))
+        tables.append(table)
+    summary = aggregate_tables(args.seeds, tables)
+    json_path, _ = output_paths(argparse.Namespace(out=args.out, name=f"{stem}_seeds"), "babilong", "")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {**summary, "task": "babilong", "tasks": args.tasks, "sample_seed": args.seed}
+    payload.update(per_seed_files=files, command=command_line(args))
+    json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    print(f"BABILong over seeds {args.seeds}: mean accuracy % [min-max]")
+    print(format_seed_table(summary))
+    print(f"wrote {json_path}")
     return 0
 
 
@@ -147,6 +190,12 @@ def add_babilong_parser(evals) -> None:
         "--haystack", default="moby_dick", choices=HAYSTACK_NAMES, help="the prose the facts hide in"
     )
     p.add_argument("--num-facts", type=int, default=None, help="facts per story (default: per task)")
+    p.add_argument(
+        "--seeds",
+        type=int_list,
+        default=None,
+        help="train and evaluate one model per seed (with --train-recipe), then write mean and range",
+    )
     add_eval_args(p)
     add_runtime_args(p)
     p.set_defaults(func=run_babilong)
@@ -268,11 +317,37 @@ def add_tasks_parser(evals) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# titans lm-eval: lm-eval's command line with the `titans` model type registered
+
+
+def run_lm_eval(args: argparse.Namespace) -> int:
+    # lm-eval is an optional extra (titans[lmeval]): imported only when this command runs
+    from titans.evaluation.lm_eval_adapter import main
+
+    return main(args.lm_eval_args)
+
+
+def add_lm_eval_parser(commands) -> None:
+    # every argument goes to lm-eval as it is: '+' as the prefix so that argparse reads none of them
+    p = commands.add_parser(
+        "lm-eval",
+        help="lm-eval harness with the titans model type: titans lm-eval --model titans "
+        "--model_args checkpoint=RUN --tasks ...",
+        add_help=False,
+        prefix_chars="+",
+    )
+    p.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm-eval's arguments (lm-eval --help)")
+    p.set_defaults(func=run_lm_eval)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Registration.
 
 
 def register(commands, evals) -> None:
-    """Add ``ppl``, ``niah``, ``babilong``, ``tasks``, ``ablate`` and ``depth`` to ``titans eval``."""
+    """Add ``ppl``, ``niah``, ``babilong``, ``tasks``, ``ablate`` and ``depth`` to ``titans eval``, and the
+    ``titans lm-eval`` command."""
+    add_lm_eval_parser(commands)
     add_ppl_parser(evals)
     add_niah_parser(evals)
     add_babilong_parser(evals)

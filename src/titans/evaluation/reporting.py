@@ -3,7 +3,8 @@
 ``output_paths`` names the JSON and PNG (``--out``, default ``results/evals/<task>``; ``--name``);
 ``command_line`` records the run's options; ``report_table`` ends an accuracy-table evaluation (JSON,
 heat map, table on stdout), ``write_study`` a study that trains one model per row (``eval ablate``,
-``eval depth``).
+``eval depth``). Without matplotlib (an optional extra) the results and JSON are still written; the figure
+is skipped with one line saying why.
 """
 
 from __future__ import annotations
@@ -34,13 +35,28 @@ def command_line(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if k not in skip}
 
 
+def plot_or_skip(draw: Callable[[], object], png_path: Path) -> bool:
+    """Run ``draw`` (which saves ``png_path``); without matplotlib print one line and go on. True if drawn."""
+    try:
+        import matplotlib  # noqa: F401  (the figures need it; it is an optional extra)
+    except ImportError:
+        print(f"matplotlib is not installed (pip install 'titans[train]'): skipped the plot {png_path}")
+        return False
+    draw()
+    return True
+
+
+def _wrote(json_path: Path, png_path: Path, drawn: bool) -> str:
+    return f"wrote {json_path} and {png_path}" if drawn else f"wrote {json_path}"
+
+
 def report_table(json_path: Path, png_path: Path, table: AccuracyTable, title: str, **metadata) -> None:
     """Every evaluation's ending: the JSON (table + metadata), the heat map, and the table on stdout."""
     write_results(json_path, table, **metadata)
-    plot_heatmap(table, png_path, title=title)
     print(title)
     print(format_table(table))
-    print(f"wrote {json_path} and {png_path}")
+    drawn = plot_or_skip(lambda: plot_heatmap(table, png_path, title=title), png_path)
+    print(_wrote(json_path, png_path, drawn))
 
 
 def write_study(
@@ -57,7 +73,7 @@ def write_study(
     json_path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"rows": rows, "command": command_line(args)}
     json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    plot(rows, png_path, title)
     print(title)
     print(table)
-    print(f"wrote {json_path} and {png_path}")
+    drawn = plot_or_skip(lambda: plot(rows, png_path, title), png_path)
+    print(_wrote(json_path, png_path, drawn))

@@ -126,10 +126,12 @@ def task_example(
 
 def min_task_length(tokenizer: TextTokenizer, cfg: TaskTrainConfig, probes: int = 64) -> int:
     """A length every sample of the task fits in (preamble, needle or facts, question, answer): the most
-    non-haystack tokens over ``probes`` training seeds, plus a margin of one ``length_multiple``, rounded
-    up to a multiple of it (stories vary in length from seed to seed)."""
+    non-haystack tokens over ``probes`` training seeds per task, plus a margin of a tenth (at least one
+    ``length_multiple``), rounded up to a multiple of it (stories vary in length from seed to seed, and
+    training draws many more of them than are probed)."""
     fixed = 0
-    for seed in range(probes):
+    tasks = 1 if cfg.task == "niah" else len(cfg.babi_tasks)
+    for seed in range(probes * tasks):
         if cfg.task == "niah":
             sample = make_niah_sample(
                 tokenizer,
@@ -152,7 +154,7 @@ def min_task_length(tokenizer: TextTokenizer, cfg: TaskTrainConfig, probes: int 
             )
         fixed = max(fixed, sample.length - sample.haystack_tokens)
     m = cfg.length_multiple
-    return (-(-fixed // m) + 1) * m
+    return (-(-(fixed + max(m, fixed // 10)) // m)) * m
 
 
 def collate(examples: Sequence[TrainingExample]) -> tuple[Tensor, Tensor, Tensor]:

@@ -5,10 +5,15 @@
 - `generate(model, prompt, max_new_tokens, ...)`: sampling / greedy decoding through the streaming state;
   `on_token` and `IncrementalDecoder` stream the text as it is generated.
 - `save_state(state, path)` / `load_state(path)` / `map_state(state, fn)`: the state as a value to keep.
+- `memory_report(model, stats, state)` / `prefill_with_report(model, tokens, state)`: the memory's monitoring
+  numbers (surprise, write rate, ||W|| against a max norm, gates) per layer and head.
+- `MemorySession(model, ...)`: one reader's memory in operation: read, generate, freeze, rollback, a guard
+  against harmful writes, and bytes to persist it (`titans.inference.session`).
 """
 
 from titans.inference.generation import IncrementalDecoder, decode_step, generate, sample_next
 from titans.inference.prefill import default_piece_len, iter_pieces, prefill
+from titans.inference.session import MemorySession, ReadResult, SessionEvent, SessionFormatError, SnapshotInfo
 from titans.inference.state_io import (
     StateFileError,
     expand_state,
@@ -20,9 +25,16 @@ from titans.inference.state_io import (
     state_batch_size,
     state_nbytes,
 )
+from titans.models.monitor import MemoryReport, memory_report, prefill_with_report
 
 __all__ = [
     "IncrementalDecoder",
+    "MemoryReport",
+    "MemorySession",
+    "ReadResult",
+    "SessionEvent",
+    "SessionFormatError",
+    "SnapshotInfo",
     "StateFileError",
     "decode_step",
     "default_piece_len",
@@ -31,7 +43,9 @@ __all__ = [
     "iter_pieces",
     "load_state",
     "map_state",
+    "memory_report",
     "prefill",
+    "prefill_with_report",
     "read_state_header",
     "sample_next",
     "save_state",

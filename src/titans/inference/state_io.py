@@ -13,8 +13,10 @@ from titans.models.state import (
     save_state,
     select_rows,
     state_batch_size,
+    state_from_bytes,
     state_nbytes,
     state_tensors,
+    state_to_bytes,
 )
 
 __all__ = [
@@ -29,6 +31,8 @@ __all__ = [
     "save_state",
     "select_rows",
     "state_batch_size",
+    "state_from_bytes",
     "state_nbytes",
     "state_tensors",
+    "state_to_bytes",
 ]

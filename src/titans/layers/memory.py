@@ -10,6 +10,7 @@ returned `MemoryState` lets a later call continue the same sequences exactly whe
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, replace
 from functools import partial
@@ -23,12 +24,17 @@ from titans.layers.norm import RMSNorm
 from titans.layers.residual import residual_output
 from titans.layers.state_tree import StateTree, register_state_type
 from titans.ops.conv import causal_conv_silu
-from titans.ops.memory import ACTIVATIONS, memory_forward, neural_memory_chunked
+from titans.ops.memory import ACTIVATIONS, check_threshold, memory_forward, neural_memory_chunked, write_mask
 from titans.ops.memory_ref import neural_memory_ref
+from titans.ops.memory_triton import covered, device_reason, neural_memory_triton
 from titans.ops.norms import l2_normalize, rms_norm
 from titans.ops.rules import MemoryRule, memory_rule_chunked, read_weights, resolve_rule
 from titans.ops.rules_ref import memory_rule_ref
 from titans.validation import check_int
+
+log = logging.getLogger(__name__)
+BACKENDS = ("auto", "triton", "torch")
+_logged_choices: set[tuple[str, str]] = set()
 
 
 @register_state_type
@@ -57,12 +63,23 @@ class MemoryState(StateTree):
 
 @dataclass
 class MemoryStats:
-    """Per-token monitoring values, each (B, H, T): surprise ||u_t|| and the gates."""
+    """Per-token monitoring values, each (B, H, T): surprise ||u_t|| and the gates, and `written` (bool):
+    whether the token's gradient enters the memory (False below the surprise threshold, and everywhere in
+    a frozen memory). A token of a trailing partial chunk is written when its chunk completes, at the
+    weights its surprise was measured at."""
 
     surprise: Tensor
     theta: Tensor
     eta: Tensor
     alpha: Tensor
+    written: Tensor | None = None
+
+    @property
+    def write_rate(self) -> float:
+        """The fraction of (row, head, token) entries written (1.0 with no tokens)."""
+        if self.written is None or not self.written.numel():
+            return 1.0 if self.written is None else float("nan")
+        return int(self.written.sum()) / self.written.numel()
 
 
 @dataclass
@@ -73,11 +90,21 @@ class MemoryOutput:
     state: MemoryState
     stats: MemoryStats
 
+    @property
+    def write_rate(self) -> float:
+        """The fraction of this call's tokens (over rows and heads) the memory writes."""
+        return self.stats.write_rate
 
-def _stats(surprise: Tensor, gates: Tensor) -> MemoryStats:
-    """MemoryStats from the surprise (B, H, T) and the gates (B, H, T, 3) of `NeuralMemory.gates`."""
+
+def _stats(surprise: Tensor, gates: Tensor, written: Tensor) -> MemoryStats:
+    """MemoryStats from the surprise (B, H, T), the gates (B, H, T, 3) of `NeuralMemory.gates` and the write
+    decisions (B, H, T)."""
     return MemoryStats(
-        surprise, theta=gates[..., 0], eta=gates[..., 1].exp(), alpha=-torch.expm1(gates[..., 2])
+        surprise,
+        theta=gates[..., 0],
+        eta=gates[..., 1].exp(),
+        alpha=-torch.expm1(gates[..., 2]),
+        written=written,
     )
 
 
@@ -108,6 +135,10 @@ class NeuralMemory(nn.Module):
         surprise_clip: if set, each token's inner gradient is rescaled to at most this norm. On by default:
             it bounds every token's write, which keeps deep memories finite over very long streams
             (without it, gradients that grow with W feed back into W and diverge). None turns it off.
+        surprise_threshold: surprise-gated writes: a token whose surprise ||u_t|| (its inner gradient's
+            norm at its chunk-start weights, before clipping: the `surprise` the stats report) is below
+            this adds no gradient to the momentum S; momentum decay and forgetting still apply. None
+            (default) or 0 writes every token. `MemoryStats.written` reports the decisions.
         output_gate: normalise the read and gate it with a linear function of x (paper §4.4).
         learned_init: W_0 is a learned parameter (False: fixed at its random init).
         write: False freezes the memory (an ablation twin with the same parameters): every token reads the
@@ -121,6 +152,10 @@ class NeuralMemory(nn.Module):
             "memora", "atlas"), a parts dict or a `MemoryRule` (`titans.ops.rules.memory_rule_chunked`
             says which run on the fast path; checkpoint_every applies to those). A rule's state `weights`
             are the pre-retention A (the memory reads W = g(A)).
+        backend: the chunked path's chunk loop: "torch" (`ops/memory.py`), "triton" (the Triton kernels of
+            `ops/memory_triton.py`: CUDA tensors, or CPU ones under TRITON_INTERPRET=1; an error where they
+            do not cover the config) or "auto" (the kernels on CUDA where triton is installed and they cover
+            the config, else torch; the choice is logged once).
     """
 
     def __init__(
@@ -148,6 +183,8 @@ class NeuralMemory(nn.Module):
         impl: str = "chunked",
         checkpoint_every: int | None = None,
         rule: str | dict | MemoryRule = "titans",
+        backend: str = "auto",
+        surprise_threshold: float | None = None,
     ) -> None:
         super().__init__()
         head_dim = head_dim or dim // heads
@@ -164,8 +201,11 @@ class NeuralMemory(nn.Module):
         if conv_kernel < 0:
             raise ValueError(f"NeuralMemory: conv_kernel must be >= 0, got {conv_kernel}")
         check_int("NeuralMemory: checkpoint_every", checkpoint_every, none_ok=True)
+        check_threshold("NeuralMemory: surprise_threshold", surprise_threshold)
         if impl not in ("chunked", "reference"):
             raise ValueError(f"NeuralMemory: impl must be 'chunked' or 'reference', got {impl!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"NeuralMemory: backend must be one of {BACKENDS}, got {backend!r}")
         for name, val in (
             ("theta_init", theta_init / max_lr),
             ("eta_init", eta_init),
@@ -183,6 +223,8 @@ class NeuralMemory(nn.Module):
         self.max_lr, self.residual, self.surprise_clip, self.impl = max_lr, residual, surprise_clip, impl
         self.checkpoint_every = checkpoint_every
         self.write = write
+        self.backend = backend
+        self.surprise_threshold = surprise_threshold
 
         inner = heads * head_dim
         self.to_qkv = nn.Linear(dim, 3 * inner, bias=False)
@@ -206,6 +248,9 @@ class NeuralMemory(nn.Module):
         self.to_out = residual_output(nn.Linear(inner, dim, bias=False))
         self.rule = resolve_rule(rule)
         self._add_rule_gates()
+        reason = self._triton_config_reason() if backend == "triton" else None
+        if reason is not None:  # a choice of options, not of device: refused before any input
+            raise ValueError(f"NeuralMemory(backend='triton'): {reason}; use backend='auto' or 'torch'")
 
     def _add_rule_gates(self) -> None:
         """The projection of the rule's extra per-token gates (Omega window weights, Huber deltas), if any;
@@ -424,7 +469,8 @@ class NeuralMemory(nn.Module):
         if t == 0:  # nothing to read or write: an empty output, the state as it was
             out = self.to_out(x.new_zeros(batch, 0, self.heads * self.head_dim))
             empty = x.new_zeros(batch, self.heads, 0, dtype=state.pending_gates.dtype)
-            return MemoryOutput(out, state, MemoryStats(empty, empty, empty, empty))
+            written = empty.bool()
+            return MemoryOutput(out, state, MemoryStats(empty, empty, empty, empty, written))
         if self.check_finite:
             self._check_finite(x, state.position)
         q, k, v, conv_tail = self.project(x, state.conv_tail)
@@ -467,7 +513,12 @@ class NeuralMemory(nn.Module):
             position=state.position + t,
         )
         # y and surprise start at row h (the history rows are not read)
-        stats = _stats(surprise[:, :, r - h :], g_all[:, :, r:])
+        surprise = surprise[:, :, r - h :]
+        if self.surprise_threshold is None:
+            written = torch.ones_like(surprise, dtype=torch.bool)
+        else:  # the comparison the op makes, on the same values
+            written = write_mask(surprise, self.surprise_threshold)
+        stats = _stats(surprise, g_all[:, :, r:], written)
         return y[:, :, r - h :], new_state, stats
 
     def _run_op(
@@ -484,7 +535,9 @@ class NeuralMemory(nn.Module):
         """The memory op (`impl`) over q, k, v (B, H, n, d) and gates (B, H, n, 3 + e) from the state's
         weights and momentum: y, weights, momentum, surprise (y and surprise for the rows after the first
         `history`, context-only rows of a windowed rule)."""
-        if not self.rule.is_titans:
+        if self.impl == "chunked" and self._use_triton(q):
+            fn = partial(neural_memory_triton, checkpoint_every=checkpoint_every)
+        elif not self.rule.is_titans:
             if self.impl == "chunked":
                 fn = partial(memory_rule_chunked, checkpoint_every=checkpoint_every)
             else:
@@ -502,11 +555,16 @@ class NeuralMemory(nn.Module):
                 activation=self.activation,
                 residual=self.residual,
                 surprise_clip=self.surprise_clip,
+                surprise_threshold=self.surprise_threshold,
             )
-        if self.impl == "chunked":
-            fn = partial(neural_memory_chunked, checkpoint_every=checkpoint_every)
+        elif self.impl == "chunked":
+            fn = partial(
+                neural_memory_chunked,
+                checkpoint_every=checkpoint_every,
+                surprise_threshold=self.surprise_threshold,
+            )
         else:
-            fn = neural_memory_ref
+            fn = partial(neural_memory_ref, surprise_threshold=self.surprise_threshold)
         return fn(
             q,
             k,
@@ -522,6 +580,35 @@ class NeuralMemory(nn.Module):
             surprise_clip=self.surprise_clip,
         )
 
+    def _triton_config_reason(self) -> str | None:
+        """Why the Triton kernels cannot run this memory's options (None where they can): they run the
+        default "titans" rule without a surprise threshold only."""
+        if not self.rule.is_titans:
+            return f"rule={self.rule.to_config()!r} is not covered by the kernels (only rule='titans')"
+        if self.surprise_threshold is not None:
+            return "surprise_threshold is not covered by the kernels"
+        return None
+
+    def _use_triton(self, q: Tensor) -> bool:
+        """Whether the chunked path runs on the Triton kernels for q (B, H, n, d) (`backend`): "triton"
+        raises where they cannot run, "auto" falls back to torch and logs its choice once."""
+        if self.backend == "torch":
+            return False
+        hidden = self.init_weights[0].shape[-1]
+        reason = covered(self.depth, self.head_dim, hidden, self.activation) or device_reason(q.device)
+        reason = self._triton_config_reason() or reason
+        if self.backend == "triton":
+            if reason is not None:
+                raise ValueError(f"NeuralMemory(backend='triton'): the kernels cannot run here: {reason}")
+            return True
+        if reason is None and q.device.type != "cuda":
+            reason = "not on CUDA (under the interpreter only backend='triton' runs the kernels)"
+        choice = ("triton", "the kernels cover this config on CUDA") if reason is None else ("torch", reason)
+        if choice not in _logged_choices:
+            _logged_choices.add(choice)
+            log.info("NeuralMemory(backend='auto'): the %s chunk loop (%s)", *choice)
+        return reason is None
+
     def _scan_frozen(
         self, q: Tensor, k: Tensor, v: Tensor, gates: Tensor, state: MemoryState
     ) -> tuple[Tensor, MemoryState, MemoryStats]:
@@ -530,7 +617,7 @@ class NeuralMemory(nn.Module):
         # one chunk longer than the call: all of it is read (with its surprise reported), none written
         y, _, _, surprise = self._run_op(q, k, v, gates, state, q.shape[2] + 1, None)
         new_state = replace(state, position=state.position + q.shape[2])
-        stats = _stats(surprise, gates)
+        stats = _stats(surprise, gates, torch.zeros_like(surprise, dtype=torch.bool))
         return y, new_state, stats
 
     def extra_repr(self) -> str:

@@ -48,6 +48,8 @@ def make_memory(cfg: TitansConfig) -> NeuralMemory:
         write=cfg.memory_write,
         checkpoint_every=cfg.memory_checkpoint_every,
         rule=cfg.memory_rule,
+        backend=cfg.memory_backend,
+        surprise_threshold=cfg.memory_surprise_threshold,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,13 @@ class TitansConfig:
     # "memora", "atlas"), a parts dict or a MemoryRule object (stored as its preset name or parts dict).
     # Typed Any: the command line takes a name or a JSON object
     memory_rule: Any = "titans"
+    # the memory's chunk loop: "auto" (Triton kernels on CUDA where they cover the config, else torch),
+    # "triton" or "torch" (NeuralMemory.backend)
+    memory_backend: str = "auto"
+    # surprise-gated writes (NeuralMemory.surprise_threshold): a token whose surprise is below this is not
+    # written (None: every token is). Monitoring: memory utilisation is ||W|| / memory_monitor_max_norm
+    memory_surprise_threshold: float | None = None
+    memory_monitor_max_norm: float | None = None
     # The MAC block (docs/design.md, "The MAC block"). mac_norm_memory_tokens: the retrieved memory tokens h
     # enter the attention RMS-normalised, in the scale of the normed block input beside them. mac_gate: the
     # output o = y * gate(M(y)) is "norm", W (norm(y) * sigmoid(norm(M(y)))) as MAG combines its branches,
@@ -161,6 +169,33 @@ class TitansConfig:
             self.memory_rule = resolve_rule(self.memory_rule).to_config()
         except (TypeError, ValueError) as e:
             raise ValueError(f"TitansConfig.memory_rule: {e}") from e
+        if self.memory_backend not in ("auto", "triton", "torch"):
+            raise ValueError(
+                "TitansConfig.memory_backend must be 'auto', 'triton' or 'torch', "
+                f"got {self.memory_backend!r}"
+            )
+        for name, low in (("memory_surprise_threshold", 0.0), ("memory_monitor_max_norm", None)):
+            val = getattr(self, name)
+            ok = val is None or (
+                not isinstance(val, bool)
+                and isinstance(val, (int, float))
+                and math.isfinite(val)
+                and (val >= low if low is not None else val > 0)
+            )
+            if not ok:
+                bound = ">= 0" if low is not None else "> 0"
+                raise ValueError(f"TitansConfig.{name} must be null or a finite number {bound}, got {val!r}")
+        if self.memory_backend == "triton":  # the kernels run the default rule, every token written
+            if self.memory_rule != "titans":
+                raise ValueError(
+                    f"TitansConfig.memory_backend='triton' runs memory_rule='titans' only, got memory_rule="
+                    f"{self.memory_rule!r}: use memory_backend='auto' or 'torch'"
+                )
+            if self.memory_surprise_threshold is not None:
+                raise ValueError(
+                    "TitansConfig.memory_backend='triton' does not cover memory_surprise_threshold "
+                    f"({self.memory_surprise_threshold!r}): use memory_backend='auto' or 'torch'"
+                )
         if self.mlp_mult <= 0:
             raise ValueError(f"TitansConfig.mlp_mult must be > 0, got {self.mlp_mult}")
         for name in ("memory_eta_init", "memory_alpha_init"):
@@ -259,6 +294,11 @@ FIELD_HELP: dict[str, str] = {
     "(null: keep all)",
     "memory_rule": "memory update rule: titans, moneta, yaad, memora, atlas, or a parts dict "
     "(bias, retention, window, optimizer)",
+    "memory_backend": "the memory's chunk loop: auto (Triton kernels on CUDA where covered, else torch), "
+    "triton, torch",
+    "memory_surprise_threshold": "surprise-gated writes: tokens whose surprise is below this are not "
+    "written (null: all are)",
+    "memory_monitor_max_norm": "monitoring: memory utilisation is ||W|| / this (null: not reported)",
     "mac_norm_memory_tokens": "MAC: RMS-normalise the retrieved memory tokens before attention",
     "mac_gate": f"MAC output gate: {', '.join(MAC_GATES)}",
     "mac_norm_memory_input": "MAC: RMS-normalise the attention output before the memory writes it",

@@ -72,6 +72,15 @@ class LMOutput:
     state: TitansState
     stats: list[MemoryStats]
 
+    @property
+    def write_rate(self) -> float:
+        """The fraction of the memory's (layer, row, head, token) entries written in this call (NaN without
+        a memory); per layer and head: `titans.models.monitor.memory_report`."""
+        written = [s.written for s in self.stats if s.written is not None and s.written.numel()]
+        if not written:
+            return float("nan")
+        return sum(int(w.sum()) for w in written) / sum(w.numel() for w in written)
+
 
 class TitansLM(nn.Module):
     def __init__(self, config: TitansConfig):

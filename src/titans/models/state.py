@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from titans._fs import ordinary_mode
+from titans._fs import ordinary_mode, safetensors_bytes, save_safetensors
 from titans.layers.state_tree import STATE_TYPES, map_tensors, register_state_type
 from titans.models.variants import upgrade_layer_states
 
@@ -190,11 +190,28 @@ def save_state(state: TitansState, path: str | Path) -> Path:
     inf (ValueError naming the tensor): the memory of a model that diverged is nothing to keep. A write
     that fails (a full disk) raises OSError naming the path, and leaves an existing file at `path` as it was.
     """
-    from safetensors.torch import save_file
+    path = Path(path)
+    tensors, metadata = _file_contents(state, f"save_state: refusing to write {str(path)!r}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_safetensors(tensors, tmp, metadata)
+        ordinary_mode(tmp)  # mkstemp's file is private (0600)
+        os.replace(tmp, path)  # a reader never sees a half-written file
+    except BaseException as e:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, Exception):
+            raise _write_failure(e, path) from e
+        raise
+    return path
 
+
+def _file_contents(state: TitansState, refusal: str) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The tensors (independent contiguous CPU copies) and the metadata of a state file; `refusal` starts
+    the error for a state holding NaN or inf."""
     if not isinstance(state, TitansState):
         raise TypeError(f"save_state: expected a TitansState, got {type(state).__name__}")
-    path = Path(path)
     raw: dict[str, Tensor] = {}
     layers = _encode_layers(state, raw)
     # independent contiguous CPU copies: safetensors refuses views and tensors sharing storage
@@ -203,8 +220,8 @@ def save_state(state: TitansState, path: str | Path) -> Path:
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
             raise ValueError(
-                f"save_state: refusing to write {str(path)!r}: the state's tensor {name} holds {bad} NaN or "
-                f"inf values (of {t.numel()}); the model diverged on the text it read"
+                f"{refusal}: the state's tensor {name} holds {bad} NaN or inf values (of {t.numel()}); the "
+                "model diverged on the text it read"
             )
     metadata = {
         "format": "pt",
@@ -214,19 +231,7 @@ def save_state(state: TitansState, path: str | Path) -> Path:
         "titans.layers": json.dumps(layers),
         "titans.sha256": _digest(tensors),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        ordinary_mode(tmp)  # mkstemp's file is private (0600)
-        os.replace(tmp, path)  # a reader never sees a half-written file
-    except BaseException as e:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, Exception):
-            raise _write_failure(e, path) from e
-        raise
-    return path
+    return tensors, metadata
 
 
 def _write_failure(e: Exception, path: Path) -> OSError:
@@ -254,12 +259,19 @@ def read_state_header(path: str | Path) -> dict[str, Any]:
         raise StateFileError(
             f"{str(path)!r} is not a readable safetensors file (truncated or damaged?): {e}"
         ) from e
+    header = _parse_metadata(meta, repr(str(path)))
+    header["tensor_names"] = names
+    return header
+
+
+def _parse_metadata(meta: dict[str, str], where: str) -> dict[str, Any]:
+    """The Titans header in a state's safetensors metadata; `where` names the file (or blob) in errors."""
     missing = [k for k in _KEYS if k not in meta]
     if missing:
-        raise StateFileError(f"{str(path)!r} is not a Titans state file: header lacks {missing}")
+        raise StateFileError(f"{where} is not a Titans state file: header lacks {missing}")
     if meta["titans.state_format"] != str(FORMAT_VERSION):
         raise StateFileError(
-            f"{str(path)!r}: state format {meta['titans.state_format']!r} is not supported "
+            f"{where}: state format {meta['titans.state_format']!r} is not supported "
             f"(this version reads format {FORMAT_VERSION})"
         )
     try:
@@ -270,10 +282,9 @@ def read_state_header(path: str | Path) -> dict[str, Any]:
             "sha256": meta["titans.sha256"],
         }
     except (ValueError, TypeError) as e:
-        raise StateFileError(f"{str(path)!r}: damaged state header ({e})") from e
+        raise StateFileError(f"{where}: damaged state header ({e})") from e
     if not isinstance(header["layers"], list):
-        raise StateFileError(f"{str(path)!r}: damaged state header (titans.layers is not a list)")
-    header["tensor_names"] = names
+        raise StateFileError(f"{where}: damaged state header (titans.layers is not a list)")
     return header
 
 
@@ -292,15 +303,22 @@ def load_state(path: str | Path, map_location: str | torch.device = "cpu", model
             tensors = {name: f.get_tensor(name) for name in header["tensor_names"]}
     except Exception as e:
         raise StateFileError(f"{str(path)!r}: could not read its tensors (truncated or damaged?): {e}") from e
-    layers = [_decode(spec, tensors, f"{str(path)!r} layer {i}") for i, spec in enumerate(header["layers"])]
+    return _build_state(header, tensors, repr(str(path)), map_location, model)
+
+
+def _build_state(
+    header: dict[str, Any], tensors: dict[str, Tensor], where: str, map_location, model
+) -> TitansState:
+    """The state a parsed header and its tensors describe, checked (`load_state`)."""
+    layers = [_decode(spec, tensors, f"{where} layer {i}") for i, spec in enumerate(header["layers"])]
     layers = upgrade_layer_states(layers, header["config"])
     used: dict[str, Tensor] = {}
     _encode_layers(TitansState(layers), used)
     extra = sorted(set(tensors) - set(used))
     if extra:
-        raise StateFileError(f"{str(path)!r} holds tensors no layer uses: {extra[:5]}")
+        raise StateFileError(f"{where} holds tensors no layer uses: {extra[:5]}")
     if _digest(tensors) != header["sha256"]:
-        raise StateFileError(f"{str(path)!r} is corrupted: its tensors do not match the header checksum")
+        raise StateFileError(f"{where} is corrupted: its tensors do not match the header checksum")
     config = header["config"]
     # read-only, as the states a model returns carry it
     state = TitansState(layers, header["position"], None if config is None else MappingProxyType(config))
@@ -310,8 +328,40 @@ def load_state(path: str | Path, map_location: str | torch.device = "cpu", model
         try:
             model.check_state(state)
         except ValueError as e:
-            raise ValueError(f"{str(path)!r}: {e}") from e
+            raise ValueError(f"{where}: {e}") from e
     return state
+
+
+# ------------------------------------------------------------------------------------------ bytes
+def state_to_bytes(state: TitansState) -> bytes:
+    """`state` as the bytes of a state file (`save_state`'s format), for a database or a network: the same
+    checks (a NaN or inf is refused), no file."""
+    tensors, metadata = _file_contents(state, "state_to_bytes")
+    return safetensors_bytes(tensors, metadata)
+
+
+def state_from_bytes(
+    data: bytes, map_location: str | torch.device = "cpu", model=None, name: str = "state bytes"
+) -> TitansState:
+    """The state `state_to_bytes` (or a state file's bytes) holds, checked as `load_state` checks a file:
+    damaged or truncated bytes raise StateFileError naming `name`; with `model`, a state of another config
+    raises ValueError."""
+    from safetensors.torch import load
+
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"state_from_bytes: expected bytes, got {type(data).__name__}")
+    data = bytes(data)
+    try:
+        size = int.from_bytes(data[:8], "little")
+        if len(data) < 8 or size > len(data) - 8:
+            raise ValueError(f"header of {size} bytes in {len(data)} bytes")
+        meta = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
+        tensors = load(data)
+    except Exception as e:  # safetensors raises its own error type for truncated / malformed data
+        raise StateFileError(
+            f"{name} is not a readable safetensors state (truncated or damaged?): {e}"
+        ) from e
+    return _build_state(_parse_metadata(meta, name), tensors, name, map_location, model)
 
 
 __all__ = [
@@ -327,6 +377,8 @@ __all__ = [
     "save_state",
     "select_rows",
     "state_batch_size",
+    "state_from_bytes",
     "state_nbytes",
     "state_tensors",
+    "state_to_bytes",
 ]

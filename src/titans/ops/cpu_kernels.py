@@ -10,10 +10,15 @@ path runs wherever `kernels()` is None: off CPU, with no C++ compiler, after a f
 `TITANS_CPU_KERNELS=0`. The build is cached in torch's extensions folder under a name keyed by the CPU, the
 sources, the compile flags and the torch version (`extension_name`): checkouts or versions that differ in
 any of them keep a build each instead of rebuilding each other's, and a build says so on stderr first.
+
+torch guards a build with a plain `lock` file that a killed builder leaves behind, after which every later
+load waits on it forever. So builders here also hold an OS lock (`flock`, released when its holder dies) on
+`<build>/.titans_build.lock`: its holder knows no live builder owns a leftover `lock` file, and clears it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -80,6 +85,29 @@ def is_built(name: str, root: Path | None = None) -> bool:
     return any(folder.glob(f"{name}*.so")) or any(folder.glob(f"{name}*.pyd"))
 
 
+@contextlib.contextmanager
+def build_lock(folder: Path):
+    """Hold the OS lock of the build in `folder`, clearing a `lock` file left by a builder that died.
+
+    Every builder takes this lock before torch's own, so while it is held no live process can own torch's
+    `lock` file; without `fcntl` (Windows) this only yields."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(folder / ".titans_build.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                print(f"titans: removing {stale}, left by a kernel build that was killed", file=sys.stderr)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.cache
 def kernels():
     """The compiled kernel module, or None where it cannot be had (the reason is warned once)."""
@@ -93,13 +121,14 @@ def kernels():
         if not is_built(name):
             print(BUILD_MESSAGE, file=sys.stderr, flush=True)
         folder.mkdir(parents=True, exist_ok=True)
-        return load(
-            name=name,
-            sources=[str(SOURCE_DIR / source) for source in SOURCES],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=list(LDFLAGS),
-            build_directory=str(folder),
-        )
+        with build_lock(folder):
+            return load(
+                name=name,
+                sources=[str(SOURCE_DIR / source) for source in SOURCES],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
+                build_directory=str(folder),
+            )
     except Exception as e:  # no compiler, no ninja, a failed build: the torch-op paths do the same work
         warnings.warn(
             f"titans: the fused CPU kernels could not be built ({type(e).__name__}: {e}); using the torch-op "
@@ -109,4 +138,12 @@ def kernels():
         return None
 
 
-__all__ = ["BUILD_MESSAGE", "build_key", "extension_name", "extensions_root", "is_built", "kernels"]
+__all__ = [
+    "BUILD_MESSAGE",
+    "build_key",
+    "build_lock",
+    "extension_name",
+    "extensions_root",
+    "is_built",
+    "kernels",
+]

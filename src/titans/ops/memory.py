@@ -120,6 +120,20 @@ def _inner_errors(
     return deltas[::-1], es[::-1]
 
 
+def write_mask(norm: Tensor, threshold: float) -> Tensor:
+    """Which tokens a surprise-gated memory writes: those whose surprise ||u_t|| (taken at the chunk-start
+    weights, before any clipping) is at least `threshold`. norm (...) -> bool (...)."""
+    return norm >= threshold
+
+
+def check_threshold(name: str, value: float | None) -> None:
+    """Refuse a surprise threshold that is not None or a finite number >= 0, naming the option."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"{name} must be None or a finite number >= 0, got {value!r}")
+
+
 def clip_scale(norm: Tensor, max_norm: float) -> Tensor:
     """Factor that rescales a surprise of norm `norm` to at most `max_norm` (1 where already below)."""
     return (max_norm / norm.clamp_min(1e-12)).clamp(max=1.0)
@@ -167,7 +181,7 @@ def chunk_coefficients(theta: Tensor, log_eta: Tensor, log_keep: Tensor) -> tupl
 
 
 def _chunk_forward(
-    kq, v, gamma, beta, mix, activation, residual, clip, states, out=None, error=None, aux=None
+    kq, v, gamma, beta, mix, activation, residual, clip, threshold, states, out=None, error=None, aux=None
 ):
     """The forward math of `_ChunkStep` (shapes there): y, the surprise norms, the new states, and what
     the backward pass needs. `out`: buffers to write the new states into (only where nothing is saved).
@@ -183,6 +197,8 @@ def _chunk_forward(
     sq_parts = _surprise_parts([h[:, :n] for h in hs], deltas)  # kept for the backward pass
     _, norm = _surprise(sq_parts)
     scale = clip_scale(norm, clip) if clip is not None else torch.ones_like(norm)
+    if threshold is not None:  # surprise-gated write: a 0/1 factor on each token's gradient
+        scale = scale * write_mask(norm, threshold).to(scale.dtype)
     coef = _write_coefficients(gamma, beta, scale)
     new_states = []
     for i, (h, d, x) in enumerate(zip(hs, deltas, states)):
@@ -356,12 +372,15 @@ class _ChunkStep(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, kq, v, gamma, beta, mix, activation, residual, clip, grad_slot, error, aux, *states):
+    def forward(
+        ctx, kq, v, gamma, beta, mix, activation, residual, clip, threshold, grad_slot, error, aux, *states
+    ):
         ctx.set_materialize_grads(False)
         y, norm, new_states, saved = _chunk_forward(
-            kq, v, gamma, beta, mix, activation, residual, clip, states, error=error, aux=aux
+            kq, v, gamma, beta, mix, activation, residual, clip, threshold, states, error=error, aux=aux
         )
         ctx.activation, ctx.residual, ctx.clip, ctx.depth = activation, residual, clip, len(states)
+        ctx.threshold = threshold
         ctx.grad_slot = grad_slot  # (_GradBuffers, slot) for the state gradients this step returns
         ctx.error = error
         # with an error map, its input e (saved's last entry) and aux go last
@@ -403,7 +422,7 @@ class _ChunkStep(torch.autograd.Function):
                 g_delta.append(torch.zeros_like(d))
                 continue
             g_flat = gx.reshape(n_seq, 2, -1)
-            g_x = ctx.grad_slot[0].take(ctx.grad_slot[1], i, x) if needs[11 + i] else None
+            g_x = ctx.grad_slot[0].take(ctx.grad_slot[1], i, x) if needs[12 + i] else None
             _mix_backward(g_flat, x.flatten(2), mix, None if g_x is None else g_x.view(n_seq, 2, -1), g_mix)
             g_states.append(g_x)
             # 2. the weighted sums U = [U_W; U_S]: grads of the inputs a, the errors and the coefficients
@@ -419,6 +438,8 @@ class _ChunkStep(torch.autograd.Function):
             nc = norm.clamp_min(1e-12)
             ratio = ctx.clip / nc
             active = (ratio <= 1) & (norm >= 1e-12)
+            if ctx.threshold is not None:  # a skipped token's scale is the constant 0
+                active &= write_mask(norm, ctx.threshold)
             # else no token is clipped and the scale is the constant 1. Off the CPU the check is skipped:
             # a host sync per chunk stalls the GPU queue for more than the arithmetic it would spare
             if active.device.type != "cpu" or active.any():
@@ -459,7 +480,7 @@ class _ChunkStep(torch.autograd.Function):
         g_h0 = rhs[:, : 2 * n] if ctx.residual else None
         for i in range(depth - 1, -1, -1):
             g_z = rhs[:, : 2 * n]
-            if needs[11 + i]:
+            if needs[12 + i]:
                 # the three uses of W_l (read, inner backprop, state update) in one baddbmm
                 lhs = hs[i]
                 if i > 0:
@@ -481,8 +502,8 @@ class _ChunkStep(torch.autograd.Function):
                 if g_pre_keys[i - 1] is not None:
                     g_z[:, :n] += g_pre_keys[i - 1]
         g_h0 = g_h if g_h0 is None else g_h + g_h0
-        g_aux = g_aux if needs[10] else None
-        return (g_h0, g_v, g_gamma, g_beta, g_mix, None, None, None, None, None, g_aux, *g_states)
+        g_aux = g_aux if needs[11] else None
+        return (g_h0, g_v, g_gamma, g_beta, g_mix, None, None, None, None, None, None, g_aux, *g_states)
 
 
 def _read_and_grads(
@@ -518,6 +539,7 @@ def _run_chunks(
     activation: str,
     residual: bool,
     clip: float | None,
+    threshold: float | None,
     chunk_size: int,
     error,
     q,
@@ -547,7 +569,7 @@ def _run_chunks(
     for i, (kq_c, v_c, g_c, b_c, m_c, a_c) in enumerate(
         zip(kq.unbind(1), v.split(chunk_size, dim=1), gamma.unbind(1), beta.unbind(1), mix.unbind(1), auxs)
     ):
-        args = (kq_c, v_c, g_c, b_c, m_c, activation, residual, clip)
+        args = (kq_c, v_c, g_c, b_c, m_c, activation, residual, clip, threshold)
         if buffers is None:
             y, norm, *states = _ChunkStep.apply(*args, (grads, i % 2), error, a_c, *states)
         else:
@@ -610,6 +632,7 @@ def neural_memory_chunked(
     checkpoint_every: int | None = None,
     error=None,
     error_aux: Tensor | None = None,
+    surprise_threshold: float | None = None,
 ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
     """Read and write the neural memory over a sequence, chunk by chunk.
 
@@ -622,6 +645,10 @@ def neural_memory_chunked(
         pass, each group's forward is recomputed during it. Outputs and gradients are unchanged; training
         memory drops from O(T) states to O(T / checkpoint_every + checkpoint_every), for about one more
         forward pass of time.
+    surprise_threshold: if set, a surprise-gated write: a token whose surprise ||u_t|| (the returned
+        `surprise`, taken at its chunk-start weights, before clipping) is below it adds nothing to S (its
+        gradient is multiplied by 0); the momentum decay and the forgetting still apply to every token.
+        0 writes every token, as None does.
 
     Returns:
         y: (B, H, T, d) retrievals, token t reading the weights at the start of its chunk.
@@ -630,6 +657,7 @@ def neural_memory_chunked(
         surprise: (B, H, T) the norm of each token's inner gradient u_t.
     """
     check_int("checkpoint_every", checkpoint_every, none_ok=True)
+    check_threshold("neural_memory_chunked: surprise_threshold", surprise_threshold)
     if torch.is_autocast_enabled(q.device.type):
         # The memory runs in its state's dtype, not autocast's: the state's in-place updates need one dtype,
         # and a bf16 state would lose each write's small increments. q, k, v (often bf16 there) are cast.
@@ -649,6 +677,7 @@ def neural_memory_chunked(
                 checkpoint_every=checkpoint_every,
                 error=error,
                 error_aux=error_aux,
+                surprise_threshold=surprise_threshold,
             )
     batch, heads, seq, dim = q.shape
     b = chunk_size
@@ -677,7 +706,7 @@ def neural_memory_chunked(
     # split's backward concatenates the pieces' gradients (a full copy, even of a single piece)
     flat = (x.reshape(n_seq, seq, dim) for x in (q, k, v))
     q_full, k_full, v_full = (x.split(n_full * b, dim=1) if seq > n_full * b else (x,) for x in flat)
-    config = (activation, residual, surprise_clip, b, error)
+    config = (activation, residual, surprise_clip, surprise_threshold, b, error)
     aux_flat = None if error is None else error_aux.to(dtype).reshape(n_seq, seq)
     aux_full = None if aux_flat is None else aux_flat[:, : n_full * b]
     group = checkpoint_every if checkpoint_every and torch.is_grad_enabled() else n_full

@@ -14,7 +14,9 @@ Per token t inside a chunk that starts after position t' (all tensors per batch 
     y_t = M(q_t; W_{t'})                                 read-before-write at chunk granularity
 
 M(x; W) = x W_1 for depth 1, act(... act(x W_1) ...) W_L for depth L (+ x with `residual`). With
-`surprise_clip` c, u_t is scaled by min(1, c / ||u_t||) (||.|| over all of the token's layers).
+`surprise_clip` c, u_t is scaled by min(1, c / ||u_t||) (||.|| over all of the token's layers). With
+`surprise_threshold` tau, a token whose surprise ||u_t|| (at the chunk-start weights, before clipping) is
+below tau is not written: u_t is replaced by 0 in the momentum step, while eta_t and alpha_t still act.
 
 Only complete chunks are written; a trailing partial chunk is read (and its surprise reported) but its
 update is left for the caller to apply once the chunk completes (see `NeuralMemory`'s pending tokens).
@@ -53,6 +55,7 @@ def neural_memory_ref(
     activation: str = "silu",
     residual: bool = False,
     surprise_clip: float | None = None,
+    surprise_threshold: float | None = None,
 ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
     """Same contract as `titans.ops.memory.neural_memory_chunked`; see there for shapes."""
     _, _, seq, _ = q.shape
@@ -75,6 +78,9 @@ def neural_memory_ref(
             if surprise_clip is not None:  # min(1, c / ||u||); a zero surprise stays zero
                 scale = torch.clamp(surprise_clip / norm.clamp_min(torch.finfo(norm.dtype).tiny), max=1.0)
                 u = [g * scale[..., None, None] for g in u]
+            if surprise_threshold is not None:  # below the threshold: no gradient enters S
+                keep_u = (norm.detach() >= surprise_threshold).to(norm.dtype)
+                u = [g * keep_u[..., None, None] for g in u]
             if complete:
                 th, et, kp = (x[:, :, t, None, None] for x in (theta, eta, keep))
                 s = [et * s_l - th * u_l for s_l, u_l in zip(s, u)]

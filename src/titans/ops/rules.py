@@ -50,11 +50,13 @@ from torch import Tensor
 from titans.ops.memory import (
     _act_backward,
     _layers_forward,
+    check_threshold,
     chunk_coefficients,
     clip_scale,
     neural_memory_chunked,
     segsum,
     suffix_sum,
+    write_mask,
 )
 from titans.validation import check_int
 
@@ -382,10 +384,11 @@ def window_matrix(omega: Tensor | None, n: int, m: int, size: int) -> Tensor | N
 # ------------------------------------------------------------------------------------------- the chunk op
 
 
-def _chunk(rule, activation, residual, clip, n, q, k, v, extra, gates, states, write):
+def _chunk(rule, activation, residual, clip, threshold, n, q, k, v, extra, gates, states, write):
     """One chunk (or a trailing partial chunk: write=False). Rows: k, v, extra (N, m, .) are the m >= n
     context rows whose last n are the chunk's tokens; q (N, n, d); gates (N, n, 3) theta, log_eta,
-    log_keep of the chunk's tokens; states: per layer (A, S), each (N, d_in, d_out).
+    log_keep of the chunk's tokens; states: per layer (A, S), each (N, d_in, d_out). threshold: a token
+    whose surprise is below it adds no gradient (None: every token does).
     Returns y (N, n, d), surprise (N, n), new states."""
     m = k.shape[1]
     ws = [read_weights(rule.retention, a) for a, _ in states]
@@ -412,6 +415,8 @@ def _chunk(rule, activation, residual, clip, n, q, k, v, extra, gates, states, w
     if not write:
         return y, norm, states
     scale = clip_scale(norm, clip) if clip is not None else torch.ones_like(norm)
+    if threshold is not None:  # surprise-gated write: a 0/1 factor on each token's (windowed) gradient
+        scale = scale * write_mask(norm, threshold).to(scale.dtype)
     theta, log_eta, log_keep = gates.unbind(-1)
     gamma, beta, decay, carry, mom_decay = chunk_coefficients(theta, log_eta, log_keep)
     muon = isinstance(rule.optimizer, Muon)
@@ -466,6 +471,7 @@ def memory_rule_chunked(
     residual: bool = False,
     surprise_clip: float | None = None,
     checkpoint_every: int | None = None,
+    surprise_threshold: float | None = None,
 ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
     """Read and write a memory with `rule` (contract of `memory_rule_chunked_autograd`). Rules that fit
     (`fits_fast_path`: the biases with the Titans retention, window and optimiser) run on the fast path
@@ -485,6 +491,7 @@ def memory_rule_chunked(
             activation=activation,
             residual=residual,
             surprise_clip=surprise_clip,
+            surprise_threshold=surprise_threshold,
         )
     _check_gates(rule, k, gates)
     q, k, v, gates = (x[:, :, history:] for x in (q, k, v, gates))
@@ -502,6 +509,7 @@ def memory_rule_chunked(
         residual=residual,
         surprise_clip=surprise_clip,
         checkpoint_every=checkpoint_every,
+        surprise_threshold=surprise_threshold,
         error=None if isinstance(rule.bias, L2Bias) else rule.bias,
         error_aux=gates[..., 3] if isinstance(rule.bias, HuberBias) else None,
     )
@@ -529,6 +537,7 @@ def memory_rule_chunked_autograd(
     activation: str = "silu",
     residual: bool = False,
     surprise_clip: float | None = None,
+    surprise_threshold: float | None = None,
 ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
     """Read and write a memory with `rule` over a sequence, chunk by chunk (the chunked form; torch autograd).
 
@@ -538,6 +547,8 @@ def memory_rule_chunked_autograd(
     weights, momentum: per memory layer (B, H, d_in, d_out): the pre-retention state A (W = g(A)) and S.
     Returns y (B, H, T, d), weights, momentum after the last complete chunk, surprise (B, H, T): the norm of
     each token's (windowed) inner gradient. Shapes and chunking as `titans.ops.memory.neural_memory_chunked`.
+    surprise_threshold: as `neural_memory_chunked`'s: a token whose surprise (its windowed gradient's norm,
+    before clipping) is below it adds no gradient to S.
     """
     if torch.is_autocast_enabled(q.device.type):
         # as the Titans path: the memory runs in its state's dtype (its small increments need it)
@@ -555,8 +566,10 @@ def memory_rule_chunked_autograd(
                 activation=activation,
                 residual=residual,
                 surprise_clip=surprise_clip,
+                surprise_threshold=surprise_threshold,
             )
     check_int("memory_rule_chunked: chunk_size", chunk_size)
+    check_threshold("memory_rule_chunked: surprise_threshold", surprise_threshold)
     batch, heads, total, dim = k.shape
     _check_gates(rule, k, gates)
     dtype = weights[0].dtype
@@ -579,6 +592,7 @@ def memory_rule_chunked_autograd(
             activation,
             residual,
             surprise_clip,
+            surprise_threshold,
             end - start,
             q[:, start:end],
             k[:, ctx:end],

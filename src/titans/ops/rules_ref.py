@@ -10,6 +10,7 @@ retention map (identity; A / ||A||_q^(q-2); scale * softmax over each row, scale
     loss_i(W)  = ||M(k_i; W) - v_i||^2 | sum |M(k_i; W) - v_i|^p | Huber_{delta_i}(M(k_i; W) - v_i)
     u_t        = grad_W sum_{i = t-c+1..t} omega_i loss_i(W) at W = W(A_{t'})   (omega = 1 for c = 1)
     clip:        u_t <- u_t * min(1, clip / ||u_t||)
+    threshold:   u_t <- 0 where ||u_t|| (before clipping) < threshold (a surprise-gated write)
     momentum SGD: S_t = eta_t S_{t-1} - theta_t u_t,   A_t = keep_t A_{t-1} + S_t
     Muon:         S_t = eta_t S_{t-1} - u_t,           A_t = keep_t A_{t-1} + theta_t NS(S_b)
                   (S_b the momentum at the chunk's end: one orthogonalisation per chunk)
@@ -92,6 +93,7 @@ def memory_rule_ref(
     activation: str = "silu",
     residual: bool = False,
     surprise_clip: float | None = None,
+    surprise_threshold: float | None = None,
 ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
     """Same contract as `titans.ops.rules.memory_rule_chunked`."""
     total = q.shape[2]
@@ -122,6 +124,9 @@ def memory_rule_ref(
             if surprise_clip is not None:
                 factor = torch.clamp(surprise_clip / torch.clamp(norm, min=1e-300), max=1.0)
                 u = [g * factor[..., None, None] for g in u]
+            if surprise_threshold is not None:
+                written = (norm.detach() >= surprise_threshold).to(norm.dtype)
+                u = [g * written[..., None, None] for g in u]
             us.append(u)
         if not complete:
             continue

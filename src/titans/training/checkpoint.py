@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from titans._fs import ordinary_mode
+from titans._fs import ordinary_mode, save_safetensors
 
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
@@ -283,9 +283,7 @@ def save_checkpoint(
     ordinary_mode(tmp)  # mkdtemp's folder is private; the checkpoint is an ordinary folder
     old = None
     try:
-        from safetensors.torch import save_file
-
-        save_file(tensors, tmp / MODEL_FILE, metadata={"format": "pt", _ALIASES_KEY: json.dumps(aliases)})
+        save_safetensors(tensors, tmp / MODEL_FILE, {"format": "pt", _ALIASES_KEY: json.dumps(aliases)})
         with open(tmp / TRAINER_FILE, "wb") as f:
             torch.save(_numpy_free(trainer_state), f)
         files = {}

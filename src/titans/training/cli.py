@@ -183,11 +183,12 @@ def register(commands, evals) -> None:
     p.add_argument("--variant", help=f"mac, mag, mal, lmm, transformer or swa (config default: {d.variant})")
     p.add_argument(
         "--data",
-        help="text source: builtin:stdlib, builtin:prose, a file, folder, glob, .jsonl, hf:... "
+        help="text source: builtin:stdlib, builtin:prose, a file, folder, glob, .jsonl, hf:..., fasta:PATH "
         f"(config default: {d.data})",
     )
     p.add_argument(
-        "--tokenizer", help=f"bytes, gpt2, mistral-32k or a tokenizer file (config default: {d.tokenizer})"
+        "--tokenizer",
+        help=f"bytes, gpt2, mistral-32k, dna or a tokenizer file (config default: {d.tokenizer})",
     )
     p.add_argument("--steps", type=int, help=f"optimizer steps (config default: {d.steps})")
     p.add_argument("--tokens", type=int, help="token budget (sets the steps)")

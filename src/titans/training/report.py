@@ -14,7 +14,7 @@ from titans.training.trainer import CONFIG_FILE, REPORT_FILE, TrainResult
 # What a run folder holds, in the order the report names them: (name, what it is).
 RUN_FILES = (
     (REPORT_FILE, "this summary as JSON (config, steps, losses, held-out bpb, sample)"),
-    (METRICS_FILE, "one JSON line per log: train loss, lr, grad norm, tokens/s; held-out loss, bpb"),
+    (METRICS_FILE, "JSON lines: train loss, lr, grad norm, tokens/s; held-out loss, bpb; memory stats"),
     (PLOT_FILE, "loss, held-out bits per byte and learning rate vs step"),
     (TENSORBOARD_DIR + "/", "TensorBoard logs (tensorboard --logdir)"),
     (

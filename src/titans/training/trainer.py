@@ -35,6 +35,7 @@ from titans.data.stream import load_token_streams
 from titans.data.tokenizers import load_tokenizer
 from titans.layers.memory import NeuralMemory
 from titans.models.lm import TitansLM
+from titans.models.monitor import memory_layers, memory_report
 from titans.training import distributed as D
 from titans.training.checkpoint import (
     CHECKPOINTS,
@@ -511,8 +512,28 @@ class Trainer:
         if grad_norm is not None:
             values["grad_norm"] = float(grad_norm)
         self.metrics.log("train", self.step, **values)
+        self._log_memory()
         bar.set_postfix(loss=f"{mean:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
         return mean
+
+    def _log_memory(self) -> None:
+        """The memory's monitoring numbers (`titans.models.monitor`, head means per memory layer) as the
+        "memory" rows of the metrics: one no-grad forward of the first held-out window per log interval, on
+        the main rank (not under FSDP, whose forward every rank must run together)."""
+        if not self.info.is_main or self.config.fsdp or not memory_layers(self.model):
+            return
+        if getattr(self, "_monitor_tokens", None) is None:
+            self._monitor_tokens = next(iter(self.eval_windows))[0][:1]
+        model = D.unwrap(self.engine)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), autocast_context(self.device, self.autocast_dtype):
+                out = model.forward_with_stats(self._monitor_tokens.to(self.device), last_only=True)
+            report = memory_report(model, out.stats, out.state)
+        finally:
+            model.train(was_training)
+        self.metrics.log("memory", self.step, **report.summary())
 
     def _log_eval(self, result: PerplexityResult, bar) -> None:
         self.metrics.log("eval", self.step, loss=result.loss, ppl=result.ppl, bpb=result.bpb)

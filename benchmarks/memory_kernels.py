@@ -1,0 +1,136 @@
+"""The memory op alone on a CUDA device: the Triton kernels (`titans.ops.memory_triton`) against the torch
+chunk loop (`titans.ops.memory.neural_memory_chunked`), forward and forward + backward, with how far
+their outputs and gradients are apart.
+
+q, k, v in bf16 (as the projections make them under autocast), a float32 state, per-token gates, clip 1.0,
+silu; 170M-preset sizes by default (12 heads of 64, chunk 64, batch 4). Each case is timed with CUDA
+events, the median of `--steps` calls after two warm-up calls. Both sides use tf32 matmuls (the
+`gpu_throughput.py` setting). The torch side gets q, k, v cast to float32 first, as the layer does.
+
+    python benchmarks/memory_kernels.py [--cases 2:128,1:64] [--seqs 2048,8192] [--out FILE]
+
+A case is depth:hidden (depth 1 takes hidden = head_dim).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _problem(args: argparse.Namespace, seq: int, depth: int, hidden: int) -> tuple[list, tuple, tuple]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shape = (args.batch, args.heads, seq)
+    q, k, v = (torch.randn(*shape, args.head_dim, device="cuda", generator=g) for _ in range(3))
+    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    theta = 0.01 + 0.02 * torch.rand(*shape, device="cuda", generator=g)
+    log_eta = F.logsigmoid(2 + torch.randn(*shape, device="cuda", generator=g))
+    log_keep = F.logsigmoid(-4 + torch.randn(*shape, device="cuda", generator=g))
+    sizes = [args.head_dim] + [hidden] * (depth - 1) + [args.head_dim]
+    w = tuple(
+        torch.randn(*shape[:2], sizes[i], sizes[i + 1], device="cuda", generator=g) / sizes[i] ** 0.5
+        for i in range(depth)
+    )
+    return [x.bfloat16() for x in (q, k, v)] + [theta, log_eta, log_keep], w, tuple(map(torch.zeros_like, w))
+
+
+def _timed(fn, steps: int) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def case(args: argparse.Namespace, seq: int, depth: int, hidden: int) -> dict:
+    from titans.ops.memory import neural_memory_chunked
+    from titans.ops.memory_triton import neural_memory_triton
+
+    inputs, w, s = _problem(args, seq, depth, hidden)
+    kw = {"chunk_size": args.chunk, "activation": "silu", "surprise_clip": 1.0}
+    leaves = [x.requires_grad_(i < 3) for i, x in enumerate(inputs)] + [x.requires_grad_() for x in w + s]
+    ops = {"triton": (neural_memory_triton, False), "torch": (neural_memory_chunked, True)}
+
+    def call(name: str):
+        op, cast = ops[name]
+        qkv = [x.float() if cast else x for x in leaves[:3]]
+        return op(*qkv, *leaves[3:6], tuple(leaves[6 : 6 + depth]), tuple(leaves[6 + depth :]), **kw)
+
+    def backward(name: str) -> None:
+        y, weights, _, norm = call(name)
+        (y.float().square().mean() + weights[0].sum() + norm.sum()).backward()
+
+    outs, grads = {}, {}
+    for name in ops:
+        with torch.no_grad():
+            outs[name] = [t.float() for t in call(name)[0:1]]
+        for x in leaves:
+            x.grad = None
+        backward(name)
+        grads[name] = [x.grad.float().clone() for x in leaves]
+
+    def rel(a, b):
+        return max((x - y).abs().max().item() / y.abs().max().clamp_min(1e-6).item() for x, y in zip(a, b))
+
+    row = {"depth": depth, "hidden": hidden, "seq": seq, "batch": args.batch, "heads": args.heads}
+    row["rel_diff_y"], row["rel_diff_grads"] = (
+        rel(outs["triton"], outs["torch"]),
+        rel(grads["triton"], grads["torch"]),
+    )
+    for name in ops:
+        with torch.no_grad():
+            row[f"{name}_fwd_ms"] = _timed(lambda n=name: call(n), args.steps)
+        row[f"{name}_fwd_bwd_ms"] = _timed(lambda n=name: backward(n), args.steps)
+    row["speedup_fwd"] = row["torch_fwd_ms"] / row["triton_fwd_ms"]
+    row["speedup_fwd_bwd"] = row["torch_fwd_bwd_ms"] / row["triton_fwd_bwd_ms"]
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="2:128,1:64", help="depth:hidden, comma-separated")
+    p.add_argument("--seqs", default="2048,8192")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", default=str(RESULTS / "memory_kernels.json"))
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("memory_kernels.py: needs a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    rows = []
+    for spec in args.cases.split(","):
+        depth, hidden = (int(x) for x in spec.split(":"))
+        for seq in (int(x) for x in args.seqs.split(",")):
+            rows.append(case(args, seq, depth, hidden))
+            print(json.dumps(rows[-1]), flush=True)
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "args": vars(args),
+                "rows": rows,
+            },
+            indent=1,
+        )  # fmt: skip
+    )
+
+
+if __name__ == "__main__":
+    main()

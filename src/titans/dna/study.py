@@ -1,0 +1,242 @@
+"""DNA study: pre-train nucleotide LMs of several variants at equal budget, measure bits per base on held-out
+records, then fine-tune each as a classifier (``SequenceClassifier``) on the proximal / distal task and
+measure test accuracy (``titans.dna.tasks``). Order-k Markov chains and a GC-content threshold are the
+reference points that need no network.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from titans.data.dna import FastaRecord
+from titans.dna.model import SequenceClassifier, dna_config, lm_bits_per_base
+from titans.dna.tasks import (
+    ClassificationSet,
+    encode_records,
+    lm_windows,
+    markov_bits_per_base,
+    proximal_distal,
+    sample_lm_batch,
+    split_records,
+)
+from titans.models.lm import TitansLM
+
+
+@dataclass
+class DNABudget:
+    """The budget every variant gets: pre-training and fine-tuning steps, batch, lengths, sizes."""
+
+    pretrain_steps: int = 150
+    finetune_steps: int = 80
+    batch_size: int = 16
+    seq_len: int = 256
+    window_len: int = 250
+    lr: float = 1e-3
+    finetune_lr: float = 5e-4
+    dim: int = 64
+    depth: int = 2
+    heads: int = 4
+    window: int = 64
+    seed: int = 0
+    eval_windows: int = 256  # held-out LM windows measured (evenly spaced over the test records)
+
+
+def _bar(total: int, desc: str, progress: bool):
+    if not progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, leave=False)
+
+
+def pretrain(
+    variant: str, train: list[np.ndarray], budget: DNABudget, progress: bool = False
+) -> tuple[TitansLM, list[float]]:
+    """A nucleotide LM trained for ``budget.pretrain_steps`` steps of random windows; (model, losses)."""
+    torch.manual_seed(budget.seed)
+    rng = np.random.default_rng(budget.seed)
+    lm = TitansLM(dna_config(variant, budget.dim, budget.depth, budget.heads, budget.window))
+    opt = torch.optim.AdamW(lm.parameters(), lr=budget.lr, weight_decay=0.0)
+    bar = _bar(budget.pretrain_steps, f"pretrain {variant}", progress)
+    losses = []
+    for step in range(budget.pretrain_steps):
+        lm.train()
+        x = torch.from_numpy(sample_lm_batch(train, budget.seq_len, budget.batch_size, rng))
+        logits, _ = lm(x[:, :-1])
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"pretrain {variant}: loss {loss.item()} at step {step}")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item() / math.log(2))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return lm, losses
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, data: ClassificationSet, batch_size: int = 64) -> float:
+    model.eval()
+    right = 0
+    for i in range(0, len(data.y), batch_size):
+        pred = model(torch.from_numpy(data.x[i : i + batch_size])).argmax(-1).numpy()
+        right += int((pred == data.y[i : i + batch_size]).sum())
+    return right / len(data.y)
+
+
+def finetune(
+    lm: TitansLM, train: ClassificationSet, budget: DNABudget, progress: bool = False
+) -> SequenceClassifier:
+    """All of ``lm`` plus a new pooled head, trained on ``train`` for ``budget.finetune_steps`` steps."""
+    torch.manual_seed(budget.seed)
+    rng = np.random.default_rng(budget.seed + 1)
+    clf = SequenceClassifier(lm, num_classes=int(train.y.max()) + 1)
+    opt = torch.optim.AdamW(clf.parameters(), lr=budget.finetune_lr, weight_decay=0.0)
+    bar = _bar(budget.finetune_steps, f"finetune {lm.config.variant}", progress)
+    for _ in range(budget.finetune_steps):
+        clf.train()
+        idx = rng.integers(0, len(train.y), budget.batch_size)
+        loss = nn.functional.cross_entropy(
+            clf(torch.from_numpy(train.x[idx])), torch.from_numpy(train.y[idx])
+        )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(clf.parameters(), 1.0)
+        opt.step()
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return clf
+
+
+def gc_threshold_accuracy(train: ClassificationSet, test: ClassificationSet) -> float:
+    """Accuracy of the best single GC-fraction threshold (and direction) on train, applied to test."""
+
+    def gc(x: np.ndarray) -> np.ndarray:
+        return np.isin(x, (4, 5)).mean(axis=1)  # C and G ids
+
+    g, y = gc(train.x), train.y
+    best = (0.0, 0.5, 1)
+    for t in np.unique(g):
+        for sign in (1, -1):
+            acc = float(((sign * (g - t) > 0) == (y == 1)).mean())
+            if acc > best[0]:
+                best = (acc, float(t), sign)
+    _, t, sign = best
+    return float(((sign * (gc(test.x) - t) > 0) == (test.y == 1)).mean())
+
+
+def run_study(
+    records: list[FastaRecord], variants: list[str], budget: DNABudget, progress: bool = False, log=print
+) -> dict:
+    """Every variant pre-trained and fine-tuned at ``budget``; the JSON-ready results."""
+    train_recs, test_recs = split_records(records)
+    train_seqs, test_seqs = encode_records(train_recs), encode_records(test_recs)
+    test_windows = lm_windows(test_seqs, budget.seq_len)
+    if len(test_windows) > budget.eval_windows:  # evenly spaced, so every part of the test records counts
+        test_windows = test_windows[np.linspace(0, len(test_windows) - 1, budget.eval_windows).astype(int)]
+    cls_train, cls_test = (
+        proximal_distal(train_recs, budget.window_len),
+        proximal_distal(test_recs, budget.window_len),
+    )
+    out: dict = {
+        "budget": asdict(budget),
+        "records": {"train": len(train_recs), "test": len(test_recs)},
+        "lm_test_windows": int(len(test_windows)),
+        "classification": {
+            "train": int(len(cls_train.y)),
+            "test": int(len(cls_test.y)),
+            "test_positive_fraction": float(cls_test.y.mean()),
+        },
+        "reference": {
+            **{
+                f"markov{k}_bits_per_base": markov_bits_per_base(train_seqs, test_seqs, k, budget.seq_len)
+                for k in (0, 2, 5)
+            },
+            "gc_threshold_accuracy": gc_threshold_accuracy(cls_train, cls_test),
+            "majority_accuracy": float(max(cls_test.y.mean(), 1 - cls_test.y.mean())),
+        },
+        "variants": {},
+    }
+    log(f"reference: {out['reference']}")
+    for variant in variants:
+        t0 = time.perf_counter()
+        lm, losses = pretrain(variant, train_seqs, budget, progress)
+        bpb = lm_bits_per_base(lm, test_windows)
+        t1 = time.perf_counter()
+        clf = finetune(lm, cls_train, budget, progress)
+        acc = accuracy(clf, cls_test)
+        row = {
+            "parameters": sum(p.numel() for p in lm.parameters()),
+            "test_bits_per_base": bpb,
+            "final_train_bits_per_base": float(np.mean(losses[-10:])),
+            "train_curve_bits_per_base": [
+                float(np.mean(losses[i : i + 10])) for i in range(0, len(losses), 10)
+            ],
+            "test_accuracy": acc,
+            "pretrain_seconds": t1 - t0,
+            "finetune_seconds": time.perf_counter() - t1,
+        }
+        out["variants"][variant] = row
+        log(
+            f"{variant:12s} bits/base {bpb:.4f}  accuracy {acc:.4f}  ({row['pretrain_seconds']:.0f}s + "
+            f"{row['finetune_seconds']:.0f}s)"
+        )
+    return out
+
+
+def plot_study(result: dict, path) -> None:
+    """Pre-training curves (bits per base) and test accuracy per variant, with the reference lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for name, row in result["variants"].items():
+        curve = row["train_curve_bits_per_base"]
+        a.plot(
+            [10 * i + 5 for i in range(len(curve))],
+            curve,
+            label=f"{name} (test {row['test_bits_per_base']:.3f})",
+        )
+    ref = result["reference"]
+    for k, style in ((0, ":"), (5, "--")):
+        a.axhline(
+            ref[f"markov{k}_bits_per_base"], color="grey", ls=style, lw=1, label=f"order-{k} Markov (test)"
+        )
+    a.set_xlabel("pre-training step")
+    a.set_ylabel("train bits per base")
+    a.legend(fontsize=7)
+    names = list(result["variants"])
+    b.bar(names, [result["variants"][n]["test_accuracy"] for n in names], color="tab:blue")
+    b.axhline(ref["gc_threshold_accuracy"], color="grey", ls="--", lw=1, label="GC threshold")
+    b.axhline(ref["majority_accuracy"], color="grey", ls=":", lw=1, label="majority")
+    b.set_ylim(0.4, 1.0)
+    b.set_ylabel("test accuracy (proximal vs distal)")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+__all__ = [
+    "DNABudget",
+    "accuracy",
+    "finetune",
+    "gc_threshold_accuracy",
+    "plot_study",
+    "pretrain",
+    "run_study",
+]

@@ -1,0 +1,198 @@
+"""`titans forecast train | eval | study`: long-horizon forecasting (docs/domains.md).
+
+- ``train``: one model at one horizon on one series; writes ``result.json``, ``model.pt`` and
+  ``forecast.png`` (a test window: lookback, truth, forecast) into ``--out``.
+- ``eval``: re-measure a trained ``model.pt`` on its series' test part; prints the JSON.
+- ``study``: models x horizons on each series side by side, the same budget for every model; writes
+  ``<series>.json`` and ``<series>-H<h>.png`` per series and horizon into ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from titans.data.series import load_series, split_series
+from titans.forecast.model import FORECAST_MODELS, build_forecaster
+from titans.forecast.train import ForecastRun, evaluate, plot_forecasts, run_record, train_forecaster
+
+HORIZONS = (96, 192, 336, 720)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from e
+
+
+def _models(text: str) -> list[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in names if m not in FORECAST_MODELS]
+    if bad:
+        raise ValueError(f"unknown forecasting model(s) {bad}; expected from {', '.join(FORECAST_MODELS)}")
+    return names
+
+
+def _run(args, model: str, horizon: int) -> ForecastRun:
+    return ForecastRun(
+        model=model,
+        horizon=horizon,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        eval_every=args.eval_every,
+        dim=args.dim,
+        depth=args.depth,
+        heads=args.heads,
+        revin=not args.no_revin,
+        seed=args.seed,
+    )
+
+
+def _split(args):
+    torch.set_num_threads(args.threads)
+    series = load_series(args.series, date_column=args.date_column)
+    return split_series(series, lookback=args.lookback, protocol=args.protocol)
+
+
+def cmd_train(args) -> int:
+    split = _split(args)
+    result = train_forecaster(split, _run(args, args.model, args.horizon), progress=not args.no_progress)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {**run_record(split, result), "series_spec": args.series, "date_column": args.date_column}
+    (out / "result.json").write_text(json.dumps(record, indent=2) + "\n")
+    torch.save({"record": record, "state_dict": result.model.state_dict()}, out / "model.pt")
+    _, _, test = split.windows(args.horizon)
+    plot_forecasts(
+        out / "forecast.png",
+        test,
+        {args.model: result.model},
+        f"{split.series.name} H={args.horizon}",
+        channels=split.series.channels,
+    )
+    print(json.dumps({k: record[k] for k in ("series", "test_mse", "test_mae", "val_mse")}, indent=2))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    torch.set_num_threads(args.threads)
+    saved = torch.load(Path(args.run) / "model.pt", map_location="cpu", weights_only=True)
+    rec = saved["record"]
+    run = ForecastRun(**{k: v for k, v in rec["run"].items() if k in ForecastRun.__dataclass_fields__})
+    series = load_series(rec["series_spec"], date_column=rec.get("date_column"))
+    split = split_series(series, lookback=rec["lookback"], protocol=rec["protocol"])
+    model = build_forecaster(
+        run.model,
+        lookback=rec["lookback"],
+        horizon=run.horizon,
+        channels=len(series.channels),
+        dim=run.dim,
+        depth=run.depth,
+        heads=run.heads,
+        revin=run.revin,
+    )
+    model.load_state_dict(saved["state_dict"])
+    m = evaluate(model, split.windows(run.horizon)[2])
+    print(json.dumps({"series": series.name, "model": run.model, "horizon": run.horizon, **m}, indent=2))
+    return 0
+
+
+def cmd_study(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    models, horizons = _models(args.models), _ints(args.horizons)
+    for spec in args.series.split(","):
+        args.series = spec
+        split = _split(args)
+        rows = []
+        for h in horizons:
+            trained = {}
+            for m in models:
+                result = train_forecaster(split, _run(args, m, h), progress=not args.no_progress)
+                rows.append(run_record(split, result))
+                trained[m] = result.model
+                r = result.metrics
+                print(
+                    f"{split.series.name} H={h} {m:12s} mse {r['test_mse']:.4f} mae {r['test_mae']:.4f} "
+                    f"({r['train_seconds']:.0f}s)",
+                    flush=True,
+                )
+            plot_forecasts(
+                out / f"{split.series.name}-H{h}.png",
+                split.windows(h)[2],
+                trained,
+                f"{split.series.name}, test window, horizon {h}",
+                channels=split.series.channels,
+            )
+            doc = {
+                "command": "titans " + " ".join(sys.argv[1:]),
+                "series": split.series.name,
+                "source": split.series.source,
+                "budget": {
+                    k: v for k, v in asdict(_run(args, "linear", 1)).items() if k not in ("model", "horizon")
+                },
+                "runs": rows,
+            }
+            (out / f"{split.series.name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+def _common(p, study: bool = False) -> None:
+    p.add_argument(
+        "--series",
+        default="tmy3:greensboro",
+        help="tmy3:greensboro, tmy3:sand-point, or an ETT/ECL/Traffic/Weather CSV path or URL"
+        + (" (comma-separated for several)" if study else ""),
+    )
+    p.add_argument("--date-column", default=None, help="the CSV's date column (default: the first column)")
+    p.add_argument(
+        "--protocol",
+        default="auto",
+        choices=("auto", "ratio", "ett-hour", "ett-minute"),
+        help="split: 7:1:2 ratio, or ETT's 12/4/4 months (auto: from the file name)",
+    )
+    p.add_argument("--lookback", type=int, default=96, help="input steps")
+    p.add_argument("--steps", type=int, default=150, help="Adam steps")
+    p.add_argument("--batch-size", type=int, default=32, help="windows per step")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+    p.add_argument("--eval-every", type=int, default=50, help="validate every this many steps (best kept)")
+    p.add_argument("--dim", type=int, default=32, help="Titans backbone width")
+    p.add_argument("--depth", type=int, default=2, help="Titans backbone blocks")
+    p.add_argument("--heads", type=int, default=4, help="attention / memory heads")
+    p.add_argument("--no-revin", action="store_true", help="no instance normalisation in Titans backbones")
+    p.add_argument("--seed", type=int, default=0, help="initialisation and batch-order seed")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+
+
+def register(commands, evals) -> None:
+    forecast = commands.add_parser(
+        "forecast", help="long-horizon time-series forecasting (train, eval, study)"
+    )
+    sub = forecast.add_subparsers(dest="forecast_command", metavar="SUBCOMMAND")
+    sub.required = True
+    p = sub.add_parser("train", help="train one model at one horizon; JSON, weights and a PNG into --out")
+    _common(p)
+    p.add_argument("--model", default="lmm", choices=FORECAST_MODELS, help="model")
+    p.add_argument("--horizon", type=int, default=96, help="predicted steps")
+    p.add_argument("--out", default="runs/forecast", help="output folder")
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("eval", help="re-measure a trained model.pt on its test part (JSON on stdout)")
+    p.add_argument("--run", required=True, help="folder written by `titans forecast train`")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.set_defaults(func=cmd_eval)
+    p = sub.add_parser("study", help="models x horizons side by side at equal budget; JSON and PNGs")
+    _common(p, study=True)
+    p.add_argument("--models", default="linear,lmm,mac,transformer", help="comma-separated models")
+    p.add_argument("--horizons", default=",".join(map(str, HORIZONS)), help="comma-separated horizons")
+    p.add_argument("--out", default="results/forecast", help="output folder")
+    p.set_defaults(func=cmd_study)
+
+
+__all__ = ["HORIZONS", "register"]

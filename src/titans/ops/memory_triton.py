@@ -1,0 +1,422 @@
+"""The neural memory's chunk loop as a Triton kernel: `neural_memory_triton`, a drop-in for
+`titans.ops.memory.neural_memory_chunked` (same arguments, same returns).
+
+Forward: ONE kernel launch per call (`_memory_triton_kernels.memory_chunks_fwd`): a program per sequence
+(batch x head) runs every chunk with the state on chip and writes the reads, the surprise norms, the final
+state and, when gradients are recorded, the state at the start of every chunk (or of every
+`checkpoint_every`-th chunk). A call shorter than a chunk (decoding one token at a time) is the same single
+launch: a read, plus the write when the pending tokens complete a chunk.
+
+Backward: ONE launch too (`memory_chunks_bwd`): the chunks in reverse, each chunk's forward recomputed
+from its saved start state and backpropagated, the state gradient carried on chip. Two cases go through
+the torch chunk step instead (`titans.ops.memory._run_chunks`, recomputed per group of chunks from the saved
+states and backpropagated: the same gradients at the torch path's speed): `checkpoint_every` (only every
+n-th state is kept), and a shape whose backward kernel needs more shared memory than the GPU has (found at
+its first backward, then remembered).
+
+Covered (`covered()`): depth 1 and 2, silu / gelu / relu, residual or not, clipping on or off, per-token
+gates with momentum or forgetting switched off, any chunk size, trailing partial chunks, a state in and
+out, float32 / float16 / bfloat16 q, k, v with a float32 (or wider) state: the kernel computes in float32.
+Head dims and hidden width up to 256 (the state of one sequence lives in registers).
+
+Triton is imported only when a kernel first runs, so `TRITON_INTERPRET=1` (Triton's CPU interpreter, how
+the tests run the kernels without a GPU) can be set by then.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+from torch import Tensor
+
+from titans.ops.memory import (
+    _read_and_grads,
+    _run_chunks,
+    _surprise,
+    _surprise_parts,
+    _without_autocast,
+    chunk_coefficients,
+)
+from titans.validation import check_int
+
+# the backward kernel where every chunk's state is kept (False: the torch chunk step recomputes, for tests)
+FUSED_BACKWARD = True
+# rows of a chunk the backward kernel takes at a time (a power of two >= 16)
+BACKWARD_ROWS = int(os.environ.get("TITANS_MEMORY_TRITON_ROWS", 32))
+MAX_WIDTH = 256  # widest head dim / hidden width the kernel keeps on chip
+_ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
+
+
+def triton_available() -> bool:
+    """Whether the `triton` package is installed (without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Whether Triton's CPU interpreter is requested (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@functools.cache
+def _kernels():
+    # lazily: importing it imports triton (optional), and TRITON_INTERPRET must be set by then
+    from titans.ops import _memory_triton_kernels
+
+    return _memory_triton_kernels
+
+
+def covered(depth: int, head_dim: int, hidden: int, activation: str) -> str | None:
+    """None where the kernels cover a memory of this shape, else the reason they do not."""
+    if depth not in (1, 2):
+        return f"depth {depth} (the kernels cover depth 1 and 2)"
+    if activation not in _ACT_CODES:
+        return f"activation {activation!r}"
+    widest = head_dim if depth == 1 else max(head_dim, hidden)
+    if widest > MAX_WIDTH:
+        return f"width {widest} (the kernels keep a state of width <= {MAX_WIDTH} on chip)"
+    return None
+
+
+def device_reason(device: torch.device) -> str | None:
+    """None where the kernels can run on `device`, else why not."""
+    if not triton_available():
+        return "triton is not installed (pip install 'titans[kernels]')"
+    if device.type == "cuda":
+        return None
+    if interpreting():
+        return None
+    return f"the tensors are on {device.type}: the kernels run on CUDA (or on CPU under TRITON_INTERPRET=1)"
+
+
+def _block(n: int) -> int:
+    """The power of two >= max(n, 16) a dimension is padded to (`tl.dot` needs 16 or more)."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _precision(t: Tensor) -> str:
+    """tl.dot's float32 precision: tf32 where torch's own float32 matmuls may use it (its setting)."""
+    if os.environ.get("TITANS_MEMORY_TRITON_PREC"):
+        return os.environ["TITANS_MEMORY_TRITON_PREC"]
+    if t.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def _num_warps(dim: int, hidden: int, chunk: int) -> int:
+    """Warps per program: more for wider states (they are spread over the program's registers)."""
+    width = _block(dim) * _block(hidden) + _block(chunk) * _block(hidden)
+    return int(os.environ.get("TITANS_MEMORY_TRITON_WARPS", 0)) or (4 if width <= 2 * 64 * 64 else 8)
+
+
+# no software pipelining of the chunk loop: its buffers would multiply the shared memory the dots stage
+# their operands in, beyond what one SM has for a state of 64 x 128
+_NUM_STAGES = int(os.environ.get("TITANS_MEMORY_TRITON_STAGES", 1))
+
+
+# shapes whose backward kernel needs more shared memory than the device has (found at the first try)
+_UNFIT: set[tuple] = set()
+
+
+def _shape_key(config, q: Tensor, states) -> tuple:
+    return (q.device.type, q.shape[-1], tuple(tuple(x.shape[-2:]) for x in states), *config[:2], config[3])
+
+
+def _launch(config, q, k, v, gamma, beta, mix, states, save_every: int, save_tail: bool):
+    """Run the forward kernel. q, k, v (N, T, d); gamma, beta (N, n_full, b); mix (N, n_full, 2, 2);
+    states: per layer (N, 2, d_in, d_out). Returns y (N, T, d), norm (N, T), the new states (like
+    `states`) and per layer the saved chunk-start states (N, n_saved, 2, d_in, d_out): of every
+    `save_every`-th complete chunk (none if 0), and with `save_tail` of the trailing partial chunk too."""
+    activation, residual, clip, b = config
+    n_seq, seq, dim = q.shape
+    n_full = gamma.shape[1]
+    depth = len(states)
+    hidden = states[0].shape[-1]
+    dtype, device = states[0].dtype, q.device
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    states = [x.contiguous() for x in states]
+    n_chunks = -(-seq // b)
+    save_until = n_chunks if save_tail else n_full
+    n_saved = -(-save_until // save_every) if save_every else 0
+    y = torch.empty(n_seq, seq, dim, dtype=dtype, device=device)
+    norm = torch.empty(n_seq, seq, dtype=dtype, device=device)
+    new_states = [torch.empty_like(x) for x in states]
+    saved = [x.new_empty(n_seq, n_saved, *x.shape[1:]) for x in states]
+    dummy = torch.zeros(1, dtype=torch.float32, device=device)
+    if n_full:
+        gamma, beta, mix = (x.contiguous() for x in (gamma, beta, mix))
+    else:  # nothing to write: the kernel never reads them
+        gamma = beta = mix = dummy
+    second = (states[1], new_states[1], saved[1]) if depth == 2 else (dummy, dummy, dummy)
+    _kernels().memory_chunks_fwd[(n_seq,)](
+        q,
+        k,
+        v,
+        gamma,
+        beta,
+        mix,
+        states[0],
+        second[0],
+        new_states[0],
+        second[1],
+        saved[0] if n_saved else dummy,
+        second[2] if n_saved else dummy,
+        y,
+        norm,
+        seq,
+        n_full,
+        n_chunks,
+        n_saved,
+        save_until,
+        float(clip) if clip is not None else 0.0,
+        D=dim,
+        H1=hidden,
+        BD=_block(dim),
+        BH=_block(hidden),
+        BC=_block(b),
+        CHUNK=b,
+        DEPTH=depth,
+        ACT=_ACT_CODES[activation],
+        RESIDUAL=bool(residual),
+        CLIP=clip is not None,
+        SAVE_EVERY=save_every if n_saved else 0,
+        PREC=_precision(q),
+        num_warps=_num_warps(dim, hidden, b),
+        num_stages=_NUM_STAGES,
+    )
+    return y, norm, new_states, saved
+
+
+class _TritonChunks(torch.autograd.Function):
+    """The whole sequence: kernel forward, chunk-by-chunk recomputing backward (module docstring).
+
+    config: (activation, residual, clip, chunk_size, group), group = chunks per saved state. q, k, v
+    (N, T, d); gamma, beta (N, n_full, b); mix (N, n_full, 2, 2); states (N, 2, d_in, d_out) per layer.
+    Returns y (N, T, d), the surprise norms (N, T) and the states after the last complete chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, config, q, k, v, gamma, beta, mix, *states):
+        group = config[4]
+        grad = any(ctx.needs_input_grad[1:])
+        # every chunk's start state kept: the backward kernel runs (where it fits on the device)
+        fused = group == 1 and FUSED_BACKWARD and _shape_key(config, q, states) not in _UNFIT
+        y, norm, new_states, saved = _launch(
+            config[:4], q, k, v, gamma, beta, mix, states, group if grad else 0, fused
+        )
+        ctx.config, ctx.depth, ctx.fused = config, len(states), fused
+        if grad:
+            ctx.save_for_backward(q, k, v, gamma, beta, mix, *new_states, *saved)
+        return (y, norm, *new_states)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    @_without_autocast
+    def backward(ctx, g_y, g_norm, *g_final):
+        if ctx.fused:
+            try:
+                return _fused_backward(ctx, g_y, g_norm, *g_final)
+            except _kernels().OutOfResources:
+                # too big for one SM's shared memory: the torch chunk step from the same saved states
+                _UNFIT.add(_shape_key(ctx.config, ctx.saved_tensors[0], ctx.saved_tensors[6 : 6 + ctx.depth]))
+        activation, residual, clip, b, group = ctx.config
+        depth = ctx.depth
+        q, k, v, gamma, beta, mix, *rest = ctx.saved_tensors
+        final, saved = rest[:depth], rest[depth:]
+        saved = [x[:, : gamma.shape[1]] for x in saved]  # the fused backward's also holds the tail's
+        needs = ctx.needs_input_grad[1:]
+        dtype = final[0].dtype
+        n_seq, seq, dim = q.shape
+        n_full = gamma.shape[1]
+        length = n_full * b
+        g_states = [torch.zeros_like(x) if g is None else g.to(dtype) for x, g in zip(final, g_final)]
+        g_qkv = [
+            torch.zeros(n_seq, seq, dim, dtype=dtype, device=q.device) if need else None for need in needs[:3]
+        ]
+        g_coefs = [torch.zeros_like(x) if need else None for x, need in zip((gamma, beta, mix), needs[3:6])]
+
+        def leaf(x: Tensor, need: bool) -> Tensor:
+            return x.detach().to(dtype).requires_grad_(need)
+
+        def grad_into(outs, grads_out, inputs, targets) -> list:
+            """Backpropagate outs (with grads_out) to inputs; add each gradient into its target slice."""
+            wanted = [x for x in inputs if x.requires_grad]
+            got = iter(torch.autograd.grad(outs, wanted, grads_out, allow_unused=True))
+            result = []
+            for x, target in zip(inputs, targets):
+                g = next(got) if x.requires_grad else None
+                if g is not None and target is not None:
+                    target += g
+                result.append(g)
+            return result
+
+        if seq > length:  # the trailing partial chunk: a read of the final weights
+            with torch.enable_grad():
+                tail = [leaf(x[:, length:], need) for x, need in zip((q, k, v), needs[:3])]
+                ws = [x[:, 0].detach().requires_grad_(True) for x in final]
+                y, inputs, deltas = _read_and_grads(
+                    *(x.unsqueeze(1) for x in tail), [w.unsqueeze(1) for w in ws], activation, residual
+                )
+                norm = _surprise(_surprise_parts(inputs, deltas))[1]
+                grads = grad_into(
+                    (y, norm),
+                    (g_y[:, length:].unsqueeze(1).to(dtype), g_norm[:, length:].unsqueeze(1).to(dtype)),
+                    [*tail, *ws],
+                    [None if g is None else g[:, length:] for g in g_qkv] + [None] * depth,
+                )
+            for g_state, g_w in zip(g_states, grads[3:]):
+                if g_w is not None:
+                    g_state[:, 0] += g_w
+
+        n_groups = saved[0].shape[1] if saved else 0
+        for i in range(n_groups - 1, -1, -1):
+            c0, c1 = i * group, min(n_full, (i + 1) * group)
+            rows = slice(c0 * b, c1 * b)
+            with torch.enable_grad():
+                pieces = [leaf(x[:, rows], need) for x, need in zip((q, k, v), needs[:3])]
+                coefs = [leaf(x[:, c0:c1], need) for x, need in zip((gamma, beta, mix), needs[3:6])]
+                starts = [x[:, i].detach().requires_grad_(True) for x in saved]
+                outs = _run_chunks(activation, residual, clip, None, b, None, *pieces, *coefs, None, *starts)
+                grads = grad_into(
+                    outs,
+                    (g_y[:, rows].to(dtype), g_norm[:, rows].to(dtype), *g_states),
+                    [*pieces, *coefs, *starts],
+                    [None if g is None else g[:, rows] for g in g_qkv]
+                    + [None if g is None else g[:, c0:c1] for g in g_coefs]
+                    + [None] * depth,
+                )
+            g_states = [torch.zeros_like(s) if g is None else g for s, g in zip(starts, grads[6:])]
+
+        g_qkv = [None if g is None else g.to(x.dtype) for g, x in zip(g_qkv, (q, k, v))]
+        g_init = [g if need else None for g, need in zip(g_states, needs[6:])]
+        return (None, *g_qkv, *g_coefs, *g_init)
+
+
+def _fused_backward(ctx, g_y, g_norm, *g_final):
+    """`_TritonChunks.backward` by the backward kernel (every chunk's start state saved)."""
+    activation, residual, clip, b, _ = ctx.config
+    depth = ctx.depth
+    q, k, v, gamma, beta, mix, *rest = ctx.saved_tensors
+    final, saved = rest[:depth], rest[depth:]
+    needs = ctx.needs_input_grad[1:]
+    n_seq, seq, dim = q.shape
+    n_full, hidden = gamma.shape[1], final[0].shape[-1]
+    device = q.device
+    f32 = torch.float32
+    g_states = [
+        torch.zeros(x.shape, dtype=f32, device=device) if g is None else g.to(f32).contiguous()
+        for x, g in zip(final, g_final)
+    ]
+    g_y = torch.zeros(n_seq, seq, dim, dtype=f32, device=device) if g_y is None else g_y.contiguous()
+    g_norm = torch.zeros(n_seq, seq, dtype=f32, device=device) if g_norm is None else g_norm.contiguous()
+    g_q, g_k, g_v = (torch.empty(n_seq, seq, dim, dtype=f32, device=device) for _ in range(3))
+    g_gamma = torch.empty(n_seq, max(n_full, 1), b, dtype=f32, device=device)
+    g_beta = torch.empty_like(g_gamma)
+    g_mix = torch.empty(n_seq, max(n_full, 1), 2, 2, dtype=f32, device=device)
+    dummy = torch.zeros(1, dtype=f32, device=device)
+    if n_full:
+        gamma, beta, mix = (x.contiguous() for x in (gamma, beta, mix))
+    else:
+        gamma = beta = mix = dummy
+    _kernels().memory_chunks_bwd[(n_seq,)](
+        q,
+        k,
+        v,
+        gamma,
+        beta,
+        mix,
+        saved[0],
+        saved[1] if depth == 2 else dummy,
+        g_y,
+        g_norm,
+        g_states[0],
+        g_states[1] if depth == 2 else dummy,
+        g_q,
+        g_k,
+        g_v,
+        g_gamma,
+        g_beta,
+        g_mix,
+        seq,
+        n_full,
+        -(-seq // b),
+        float(clip) if clip is not None else 0.0,
+        D=dim,
+        H1=hidden,
+        BD=_block(dim),
+        BH=_block(hidden),
+        BC=_block(b),
+        RB=min(_block(b), BACKWARD_ROWS),
+        CHUNK=b,
+        DEPTH=depth,
+        ACT=_ACT_CODES[activation],
+        RESIDUAL=bool(residual),
+        CLIP=clip is not None,
+        PREC=_precision(q),
+        num_warps=_num_warps(dim, hidden, b),
+        num_stages=_NUM_STAGES,
+    )
+    g_qkv = [g.to(x.dtype) if need else None for g, x, need in zip((g_q, g_k, g_v), (q, k, v), needs[:3])]
+    g_coefs = [
+        g[:, :n_full].to(x.dtype) if need else None
+        for g, x, need in zip((g_gamma, g_beta, g_mix), (ctx.saved_tensors[3:6]), needs[3:6])
+    ]
+    g_init = [g.to(x.dtype) if need else None for g, x, need in zip(g_states, final, needs[6:])]
+    return (None, *g_qkv, *g_coefs, *g_init)
+
+
+def neural_memory_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    theta: Tensor,
+    log_eta: Tensor,
+    log_keep: Tensor,
+    weights: tuple[Tensor, ...],
+    momentum: tuple[Tensor, ...],
+    *,
+    chunk_size: int,
+    activation: str = "silu",
+    residual: bool = False,
+    surprise_clip: float | None = None,
+    checkpoint_every: int | None = None,
+) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
+    """`titans.ops.memory.neural_memory_chunked` with the chunk loop in a Triton kernel (see there for
+    the arguments and returns). q, k, v may be float16 / bfloat16 with a float32 state (the kernel computes
+    in float32; y and the surprise come out in the state's dtype)."""
+    check_int("chunk_size", chunk_size)
+    check_int("checkpoint_every", checkpoint_every, none_ok=True)
+    depth = len(weights)
+    reason = covered(depth, q.shape[-1], weights[0].shape[-1], activation) or device_reason(q.device)
+    if reason is not None:
+        raise ValueError(f"neural_memory_triton: not covered: {reason}")
+    with torch.autocast(q.device.type, enabled=False):
+        batch, heads, seq, dim = q.shape
+        b = chunk_size
+        n_full = seq // b
+        n_seq, dtype = batch * heads, weights[0].dtype
+        if n_full:
+            shape = (batch, heads, n_full, b)
+            gamma, beta, decay, carry, mom_decay = chunk_coefficients(
+                theta[..., : n_full * b].reshape(shape),
+                log_eta[..., : n_full * b].reshape(shape),
+                log_keep[..., : n_full * b].reshape(shape),
+            )
+            mix = torch.stack([decay, carry, torch.zeros_like(decay), mom_decay], -1)
+            mix = mix.to(dtype).reshape(n_seq, n_full, 2, 2)
+            gamma, beta = (x.to(dtype).reshape(n_seq, n_full, b) for x in (gamma, beta))
+        else:
+            gamma = beta = q.new_zeros(n_seq, 0, b, dtype=dtype)
+            mix = q.new_zeros(n_seq, 0, 2, 2, dtype=dtype)
+        states = tuple(
+            torch.stack([w, s], 2).reshape(n_seq, 2, *w.shape[-2:]) for w, s in zip(weights, momentum)
+        )
+        flat = (x.reshape(n_seq, seq, dim) for x in (q, k, v))
+        group = checkpoint_every if checkpoint_every and torch.is_grad_enabled() else 1
+        config = (activation, residual, surprise_clip, b, min(group, max(n_full, 1)))
+        y, norm, *states = _TritonChunks.apply(config, *flat, gamma, beta, mix, *states)
+    weights = tuple(x[:, 0].view(batch, heads, *x.shape[2:]) for x in states)
+    momentum = tuple(x[:, 1].view(batch, heads, *x.shape[2:]) for x in states)
+    return y.view(batch, heads, seq, dim), weights, momentum, norm.view(batch, heads, seq)

@@ -1,0 +1,178 @@
+"""DNA: the tokenizer round trip, FASTA reading (plain, gzip, bad letters), the fasta: source through the
+trainer, the proximal/distal task, GenomicsBenchmarks-format labelled sequences, the classifier."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from titans.data.dna import DNATokenizer, dm3_sample_path, load_labelled_sequences, read_fasta
+from titans.data.sources import load_source
+from titans.data.tokenizers import load_tokenizer
+from titans.dna.model import SequenceClassifier, dna_config, lm_bits_per_base
+from titans.dna.tasks import markov_bits_per_base, proximal_distal, split_records
+from titans.models.lm import TitansLM
+
+FASTA = """>chr1 first record
+ACGTNacgtn
+ACG
+; a comment line
+>chr2
+ttttGGGGccccAAAA
+"""
+
+
+def test_tokenizer_round_trip_and_unknown_letters():
+    tok = DNATokenizer()
+    assert load_tokenizer("dna").vocab_size == tok.vocab_size == 8
+    seq = "ACGTNNacgtGATTACA"
+    ids = tok.encode(seq)
+    assert len(ids) == len(seq) and min(ids) >= 3  # specials are never produced by sequence
+    assert tok.decode(ids) == seq.upper()
+    assert tok.decode([tok.cls_id, *ids, tok.eos_id, tok.pad_id]) == seq.upper()  # specials drop out
+    with pytest.raises(ValueError, match=r"unknown letter 'X' at position 5"):
+        tok.encode("ACGTAXGT")
+    with pytest.raises(ValueError, match="id 8 outside"):
+        tok.decode([3, 8])
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_read_fasta_plain_and_gzip(tmp_path, gz):
+    path = tmp_path / ("x.fa.gz" if gz else "x.fa")
+    with gzip.open(path, "wt") if gz else open(path, "w") as f:
+        f.write(FASTA)
+    recs = read_fasta(path)
+    assert [r.name for r in recs] == ["chr1 first record", "chr2"]
+    assert recs[0].sequence == "ACGTNACGTNACG" and recs[1].sequence == "TTTTGGGGCCCCAAAA"
+
+
+def test_fasta_bad_input(tmp_path):
+    bad = tmp_path / "bad.fa"
+    bad.write_text(">ok\nACGT\n>second\nACGT\nACZT\n")
+    with pytest.raises(ValueError, match=r"unknown letter 'Z' in record 'second' at line 5, column 3"):
+        read_fasta(bad)
+    iupac = tmp_path / "iupac.fa"
+    iupac.write_text(">r\nACRYGT\n")
+    with pytest.raises(ValueError, match="ambiguous='N' maps IUPAC"):
+        read_fasta(iupac)
+    assert read_fasta(iupac, ambiguous="N")[0].sequence == "ACNNGT"
+    (tmp_path / "headless.fa").write_text("ACGT\n")
+    with pytest.raises(ValueError, match="before the first '>' header"):
+        read_fasta(tmp_path / "headless.fa")
+    (tmp_path / "empty.fa").write_text(">a\n>b\nAC\n")
+    with pytest.raises(ValueError, match="record 'a' has no sequence"):
+        read_fasta(tmp_path / "empty.fa")
+    with pytest.raises(FileNotFoundError):
+        read_fasta(tmp_path / "missing.fa")
+
+
+def test_fasta_source_trains_through_the_trainer(tmp_path):
+    from micro_train import micro_config
+    from titans.training.trainer import Trainer
+
+    (tmp_path / "g.fa").write_text(FASTA)
+    src = load_source(f"fasta:{tmp_path / 'g.fa'}")
+    assert src.document_ids() == ["chr1 first record", "chr2"]
+    assert [d.text for d in src.documents()] == ["ACGTNACGTNACG", "TTTTGGGGCCCCAAAA"]
+    # the built-in sample through the trainer with the dna tokenizer: one byte per base, so bpb = bits/base
+    cfg = micro_config(
+        tmp_path / "run",
+        tmp_path / "cache",
+        data="fasta:builtin",
+        tokenizer="dna",
+        steps=2,
+        batch_size=2,
+        warmup_steps=1,
+        eval_every=1000,
+        eval_windows=2,
+        ckpt_every=1000,
+    )
+    trainer = Trainer(cfg)
+    assert trainer.model_config.vocab_size >= DNATokenizer.vocab_size
+    trainer.train()
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["step"] == 2 and report["eval"]["bpb"] == pytest.approx(
+        report["eval"]["loss"] / np.log(2), rel=1e-5
+    )
+
+
+def test_builtin_sample_and_proximal_distal_task():
+    recs = read_fasta(dm3_sample_path())
+    assert len(recs) == 530 and all(len(r.sequence) == 2000 for r in recs)
+    train, test = split_records(recs)
+    assert len(test) == 106 and not {r.name for r in train} & {r.name for r in test}
+    task = proximal_distal(test, length=250)
+    assert task.x.shape[1] == 250 and set(task.y.tolist()) == {0, 1}
+    # the labels follow the position: label 1 rows are the tail of a record
+    tok = DNATokenizer()
+    assert tok.decode(task.x[0].tolist()) == test[0].sequence[-250:] and task.y[0] == 1
+
+
+def test_markov_reference_beats_uniform_on_skewed_sequence():
+    rng = np.random.default_rng(0)
+    seqs = [rng.choice([3, 6], size=600, p=[0.9, 0.1]) for _ in range(4)]  # mostly A
+    bits = markov_bits_per_base(seqs[:3], seqs[3:], order=1, seq_len=100)
+    assert 0.3 < bits < 0.7  # entropy of (0.9, 0.1) is 0.47 bits, far below log2(5)
+
+
+def test_classifier_and_lm_bits_per_base():
+    torch.manual_seed(0)
+    lm = TitansLM(dna_config("lmm", dim=16, depth=1, heads=2, window=16))
+    windows = np.random.default_rng(0).integers(3, 7, size=(3, 33))
+    bpb = lm_bits_per_base(lm, windows)
+    assert 1.5 < bpb < 4.0  # an untrained model over 8 ids: near log2(8) = 3
+    clf = SequenceClassifier(lm, num_classes=2)
+    logits = clf(torch.from_numpy(windows))
+    assert logits.shape == (3, 2)
+    logits.sum().backward()
+    assert lm.embed.weight.grad is not None  # fine-tuning reaches the pre-trained backbone
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        clf(torch.full((1, 5), 9))
+
+
+def test_genomic_benchmarks_format(tmp_path):
+    # GenomicsBenchmarks on the hub: columns seq and label; a local CSV / JSONL / save_to_disk folder
+    rows = [{"seq": "ACGTTGCA", "label": 1}, {"seq": "acgtn", "label": 0}]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert load_labelled_sequences(str(tmp_path / "train.jsonl")) == [("ACGTTGCA", 1), ("ACGTN", 0)]
+    (tmp_path / "bad.csv").write_text("seq,label\nACGT,1\nACXT,0\n")
+    with pytest.raises(ValueError, match=r"row 1: DNATokenizer: unknown letter 'X' at position 2"):
+        load_labelled_sequences(str(tmp_path / "bad.csv"))
+    datasets = pytest.importorskip("datasets")
+    folder = tmp_path / "hub_copy"
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(str(folder))
+    assert load_labelled_sequences(f"hf:{folder}::test")[0] == ("ACGTTGCA", 1)
+
+
+def test_dna_classify_cli(tmp_path):
+    from titans.cli import main
+
+    rng = np.random.default_rng(0)
+    lines = ["seq,label"] + [f"{''.join(rng.choice(list('ACGT'), 24))},{i % 2}" for i in range(12)]
+    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
+    argv = [
+        "dna",
+        "classify",
+        "--train",
+        str(tmp_path / "t.csv"),
+        "--test",
+        str(tmp_path / "t.csv"),
+        "--variant",
+        "swa",
+        "--finetune-steps",
+        "2",
+        "--dim",
+        "16",
+        "--depth",
+        "1",
+        "--heads",
+        "2",
+        "--window",
+        "16",
+        "--no-progress",
+    ]
+    assert main(argv) == 0

@@ -1,0 +1,129 @@
+"""`titans inspect`: the HTML report holds the trace's numbers token by token, is self-contained, and renders
+in a real browser (headless Chromium) to a page that is not blank."""
+
+from __future__ import annotations
+
+import html
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from micro_train import micro_config
+from titans.cli import main as titans_main
+from titans.inference.inspection import render_html, set_surprise_threshold, token_texts, trace_text
+from titans.training.model_io import load_model
+from titans.training.trainer import Trainer
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+TEXT = "The memory writes what surprises it.\nThe memory writes what surprises it.\nOnce more: the memory.\n"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("inspect")
+    cfg = micro_config(root / "run", root / "cache", steps=1, batch_size=2, eval_windows=1)
+    Trainer(cfg).train(handle_signals=False)
+    return root / "run"
+
+
+def _spans(page: str) -> list[tuple[str, str]]:
+    """(class, tooltip) of every token span."""
+    return re.findall(r'<span class="(t(?: w)?)" style="[^"]*" title="([^"]*)"', page)
+
+
+def test_report_holds_the_trace_token_by_token(run_dir):
+    model, _, tokenizer = load_model(run_dir)
+    ids = tokenizer.encode(TEXT)
+    with torch.no_grad():
+        surprise = model.forward_with_stats(torch.tensor([ids])).stats[0].surprise
+    threshold = float(surprise.median())
+    set_surprise_threshold(model, threshold)
+    trace = trace_text(model, torch.tensor(ids), max_norm=3.0)
+    assert trace.threshold == threshold and trace.max_norm == 3.0
+    assert trace.surprise.shape == (len(trace.layers), len(ids)) and np.isnan(trace.loss[0])
+    assert 0 < trace.report.write_rate < 1
+    page = render_html(trace, token_texts(tokenizer, ids), "t", {"k": "v"})
+    spans = _spans(page)
+    assert len(spans) == len(ids)
+    written = trace.written.reshape(-1, len(ids)).any(0)
+    assert [cls == "t w" for cls, _ in spans] == written.tolist()
+    mean = trace.surprise.mean(0)
+    for t in (0, 7, len(ids) - 1):
+        tip = html.unescape(spans[t][1])
+        assert tip.startswith(f"#{t} ")
+        assert f"surprise {float(mean[t]):.3g}" in tip
+    assert "".join(token_texts(tokenizer, ids)) == TEXT
+    # self-contained: no external resource of any kind
+    assert not re.search(r"(src|href)=|https?://|@import|url\(", page)
+    assert page.count("<svg") == 7
+
+
+def test_inspect_command_and_its_errors(run_dir, tmp_path, capsys):
+    out = tmp_path / "r.html"
+    args = ["inspect", "--checkpoint", str(run_dir), "--prompt", TEXT, "--out", str(out), "--device", "cpu"]
+    assert titans_main([*args, "--threshold", "0.5", "--max-tokens", "40"]) == 0
+    assert "inspected 40 tokens (truncated)" in capsys.readouterr().out
+    assert len(_spans(out.read_text())) == 40
+    assert titans_main([*args, "--text", "x.txt"]) == 2
+    assert "exactly one of --text" in capsys.readouterr().err
+    assert titans_main([*args, "--threshold", "-1"]) == 2
+    assert (
+        titans_main(
+            ["inspect", "--checkpoint", str(run_dir), "--text", str(tmp_path / "no.txt"), "--out", "o"]
+        )
+        == 2
+    )
+    assert "no text file" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="chromium is not installed (scripts/install_test_deps.sh installs it)"
+)
+def test_report_renders_in_headless_chromium(run_dir, tmp_path):
+    image = pytest.importorskip("PIL.Image", reason="Pillow is not installed (it comes with titans[train])")
+    page, png = tmp_path / "report.html", tmp_path / "shot.png"
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT * 4)
+    cmd = [
+        "inspect",
+        "--checkpoint",
+        str(run_dir),
+        "--text",
+        str(text),
+        "--out",
+        str(page),
+        "--device",
+        "cpu",
+    ]
+    assert titans_main([*cmd, "--threshold", "0.3", "--max-norm", "5"]) == 0
+    proc = subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            f"--screenshot={png}",
+            "--window-size=1200,900",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert png.is_file(), f"no screenshot (exit {proc.returncode}): {proc.stderr[-2000:]}"
+    pixels = np.asarray(image.open(png).convert("RGB"), dtype=np.float64)
+    assert pixels.shape == (900, 1200, 3)
+    assert pixels.std() > 20  # text, colours and plots, not a blank page
+    reddish = (pixels[..., 0] > pixels[..., 2] + 40).mean()  # the surprise colouring shows
+    assert reddish > 0.01

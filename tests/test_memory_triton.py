@@ -1,0 +1,285 @@
+"""The Triton kernels of the memory's chunk loop (`titans.ops.memory_triton`) against the float64 reference,
+run on CPU by Triton's interpreter: outputs and gradients of every input, awkward shapes, streaming, the
+`backend` choice. GPU-only checks are marked `cuda`."""
+
+from __future__ import annotations
+
+import os
+
+# before anything imports triton's kernels: they are decorated (interpreted or compiled) at import
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import logging  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from test_memory import random_problem  # noqa: E402
+from titans import NeuralMemory, TitansConfig  # noqa: E402
+from titans.ops import memory_triton  # noqa: E402
+from titans.ops.memory import neural_memory_chunked  # noqa: E402
+from titans.ops.memory_ref import neural_memory_ref  # noqa: E402
+from titans.ops.memory_triton import neural_memory_triton  # noqa: E402
+
+F64 = torch.float64
+interpreted = pytest.mark.skipif(
+    not memory_triton.interpreting(), reason="TRITON_INTERPRET was set to 0 before this module ran"
+)
+
+
+def _loss_and_grads(fn, args, w, s, kw, dtype, seed=1):
+    """Run fn on (args, w, s) cast to dtype, a random linear loss of every output; return the outputs and
+    the gradients of every input (float64)."""
+    leaves = [x.detach().to(dtype).requires_grad_(True) for x in (*args, *w, *s)]
+    n_args, depth = len(args), len(w)
+    y, w_out, s_out, norm = fn(
+        *leaves[:n_args], tuple(leaves[n_args : n_args + depth]), tuple(leaves[n_args + depth :]), **kw
+    )
+    outs = [y, *w_out, *s_out, norm]
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((o * torch.randn(o.shape, generator=g, dtype=F64).to(o.dtype)).sum() for o in outs)
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return [o.detach().double() for o in outs], [None if x is None else x.double() for x in grads]
+
+
+def _close(a, b, tol, what):
+    scale = b.abs().max().clamp_min(1.0)
+    err = (a - b).abs().max()
+    assert err <= tol * scale, f"{what}: max diff {err.item():.3e} (scale {scale.item():.3e})"
+
+
+NAMES = ["q", "k", "v", "theta", "log_eta", "log_keep"]
+
+
+def check_against_reference(
+    shape, depth, options, *, momentum=True, forgetting=True, dtype=torch.float32, tol=2e-4
+):
+    batch, heads, seq, d = shape
+    args, w, s = random_problem(
+        batch, heads, seq, d, depth, expansion=2, seed=seq + depth, momentum=momentum, forgetting=forgetting
+    )
+    outs, grads = _loss_and_grads(neural_memory_triton, args, w, s, options, dtype)
+    ref_outs, ref_grads = _loss_and_grads(neural_memory_ref, args, w, s, options, F64)
+    for i, (o, r) in enumerate(zip(outs, ref_outs)):
+        _close(o, r, tol, f"output {i}")
+    names = NAMES + [f"w{i}" for i in range(depth)] + [f"s{i}" for i in range(depth)]
+    for name, g, r in zip(names, grads, ref_grads):
+        if name == "log_eta" and not momentum:
+            continue  # eta = 0 exactly: no gradient is defined through log(0)
+        if r is None:  # not used (no complete chunk to write)
+            assert g is None or not g.any(), name
+            continue
+        assert g is not None, name
+        _close(g, r, tol * 10, f"grad {name}")
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "depth, shape, options",
+    [
+        # T not a multiple of the chunk; chunk < 16 (padded); d < 16 (padded); B * H = 3
+        (1, (1, 3, 11, 5), {"chunk_size": 4}),
+        (1, (2, 1, 9, 6), {"chunk_size": 3, "activation": "gelu", "residual": True, "surprise_clip": 0.3}),
+        (2, (1, 3, 10, 5), {"chunk_size": 4, "surprise_clip": 0.3}),
+        (2, (2, 1, 9, 4), {"chunk_size": 5, "activation": "gelu", "residual": True}),
+        # one chunk exactly, a chunk of 1, and T shorter than a chunk (a read only)
+        (2, (1, 2, 4, 5), {"chunk_size": 4, "activation": "relu"}),
+        (1, (1, 2, 3, 5), {"chunk_size": 1, "surprise_clip": 0.5}),
+        (2, (1, 2, 3, 5), {"chunk_size": 8, "residual": True}),
+    ],
+)
+def test_kernel_matches_reference_outputs_and_gradients(depth, shape, options):
+    check_against_reference(shape, depth, options)
+
+
+@interpreted
+@pytest.mark.parametrize("momentum, forgetting", [(False, True), (True, False), (False, False)])
+def test_kernel_with_momentum_or_forgetting_off(momentum, forgetting):
+    check_against_reference(
+        (1, 2, 9, 4), 2, {"chunk_size": 4, "surprise_clip": 0.5}, momentum=momentum, forgetting=forgetting
+    )
+
+
+@interpreted
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_half_inputs_with_float32_state(half):
+    """bf16 / fp16 q, k, v with a float32 state: the kernel computes in float32, so it agrees with the
+    torch path on the same (rounded) inputs to float32 accuracy; the gradients come in the inputs' dtype."""
+    args, w, s = random_problem(1, 2, 10, 8, 2, seed=3)
+    args = [x.float() for x in args]
+    qkv = [x.to(half).requires_grad_(True) for x in args[:3]]
+    kw = {"chunk_size": 4, "surprise_clip": 0.5}
+    ws = tuple(x.float() for x in w)
+    ss = tuple(x.float() for x in s)
+    y, w_out, _, norm = neural_memory_triton(*qkv, *args[3:], ws, ss, **kw)
+    assert y.dtype == torch.float32 and w_out[0].dtype == torch.float32
+    ref = neural_memory_chunked(*(x.detach().float() for x in qkv), *args[3:], ws, ss, **kw)
+    _close(y.detach(), ref[0], 1e-5, "y")
+    _close(w_out[1].detach(), ref[1][1], 1e-5, "w")
+    (y.sum() + norm.sum()).backward()
+    assert all(x.grad.dtype == half and torch.isfinite(x.grad).all() for x in qkv)
+
+
+@interpreted
+def test_checkpoint_every_keeps_gradients():
+    """checkpoint_every = 2 over 5 complete chunks + a tail: saved states every 2nd chunk, the same grads."""
+    args, w, s = random_problem(1, 2, 23, 4, 2, seed=5)
+    kw = {"chunk_size": 4, "surprise_clip": 0.5}
+    outs, grads = _loss_and_grads(neural_memory_triton, args, w, s, kw, torch.float32)
+    outs_c, grads_c = _loss_and_grads(
+        neural_memory_triton, args, w, s, {**kw, "checkpoint_every": 2}, torch.float32
+    )
+    for a, b in zip(outs + grads, outs_c + grads_c):
+        _close(a, b, 1e-6, "checkpointed")
+
+
+def _memory(**kw) -> NeuralMemory:
+    torch.manual_seed(0)
+    opts = dict(heads=3, head_dim=4, depth=2, expansion=2.0, chunk_size=4, conv_kernel=2)
+    return NeuralMemory(12, **{**opts, **kw})
+
+
+@interpreted
+@pytest.mark.parametrize("splits", [[1, 1, 1, 1, 1, 4, 2], [3, 6, 2], [11]])
+def test_layer_streaming_pieces_equal_whole_and_torch(splits):
+    """NeuralMemory(backend="triton") fed in pieces (1-token pieces included: the decode step) equals one
+    call, and equals the torch backend, output and state."""
+    mem = _memory(backend="triton")
+    x = torch.randn(2, sum(splits), 12)
+    whole, state_whole = mem(x)
+    torch_mem = _memory(backend="torch")
+    ref, state_ref = torch_mem(x)
+    _close(whole.detach(), ref.detach(), 1e-5, "triton vs torch")
+    state, outs, start = None, [], 0
+    for n in splits:
+        y, state = mem(x[:, start : start + n], state)
+        outs.append(y)
+        start += n
+    _close(torch.cat(outs, 1).detach(), whole.detach(), 1e-5, "pieces vs whole")
+    for a, b in zip(state.weights + state.momentum, state_ref.weights + state_ref.momentum):
+        _close(a.detach(), b.detach(), 1e-5, "state")
+
+
+@interpreted
+def test_layer_parameter_gradients_match_torch_backend():
+    x = torch.randn(1, 9, 12)
+    grads = []
+    for backend in ("triton", "torch"):
+        mem = _memory(backend=backend, surprise_clip=0.5)
+        y, state = mem(x)
+        (y.square().sum() + state.weights[1].sum()).backward()
+        grads.append([p.grad for p in mem.parameters()])
+    for a, b in zip(*grads):
+        _close(a, b, 1e-4, "parameter grad")
+
+
+def test_backend_choices_and_errors(monkeypatch, caplog):
+    with pytest.raises(ValueError, match="backend must be one of"):
+        NeuralMemory(12, heads=3, backend="cuda")
+    with pytest.raises(ValueError, match="memory_backend must be"):
+        TitansConfig(memory_backend="fast")
+    x = torch.randn(1, 5, 12)
+    # auto on CPU: torch, said once in the log
+    from titans.layers import memory as layer
+
+    monkeypatch.setattr(layer, "_logged_choices", set())
+    with caplog.at_level(logging.INFO, logger="titans.layers.memory"):
+        _memory(backend="auto")(x)
+        _memory(backend="auto")(x)
+    said = [r.getMessage() for r in caplog.records if "backend='auto'" in r.getMessage()]
+    assert len(said) == 1 and "torch" in said[0] and "CUDA" in said[0], said
+    # triton where the kernels cannot run: a clear error naming why
+    with pytest.raises(ValueError, match="depth 3"):
+        _memory(backend="triton", depth=3)(x)
+    with pytest.raises(ValueError, match="width 512"):
+        _memory(backend="triton", head_dim=512, heads=1, expansion=1.0)(torch.randn(1, 2, 12))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="on cpu.*TRITON_INTERPRET"):
+        _memory(backend="triton")(x)
+    monkeypatch.setattr(memory_triton, "triton_available", lambda: False)
+    with pytest.raises(ValueError, match="triton is not installed"):
+        _memory(backend="triton")(x)
+    # the config reaches the layer
+    from titans import TitansLM
+
+    model = TitansLM(
+        TitansConfig(vocab_size=16, dim=16, depth=1, heads=2, variant="lmm", memory_backend="torch")
+    )
+    assert {m.backend for m in model.modules() if isinstance(m, NeuralMemory)} == {"torch"}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_picks_kernels_on_cuda_and_matches_torch():
+    mem = _memory(backend="auto").cuda()
+    x = torch.randn(2, 37, 12, device="cuda")
+    assert mem._use_triton(torch.empty(1, device="cuda"))
+    y, state = mem(x)
+    mem.backend = "torch"
+    y_ref, state_ref = mem(x)
+    _close(y, y_ref, 1e-4, "cuda kernels vs torch")
+
+
+@interpreted
+def test_backward_falls_back_where_the_kernel_does_not_fit(monkeypatch):
+    """A backward kernel too big for the device's shared memory (simulated): the torch chunk step takes
+    over from the same saved states, the same gradients, and later calls of that shape skip the kernel."""
+    args, w, s = random_problem(1, 2, 10, 4, 2, seed=7)
+    kw = {"chunk_size": 4, "surprise_clip": 0.5}
+    outs, grads = _loss_and_grads(neural_memory_triton, args, w, s, kw, torch.float32)
+    tried = []
+
+    def too_big(*a):
+        tried.append(1)
+        raise memory_triton._kernels().OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(memory_triton, "_fused_backward", too_big)
+    monkeypatch.setattr(memory_triton, "_UNFIT", set())
+    for _ in range(2):
+        outs_f, grads_f = _loss_and_grads(neural_memory_triton, args, w, s, kw, torch.float32)
+        for a, b in zip(outs + grads, outs_f + grads_f):
+            _close(a, b, 1e-6, "fallback")
+    assert len(tried) == 1 and len(memory_triton._UNFIT) == 1
+
+
+@interpreted
+def test_decode_step_is_one_kernel_launch(monkeypatch):
+    """One token at a time (pending tokens prepended, the chunk written when it completes): the memory op is
+    one forward-kernel launch per call, and none of the torch chunk loop runs."""
+    mem = _memory(backend="triton")
+    _, state = mem(torch.randn(1, 6, 12))
+    launches = []
+    real = memory_triton._launch
+    monkeypatch.setattr(memory_triton, "_launch", lambda *a: launches.append(1) or real(*a))
+    for name in ("_run_chunks", "_read_and_grads"):
+        monkeypatch.setattr(memory_triton, name, lambda *a, **k: pytest.fail("torch chunk loop ran"))
+    with torch.no_grad():
+        for _ in range(3):  # 6 + 2 = 8 completes a chunk of 4 on the second step
+            _, state = mem(torch.randn(1, 1, 12), state)
+    assert len(launches) == 3 and state.position == 9 and state.pending_k.shape[2] == 1
+
+
+@interpreted
+def test_backward_in_row_blocks(monkeypatch):
+    """Chunks of 20 (padded to 32) taken 16 rows at a time by the backward kernel: the same gradients as
+    the reference."""
+    monkeypatch.setattr(memory_triton, "BACKWARD_ROWS", 16)
+    check_against_reference((1, 2, 45, 4), 2, {"chunk_size": 20, "surprise_clip": 0.5, "activation": "gelu"})
+
+
+@interpreted
+def test_layer_under_bf16_autocast_matches_torch_backend():
+    """bf16 autocast: bf16 q, k, v reach the kernels, the state stays float32, as on the torch path."""
+    x = torch.randn(2, 11, 12)
+    runs = []
+    for backend in ("triton", "torch"):
+        mem = _memory(backend=backend)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, state = mem(x)
+        y.float().sum().backward()
+        assert state.weights[0].dtype == torch.float32
+        runs.append((y.float().detach(), mem.init_weights[0].grad))
+    _close(runs[0][0], runs[1][0], 1e-3, "y")
+    _close(runs[0][1], runs[1][1], 1e-3, "grad")

@@ -1,0 +1,228 @@
+"""`MemorySession`: rollback restores bit-identical states, a frozen session changes nothing, the guard
+undoes a harmful write (and only that), and a session survives its bytes; the state's bytes format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from titans.inference.session import MemorySession, SessionFormatError, frozen_twin
+from titans.models import TitansConfig, TitansLM
+from titans.models.state import (
+    StateFileError,
+    load_state,
+    save_state,
+    state_from_bytes,
+    state_tensors,
+    state_to_bytes,
+)
+
+VOCAB = 40
+
+
+def tiny(variant: str = "mac", **kw) -> TitansLM:
+    cfg = dict(
+        variant=variant,
+        vocab_size=VOCAB,
+        dim=32,
+        depth=2,
+        heads=2,
+        segment_len=8,
+        window=8,
+        chunk_size=4,
+        persistent_tokens=2,
+    )
+    torch.manual_seed(0)
+    return TitansLM(TitansConfig(**{**cfg, **kw})).eval()
+
+
+def text(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def tensors(state) -> dict[str, torch.Tensor]:
+    """Independent copies of a state's tensors (a later in-place change would show)."""
+    return {k: v.clone() for k, v in state_tensors(state).items()}
+
+
+def assert_identical(state, expected: dict[str, torch.Tensor], position: int) -> None:
+    got = state_tensors(state)
+    assert state.position == position
+    assert got.keys() == expected.keys()
+    for name, t in expected.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
+
+def test_rollback_restores_bit_identical_states():
+    model = tiny()
+    session = MemorySession(model, snapshots=3, piece_len=8)
+    seen = []
+    for i, n in enumerate([11, 6, 13, 5]):
+        result = session.read(text(n, i))
+        assert result.kept and result.tokens == n and result.position == session.position
+        seen.append((tensors(session.state), session.position))
+    assert [s.k for s in session.snapshots] == [1, 2, 3]  # the oldest (before read 1) was dropped
+    assert [s.position for s in session.snapshots] == [30, 17, 11]
+    info = session.rollback(1)
+    assert info.position == 30
+    assert_identical(session.state, *seen[2])
+    session.rollback(2)  # two more writes back: the state after read 1
+    assert_identical(session.state, *seen[0])
+    assert session.snapshots == []
+    with pytest.raises(ValueError, match="keeps 0 snapshots"):
+        session.rollback(1)
+    # reading again from the restored state gives the same state as the first time
+    session.read(text(6, 1))
+    assert_identical(session.state, *seen[1])
+    assert [e.kind for e in session.events] == ["rollback", "rollback"]
+    with pytest.raises(ValueError, match="rollback: k"):
+        session.rollback(0)
+
+
+def test_frozen_session_leaves_the_state_bit_identical():
+    model = tiny("mag")
+    session = MemorySession(model, piece_len=5)
+    session.read(text(14, 0))
+    before = tensors(session.state)
+    session.freeze()
+    result = session.read(text(9, 1))
+    assert not result.kept and result.report.write_rate == 0.0 and result.loss is not None
+    out = session.generate(text(3, 2), 6, greedy=True)
+    assert out.shape == (1, 9)
+    assert_identical(session.state, before, 14)
+    assert session.snapshots[0].position == 0 and len(session.snapshots) == 1  # no snapshot for frozen calls
+    # the frozen twin shares the model's parameters, and the model itself still writes
+    twin = frozen_twin(model)
+    assert twin.embed.weight is model.embed.weight and twin is frozen_twin(model)
+    assert all(b.memory.write for b in model.blocks) and not any(b.memory.write for b in twin.blocks)
+    session.unfreeze()
+    result = session.read(text(9, 1))
+    assert result.kept and result.report.write_rate == 1.0 and session.position == 23
+    assert [e.kind for e in session.events] == ["freeze", "unfreeze"]
+    # a frozen read measures what an unfrozen read of the same text would (the reads differ only in writes)
+    assert session.generate(text(3, 2), 4, greedy=True).shape == (1, 7)
+    assert session.position == 23 + 3 + 4
+
+
+def _set_write_strength(model: TitansLM, max_lr: float, clip: float | None) -> None:
+    for block in model.blocks:
+        block.memory.max_lr = max_lr
+        block.memory.surprise_clip = clip
+
+
+def guarded_session() -> tuple[TitansLM, MemorySession]:
+    """A memory-only model whose memory output moves its predictions (a large tied embedding, a large
+    memory output projection), guarded by a 24-token probe, after one gentle write."""
+    model = tiny("lmm")
+    model.embed.weight.data.mul_(50)
+    for block in model.blocks:
+        block.memory.to_out.weight.data.mul_(30)
+    session = MemorySession(model, snapshots=2, probe=text(24, 100), piece_len=8)
+    _set_write_strength(model, 1e-4, None)  # a gentle write: the probe loss hardly moves
+    baseline = session.probe_loss()
+    result = session.read(text(16, 1))
+    assert result.kept and result.event is None and not session.frozen
+    assert abs(session.probe_loss() - baseline) < 0.01 * baseline
+    return model, session
+
+
+@pytest.mark.parametrize("max_lr,clip", [(1.0, 1.0), (200.0, None)])
+def test_guard_undoes_a_harmful_write_and_keeps_a_harmless_one(max_lr, clip):
+    """A strong write that raises the probe loss by ~13% (finite), and one that diverges."""
+    model, session = guarded_session()
+    kept = tensors(session.state)
+    _set_write_strength(model, max_lr, clip)
+    result = session.read(text(16, 2))
+    assert not result.kept and session.frozen
+    event = result.event
+    assert event is not None and event.kind == "guard" and "write undone" in event.reason
+    assert event.probe_before == pytest.approx(session.probe_loss())
+    assert not event.probe_after <= event.probe_before * 1.05  # a rise past the limit (or not finite)
+    if clip is not None:
+        assert "rose by" in event.reason and event.probe_after < 2 * event.probe_before
+    assert_identical(session.state, kept, 16)
+    assert len(session.snapshots) == 1  # the undone write's snapshot went with it
+    assert [e.kind for e in session.events] == ["guard"]
+    # strict JSON for a server, even with a non-finite probe loss
+    info = json.loads(json.dumps(session.info(), allow_nan=False))
+    assert info["frozen"] and info["events"][0]["kind"] == "guard" and info["position"] == 16
+    json.dumps(result.to_dict(), allow_nan=False)
+    # frozen now: a read changes nothing; unfrozen with a gentle write, writes are kept again
+    session.read(text(5, 3))
+    assert_identical(session.state, kept, 16)
+    _set_write_strength(model, 1e-4, None)
+    session.unfreeze()
+    assert session.read(text(5, 3)).kept and session.position == 21
+
+
+def test_session_bytes_round_trip_and_damage():
+    model = tiny()
+    session = MemorySession(model, snapshots=2, probe=text(10, 9), guard_max_rise=10.0, piece_len=8)
+    for i in range(3):
+        session.read(text(7 + i, i))
+    session.freeze("maintenance")
+    blob = session.to_bytes()
+    copy = MemorySession.from_bytes(model, blob)
+    assert copy.frozen and copy.max_snapshots == 2 and copy.guard_max_rise == 10.0
+    assert copy.snapshots == session.snapshots and copy.events == session.events
+    assert torch.equal(copy.probe, session.probe)
+    assert_identical(copy.state, tensors(session.state), session.position)
+    copy.rollback(2)
+    session.rollback(2)
+    assert_identical(copy.state, tensors(session.state), 7)
+    for s in (copy, session):
+        s.unfreeze()
+        s.read(text(5, 7))
+    assert_identical(copy.state, tensors(session.state), 12)
+    # no snapshots, and a fresh session (no state at all)
+    light = MemorySession.from_bytes(model, session.to_bytes(snapshots=False))
+    assert light.snapshots == [] and light.position == 12
+    assert MemorySession.from_bytes(model, MemorySession(model).to_bytes()).state is None
+    # damage anywhere is refused, by name
+    damaged = bytearray(blob)
+    damaged[len(blob) // 2] ^= 0x40
+    with pytest.raises(SessionFormatError, match="checksum"):
+        MemorySession.from_bytes(model, bytes(damaged))
+    with pytest.raises(SessionFormatError):
+        MemorySession.from_bytes(model, blob[:-100])
+    with pytest.raises(SessionFormatError, match="magic"):
+        MemorySession.from_bytes(model, b"garbage")
+    with pytest.raises(ValueError, match="another config"):
+        MemorySession.from_bytes(tiny(dim=48), blob)
+
+
+def test_state_bytes_are_the_state_file(tmp_path):
+    model = tiny()
+    _, state = model(text(13, 3)[None])
+    data = state_to_bytes(state)
+    back = state_from_bytes(data, model=model)
+    assert_identical(back, tensors(state), 13)
+    # one format: a state file's bytes load as bytes, and bytes written to a file load as a file
+    file_bytes = save_state(state, tmp_path / "s.safetensors").read_bytes()
+    assert_identical(state_from_bytes(file_bytes), tensors(state), 13)
+    (tmp_path / "b.safetensors").write_bytes(data)
+    assert_identical(load_state(tmp_path / "b.safetensors"), tensors(state), 13)
+    damaged = bytearray(data)
+    damaged[-5] ^= 1
+    with pytest.raises(StateFileError, match="corrupted"):
+        state_from_bytes(bytes(damaged))
+    with pytest.raises(StateFileError, match="truncated"):
+        state_from_bytes(data[:50])
+
+
+def test_bad_session_input_is_refused_by_name():
+    model = tiny()
+    session = MemorySession(model)
+    with pytest.raises(ValueError, match=r"\[0, 40\)"):
+        session.read([1, 2, 40])
+    with pytest.raises(ValueError, match="one stream"):
+        session.read(torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(TypeError, match="integers"):
+        session.read(torch.zeros(3))
+    with pytest.raises(ValueError, match="probe"):
+        MemorySession(model, probe=[1])
+    with pytest.raises(ValueError, match="snapshots"):
+        MemorySession(model, snapshots=-1)
+    assert session.read([]).tokens == 0 and session.state is None
