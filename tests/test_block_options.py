@@ -20,6 +20,7 @@ VOCAB = 61
 # (variant, options): each option on its own, and the paper's MAL (memory prefix, no attention prefix)
 OPTION_CASES = [
     ("mac", dict(mac_norm_memory_input=False)),
+    ("mac", dict(mac_memory_residual=False)),
     ("mac", dict(attn_output_gate=True)),
     ("mag", dict(attn_output_gate=True)),
     ("mal", dict(attn_output_gate=True)),
@@ -150,7 +151,45 @@ def test_mac_memory_write_carries_the_input_at_init():
         return cos[:, off].mean().item()
 
     assert mean_pairwise_cos(TitansConfig.preset("tiny", variant="mac")) < 0.99
-    assert mean_pairwise_cos(TitansConfig.preset("tiny", variant="mac", mac_norm_memory_input=False)) > 0.9999
+    raw = TitansConfig.preset("tiny", variant="mac", mac_norm_memory_input=False, mac_memory_residual=False)
+    assert mean_pairwise_cos(raw) > 0.9999
+
+
+def test_mac_residual_write_keys_follow_the_token_at_init():
+    """With `mac_memory_residual` (the default) MAC's memory keys carry the token they sit on at init.
+
+    The attention spreads over its segment at init, so its output y changes little from one token to the
+    next: keys built from norm(y) alone are close to their neighbours', and changing one token moves its own
+    key little. Written as x + y, the token shows through (what pass-key retrieval has to match on)."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (2, 64))
+    changed = tokens.clone()
+    changed[:, 40] = (changed[:, 40] + 101) % 256
+
+    def keys(residual: bool, inputs: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(0)
+        cfg = TitansConfig.preset("tiny", variant="mac", mac_memory_residual=residual)
+        return _memory_keys(TitansLM(cfg), inputs)[0]  # first MAC block: (B, H, T, d), l2-normalised
+
+    def own_change(residual: bool) -> float:
+        return (keys(residual, tokens)[..., 40, :] - keys(residual, changed)[..., 40, :]).norm(dim=-1).mean()
+
+    def neighbour_cos(residual: bool) -> float:
+        k = keys(residual, tokens)
+        return (k[..., 1:, :] * k[..., :-1, :]).sum(-1).mean().item()
+
+    assert TitansConfig().mac_memory_residual is True
+    assert own_change(True) > 1.5 * own_change(False)
+    assert neighbour_cos(True) < 0.88 < neighbour_cos(False)
+
+
+def test_saved_config_without_the_residual_write_rebuilds_the_y_only_block():
+    """A MAC saved before `mac_memory_residual` existed wrote norm(y) alone: loading it keeps that."""
+    old = TitansConfig.preset("tiny", variant="mac").to_dict()
+    del old["mac_memory_residual"]
+    assert TitansConfig.from_saved_dict(old).mac_memory_residual is False
+    assert TitansConfig.from_dict(old).mac_memory_residual is True
+    assert TitansLM(TitansConfig.from_saved_dict(old)).blocks[0].memory_residual is False
 
 
 def test_mac_memory_input_norm_is_a_learned_rms_norm():
@@ -172,7 +211,14 @@ def test_saved_config_without_the_memory_input_norm_rebuilds_the_unnormalised_bl
 
 
 @pytest.mark.parametrize(
-    "field", ["mac_norm_memory_input", "attn_output_gate", "persistent_to_memory", "mal_attn_persistent"]
+    "field",
+    [
+        "mac_norm_memory_input",
+        "mac_memory_residual",
+        "attn_output_gate",
+        "persistent_to_memory",
+        "mal_attn_persistent",
+    ],
 )
 def test_option_must_be_a_bool(field):
     with pytest.raises(ValueError, match=field):

@@ -273,7 +273,8 @@ def test_a_diverging_run_never_calls_nan_weights_good(tmp_path, cache_dir):
     cfg = micro_config(run_dir, cache_dir, batch_size=4, steps=30, warmup_steps=10, eval_windows=2)
     cfg_file = tmp_path / "run.json"
     cfg.save(cfg_file)
-    cmd = [*TITANS, "train", "--config", str(cfg_file), "--no-progress", "--lr", "50"]
+    # lr 500 without clipping: a few good steps (checkpointed), then NaN
+    cmd = [*TITANS, "train", "--config", str(cfg_file), "--no-progress", "--lr", "500"]
     cmd += ["--set", "grad_clip=null", "--set", "ckpt_every=1", "--set", "log_every=10"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=180)
     assert proc.returncode == 1, proc.stderr[-3000:]

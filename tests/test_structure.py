@@ -5,7 +5,7 @@ Every module under src/titans is read with `ast` (nothing is imported), top-leve
 alike. Package order, lower first (a module may import its own level and lower ones, never a higher one):
 
     ops, data, validation, deprecation, _fs < layers < models < training, inference, hf, forecast, dna
-    < evaluation < cli, demo, __main__, lm_eval, titans
+    < evaluation < serving < cli, demo, __main__, lm_eval, titans
 
 `titans.hf` wraps models for `transformers` (beside training and inference); the root package
 `titans/__init__.py` only re-exports public names, so nothing inside the package imports from it.
@@ -24,7 +24,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "titans"
 
-TOP = 5
+TOP = 6
 LEVELS = {
     "ops": 0,
     "data": 0,
@@ -39,6 +39,7 @@ LEVELS = {
     "forecast": 3,  # time-series forecasting on the model blocks
     "dna": 3,  # DNA language modelling and classification (uses the trainer)
     "evaluation": 4,
+    "serving": 5,  # the HTTP server over inference; only the CLI above it
     "cli": TOP,
     "demo": TOP,
     "__main__": TOP,

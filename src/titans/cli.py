@@ -1,4 +1,4 @@
-"""The `titans` command line: `titans train | eval ... | generate | read | inspect | demo`.
+"""The `titans` command line: `titans train | eval ... | generate | read | inspect | serve | demo`.
 
 Each command lives in the module of the part of the library it drives and registers itself through
 `register(commands, evals)`; `commands` and `evals` are argparse sub-parser collections for top-level
@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "titans.evaluation.cli",  # eval ppl | niah | babilong | tasks | ablate | depth
     "titans.forecast.cli",  # forecast train | eval | study
     "titans.dna.cli",  # dna study | classify
+    "titans.serving.cli",  # serve
 )
 
 

@@ -267,6 +267,7 @@ class MACBlock(Block):
         )
         self.norm_tokens, self.eps = cfg.mac_norm_memory_tokens, cfg.norm_eps
         self.norm_memory_input = RMSNorm(cfg.dim, eps=cfg.norm_eps) if cfg.mac_norm_memory_input else None
+        self.memory_residual = cfg.mac_memory_residual
         gate = IdentityInitGate if cfg.mac_gate == "open" else GatedCombine
         self.combine = gate(cfg.dim, cfg.norm_eps)
 
@@ -296,7 +297,8 @@ class MACBlock(Block):
             xs = x[:, start:end]
             h = self.retrieve(xs, seg_w)
             y, attn_state = self.attn(xs, h, attn_state)
-            u = y if self.norm_memory_input is None else self.norm_memory_input(y)
+            u = xs + y if self.memory_residual else y
+            u = u if self.norm_memory_input is None else self.norm_memory_input(u)
             m, mem_state = _run_memory(self.memory, u, mem_state, stats)
             outs.append(self.combine(y, m))
             if (pos + end) % self.segment_len == 0:  # segment complete: chunks divide it, nothing pending

@@ -105,6 +105,11 @@ class TitansConfig:
     # projection, and the memory's keys and values at initialisation are its conv bias alone, the same for
     # every token (docs/design.md, "The MAC block")
     mac_norm_memory_input: bool = True
+    # mac_memory_residual: MAC's memory writes (and reads back for its gate) x + y, the normed block input
+    # plus the attention output, instead of y alone. At initialisation the attention spreads over its
+    # segment, so y changes little from token to token: keys and queries built from it carry little of the
+    # local context that retrieval matches on (docs/design.md, "The memory's write input")
+    mac_memory_residual: bool = True
     # Departures from the paper, each with the paper's form as an option (docs/design.md, "Departures from
     # the paper"). attn_output_gate: every attention normalises its output per head and gates it with
     # sigmoid(x W) before the output projection. persistent_to_memory: MAG and MAL prepend the persistent
@@ -157,6 +162,7 @@ class TitansConfig:
         for name in (
             "mac_norm_memory_tokens",
             "mac_norm_memory_input",
+            "mac_memory_residual",
             "attn_output_gate",
             "persistent_to_memory",
             "mal_attn_persistent",
@@ -259,7 +265,7 @@ class TitansConfig:
 
 # Fields whose default changed the model's computation when they were added, and the value that keeps the
 # computation of a model saved before them (`TitansConfig.from_saved_dict`).
-SAVED_WITHOUT: dict[str, Any] = {"mac_norm_memory_input": False}
+SAVED_WITHOUT: dict[str, Any] = {"mac_norm_memory_input": False, "mac_memory_residual": False}
 
 # One line per field, for listings (`titans train --list-fields` shows them as model.<field>).
 FIELD_HELP: dict[str, str] = {
@@ -302,6 +308,7 @@ FIELD_HELP: dict[str, str] = {
     "mac_norm_memory_tokens": "MAC: RMS-normalise the retrieved memory tokens before attention",
     "mac_gate": f"MAC output gate: {', '.join(MAC_GATES)}",
     "mac_norm_memory_input": "MAC: RMS-normalise the attention output before the memory writes it",
+    "mac_memory_residual": "MAC: the memory writes x + y (block input plus attention output), not y alone",
     "attn_output_gate": "every attention normalises its output per head and gates it by the input "
     "(the paper's output gate)",
     "persistent_to_memory": "MAG and MAL: the persistent tokens are prepended to the memory's input too",

@@ -1,0 +1,215 @@
+"""S-NIAH over training seeds: train each variant with the pass-key recipe once per seed, evaluate every
+trained model on several haystacks and lengths, and aggregate the accuracy per length as mean and range.
+
+    python benchmarks/niah_seeds.py --variants lmm,mac --seeds 0,1,2 --jobs 2 --name main
+    python benchmarks/niah_seeds.py --aggregate-only --name main      # re-read the per-run JSON files
+
+For every (variant, seed) one pipeline runs, pipelines in parallel up to ``--jobs``:
+
+1. ``titans eval niah --train-recipe --variant V --seed S <recipe> --save-model RUNS/V_sS``: the variant's
+   recipe (``RECIPES``; ``--recipe-extra`` is appended) from a fresh model seeded by S; it evaluates once
+   at ``--train-eval-length`` as a check;
+2. ``titans eval niah --checkpoint RUNS/V_sS --haystack H --lengths ... --seed 0`` for each haystack: the
+   same test prompts for every model and seed (``--seed`` of an evaluation only picks the prompts).
+
+Each command writes its own JSON (the command line, the training history, every prompt's answer) under
+``OUT/runs/``; the summary ``OUT/niah_seeds_<name>.json`` holds, per variant, haystack and length, the
+accuracy of every seed and their mean, min and max. The commands run as subprocesses of
+``python -m titans``, so what the summary reports is exactly what those commands print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+# The pass-key recipe of docs/evaluations.md: a memory without forgetting, a conv of 8 on q/k/v, the inner
+# learning rate bounded, lengths <= 1,024 grown by the adaptive curriculum, a little LM loss.
+BASE_RECIPE = (
+    "--set memory_conv_kernel=8 --set memory_max_lr=0.03 --set memory_theta_init=0.002 "
+    "--set memory_forgetting=false --train-length 1024 --start-length 320 --curriculum 0.5 "
+    "--curriculum-loss 0.3 --steps 800 --batch-size 8 --lr 0.003 --warmup-steps 20 --lm-loss-weight 0.1"
+)
+# Full attention needs its own recipe (docs/evaluations.md, "Transformer++"): the linear length ramp (the
+# adaptive one keeps it at <= 500 tokens, where its loss never stays under the threshold), lr 1e-3 and more
+# steps; it solves the task at <= 1,024 tokens after about 2,000 steps.
+TRANSFORMER_RECIPE = (
+    "--train-length 1024 --start-length 320 --curriculum 0.5 --steps 3000 --batch-size 8 --lr 0.001 "
+    "--warmup-steps 50 --lm-loss-weight 0.1"
+)
+# Each variant's recipe: the base recipe with the variant's changes appended (a later flag wins).
+RECIPES: dict[str, str] = {
+    "lmm": BASE_RECIPE,
+    "mac": BASE_RECIPE + " --set mac_gate=open",  # the gate that starts open learns the task first
+    "mag": BASE_RECIPE,
+    "mal": BASE_RECIPE,
+    "swa": BASE_RECIPE,
+    "transformer": TRANSFORMER_RECIPE,
+}
+
+
+def run_commands(variant: str, seed: int, args: argparse.Namespace) -> list[list[str]]:
+    """The pipeline of one (variant, seed): the training command, then one evaluation per haystack."""
+    tag = f"{variant}_s{seed}"
+    ckpt = Path(args.runs) / tag
+    out = Path(args.out) / "runs"
+    common = ["--threads", str(args.threads), "--device", args.device, "--out", str(out)]
+    train = [
+        *("eval", "niah", "--train-recipe", "--variant", variant, "--seed", str(seed)),
+        *shlex.split(RECIPES.get(variant, BASE_RECIPE)),
+        *("--kind", args.kind),
+        *shlex.split(args.recipe_extra),
+        *("--lengths", str(args.train_eval_length), "--samples", "1"),
+        *("--save-model", str(ckpt), "--name", f"{tag}_train"),
+        *common,
+    ]
+    if args.time_budget is not None:
+        train += ["--time-budget", str(args.time_budget)]
+    commands = [train]
+    for haystack in args.haystacks.split(","):
+        commands.append(
+            [
+                *("eval", "niah", "--checkpoint", str(ckpt), "--haystack", haystack, "--kind", args.kind),
+                *("--lengths", args.lengths, "--samples", str(args.samples), "--seed", "0"),
+                *("--eval-batch-size", str(args.eval_batch_size), "--name", f"{tag}_{haystack}"),
+                *common,
+            ]
+        )
+    return commands
+
+
+def run_pipeline(variant: str, seed: int, args: argparse.Namespace) -> None:
+    log_dir = Path(args.out) / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / f"{variant}_s{seed}.log", "a") as log:
+        for cmd in run_commands(variant, seed, args):
+            full = [sys.executable, "-m", "titans", *cmd]
+            log.write("$ " + shlex.join(full) + "\n")
+            log.flush()
+            t0 = time.perf_counter()
+            rc = subprocess.call(full, stdout=log, stderr=subprocess.STDOUT)
+            log.write(f"# exit {rc} after {time.perf_counter() - t0:.0f}s\n")
+            log.flush()
+            if rc != 0:
+                print(f"{variant} seed {seed}: `{shlex.join(cmd[:3])} ...` failed (exit {rc})", flush=True)
+                return
+    print(f"{variant} seed {seed}: done", flush=True)
+
+
+def per_length(result: dict) -> dict[int, float]:
+    """An evaluation JSON's accuracy per length (all depths pooled)."""
+    correct: dict[int, int] = {}
+    total: dict[int, int] = {}
+    for cell in result["cells"]:
+        n = int(cell["length"])
+        correct[n] = correct.get(n, 0) + int(cell["correct"])
+        total[n] = total.get(n, 0) + int(cell["total"])
+    return {n: correct[n] / total[n] for n in sorted(total)}
+
+
+def aggregate(out: Path) -> dict:
+    """Read ``out/runs/<variant>_s<seed>_<haystack>.json`` -> {variant: {haystack: {length: stats}}}."""
+    table: dict[str, dict[str, dict[int, dict[int, float]]]] = {}
+    prompts: dict[str, int] = {}
+    train: dict[str, dict] = {}
+    for path in sorted((out / "runs").glob("*_s*_*.json")):
+        stem = path.stem
+        match = re.fullmatch(r"(?P<variant>[a-z]+)_s(?P<seed>\d+)_(?P<haystack>[a-z_]+)", stem)
+        if match is None:
+            continue
+        variant, seed_text, haystack = match["variant"], match["seed"], match["haystack"]
+        data = json.loads(path.read_text())
+        if haystack == "train":
+            training = data["metadata"]["model"].get("training", {})
+            final = training.get("final") or {}
+            train[f"{variant}_s{seed_text}"] = {
+                "steps_done": training.get("steps_done"),
+                "seconds": training.get("seconds"),
+                "final_answer_loss_avg": final.get("loss_avg"),
+            }
+            continue
+        for length, acc in per_length(data).items():
+            cell = table.setdefault(variant, {}).setdefault(haystack, {}).setdefault(length, {})
+            cell[int(seed_text)] = acc
+        prompts[stem] = len(data["metadata"]["samples"])
+    summary: dict = {"variants": {}, "training": train}
+    for variant, by_haystack in table.items():
+        summary["variants"][variant] = {}
+        for haystack, by_length in by_haystack.items():
+            rows = {}
+            for length, by_seed in sorted(by_length.items()):
+                values = list(by_seed.values())
+                rows[str(length)] = {
+                    "seeds": {str(s): a for s, a in sorted(by_seed.items())},
+                    "mean": sum(values) / len(values),
+                    "min": min(values),
+                    "max": max(values),
+                }
+            summary["variants"][variant][haystack] = rows
+    summary["prompts_per_run"] = prompts
+    return summary
+
+
+def markdown(summary: dict) -> str:
+    """One row per variant and haystack: mean accuracy per length with the range over seeds."""
+    lengths = sorted({int(n) for v in summary["variants"].values() for h in v.values() for n in h}, key=int)
+    head = "| model | haystack | seeds | " + " | ".join(f"{n / 1024:g}K" for n in lengths) + " |"
+    lines = [head, "|---|---|---:|" + "---:|" * len(lengths)]
+    for variant, by_haystack in sorted(summary["variants"].items()):
+        for haystack, rows in sorted(by_haystack.items()):
+            seeds = max((len(r["seeds"]) for r in rows.values()), default=0)
+            cells = []
+            for n in lengths:
+                r = rows.get(str(n))
+                if r is None:
+                    cells.append("-")
+                    continue
+                cells.append(f"{100 * r['mean']:.0f}% ({100 * r['min']:.0f}-{100 * r['max']:.0f})")
+            lines.append(f"| {variant} | {haystack} | {seeds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default="lmm,mac,mag,mal,swa,transformer")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--kind", default="passkey", help="needle kind: passkey, number, uuid")
+    p.add_argument("--haystacks", default="noise,essays,moby_dick")
+    p.add_argument("--lengths", default="1024,4096,16384")
+    p.add_argument("--samples", type=int, default=2, help="prompts per (length, depth) cell; 5 depths")
+    p.add_argument("--train-eval-length", type=int, default=1024)
+    p.add_argument("--time-budget", type=float, default=None, help="minutes of training per run")
+    p.add_argument("--recipe-extra", default="", help="flags appended to every training command")
+    p.add_argument("--jobs", type=int, default=1, help="pipelines run in parallel")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--eval-batch-size", type=int, default=10)
+    p.add_argument("--name", default="passkey")
+    p.add_argument("--out", default=None, help="default results/evals/niah_seeds/<name>")
+    p.add_argument("--runs", default=None, help="checkpoints; default runs/evals/niah_seeds/<name>")
+    p.add_argument("--aggregate-only", action="store_true")
+    args = p.parse_args()
+    args.out = args.out or f"results/evals/niah_seeds/{args.name}"
+    args.runs = args.runs or f"runs/evals/niah_seeds/{args.name}"
+    if not args.aggregate_only:
+        jobs = [(v, int(s)) for v in args.variants.split(",") for s in args.seeds.split(",")]
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            list(pool.map(lambda job: run_pipeline(*job, args), jobs))
+    out = Path(args.out)
+    summary = aggregate(out)
+    summary["recipe"] = {"per_variant": RECIPES, "extra": args.recipe_extra, "kind": args.kind}
+    path = out / f"niah_seeds_{args.name}.json"
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    print(markdown(summary))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

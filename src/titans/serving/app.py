@@ -1,0 +1,447 @@
+"""The HTTP API (FastAPI): sessions created, fed, queried, frozen and rolled back, each persisted in the
+store before its request returns.
+
+    app = create_app(engine, store, key_hashes=load_api_keys("keys.txt"))
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Consistency: requests to one session are serialised in this process (an asyncio lock per session id),
+different sessions run in parallel (the model work runs in a pool of `workers` threads). Each change
+reads the record, applies the operation and writes it back with compare-and-set on the record's
+version; if another server sharing the store wrote in between, the change starts again from the newer
+record (up to `conflict_retries` times, then 409). So an acknowledged change is applied exactly once
+and is in the store.
+
+Errors: every refused request gets a 4xx (or 503 when the store is unreachable) with ``{"detail": ...}``
+naming the problem: 401 no or unknown key, 404 unknown session or one of another key, 409 a stored state
+that cannot be read (damaged bytes, or a state of another model), 413 a body over the limit, 422 a
+malformed body, a text over the token limit, symbols the model cannot read, no such snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import random
+import re
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from titans.serving.auth import ANONYMOUS, bearer_key, hash_key
+from titans.serving.session import Engine, MemorySession, SessionDataError
+from titans.serving.stores import Record, SessionExists, SessionStore, StoreError, VersionConflict
+from titans.training.config import TrainConfig
+
+log = logging.getLogger("titans.serving")
+T = TypeVar("T")
+_SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
+_SAMPLING = TrainConfig()  # the sampling defaults of `titans generate` and of the sample after training
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for."""
+
+    max_body_bytes: int = 1 << 20
+    max_tokens: int = 16384  # tokens of text (read) or prompt (generate) per request
+    max_new_tokens: int = 1024
+    conflict_retries: int = 20
+
+
+# ------------------------------------------------------------------------------------------ bodies
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ReadBody(_Body):
+    text: str = Field(description="text the memory reads (learns)")
+
+
+class GenerateBody(_Body):
+    prompt: str = Field(description="text read into the memory first, then continued (at least one token)")
+    max_new_tokens: int = Field(64, ge=0, description="tokens generated at most")
+    temperature: float = Field(
+        _SAMPLING.sample_temperature, ge=0, description="sampling temperature (0: greedy)"
+    )
+    top_k: int | None = Field(
+        _SAMPLING.sample_top_k, ge=1, description="sample from the k most likely tokens (null: all)"
+    )
+    top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling threshold (null: off)")
+    greedy: bool = Field(False, description="always take the most likely token")
+    seed: int | None = Field(None, ge=0, lt=1 << 63, description="sampling seed (null: random)")
+    stop_at_eos: bool = Field(True, description="stop at the tokenizer's end-of-text token")
+
+
+class RollbackBody(_Body):
+    snapshot: int = Field(ge=0, description="index from GET .../snapshots (0: before the last change)")
+
+
+# ------------------------------------------------------------------------------------------ errors
+class ApiError(Exception):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
+def _not_found(sid: str) -> ApiError:
+    return ApiError(404, f"no session {sid!r}")
+
+
+class BodyLimit:
+    """ASGI middleware: a body over `max_bytes` gets 413, whether its Content-Length says so up front or
+    it is streamed (chunked) past the limit; every body is read as JSON."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if headers.get(b"content-type", b"").split(b";")[0].strip() != b"application/json":
+            # every body of this API is JSON: read it as JSON whatever the client labelled it (curl -d
+            # sends form-encoded), so a bad body gets the JSON error that names its problem
+            raw = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+            scope = {**scope, "headers": [*raw, (b"content-type", b"application/json")]}
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # FastAPI re-raises an HTTPException met while reading the body
+                    raise HTTPException(413, self._detail())
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _detail(self) -> str:
+        return f"request body over the limit of {self.max_bytes} bytes (--max-body-bytes)"
+
+    async def _refuse(self, send: Send) -> None:
+        response = JSONResponse({"detail": self._detail()}, status_code=413)
+        await response({"type": "http"}, _nothing, send)
+
+
+async def _nothing() -> Message:
+    return {"type": "http.disconnect"}
+
+
+# ------------------------------------------------------------------------------------------ locks
+class SessionLocks:
+    """One asyncio lock per session id while anyone holds or waits for it (then it is dropped)."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, list] = {}
+
+    @asynccontextmanager
+    async def hold(self, sid: str):
+        entry = self._locks.setdefault(sid, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._locks[sid]
+
+
+# ------------------------------------------------------------------------------------------ the service
+class SessionService:
+    """The operations behind the routes: load, check ownership and integrity, apply, persist."""
+
+    def __init__(self, engine: Engine, store: SessionStore, limits: Limits, workers: int) -> None:
+        self.engine, self.store, self.limits = engine, store, limits
+        self.locks = SessionLocks()
+        self.limiter = anyio.CapacityLimiter(workers)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        return await anyio.to_thread.run_sync(fn, limiter=self.limiter)
+
+    # -------------------------------------------------------------- loading
+    def _record(self, sid: str, owner: str) -> Record:
+        if not _SESSION_ID.match(sid):
+            raise _not_found(sid)
+        record = self.store.get(sid)
+        if record is None or not hmac.compare_digest(record.owner, owner):
+            raise _not_found(sid)  # another key's session is as absent as a missing one
+        return record
+
+    def _session(self, record: Record) -> MemorySession:
+        if not record.intact:
+            reason = "its bytes do not match their checksum"
+        else:
+            try:
+                return MemorySession.from_bytes(record.data, self.engine)
+            except SessionDataError as e:
+                reason = str(e)
+        log.error(
+            "stored state of session %s (version %d) is corrupted: %s", record.id, record.version, reason
+        )
+        raise ApiError(
+            409,
+            f"stored state of session {record.id} is corrupted ({reason}); nothing was changed, and the "
+            f"store's other sessions are not affected. DELETE /v1/sessions/{record.id} removes it",
+        )
+
+    def load(self, sid: str, owner: str) -> tuple[Record, MemorySession]:
+        record = self._record(sid, owner)
+        return record, self._session(record)
+
+    # -------------------------------------------------------------- operations
+    def create(self, owner: str) -> dict[str, Any]:
+        data = MemorySession.new(self.engine).to_bytes()
+        for _ in range(8):
+            sid = uuid.uuid4().hex
+            try:
+                record = self.store.create(sid, owner, data)
+            except SessionExists:
+                continue
+            log.info("session %s created", sid)
+            return {"id": sid, "version": record.version}
+        raise ApiError(503, "could not pick a free session id")
+
+    def change(self, sid: str, owner: str, op: Callable[[MemorySession], dict[str, Any]]) -> dict[str, Any]:
+        """Apply `op` to the stored session and write it back (compare-and-set), starting again from the
+        newer record when another server wrote in between."""
+        for attempt in range(self.limits.conflict_retries):
+            record, session = self.load(sid, owner)
+            result = op(session)
+            try:
+                data = session.to_bytes()
+            except ValueError as e:  # a state holding NaN or inf: the model diverged on this input
+                raise ApiError(422, f"session {sid} was not changed: {e}") from e
+            try:
+                version = self.store.put(sid, data, expected_version=record.version)
+            except VersionConflict:
+                time.sleep(random.uniform(0, 0.002 * (attempt + 1)))  # let the other writer finish
+                continue
+            return {"id": sid, "version": version, **result}
+        raise ApiError(
+            409,
+            f"session {sid} was changed by another server {self.limits.conflict_retries} times while this "
+            "request was applied; nothing was changed, send it again",
+        )
+
+    def delete(self, sid: str, owner: str) -> dict[str, Any]:
+        if not _SESSION_ID.match(sid) or not self.store.delete(sid, owner):
+            raise _not_found(sid)
+        log.info("session %s deleted", sid)
+        return {"id": sid, "deleted": True}
+
+    def tokens(self, text: str, what: str) -> list[int]:
+        ids = self.engine.encode(text)
+        if len(ids) > self.limits.max_tokens:
+            raise ApiError(
+                422,
+                f"the {what} holds {len(ids)} tokens; this server takes at most {self.limits.max_tokens} "
+                "tokens per request (--max-tokens): send it in several requests",
+            )
+        if not ids:
+            raise ApiError(422, f"the {what} holds no tokens")
+        return ids
+
+
+def _owner_from(key_hashes: frozenset[str] | None) -> Callable[..., str]:
+    def owner(authorization: str | None = Header(None, description="Bearer KEY")) -> str:
+        if key_hashes is None:
+            return ANONYMOUS
+        key = bearer_key(authorization)
+        if key is None:
+            raise HTTPException(
+                401, "missing API key: send 'Authorization: Bearer KEY'", {"WWW-Authenticate": "Bearer"}
+            )
+        digest = hash_key(key)
+        if digest not in key_hashes:
+            raise HTTPException(401, "unknown API key", {"WWW-Authenticate": "Bearer"})
+        return digest
+
+    return owner
+
+
+def create_app(
+    engine: Engine,
+    store: SessionStore,
+    *,
+    key_hashes: frozenset[str] | None,
+    limits: Limits | None = None,
+    workers: int = 4,
+    model_name: str = "",
+) -> FastAPI:
+    """The API over `engine` and `store`. key_hashes: sha256 hashes of the accepted keys (`load_api_keys`);
+    None: no keys, every request is one anonymous owner."""
+    limits = limits or Limits()
+    service = SessionService(engine, store, limits, workers)
+    app = FastAPI(
+        title="titans memory server",
+        version="1",
+        description=(
+            "Per-session Titans memories: each session is a model state that learns the text it reads. "
+            "Every route but /v1/health needs `Authorization: Bearer KEY` (when the server has keys); a "
+            "session belongs to the key that created it."
+        ),
+    )
+    app.state.service = service
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    owner_dep = Depends(_owner_from(key_hashes))
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+
+    @app.exception_handler(StoreError)
+    async def _store_error(request: Request, exc: StoreError) -> JSONResponse:
+        log.error("store error: %s", exc)
+        return JSONResponse({"detail": f"the session store is unavailable: {exc}"}, status_code=503)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors():
+            if err.get("type") == "json_invalid":
+                reason = (err.get("ctx") or {}).get("error", "")
+                at = err.get("loc", ("", "?"))[-1]
+                problems.append(f"the body is not valid JSON ({reason} at character {at})")
+                continue
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+            problems.append(f"{where}: {err.get('msg', 'invalid')}")
+        return JSONResponse({"detail": "malformed request: " + "; ".join(problems)}, status_code=422)
+
+    async def locked(sid: str, fn: Callable[[], T]) -> T:
+        async with service.locks.hold(sid):
+            return await service.run(fn)
+
+    def guarded(fn: Callable[[MemorySession], dict[str, Any]]) -> Callable[[MemorySession], dict[str, Any]]:
+        """Session errors that are the request's fault as 422."""
+
+        def op(session: MemorySession) -> dict[str, Any]:
+            try:
+                return fn(session)
+            except (ValueError, IndexError) as e:
+                raise ApiError(422, str(e)) from e
+
+        return op
+
+    @app.get("/v1/health", summary="liveness (no key needed)")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": model_name, "store": store.kind}
+
+    @app.post("/v1/sessions", status_code=201, summary="create a session -> {id}")
+    async def create(owner: str = owner_dep) -> dict[str, Any]:
+        return await service.run(lambda: service.create(owner))
+
+    @app.delete("/v1/sessions/{sid}", summary="delete a session and its snapshots")
+    async def delete(sid: str, owner: str = owner_dep) -> dict[str, Any]:
+        return await locked(sid, lambda: service.delete(sid, owner))
+
+    @app.post("/v1/sessions/{sid}/read", summary="the memory reads (learns) a text")
+    async def read(sid: str, body: ReadBody, owner: str = owner_dep) -> dict[str, Any]:
+        def work() -> dict[str, Any]:
+            ids = service.tokens(body.text, "text")
+            return service.change(sid, owner, guarded(lambda s: {**s.read(ids), "reads": s.reads}))
+
+        return await locked(sid, work)
+
+    @app.post("/v1/sessions/{sid}/generate", summary="read a prompt into the memory, then continue it")
+    async def generate(sid: str, body: GenerateBody, owner: str = owner_dep) -> dict[str, Any]:
+        if body.max_new_tokens > limits.max_new_tokens:
+            raise ApiError(
+                422,
+                f"max_new_tokens {body.max_new_tokens} is over this server's limit of "
+                f"{limits.max_new_tokens} (--max-new-tokens)",
+            )
+
+        def work() -> dict[str, Any]:
+            ids = service.tokens(body.prompt, "prompt")
+
+            def op(session: MemorySession) -> dict[str, Any]:
+                start = session.position
+                text = session.generate(
+                    ids,
+                    body.max_new_tokens,
+                    temperature=body.temperature,
+                    top_k=body.top_k,
+                    top_p=body.top_p,
+                    greedy=body.greedy,
+                    seed=body.seed,
+                    stop_at_eos=body.stop_at_eos,
+                )
+                new = session.position - start - len(ids)
+                return {
+                    "text": text,
+                    "prompt_tokens": len(ids),
+                    "new_tokens": new,
+                    "position": session.position,
+                }
+
+            return service.change(sid, owner, guarded(op))
+
+        return await locked(sid, work)
+
+    @app.get("/v1/sessions/{sid}/stats", summary="counters, the last read's surprise, memory norms")
+    async def stats(sid: str, owner: str = owner_dep) -> dict[str, Any]:
+        def work() -> dict[str, Any]:
+            record, session = service.load(sid, owner)
+            return {"id": sid, "version": record.version, **session.stats()}
+
+        return await service.run(work)
+
+    @app.post("/v1/sessions/{sid}/freeze", summary="stop writing the memory (reads still work)")
+    async def freeze(sid: str, owner: str = owner_dep) -> dict[str, Any]:
+        def op(session: MemorySession) -> dict[str, Any]:
+            session.freeze()
+            return {"frozen": True}
+
+        return await locked(sid, lambda: service.change(sid, owner, op))
+
+    @app.post("/v1/sessions/{sid}/unfreeze", summary="write the memory again")
+    async def unfreeze(sid: str, owner: str = owner_dep) -> dict[str, Any]:
+        def op(session: MemorySession) -> dict[str, Any]:
+            session.unfreeze()
+            return {"frozen": False}
+
+        return await locked(sid, lambda: service.change(sid, owner, op))
+
+    @app.get("/v1/sessions/{sid}/snapshots", summary="the kept snapshots, newest first")
+    async def snapshots(sid: str, owner: str = owner_dep) -> dict[str, Any]:
+        def work() -> dict[str, Any]:
+            record, session = service.load(sid, owner)
+            return {"id": sid, "version": record.version, "snapshots": session.snapshots()}
+
+        return await service.run(work)
+
+    @app.post("/v1/sessions/{sid}/rollback", summary="restore a snapshot, bit for bit")
+    async def rollback(sid: str, body: RollbackBody, owner: str = owner_dep) -> dict[str, Any]:
+        def op(session: MemorySession) -> dict[str, Any]:
+            session.rollback(body.snapshot)
+            return {
+                "position": session.position,
+                "reads": session.reads,
+                "snapshots": len(session.snapshots()),
+            }
+
+        return await locked(sid, lambda: service.change(sid, owner, guarded(op)))
+
+    return app
+
+
+__all__ = ["ApiError", "BodyLimit", "GenerateBody", "Limits", "ReadBody", "RollbackBody", "create_app"]

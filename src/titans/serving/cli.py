@@ -1,0 +1,116 @@
+"""`titans serve`: the memory server over a trained checkpoint.
+
+    titans serve --checkpoint runs/main --api-keys keys.txt                       # SQLite store, loopback
+    titans serve --checkpoint runs/main --store redis://10.0.0.5:6379/0 --api-keys keys.txt --host 0.0.0.0
+
+Without --api-keys the server has no keys (every request is one anonymous owner): it then only starts on
+a loopback host, unless --no-auth says that anyone who can reach it may use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+
+from titans.inference.cli import load_model
+from titans.serving.auth import is_loopback, load_api_keys
+from titans.serving.session import DEFAULT_MAX_SNAPSHOTS, Engine
+from titans.serving.stores import open_store
+from titans.training.distributed import resolve_device
+
+DEFAULT_STORE = "sqlite:///titans-sessions.db"
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Option errors of `titans serve`, found before the model is loaded."""
+    if args.api_keys and args.no_auth:
+        raise ValueError("--api-keys and --no-auth contradict each other: give one")
+    if not args.api_keys and not args.no_auth and not is_loopback(args.host):
+        raise ValueError(
+            f"refusing to serve without API keys on --host {args.host}, which other machines can reach: "
+            "give --api-keys FILE (one key per line), or --no-auth to let anyone who reaches it in"
+        )
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    for name in ("max_body_bytes", "max_tokens", "workers", "torch_threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("max_new_tokens", "snapshots"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+
+
+def build_app(args: argparse.Namespace):
+    """(FastAPI app, store) for parsed `titans serve` options: the model loaded, the store opened."""
+    try:  # the optional `serve` extra
+        from titans.serving.app import Limits, create_app
+    except ModuleNotFoundError as e:
+        raise ImportError(f"titans serve needs the serve extra (pip install 'titans[serve]'): {e}") from e
+    torch.set_num_threads(args.torch_threads)
+    keys = load_api_keys(args.api_keys) if args.api_keys else None
+    device = resolve_device(args.device)
+    model, _, tokenizer = load_model(args.checkpoint, map_location=device)
+    engine = Engine(model, tokenizer, max_snapshots=args.snapshots)
+    store = open_store(args.store)
+    limits = Limits(
+        max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_new_tokens=args.max_new_tokens
+    )
+    app = create_app(
+        engine, store, key_hashes=keys, limits=limits, workers=args.workers, model_name=str(args.checkpoint)
+    )
+    return app, store
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    check_serve_args(args)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app, store = build_app(args)
+    import uvicorn  # the optional `serve` extra, installed with fastapi
+
+    log = logging.getLogger("titans.serving")
+    log.info("store %s (%d sessions); keys: %s", store.url, store.count(), args.api_keys or "none (no auth)")
+    try:
+        uvicorn.run(
+            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10
+        )
+    finally:
+        store.close()
+    return 0
+
+
+def register(commands, evals) -> None:
+    p = commands.add_parser(
+        "serve",
+        help="serve per-session memories over HTTP (FastAPI; the API is described at /docs)",
+        description="An HTTP API of sessions: each reads text into its own memory state, kept in a store.",
+    )
+    p.add_argument("--checkpoint", required=True, help="checkpoint folder or run folder")
+    p.add_argument(
+        "--store",
+        default=DEFAULT_STORE,
+        help="sqlite:///PATH (sqlite:////abs/path), redis://HOST:PORT/DB, rediss://..., unix:///SOCKET?db=N",
+    )
+    p.add_argument("--api-keys", help="file of API keys, one per line (only their sha256 hashes are kept)")
+    p.add_argument("--no-auth", action="store_true", help="serve without keys on a non-loopback host")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--max-tokens", type=int, default=16384, help="tokens of text or prompt per request (422)")
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="max_new_tokens a generate may ask for")
+    p.add_argument("--snapshots", type=int, default=DEFAULT_MAX_SNAPSHOTS, help="snapshots kept per session")
+    p.add_argument("--workers", type=int, default=4, help="threads running model work (sessions in parallel)")
+    p.add_argument(
+        "--torch-threads", type=int, default=1, help="torch intra-op threads (torch.set_num_threads)"
+    )
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1")
+    p.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level"
+    )
+    p.set_defaults(func=run_serve, check=check_serve_args)
+
+
+__all__ = ["DEFAULT_STORE", "build_app", "check_serve_args", "register", "run_serve"]

