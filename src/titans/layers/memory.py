@@ -28,6 +28,8 @@ from titans.ops.memory import ACTIVATIONS, check_threshold, memory_forward, neur
 from titans.ops.memory_ref import neural_memory_ref
 from titans.ops.memory_triton import covered, device_reason, neural_memory_triton
 from titans.ops.norms import l2_normalize, rms_norm
+from titans.ops.rules import MemoryRule, memory_rule_chunked, read_weights, resolve_rule
+from titans.ops.rules_ref import memory_rule_ref
 from titans.validation import check_int
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,9 @@ class MemoryState(StateTree):
     weights, momentum: per memory layer (B, H, d_in, d_out), at the last chunk boundary.
     pending_k, pending_v: (B, H, r, d) keys/values of the r < chunk_size tokens read since that boundary
         but not yet written (they are written when their chunk completes).
-    pending_gates: (B, H, r, 3) their (theta, log_eta, log_keep).
+    pending_gates: (B, H, r, 3 + e) their (theta, log_eta, log_keep) and the rule's e extra gates.
+        With a windowed rule (window c > 1) the pending rows start with the last c - 1 written tokens
+        (zero rows with a zero window gate at the sequence start), the window's reach into the past.
     conv_tail: (B, kernel - 1, 3 * H * d) the last pre-convolution projections (None without conv).
     position: tokens consumed so far.
     """
@@ -144,6 +148,10 @@ class NeuralMemory(nn.Module):
         checkpoint_every: opt-in activation checkpointing of the chunked path in groups of this many chunks
             (training on very long sequences: O(T / checkpoint_every) saved states instead of O(T), for
             about one extra forward pass). None (default) keeps every chunk's state.
+        rule: the update rule (`titans.ops.rules`): a preset name ("titans", the default, "moneta", "yaad",
+            "memora", "atlas"), a parts dict or a `MemoryRule` (`titans.ops.rules.memory_rule_chunked`
+            says which run on the fast path; checkpoint_every applies to those). A rule's state `weights`
+            are the pre-retention A (the memory reads W = g(A)).
         backend: the chunked path's chunk loop: "torch" (`ops/memory.py`), "triton" (the Triton kernels of
             `ops/memory_triton.py`: CUDA tensors, or CPU ones under TRITON_INTERPRET=1; an error where they
             do not cover the config) or "auto" (the kernels on CUDA where triton is installed and they cover
@@ -174,6 +182,7 @@ class NeuralMemory(nn.Module):
         write: bool = True,
         impl: str = "chunked",
         checkpoint_every: int | None = None,
+        rule: str | dict | MemoryRule = "titans",
         backend: str = "auto",
         surprise_threshold: float | None = None,
     ) -> None:
@@ -237,6 +246,36 @@ class NeuralMemory(nn.Module):
         self.norm = RMSNorm(head_dim) if output_gate else None
         self.to_gate = nn.Linear(dim, inner, bias=False) if output_gate else None
         self.to_out = residual_output(nn.Linear(inner, dim, bias=False))
+        self.rule = resolve_rule(rule)
+        self._add_rule_gates()
+        reason = self._triton_config_reason() if backend == "triton" else None
+        if reason is not None:  # a choice of options, not of device: refused before any input
+            raise ValueError(f"NeuralMemory(backend='triton'): {reason}; use backend='auto' or 'torch'")
+
+    def _add_rule_gates(self) -> None:
+        """The projection of the rule's extra per-token gates (Omega window weights, Huber deltas), if any;
+        created last, so the other parameters' initialisation does not depend on the rule."""
+        extra = self.rule.extra_gates
+        self.to_rule_gates = nn.Linear(self.dim, len(extra) * self.heads) if extra else None
+        if self.to_rule_gates is None:
+            return
+        init = []
+        for name in extra:
+            if name == "omega":
+                init.append(_logit(self.rule.window.gate_init))
+            else:  # softplus^-1(delta_init)
+                init.append(math.log(math.expm1(self.rule.bias.delta_init)))
+        with torch.no_grad():
+            self.to_rule_gates.weight.mul_(0.1)
+            self.to_rule_gates.bias.copy_(torch.tensor(init).repeat_interleave(self.heads))
+
+    @property
+    def _history(self) -> int:
+        """Written tokens kept in the pending rows for the rule's window (c - 1; 0 on the Titans path)."""
+        return 0 if self.rule.is_titans else self.rule.window.size - 1
+
+    def _gate_channels(self) -> int:
+        return 3 + len(self.rule.extra_gates)
 
     # ----------------------------------------------------------------------------------------- state
     def initial_state(self, batch_size: int, device=None, dtype=None) -> MemoryState:
@@ -251,13 +290,15 @@ class NeuralMemory(nn.Module):
         tail = None
         if self.conv is not None:
             tail = torch.zeros(batch_size, self.conv_kernel - 1, 3 * h * d, device=device, dtype=dtype)
+        # a windowed rule's history rows start as zeros whose window gate is 0: they add nothing
+        r, channels = self._history, self._gate_channels()
         return MemoryState(
             weights=weights,
             momentum=momentum,
-            pending_k=torch.zeros(batch_size, h, 0, d, device=device, dtype=dtype),
-            pending_v=torch.zeros(batch_size, h, 0, d, device=device, dtype=dtype),
+            pending_k=torch.zeros(batch_size, h, r, d, device=device, dtype=dtype),
+            pending_v=torch.zeros(batch_size, h, r, d, device=device, dtype=dtype),
             pending_gates=torch.zeros(
-                batch_size, h, 0, 3, device=device, dtype=torch.promote_types(dtype, torch.float32)
+                batch_size, h, r, channels, device=device, dtype=torch.promote_types(dtype, torch.float32)
             ),
             conv_tail=tail,
             position=0,
@@ -275,10 +316,16 @@ class NeuralMemory(nn.Module):
                 f"(batch {batch_size}, heads={self.heads}, head_dim={self.head_dim}, depth={self.depth}) "
                 f"needs {expected}"
             )
-        if state.pending_k.shape[2] >= self.chunk_size:
+        if not self._history <= state.pending_k.shape[2] < self.chunk_size + self._history:
             raise ValueError(
                 f"NeuralMemory: state holds {state.pending_k.shape[2]} pending tokens, but this memory's "
-                f"chunk_size is {self.chunk_size}: the state comes from a different chunk size"
+                f"chunk_size is {self.chunk_size} (rule window history {self._history}): the state comes "
+                "from a different chunk size or rule"
+            )
+        if state.pending_gates.shape[-1] != self._gate_channels():
+            raise ValueError(
+                f"NeuralMemory: state's pending gates have {state.pending_gates.shape[-1]} channels, this "
+                f"memory's rule needs {self._gate_channels()}: the state comes from a different rule"
             )
         if (state.conv_tail is None) != (self.conv is None) or (
             state.conv_tail is not None and state.conv_tail.shape[1] != self.conv_kernel - 1
@@ -344,6 +391,19 @@ class NeuralMemory(nn.Module):
         return q, k, v, new_tail
 
     def gates(self, x: Tensor) -> Tensor:
+        """x (B, T, dim) -> (B, H, T, 3 + e): theta, log(eta), log(1 - alpha) per token and head, then the
+        rule's e extra gates (`MemoryRule.extra_gates`: Omega window weight in (0, 1), Huber delta > 0)."""
+        gates = self._core_gates(x)
+        if self.to_rule_gates is None:
+            return gates
+        logits = self.to_rule_gates(x).to(gates.dtype).view(*x.shape[:2], -1, self.heads).permute(0, 3, 1, 2)
+        extra = [
+            torch.sigmoid(logits[..., i]) if name == "omega" else F.softplus(logits[..., i])
+            for i, name in enumerate(self.rule.extra_gates)
+        ]
+        return torch.cat([gates, torch.stack(extra, -1)], -1)
+
+    def _core_gates(self, x: Tensor) -> Tensor:
         """x (B, T, dim) -> (B, H, T, 3): theta, log(eta), log(1 - alpha) per token and head."""
         # gates in at least float32 (log-space products lose too much in bf16), in x's dtype where wider
         dtype = torch.promote_types(torch.promote_types(x.dtype, self.to_gates.weight.dtype), torch.float32)
@@ -351,7 +411,7 @@ class NeuralMemory(nn.Module):
             return x.new_zeros(x.shape[0], self.heads, x.shape[1], 3, dtype=dtype)
         logits = self.to_gates(x).to(dtype).view(*x.shape[:2], 3, self.heads).permute(0, 3, 1, 2)
         theta = self.max_lr * torch.sigmoid(logits[..., 0])
-        if self.momentum:
+        if self.momentum and self.rule.uses_momentum:
             log_eta = F.logsigmoid(logits[..., 1])
         else:
             log_eta = torch.full_like(theta, float("-inf"))
@@ -362,7 +422,10 @@ class NeuralMemory(nn.Module):
         return torch.stack([theta, log_eta, log_keep], dim=-1)
 
     def read(self, q: Tensor, weights: tuple[Tensor, ...]) -> Tensor:
-        """M(q; W) with no update: q (B, H, n, d) -> (B, H, n, d)."""
+        """M(q; W) with no update: q (B, H, n, d) -> (B, H, n, d). `weights` as in the state (for a rule
+        with a retention map, the pre-retention A: the read is through W = g(A))."""
+        if not self.rule.is_titans:
+            weights = tuple(read_weights(self.rule.retention, a) for a in weights)
         return memory_forward(q, weights, self.activation, self.residual)
 
     def combine_heads(self, y: Tensor, x: Tensor) -> Tensor:
@@ -427,6 +490,7 @@ class NeuralMemory(nn.Module):
         if not self.write:
             return self._scan_frozen(q, k, v, gates, state)
         r = state.pending_k.shape[2]
+        h = self._history  # the first h pending rows: written tokens, context for the rule's window
         t = q.shape[2]
         if r:
             k_all = torch.cat([state.pending_k.to(k.dtype), k], dim=2)
@@ -436,9 +500,9 @@ class NeuralMemory(nn.Module):
         else:  # nothing pending (a fresh sequence, or a call that starts on a chunk boundary)
             k_all, v_all, g_all, q_all = k, v, gates, q
         y, weights, momentum, surprise = self._run_op(
-            q_all, k_all, v_all, g_all, state, self.chunk_size, self.checkpoint_every
+            q_all, k_all, v_all, g_all, state, self.chunk_size, self.checkpoint_every, history=h
         )
-        keep = (r + t) % self.chunk_size
+        keep = (r - h + t) % self.chunk_size + h
         new_state = MemoryState(
             weights=weights,
             momentum=momentum,
@@ -448,13 +512,14 @@ class NeuralMemory(nn.Module):
             conv_tail=state.conv_tail,
             position=state.position + t,
         )
-        surprise = surprise[:, :, r:]
+        # y and surprise start at row h (the history rows are not read)
+        surprise = surprise[:, :, r - h :]
         if self.surprise_threshold is None:
             written = torch.ones_like(surprise, dtype=torch.bool)
         else:  # the comparison the op makes, on the same values
             written = write_mask(surprise, self.surprise_threshold)
         stats = _stats(surprise, g_all[:, :, r:], written)
-        return y[:, :, r:], new_state, stats
+        return y[:, :, r - h :], new_state, stats
 
     def _run_op(
         self,
@@ -465,11 +530,33 @@ class NeuralMemory(nn.Module):
         state: MemoryState,
         chunk_size: int,
         checkpoint_every: int | None,
+        history: int = 0,
     ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
-        """The memory op (`impl`) over q, k, v (B, H, n, d) and gates (B, H, n, 3) from the state's weights
-        and momentum: y, weights, momentum, surprise."""
+        """The memory op (`impl`) over q, k, v (B, H, n, d) and gates (B, H, n, 3 + e) from the state's
+        weights and momentum: y, weights, momentum, surprise (y and surprise for the rows after the first
+        `history`, context-only rows of a windowed rule)."""
         if self.impl == "chunked" and self._use_triton(q):
             fn = partial(neural_memory_triton, checkpoint_every=checkpoint_every)
+        elif not self.rule.is_titans:
+            if self.impl == "chunked":
+                fn = partial(memory_rule_chunked, checkpoint_every=checkpoint_every)
+            else:
+                fn = memory_rule_ref
+            return fn(
+                q,
+                k,
+                v,
+                gates,
+                state.weights,
+                state.momentum,
+                rule=self.rule,
+                chunk_size=chunk_size,
+                history=history,
+                activation=self.activation,
+                residual=self.residual,
+                surprise_clip=self.surprise_clip,
+                surprise_threshold=self.surprise_threshold,
+            )
         elif self.impl == "chunked":
             fn = partial(
                 neural_memory_chunked,
@@ -493,6 +580,15 @@ class NeuralMemory(nn.Module):
             surprise_clip=self.surprise_clip,
         )
 
+    def _triton_config_reason(self) -> str | None:
+        """Why the Triton kernels cannot run this memory's options (None where they can): they run the
+        default "titans" rule without a surprise threshold only."""
+        if not self.rule.is_titans:
+            return f"rule={self.rule.to_config()!r} is not covered by the kernels (only rule='titans')"
+        if self.surprise_threshold is not None:
+            return "surprise_threshold is not covered by the kernels"
+        return None
+
     def _use_triton(self, q: Tensor) -> bool:
         """Whether the chunked path runs on the Triton kernels for q (B, H, n, d) (`backend`): "triton"
         raises where they cannot run, "auto" falls back to torch and logs its choice once."""
@@ -500,8 +596,7 @@ class NeuralMemory(nn.Module):
             return False
         hidden = self.init_weights[0].shape[-1]
         reason = covered(self.depth, self.head_dim, hidden, self.activation) or device_reason(q.device)
-        if self.surprise_threshold is not None:
-            reason = "surprise_threshold is not covered by the kernels"
+        reason = self._triton_config_reason() or reason
         if self.backend == "triton":
             if reason is not None:
                 raise ValueError(f"NeuralMemory(backend='triton'): the kernels cannot run here: {reason}")
@@ -529,4 +624,5 @@ class NeuralMemory(nn.Module):
         return (
             f"dim={self.dim}, heads={self.heads}, head_dim={self.head_dim}, depth={self.depth}, "
             f"chunk_size={self.chunk_size}, momentum={self.momentum}, forgetting={self.forgetting}"
+            + ("" if self.rule.is_titans else f", rule={self.rule.to_config()!r}")
         )

@@ -47,6 +47,7 @@ def make_memory(cfg: TitansConfig) -> NeuralMemory:
         residual=cfg.memory_residual,
         write=cfg.memory_write,
         checkpoint_every=cfg.memory_checkpoint_every,
+        rule=cfg.memory_rule,
         backend=cfg.memory_backend,
         surprise_threshold=cfg.memory_surprise_threshold,
     )

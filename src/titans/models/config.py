@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from titans.models.variants import VARIANT_SPECS, Variant
+from titans.ops.rules import resolve_rule
 from titans.validation import check_int
 
 VARIANTS = tuple(VARIANT_SPECS)
@@ -81,6 +82,10 @@ class TitansConfig:
     # training memory: keep the memory's state every this many chunks and recompute the rest in the
     # backward pass (NeuralMemory.checkpoint_every; None: keep every chunk's). Same outputs and gradients
     memory_checkpoint_every: int | None = None
+    # the memory's update rule (docs/design.md, "Memory rules"): a preset name ("titans", "moneta", "yaad",
+    # "memora", "atlas"), a parts dict or a MemoryRule object (stored as its preset name or parts dict).
+    # Typed Any: the command line takes a name or a JSON object
+    memory_rule: Any = "titans"
     # the memory's chunk loop: "auto" (Triton kernels on CUDA where they cover the config, else torch),
     # "triton" or "torch" (NeuralMemory.backend)
     memory_backend: str = "auto"
@@ -166,6 +171,10 @@ class TitansConfig:
             if not isinstance(val, bool):
                 raise ValueError(f"TitansConfig.{name} must be a bool, got {val!r}")
         check_int("TitansConfig.memory_checkpoint_every", self.memory_checkpoint_every, none_ok=True)
+        try:
+            self.memory_rule = resolve_rule(self.memory_rule).to_config()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"TitansConfig.memory_rule: {e}") from e
         if self.memory_backend not in ("auto", "triton", "torch"):
             raise ValueError(
                 "TitansConfig.memory_backend must be 'auto', 'triton' or 'torch', "
@@ -182,6 +191,17 @@ class TitansConfig:
             if not ok:
                 bound = ">= 0" if low is not None else "> 0"
                 raise ValueError(f"TitansConfig.{name} must be null or a finite number {bound}, got {val!r}")
+        if self.memory_backend == "triton":  # the kernels run the default rule, every token written
+            if self.memory_rule != "titans":
+                raise ValueError(
+                    f"TitansConfig.memory_backend='triton' runs memory_rule='titans' only, got memory_rule="
+                    f"{self.memory_rule!r}: use memory_backend='auto' or 'torch'"
+                )
+            if self.memory_surprise_threshold is not None:
+                raise ValueError(
+                    "TitansConfig.memory_backend='triton' does not cover memory_surprise_threshold "
+                    f"({self.memory_surprise_threshold!r}): use memory_backend='auto' or 'torch'"
+                )
         if self.mlp_mult <= 0:
             raise ValueError(f"TitansConfig.mlp_mult must be > 0, got {self.mlp_mult}")
         for name in ("memory_eta_init", "memory_alpha_init"):
@@ -278,6 +298,8 @@ FIELD_HELP: dict[str, str] = {
     "memory_write": "false: read-only memory, no test-time learning (an ablation)",
     "memory_checkpoint_every": "keep the memory state every this many chunks, recompute the rest "
     "(null: keep all)",
+    "memory_rule": "memory update rule: titans, moneta, yaad, memora, atlas, or a parts dict "
+    "(bias, retention, window, optimizer)",
     "memory_backend": "the memory's chunk loop: auto (Triton kernels on CUDA where covered, else torch), "
     "triton, torch",
     "memory_surprise_threshold": "surprise-gated writes: tokens whose surprise is below this are not "

@@ -12,7 +12,8 @@ Per memory layer (the index of its block) and head:
                                                 token is not; a frozen memory writes none)
     theta, eta, alpha                           the effective gates, averaged over rows and tokens
     weight_norm[l], momentum_norm[l]            ||W_l||, ||S_l|| (Frobenius) of each layer l of the memory
-                                                MLP in the state, averaged over rows
+                                                MLP in the state, averaged over rows (with a memory rule's
+                                                retention map, of the pre-retention A the state holds)
     utilisation[l]                              weight_norm[l] / max_norm (default
                                                 `TitansConfig.memory_monitor_max_norm`; None without one)
 

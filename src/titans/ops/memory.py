@@ -180,14 +180,20 @@ def chunk_coefficients(theta: Tensor, log_eta: Tensor, log_keep: Tensor) -> tupl
     return gamma, beta, seg_a_end[..., 0].exp(), c, seg_e[..., -1, 0].exp()
 
 
-def _chunk_forward(kq, v, gamma, beta, mix, activation, residual, clip, threshold, states, out=None):
+def _chunk_forward(
+    kq, v, gamma, beta, mix, activation, residual, clip, threshold, states, out=None, error=None, aux=None
+):
     """The forward math of `_ChunkStep` (shapes there): y, the surprise norms, the new states, and what
-    the backward pass needs. `out`: buffers to write the new states into (only where nothing is saved)."""
+    the backward pass needs. `out`: buffers to write the new states into (only where nothing is saved).
+    error, aux: the inner loss's error map (None: l2, 2 e) and its per-token input (N, n); with an error
+    map the output error e is appended to what the backward pass needs."""
     n = v.shape[1]
     ws = [x[:, 0] for x in states]
     # hs[l]: input of layer l for keys then queries (N, 2n, d_in)
     out_all, hs, zs = _layers_forward(kq, ws, activation, residual)
-    deltas, es = _inner_errors(2 * (out_all[:, :n] - v), ws, [z[:, :n] for z in zs], activation)
+    e_out = out_all[:, :n] - v
+    err = 2 * e_out if error is None else error.value(e_out, aux)
+    deltas, es = _inner_errors(err, ws, [z[:, :n] for z in zs], activation)
     sq_parts = _surprise_parts([h[:, :n] for h in hs], deltas)  # kept for the backward pass
     _, norm = _surprise(sq_parts)
     scale = clip_scale(norm, clip) if clip is not None else torch.ones_like(norm)
@@ -198,7 +204,8 @@ def _chunk_forward(kq, v, gamma, beta, mix, activation, residual, clip, threshol
     for i, (h, d, x) in enumerate(zip(hs, deltas, states)):
         new_states.append(_state_update(x, mix, h[:, :n], d, coef, None if out is None else out[i]))
     # the hidden activations and errors are cheap to recompute from zs and es: not kept
-    return out_all[:, n:], norm, new_states, (sq_parts, norm, scale, hs[0], deltas[-1], *zs, *es)
+    saved = (sq_parts, norm, scale, hs[0], deltas[-1], *zs, *es) + (() if error is None else (e_out,))
+    return out_all[:, n:], norm, new_states, saved
 
 
 def _surprise_parts(inputs: list[Tensor], deltas: list[Tensor]) -> Tensor:
@@ -365,15 +372,20 @@ class _ChunkStep(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, kq, v, gamma, beta, mix, activation, residual, clip, threshold, grad_slot, *states):
+    def forward(
+        ctx, kq, v, gamma, beta, mix, activation, residual, clip, threshold, grad_slot, error, aux, *states
+    ):
         ctx.set_materialize_grads(False)
         y, norm, new_states, saved = _chunk_forward(
-            kq, v, gamma, beta, mix, activation, residual, clip, threshold, states
+            kq, v, gamma, beta, mix, activation, residual, clip, threshold, states, error=error, aux=aux
         )
         ctx.activation, ctx.residual, ctx.clip, ctx.depth = activation, residual, clip, len(states)
         ctx.threshold = threshold
         ctx.grad_slot = grad_slot  # (_GradBuffers, slot) for the state gradients this step returns
-        ctx.save_for_backward(gamma, beta, mix, *saved, *states)
+        ctx.error = error
+        # with an error map, its input e (saved's last entry) and aux go last
+        core, extra = (saved, ()) if error is None else (saved[:-1], (saved[-1], aux))
+        ctx.save_for_backward(gamma, beta, mix, *core, *states, *extra)
         return (y, norm, *new_states)
 
     @staticmethod
@@ -382,6 +394,9 @@ class _ChunkStep(torch.autograd.Function):
     def backward(ctx, g_y, g_norm, *g_new):
         depth, act = ctx.depth, ctx.activation
         saved = list(ctx.saved_tensors)
+        if ctx.error is not None:
+            e_out, aux = saved[-2:]
+            saved = saved[:-2]
         gamma, beta, mix, sq_parts, norm, scale, h0, delta_out = saved[:8]
         zs, es, states = saved[8 : 7 + depth], saved[7 + depth : 6 + 2 * depth], saved[6 + 2 * depth :]
         n_seq, n = gamma.shape
@@ -407,7 +422,7 @@ class _ChunkStep(torch.autograd.Function):
                 g_delta.append(torch.zeros_like(d))
                 continue
             g_flat = gx.reshape(n_seq, 2, -1)
-            g_x = ctx.grad_slot[0].take(ctx.grad_slot[1], i, x) if needs[10 + i] else None
+            g_x = ctx.grad_slot[0].take(ctx.grad_slot[1], i, x) if needs[12 + i] else None
             _mix_backward(g_flat, x.flatten(2), mix, None if g_x is None else g_x.view(n_seq, 2, -1), g_mix)
             g_states.append(g_x)
             # 2. the weighted sums U = [U_W; U_S]: grads of the inputs a, the errors and the coefficients
@@ -447,12 +462,17 @@ class _ChunkStep(torch.autograd.Function):
             second = _act_second(z_keys[i], act)
             g_pre_keys.append(None if second is None else second.mul_(g_delta[i]).mul_(es[i]))
             g_delta[i + 1] = g_delta[i + 1].baddbmm(g_e[i], ws[i + 1])
-        g_v = -2 * g_delta[-1]
+        g_aux = None
+        if ctx.error is None:
+            g_v = -2 * g_delta[-1]
+        else:  # through the error map: dL/de and dL/daux
+            g_out, g_aux = ctx.error.grad(g_delta[-1], e_out, aux)
+            g_v = -g_out
 
         # 6. the read (and the keys' forward), last layer first. rhs: (N, 2n, d_out) the gradient g_z of
         # the layer's output (keys' rows, then queries'), for l >= 1 followed by delta_l's n rows
         rhs = _rhs_buffer(g_v, n, depth > 1)
-        rhs[:, :n] = g_delta[-1].mul_(2)  # = -g_v: the keys' outputs
+        rhs[:, :n] = g_delta[-1].mul_(2) if ctx.error is None else g_out  # = -g_v: the keys' outputs
         if g_y is None:
             rhs[:, n : 2 * n].zero_()
         else:
@@ -460,7 +480,7 @@ class _ChunkStep(torch.autograd.Function):
         g_h0 = rhs[:, : 2 * n] if ctx.residual else None
         for i in range(depth - 1, -1, -1):
             g_z = rhs[:, : 2 * n]
-            if needs[10 + i]:
+            if needs[12 + i]:
                 # the three uses of W_l (read, inner backprop, state update) in one baddbmm
                 lhs = hs[i]
                 if i > 0:
@@ -482,11 +502,19 @@ class _ChunkStep(torch.autograd.Function):
                 if g_pre_keys[i - 1] is not None:
                     g_z[:, :n] += g_pre_keys[i - 1]
         g_h0 = g_h if g_h0 is None else g_h + g_h0
-        return (g_h0, g_v, g_gamma, g_beta, g_mix, None, None, None, None, None, *g_states)
+        g_aux = g_aux if needs[11] else None
+        return (g_h0, g_v, g_gamma, g_beta, g_mix, None, None, None, None, None, None, g_aux, *g_states)
 
 
 def _read_and_grads(
-    q: Tensor, k: Tensor, v: Tensor, weights: tuple[Tensor, ...], activation: str, residual: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    weights: tuple[Tensor, ...],
+    activation: str,
+    residual: bool,
+    error=None,
+    aux: Tensor | None = None,
 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """Retrieval M(q) and the per-token factors of the inner gradient, at fixed weights.
 
@@ -502,7 +530,8 @@ def _read_and_grads(
         return t.split(n, dim=-2)[0]
 
     out, y = out_all.split(n, dim=-2)
-    deltas, _ = _inner_errors(2 * (out - v), weights, [keys(z) for z in zs], activation)
+    err = 2 * (out - v) if error is None else error.value(out - v, aux)
+    deltas, _ = _inner_errors(err, weights, [keys(z) for z in zs], activation)
     return y, [keys(h) for h in hs], deltas
 
 
@@ -512,15 +541,18 @@ def _run_chunks(
     clip: float | None,
     threshold: float | None,
     chunk_size: int,
+    error,
     q,
     k,
     v,
     gamma,
     beta,
     mix,
+    aux,
     *states,
 ):
-    """Consecutive complete chunks. q, k, v: (N, m * b, d); gamma, beta: (N, m, b); mix: (N, m, 2, 2)."""
+    """Consecutive complete chunks. q, k, v: (N, m * b, d); gamma, beta: (N, m, b); mix: (N, m, 2, 2);
+    error, aux: the error map and its per-token input (N, m * b) (both None for l2)."""
     ys, norms = [], []
     n_seq, length, dim = k.shape
     # each chunk's keys then its queries, contiguous (the rows that go through the MLP together): one copy
@@ -533,14 +565,15 @@ def _run_chunks(
     # a state per chunk (tens of GiB over a long checkpointed sequence).
     buffers = None if torch.is_grad_enabled() else [[torch.empty_like(x) for x in states] for _ in range(2)]
     grads = _GradBuffers() if buffers is None else None
-    for i, (kq_c, v_c, g_c, b_c, m_c) in enumerate(
-        zip(kq.unbind(1), v.split(chunk_size, dim=1), gamma.unbind(1), beta.unbind(1), mix.unbind(1))
+    auxs = [None] * mix.shape[1] if aux is None else aux.split(chunk_size, dim=1)
+    for i, (kq_c, v_c, g_c, b_c, m_c, a_c) in enumerate(
+        zip(kq.unbind(1), v.split(chunk_size, dim=1), gamma.unbind(1), beta.unbind(1), mix.unbind(1), auxs)
     ):
         args = (kq_c, v_c, g_c, b_c, m_c, activation, residual, clip, threshold)
         if buffers is None:
-            y, norm, *states = _ChunkStep.apply(*args, (grads, i % 2), *states)
+            y, norm, *states = _ChunkStep.apply(*args, (grads, i % 2), error, a_c, *states)
         else:
-            y, norm, states, _ = _chunk_forward(*args, states, out=buffers[i % 2])
+            y, norm, states, _ = _chunk_forward(*args, states, out=buffers[i % 2], error=error, aux=a_c)
         ys.append(y)
         norms.append(norm)
     return (torch.cat(ys, 1), torch.cat(norms, 1), *states)
@@ -555,27 +588,30 @@ class _CheckpointedChunks(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, config, q, k, v, gamma, beta, mix, *states):
+    def forward(ctx, config, q, k, v, gamma, beta, mix, aux, *states):
         ctx.set_materialize_grads(False)
         ctx.config = config
-        ctx.save_for_backward(q, k, v, gamma, beta, mix, *states)
-        return _run_chunks(*config, q, k, v, gamma, beta, mix, *states)
+        ctx.save_for_backward(q, k, v, gamma, beta, mix, aux, *states)
+        return _run_chunks(*config, q, k, v, gamma, beta, mix, aux, *states)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @_without_autocast
     def backward(ctx, *grads):
         needs = ctx.needs_input_grad[1:]
-        inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
+        inputs = [
+            None if t is None else t.detach().requires_grad_(need)
+            for t, need in zip(ctx.saved_tensors, needs)
+        ]
         with torch.enable_grad():
             outputs = _run_chunks(*ctx.config, *inputs)
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
-        wanted = [t for t in inputs if t.requires_grad]
+        wanted = [t for t in inputs if t is not None and t.requires_grad]
         result = [None] * len(inputs)
         if pairs and wanted:
             outs, grad_outs = zip(*pairs)
             got = iter(torch.autograd.grad(outs, wanted, grad_outs, allow_unused=True))
-            result = [next(got) if t.requires_grad else None for t in inputs]
+            result = [next(got) if t is not None and t.requires_grad else None for t in inputs]
         return (None, *result)
 
 
@@ -594,9 +630,15 @@ def neural_memory_chunked(
     residual: bool = False,
     surprise_clip: float | None = None,
     checkpoint_every: int | None = None,
+    error=None,
+    error_aux: Tensor | None = None,
     surprise_threshold: float | None = None,
 ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
     """Read and write the neural memory over a sequence, chunk by chunk.
+
+    error, error_aux: the inner loss's error map, dL/dM(k) = error.value(e, aux) for e = M(k) - v, with
+        its backward error.grad(g, e, aux) -> (dL/de, dL/daux) (`titans.ops.rules`: the l_p and Huber
+        biases), and its per-token input (B, H, T) (Huber's delta). None: l2, 2 e (Titans).
 
     checkpoint_every: if set (and gradients are being recorded), complete chunks run in groups of this
         many under activation checkpointing: only the state at group boundaries is kept for the backward
@@ -633,14 +675,18 @@ def neural_memory_chunked(
                 residual=residual,
                 surprise_clip=surprise_clip,
                 checkpoint_every=checkpoint_every,
+                error=error,
+                error_aux=error_aux,
                 surprise_threshold=surprise_threshold,
             )
     batch, heads, seq, dim = q.shape
     b = chunk_size
     n_full = seq // b
     weights, momentum = tuple(weights), tuple(momentum)
+    if error is not None and error_aux is None:  # an error map without a per-token input: zeros
+        error_aux = q.new_zeros(q.shape[:3])
     if not n_full:  # nothing to write: a read of the current weights
-        y, inputs, deltas = _read_and_grads(q, k, v, weights, activation, residual)
+        y, inputs, deltas = _read_and_grads(q, k, v, weights, activation, residual, error, error_aux)
         return y, weights, momentum, _surprise(_surprise_parts(inputs, deltas))[1]
 
     n_seq, dtype = batch * heads, weights[0].dtype
@@ -660,20 +706,24 @@ def neural_memory_chunked(
     # split's backward concatenates the pieces' gradients (a full copy, even of a single piece)
     flat = (x.reshape(n_seq, seq, dim) for x in (q, k, v))
     q_full, k_full, v_full = (x.split(n_full * b, dim=1) if seq > n_full * b else (x,) for x in flat)
-    config = (activation, residual, surprise_clip, surprise_threshold, b)
+    config = (activation, residual, surprise_clip, surprise_threshold, b, error)
+    aux_flat = None if error is None else error_aux.to(dtype).reshape(n_seq, seq)
+    aux_full = None if aux_flat is None else aux_flat[:, : n_full * b]
     group = checkpoint_every if checkpoint_every and torch.is_grad_enabled() else n_full
     ys, norms = [], []
     if group < n_full:
         pieces = (x[0].split(group * b, dim=1) for x in (q_full, k_full, v_full))
         coefs = (x.split(group, dim=1) for x in (gamma, beta, mix))
+        auxs = [None] * -(-n_full // group) if aux_full is None else aux_full.split(group * b, dim=1)
     else:
         pieces = ((x[0],) for x in (q_full, k_full, v_full))
         coefs = ((x,) for x in (gamma, beta, mix))
-    for q_g, k_g, v_g, g_g, b_g, m_g in zip(*pieces, *coefs):
+        auxs = (aux_full,)
+    for q_g, k_g, v_g, g_g, b_g, m_g, a_g in zip(*pieces, *coefs, auxs):
         if group < n_full:
-            y, norm, *states = _CheckpointedChunks.apply(config, q_g, k_g, v_g, g_g, b_g, m_g, *states)
+            y, norm, *states = _CheckpointedChunks.apply(config, q_g, k_g, v_g, g_g, b_g, m_g, a_g, *states)
         else:
-            y, norm, *states = _run_chunks(*config, q_g, k_g, v_g, g_g, b_g, m_g, *states)
+            y, norm, *states = _run_chunks(*config, q_g, k_g, v_g, g_g, b_g, m_g, a_g, *states)
         ys.append(y)
         norms.append(norm)
     # views of the stacked states (W and S halves), not copies: whoever needs them contiguous copies anyway
@@ -681,7 +731,8 @@ def neural_memory_chunked(
     momentum = tuple(x[:, 1].view(batch, heads, *x.shape[2:]) for x in states)
     if seq > n_full * b:  # trailing partial chunk: read (and report surprise), written by a later call
         tail = (x[1].reshape(batch, heads, -1, dim) for x in (q_full, k_full, v_full))
-        y, inputs, deltas = _read_and_grads(*tail, weights, activation, residual)
+        aux_tail = None if aux_flat is None else aux_flat[:, n_full * b :].reshape(batch, heads, -1)
+        y, inputs, deltas = _read_and_grads(*tail, weights, activation, residual, error, aux_tail)
         ys.append(y.reshape(n_seq, -1, dim))
         norms.append(_surprise(_surprise_parts(inputs, deltas))[1].reshape(n_seq, -1))
     y = torch.cat(ys, 1).view(batch, heads, seq, dim)

@@ -278,7 +278,7 @@ class _TritonChunks(torch.autograd.Function):
                 pieces = [leaf(x[:, rows], need) for x, need in zip((q, k, v), needs[:3])]
                 coefs = [leaf(x[:, c0:c1], need) for x, need in zip((gamma, beta, mix), needs[3:6])]
                 starts = [x[:, i].detach().requires_grad_(True) for x in saved]
-                outs = _run_chunks(activation, residual, clip, None, b, *pieces, *coefs, *starts)
+                outs = _run_chunks(activation, residual, clip, None, b, None, *pieces, *coefs, None, *starts)
                 grads = grad_into(
                     outs,
                     (g_y[:, rows].to(dtype), g_norm[:, rows].to(dtype), *g_states),

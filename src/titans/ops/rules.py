@@ -1,0 +1,644 @@
+"""Memory rules: the neural memory's update as four composable parts (docs/design.md, "Memory rules").
+
+MIRAS (Behrouz et al., arXiv 2504.13173) describes a recurrent memory by its architecture, its attentional
+bias (the inner loss), its retention (how old content is kept) and its learning algorithm; ATLAS (arXiv
+2505.23735) adds the window of the objective (the Omega rule) and Muon as the inner optimiser. A
+`MemoryRule` is those choices as data:
+
+    bias       L2Bias()                    ||M(k) - v||^2                     (Titans)
+               LpBias(p)                   sum_i |M(k)_i - v_i|^p             (Moneta)
+               HuberBias()                 per coordinate e^2 inside a learned per-token delta_t,
+                                           2 delta_t |e| - delta_t^2 outside  (Yaad)
+    retention  DecayRetention()            W = A, A_t = (1 - alpha_t) A_{t-1} + ...        (Titans)
+               LqRetention(q)              W = A / ||A||_q^(q-2)                            (Moneta)
+               KLRetention()               W = softmax(A) over each row: the memory lives on
+                                           the simplex, A its logits                        (Memora)
+    window     Window(1)                   token t's objective is its own loss             (Titans)
+               Window(c)                   sum_{i=t-c+1..t} gamma_i loss_i, gamma_i a
+                                           learned per-token gate in (0, 1)                (Omega rule)
+    optimizer  MomentumSGD(momentum)       S_t = eta_t S_{t-1} - theta_t u_t, A_t = keep_t A_{t-1} + S_t
+               Muon(steps)                 S_t = eta_t S_{t-1} - u_t, A_t = keep_t A_{t-1} + theta_t NS(S_t)
+
+Everything is in the chunked form of `titans.ops.memory`: every token's gradient is taken at the weights
+of its chunk's start. The bias changes only the per-token output error (dL/dM(k) = phi(M(k) - v)); the
+retention only the map A -> W through which the memory is read and differentiated (the update is
+linear in A, so the chunk's closed form is unchanged); the window only the write coefficients (a banded
+combination of the per-token gradients, the window reaching c - 1 tokens back across the chunk boundary:
+those tokens' gradients are re-taken at the current chunk's start weights, so every term of a token's
+objective is evaluated at one point); Muon orthogonalises the chunk-end momentum once per chunk and
+applies it with the chunk's summed (decayed) learning rates, NS(S_t) ~ NS(S_b) inside a chunk (exact at
+chunk_size 1).
+
+The "titans" rule, and every rule with Titans's retention, window and optimiser (any bias: "yaad"), runs
+on the custom-autograd fast path of `titans.ops.memory`, the bias threaded in as its error map (forward
+phi(e), backward phi'(e)); the others run on `memory_rule_chunked_autograd` here: the same chunked matmul
+form, differentiated by torch autograd.
+
+Retention gates MIRAS defines that do not fit the chunked form and are not offered: elastic net (its
+soft-threshold of the accumulated state is not linear in the chunk's gradients, so the closed form over a
+chunk does not hold), and the l_q retention's general f-divergence / Bregman variants beyond KL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from titans.ops.memory import (
+    _act_backward,
+    _layers_forward,
+    check_threshold,
+    chunk_coefficients,
+    clip_scale,
+    neural_memory_chunked,
+    segsum,
+    suffix_sum,
+    write_mask,
+)
+from titans.validation import check_int
+
+# ----------------------------------------------------------------------------------------------- parts
+
+
+@dataclass(frozen=True)
+class L2Bias:
+    """||M(k) - v||^2: the error map is phi(e) = 2 e (Titans)."""
+
+    kind: str = field(default="l2", init=False)
+
+
+@dataclass(frozen=True)
+class LpBias:
+    """sum_i |e_i|^p, phi(e) = p sign(e) |e|^(p-1) (Moneta). For p < 2 the power's derivative is unbounded
+    at e = 0, so there |e| is smoothed to sqrt(e^2 + eps^2): phi(e) = p e (e^2 + eps^2)^((p-2)/2)."""
+
+    p: float = 3.0
+    eps: float = 1e-3
+    kind: str = field(default="lp", init=False)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.p, (int, float)) and not isinstance(self.p, bool) and self.p >= 1):
+            raise ValueError(f"LpBias: p must be a number >= 1, got {self.p!r}")
+        if not self.eps > 0:
+            raise ValueError(f"LpBias: eps must be > 0, got {self.eps!r}")
+
+    def value(self, e: Tensor, aux: Tensor | None) -> Tensor:
+        """phi(e) (the fast path's error map interface, `neural_memory_chunked(error=...)`)."""
+        return error_map(self, e, aux)
+
+    def grad(self, g: Tensor, e: Tensor, aux: Tensor | None) -> tuple[Tensor, None]:
+        """(g * phi'(e), None): the error map's backward (no per-token input)."""
+        return g * _lp_derivative(e, float(self.p), float(self.eps)), None
+
+
+@dataclass(frozen=True)
+class HuberBias:
+    """Per coordinate e^2 for |e| <= delta_t, 2 delta_t |e| - delta_t^2 beyond (Yaad): phi(e) = 2
+    clamp(e, -delta_t, delta_t). delta_t = softplus(x_t w + b) per token and head, learned; its bias starts
+    at `delta_init`."""
+
+    delta_init: float = 1.0
+    kind: str = field(default="huber", init=False)
+
+    def __post_init__(self) -> None:
+        if not self.delta_init > 0:
+            raise ValueError(f"HuberBias: delta_init must be > 0, got {self.delta_init!r}")
+
+    def value(self, e: Tensor, aux: Tensor) -> Tensor:
+        """phi(e) = 2 clamp(e, -delta, delta), delta = aux (..., n) per token."""
+        return error_map(self, e, aux)
+
+    def grad(self, g: Tensor, e: Tensor, aux: Tensor) -> tuple[Tensor, Tensor]:
+        """(dL/de, dL/ddelta) for dL/dphi = g: 2 g inside |e| <= delta (the boundary counts as inside),
+        else 2 g sign(e) summed over the token's coordinates for delta."""
+        inside = e.abs() <= aux.unsqueeze(-1)
+        g2 = 2 * g
+        return g2 * inside, torch.where(inside, 0.0, g2 * e.sign()).sum(-1)
+
+
+@dataclass(frozen=True)
+class DecayRetention:
+    """W = A, kept by the forgetting gate: A_t = (1 - alpha_t) A_{t-1} + ... (Titans)."""
+
+    kind: str = field(default="decay", init=False)
+
+
+@dataclass(frozen=True)
+class LqRetention:
+    """W = A / ||A||_q^(q-2) per memory layer and head (Moneta); q = 2 is `DecayRetention`."""
+
+    q: float = 4.0
+    kind: str = field(default="lq", init=False)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.q, (int, float)) and not isinstance(self.q, bool) and self.q >= 2):
+            raise ValueError(f"LqRetention: q must be a number >= 2, got {self.q!r}")
+
+
+@dataclass(frozen=True)
+class KLRetention:
+    """W = scale * softmax(A) along each row's d_out entries (Memora): the KL-regularised update
+    W_t = softmax(alpha_t log W_{t-1} - eta_t grad) is linear in the logits A (softmax ignores the row's
+    log-normaliser), so the decay and the chunk's closed form act on A. scale 1 is the paper's simplex;
+    the entries stay positive either way, so the memory cannot flip a sign."""
+
+    scale: float = 1.0
+    kind: str = field(default="kl", init=False)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.scale, (int, float)) and self.scale > 0):
+            raise ValueError(f"KLRetention: scale must be > 0, got {self.scale!r}")
+
+
+@dataclass(frozen=True)
+class Window:
+    """The objective's window c: token t minimises sum_{i=t-c+1..t} gamma_i loss_i (Omega rule, ATLAS);
+    c = 1 is Titans (no gate). gamma_i = sigmoid(x_i w + b), learned, its bias starting at `gate_init`."""
+
+    size: int = 1
+    gate_init: float = 0.9
+
+    def __post_init__(self) -> None:
+        check_int("Window: size", self.size)
+        if not 0 < self.gate_init < 1:
+            raise ValueError(f"Window: gate_init must lie in (0, 1), got {self.gate_init!r}")
+
+
+@dataclass(frozen=True)
+class MomentumSGD:
+    """Gradient descent with momentum (Titans); momentum=False is plain gradient descent (MIRAS's GD)."""
+
+    momentum: bool = True
+    kind: str = field(default="sgd", init=False)
+
+
+@dataclass(frozen=True)
+class Muon:
+    """Muon (ATLAS): the momentum S_t = eta_t S_{t-1} - u_t, orthogonalised by `steps` Newton-Schulz
+    iterations, is the step: A_t = keep_t A_{t-1} + theta_t NS(S_t). Once per chunk (see the module)."""
+
+    steps: int = 5
+    kind: str = field(default="muon", init=False)
+
+    def __post_init__(self) -> None:
+        check_int("Muon: steps", self.steps)
+
+
+BIASES = {"l2": L2Bias, "lp": LpBias, "huber": HuberBias}
+RETENTIONS = {"decay": DecayRetention, "lq": LqRetention, "kl": KLRetention}
+OPTIMIZERS = {"sgd": MomentumSGD, "muon": Muon}
+
+
+@dataclass(frozen=True)
+class MemoryRule:
+    """The memory's update rule as its four parts (module docstring). `MemoryRule()` is Titans."""
+
+    bias: L2Bias | LpBias | HuberBias = L2Bias()
+    retention: DecayRetention | LqRetention | KLRetention = DecayRetention()
+    window: Window = Window()
+    optimizer: MomentumSGD | Muon = MomentumSGD()
+
+    def __post_init__(self) -> None:
+        for name, kinds in (("bias", BIASES), ("retention", RETENTIONS), ("optimizer", OPTIMIZERS)):
+            part = getattr(self, name)
+            if type(part) not in kinds.values():
+                raise TypeError(
+                    f"MemoryRule: {name} must be one of {[k.__name__ for k in kinds.values()]}, "
+                    f"got {type(part).__name__}"
+                )
+        if not isinstance(self.window, Window):
+            raise TypeError(f"MemoryRule: window must be a Window, got {type(self.window).__name__}")
+
+    @property
+    def is_titans(self) -> bool:
+        """Exactly today's Titans update (runs on the custom-autograd fast path)."""
+        return self == RULE_PRESETS["titans"]
+
+    @property
+    def extra_gates(self) -> tuple[str, ...]:
+        """The per-token, per-head gates this rule learns beyond theta, eta, alpha, in channel order."""
+        return (("omega",) if self.window.size > 1 else ()) + (
+            ("delta",) if isinstance(self.bias, HuberBias) else ()
+        )
+
+    @property
+    def uses_momentum(self) -> bool:
+        return not isinstance(self.optimizer, MomentumSGD) or self.optimizer.momentum
+
+    def to_dict(self) -> dict:
+        """The parts as plain data (JSON): {"bias": {"kind": "lp", "p": 3.0}, ...}."""
+        out = {}
+        for name in ("bias", "retention", "optimizer"):
+            part = getattr(self, name)
+            out[name] = {"kind": part.kind, **{f.name: v for f, v in _init_fields(part)}}
+        out["window"] = asdict(self.window)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> MemoryRule:
+        """The inverse of `to_dict`; a missing part is Titans's."""
+        if not isinstance(data, dict):
+            raise TypeError(f"MemoryRule.from_dict: expected a dict, got {type(data).__name__}")
+        unknown = sorted(set(data) - {"bias", "retention", "window", "optimizer"})
+        if unknown:
+            raise ValueError(f"MemoryRule: unknown part(s) {unknown}")
+        parts = {}
+        for name, kinds in (("bias", BIASES), ("retention", RETENTIONS), ("optimizer", OPTIMIZERS)):
+            if name in data:
+                spec = dict(data[name])
+                kind = spec.pop("kind", None)
+                if kind not in kinds:
+                    raise ValueError(f"MemoryRule: {name} kind must be one of {sorted(kinds)}, got {kind!r}")
+                parts[name] = kinds[kind](**spec)
+        if "window" in data:
+            parts["window"] = Window(**data["window"])
+        return cls(**parts)
+
+    def to_config(self) -> str | dict:
+        """What a config stores: the preset's name where the rule is one, else the parts."""
+        for name, rule in RULE_PRESETS.items():
+            if rule == self:
+                return name
+        return self.to_dict()
+
+
+def _init_fields(part):
+    return [(f, getattr(part, f.name)) for f in fields(part) if f.init]
+
+
+# The published models (docs/design.md, "Memory rules", says where each is simplified).
+RULE_PRESETS: dict[str, MemoryRule] = {
+    "titans": MemoryRule(),
+    # Moneta: l_3 bias, l_4 retention, plain gradient descent
+    "moneta": MemoryRule(LpBias(3.0), LqRetention(4.0), Window(1), MomentumSGD(momentum=False)),
+    # Yaad: Huber bias with a data-dependent delta, the decay (l_2) retention, plain gradient descent
+    "yaad": MemoryRule(HuberBias(), DecayRetention(), Window(1), MomentumSGD(momentum=False)),
+    # Memora: l_2 bias, KL retention (a softmax-constrained memory), plain gradient descent
+    "memora": MemoryRule(L2Bias(), KLRetention(), Window(1), MomentumSGD(momentum=False)),
+    # ATLAS: l_2 bias, decay retention, the Omega rule over the last 4 tokens, Muon
+    "atlas": MemoryRule(L2Bias(), DecayRetention(), Window(4), Muon()),
+}
+
+
+def resolve_rule(rule: str | dict | MemoryRule | None) -> MemoryRule:
+    """A `MemoryRule` from a preset name, a parts dict (`MemoryRule.to_dict`), or a rule (None: Titans)."""
+    if rule is None:
+        return RULE_PRESETS["titans"]
+    if isinstance(rule, MemoryRule):
+        return rule
+    if isinstance(rule, str):
+        if rule not in RULE_PRESETS:
+            raise ValueError(f"memory rule: unknown preset {rule!r}; choose from {sorted(RULE_PRESETS)}")
+        return RULE_PRESETS[rule]
+    if isinstance(rule, dict):
+        return MemoryRule.from_dict(rule)
+    raise TypeError(f"memory rule must be a preset name, a dict or a MemoryRule, got {type(rule).__name__}")
+
+
+# --------------------------------------------------------------------------------------- the parts' maths
+
+
+class _LpError(torch.autograd.Function):
+    """phi(e) = p sign(e) |e|^(p-1) (p >= 2) or p e (e^2 + eps^2)^((p-2)/2) (p < 2), with its derivative
+    written out: autograd through pow/abs gives 0 * inf = nan at e = 0 for 2 < p < 3, and the wrong value
+    0 for p = 2."""
+
+    @staticmethod
+    def forward(ctx, e: Tensor, p: float, eps: float) -> Tensor:
+        ctx.save_for_backward(e)
+        ctx.p, ctx.eps = p, eps
+        if p >= 2:
+            return p * e.sign() * e.abs().pow(p - 1)
+        return p * e * (e.square() + eps * eps).pow((p - 2) / 2)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        (e,) = ctx.saved_tensors
+        return g * _lp_derivative(e, ctx.p, ctx.eps), None, None
+
+
+def _lp_derivative(e: Tensor, p: float, eps: float) -> Tensor:
+    """phi'(e) of the l_p error map: p (p - 1) |e|^(p-2) (0^0 = 1 gives phi'(0) = 2 at p = 2), or below
+    p = 2 the smoothed p (e^2 + eps^2)^((p-4)/2) ((p - 1) e^2 + eps^2)."""
+    if p >= 2:
+        return p * (p - 1) * e.abs().pow(p - 2)
+    s = e.square() + eps * eps
+    return p * s.pow((p - 4) / 2) * ((p - 1) * e.square() + eps * eps)
+
+
+def error_map(bias, e: Tensor, delta: Tensor | None) -> Tensor:
+    """dL/dM(k) for the output error e = M(k) - v (..., n, d); delta (..., n) the Huber thresholds."""
+    if isinstance(bias, L2Bias):
+        return 2 * e
+    if isinstance(bias, LpBias):
+        if bias.p == 2:
+            return 2 * e
+        return _LpError.apply(e, float(bias.p), float(bias.eps))
+    d = delta.unsqueeze(-1)
+    # differentiable in delta where clamped (the outer gradient reaches the delta projection)
+    return 2 * torch.minimum(torch.maximum(e, -d), d)
+
+
+def read_weights(retention, a: Tensor) -> Tensor:
+    """The weights W = g(A) the memory reads and is differentiated at. a: (..., d_in, d_out)."""
+    if isinstance(retention, DecayRetention):
+        return a
+    if isinstance(retention, LqRetention):
+        if retention.q == 2:
+            return a
+        q = retention.q
+        norm = a.abs().pow(q).sum((-1, -2), keepdim=True).pow(1 / q)
+        return a / norm.clamp_min(1e-12).pow(q - 2)
+    return retention.scale * torch.softmax(a, dim=-1)
+
+
+def newton_schulz(x: Tensor, steps: int) -> Tensor:
+    """The orthogonal factor of x (..., m, n) (U V^T of its SVD), approximately: x / ||x||_F, then `steps`
+    quintic Newton-Schulz iterations X <- a X + (b A + c A^2) X, A = X X^T, on the wide orientation."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    tall = x.shape[-2] > x.shape[-1]
+    y = x.transpose(-1, -2) if tall else x
+    y = y / (torch.linalg.matrix_norm(y).clamp_min(1e-7)[..., None, None])
+    for _ in range(steps):
+        g = y @ y.transpose(-1, -2)
+        y = a * y + (b * g + c * (g @ g)) @ y
+    return y.transpose(-1, -2) if tall else y
+
+
+def window_matrix(omega: Tensor | None, n: int, m: int, size: int) -> Tensor | None:
+    """(..., n, m): entry [t, i] is the weight of context row i (the chunk's n tokens are its last n rows)
+    in token t's objective: omega_i inside the window i in (t + m - n - size, t + m - n], else 0. None for
+    size 1 (the identity)."""
+    if size == 1:
+        return None
+    t = torch.arange(n, device=omega.device).unsqueeze(-1) + (m - n)
+    i = torch.arange(m, device=omega.device)
+    band = (i <= t) & (i > t - size)
+    return omega.unsqueeze(-2) * band.to(omega.dtype)
+
+
+# ------------------------------------------------------------------------------------------- the chunk op
+
+
+def _chunk(rule, activation, residual, clip, threshold, n, q, k, v, extra, gates, states, write):
+    """One chunk (or a trailing partial chunk: write=False). Rows: k, v, extra (N, m, .) are the m >= n
+    context rows whose last n are the chunk's tokens; q (N, n, d); gates (N, n, 3) theta, log_eta,
+    log_keep of the chunk's tokens; states: per layer (A, S), each (N, d_in, d_out). threshold: a token
+    whose surprise is below it adds no gradient (None: every token does).
+    Returns y (N, n, d), surprise (N, n), new states."""
+    m = k.shape[1]
+    ws = [read_weights(rule.retention, a) for a, _ in states]
+    out_all, hs, zs = _layers_forward(torch.cat([k, q], 1), ws, activation, residual)
+    channels = rule.extra_gates
+    omega = extra[..., channels.index("omega")] if "omega" in channels else None
+    delta = extra[..., channels.index("delta")] if "delta" in channels else None
+    err = error_map(rule.bias, out_all[:, :m] - v, delta)
+    # the inner backprop at the key rows: per layer input a_l (N, m, d_in) and error delta_l (N, m, d_out)
+    deltas = [err]
+    for i in range(len(ws) - 1, 0, -1):
+        e = deltas[0] @ ws[i].transpose(-1, -2)
+        deltas.insert(0, _act_backward(e, zs[i - 1][:, :m], activation))
+    inputs = [h[:, :m] for h in hs]
+    win = window_matrix(omega, n, m, rule.window.size)  # (N, n, m) or None
+    if win is None:
+        sq = sum(a.square().sum(-1) * d.square().sum(-1) for a, d in zip(inputs, deltas))[:, m - n :]
+    else:
+        # ||sum_i w_ti a_i^T d_i||_F^2 = sum_ij w_ti w_tj (a_i . a_j)(d_i . d_j), per layer
+        gram = sum((a @ a.transpose(1, 2)) * (d @ d.transpose(1, 2)) for a, d in zip(inputs, deltas))
+        sq = ((win @ gram) * win).sum(-1)
+    norm = sq.clamp_min(1e-30).sqrt()
+    y = out_all[:, m:]
+    if not write:
+        return y, norm, states
+    scale = clip_scale(norm, clip) if clip is not None else torch.ones_like(norm)
+    if threshold is not None:  # surprise-gated write: a 0/1 factor on each token's (windowed) gradient
+        scale = scale * write_mask(norm, threshold).to(scale.dtype)
+    theta, log_eta, log_keep = gates.unbind(-1)
+    gamma, beta, decay, carry, mom_decay = chunk_coefficients(theta, log_eta, log_keep)
+    muon = isinstance(rule.optimizer, Muon)
+    if muon:  # S_b = E_b S_0 - sum_t (E_b / E_t) s_t u_t: beta without theta
+        beta = segsum(log_eta)[..., -1, 1:].exp()
+    c_w, c_s = gamma * scale, beta * scale  # (N, n): per token's combined gradient
+    if win is not None:  # -> per context row's gradient
+        c_w, c_s = ((c.unsqueeze(-2) @ win).squeeze(-2) for c in (c_w, c_s))
+    else:
+        c_w, c_s = (F.pad(c, (m - n, 0)) for c in (c_w, c_s))
+    new_states = []
+    for (a_state, s_state), a, d in zip(states, inputs, deltas):
+        s_new = mom_decay[:, None, None] * s_state - a.transpose(1, 2) @ (c_s.unsqueeze(-1) * d)
+        if muon:
+            # A_b = A_b' A_0 + (sum_t theta_t A_b / A_t) NS(S_b)
+            lr = (theta * suffix_sum(log_keep)[..., 1:].exp()).sum(-1)
+            a_new = decay[:, None, None] * a_state + lr[:, None, None] * newton_schulz(
+                s_new, rule.optimizer.steps
+            )
+        else:
+            a_new = (
+                decay[:, None, None] * a_state
+                + carry[:, None, None] * s_state
+                - a.transpose(1, 2) @ (c_w.unsqueeze(-1) * d)
+            )
+        new_states.append((a_new, s_new))
+    return y, norm, new_states
+
+
+def fits_fast_path(rule: MemoryRule) -> bool:
+    """Whether `rule` runs on the custom-autograd fast path (`neural_memory_chunked` with the bias's error
+    map): the decay retention, window 1 and (momentum) SGD, any bias."""
+    return (
+        isinstance(rule.retention, DecayRetention)
+        and rule.window.size == 1
+        and isinstance(rule.optimizer, MomentumSGD)
+    )
+
+
+def memory_rule_chunked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gates: Tensor,
+    weights: tuple[Tensor, ...],
+    momentum: tuple[Tensor, ...],
+    *,
+    rule: MemoryRule,
+    chunk_size: int,
+    history: int = 0,
+    activation: str = "silu",
+    residual: bool = False,
+    surprise_clip: float | None = None,
+    checkpoint_every: int | None = None,
+    surprise_threshold: float | None = None,
+) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
+    """Read and write a memory with `rule` (contract of `memory_rule_chunked_autograd`). Rules that fit
+    (`fits_fast_path`: the biases with the Titans retention, window and optimiser) run on the fast path
+    of `titans.ops.memory` with the bias's error map; the others on `memory_rule_chunked_autograd`.
+    checkpoint_every: as `neural_memory_chunked`'s, on the fast path only."""
+    if not fits_fast_path(rule):
+        return memory_rule_chunked_autograd(
+            q,
+            k,
+            v,
+            gates,
+            weights,
+            momentum,
+            rule=rule,
+            chunk_size=chunk_size,
+            history=history,
+            activation=activation,
+            residual=residual,
+            surprise_clip=surprise_clip,
+            surprise_threshold=surprise_threshold,
+        )
+    _check_gates(rule, k, gates)
+    q, k, v, gates = (x[:, :, history:] for x in (q, k, v, gates))
+    return neural_memory_chunked(
+        q,
+        k,
+        v,
+        gates[..., 0],
+        gates[..., 1],
+        gates[..., 2],
+        weights,
+        momentum,
+        chunk_size=chunk_size,
+        activation=activation,
+        residual=residual,
+        surprise_clip=surprise_clip,
+        checkpoint_every=checkpoint_every,
+        surprise_threshold=surprise_threshold,
+        error=None if isinstance(rule.bias, L2Bias) else rule.bias,
+        error_aux=gates[..., 3] if isinstance(rule.bias, HuberBias) else None,
+    )
+
+
+def _check_gates(rule: MemoryRule, k: Tensor, gates: Tensor) -> None:
+    if gates.shape[:3] != k.shape[:3] or gates.shape[-1] != 3 + len(rule.extra_gates):
+        raise ValueError(
+            f"memory_rule_chunked: gates must be (B, H, T, {3 + len(rule.extra_gates)}) for this rule, "
+            f"got {tuple(gates.shape)}"
+        )
+
+
+def memory_rule_chunked_autograd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gates: Tensor,
+    weights: tuple[Tensor, ...],
+    momentum: tuple[Tensor, ...],
+    *,
+    rule: MemoryRule,
+    chunk_size: int,
+    history: int = 0,
+    activation: str = "silu",
+    residual: bool = False,
+    surprise_clip: float | None = None,
+    surprise_threshold: float | None = None,
+) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
+    """Read and write a memory with `rule` over a sequence, chunk by chunk (the chunked form; torch autograd).
+
+    q, k, v: (B, H, h + T, d), the first h = `history` rows context only: tokens already written whose
+    keys, values and gates the window of the first chunk reaches back to (their queries are ignored).
+    gates: (B, H, h + T, 3 + e): theta, log(eta), log(1 - alpha), then `rule.extra_gates`.
+    weights, momentum: per memory layer (B, H, d_in, d_out): the pre-retention state A (W = g(A)) and S.
+    Returns y (B, H, T, d), weights, momentum after the last complete chunk, surprise (B, H, T): the norm of
+    each token's (windowed) inner gradient. Shapes and chunking as `titans.ops.memory.neural_memory_chunked`.
+    surprise_threshold: as `neural_memory_chunked`'s: a token whose surprise (its windowed gradient's norm,
+    before clipping) is below it adds no gradient to S.
+    """
+    if torch.is_autocast_enabled(q.device.type):
+        # as the Titans path: the memory runs in its state's dtype (its small increments need it)
+        with torch.autocast(q.device.type, enabled=False):
+            return memory_rule_chunked_autograd(
+                q,
+                k,
+                v,
+                gates,
+                weights,
+                momentum,
+                rule=rule,
+                chunk_size=chunk_size,
+                history=history,
+                activation=activation,
+                residual=residual,
+                surprise_clip=surprise_clip,
+                surprise_threshold=surprise_threshold,
+            )
+    check_int("memory_rule_chunked: chunk_size", chunk_size)
+    check_threshold("memory_rule_chunked: surprise_threshold", surprise_threshold)
+    batch, heads, total, dim = k.shape
+    _check_gates(rule, k, gates)
+    dtype = weights[0].dtype
+    n_seq = batch * heads
+
+    def flat(x: Tensor) -> Tensor:
+        return x.reshape(n_seq, total, *x.shape[3:])
+
+    q, k, v, g = flat(q.to(dtype)), flat(k.to(dtype)), flat(v.to(dtype)), flat(gates.to(dtype))
+    states = [
+        (w.reshape(n_seq, *w.shape[2:]), s.reshape(n_seq, *s.shape[2:])) for w, s in zip(weights, momentum)
+    ]
+    back = rule.window.size - 1
+    ys, norms = [], []
+    for start in range(history, total, chunk_size):
+        end = min(start + chunk_size, total)
+        ctx = max(0, start - back)
+        y, norm, states = _chunk(
+            rule,
+            activation,
+            residual,
+            surprise_clip,
+            surprise_threshold,
+            end - start,
+            q[:, start:end],
+            k[:, ctx:end],
+            v[:, ctx:end],
+            g[:, ctx:end, 3:],
+            g[:, start:end, :3],
+            states,
+            write=end - start == chunk_size,
+        )
+        ys.append(y)
+        norms.append(norm)
+    if ys:
+        y = torch.cat(ys, 1)
+        norm = torch.cat(norms, 1)
+    else:
+        y = q.new_zeros(n_seq, 0, dim)
+        norm = q.new_zeros(n_seq, 0)
+    seq = total - history
+    w_out = tuple(a.reshape(batch, heads, *a.shape[1:]) for a, _ in states)
+    s_out = tuple(s.reshape(batch, heads, *s.shape[1:]) for _, s in states)
+    return y.reshape(batch, heads, seq, dim), w_out, s_out, norm.reshape(batch, heads, seq)
+
+
+def newton_schulz_flops(d_in: int, d_out: int, steps: int) -> int:
+    """Multiply-adds of one `newton_schulz` on a (d_in, d_out) matrix (for the cost estimate in docs)."""
+    m, n = sorted((d_in, d_out))
+    return steps * (m * m * n + m * m * m + m * m * n)
+
+
+__all__ = [
+    "DecayRetention",
+    "HuberBias",
+    "KLRetention",
+    "L2Bias",
+    "LpBias",
+    "LqRetention",
+    "MemoryRule",
+    "MomentumSGD",
+    "Muon",
+    "RULE_PRESETS",
+    "Window",
+    "error_map",
+    "fits_fast_path",
+    "memory_rule_chunked",
+    "memory_rule_chunked_autograd",
+    "newton_schulz",
+    "read_weights",
+    "resolve_rule",
+]
