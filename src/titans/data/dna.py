@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from titans.data.sources import Document, TextSource
+from titans.data.sources import Document, TextSource, load_hf_split
 
 BASES = "ACGTN"
 SPECIALS = ("<pad>", "<eos>", "<cls>")
@@ -172,35 +172,13 @@ def fasta_source(spec: str) -> FastaSource:
     return FastaSource(spec, dm3_sample_path() if target == "builtin" else Path(target).expanduser())
 
 
-def _hf_rows(spec: str):
-    """The rows of ``hf:NAME[:CONFIG][:SPLIT]``: a hub dataset, or a folder saved with ``save_to_disk``."""
-    parts = spec[len("hf:") :].split(":")
-    if len(parts) > 3 or not parts[0]:
-        raise ValueError(f"bad dataset spec {spec!r}: expected hf:NAME[:CONFIG][:SPLIT]")
-    try:
-        import datasets
-    except ImportError as e:
-        raise ImportError(
-            f"{spec!r} needs the Hugging Face 'datasets' package: pip install 'titans[datasets]'"
-        ) from e
-    name, config = parts[0], (parts[1] or None) if len(parts) > 1 else None
-    split = (parts[2] or "train") if len(parts) > 2 else "train"
-    try:
-        if Path(name).is_dir():
-            ds = datasets.load_from_disk(name)
-            return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-        return datasets.load_dataset(path=name, name=config, split=split)
-    except Exception as e:  # offline misses, unknown names and bad splits raise many exception types
-        raise ValueError(f"labelled sequences {spec!r}: cannot load dataset ({type(e).__name__}: {e})") from e
-
-
 def load_labelled_sequences(
     spec: str, seq_field: str = "seq", label_field: str = "label"
 ) -> list[tuple[str, int]]:
     """(sequence, label) pairs from ``hf:NAME[:CONFIG][:SPLIT]`` (GenomicsBenchmarks on the hub, through
     ``datasets``) or a local ``.csv`` / ``.jsonl`` file with columns ``seq_field`` and ``label_field``."""
     if spec.startswith("hf:"):
-        rows = _hf_rows(spec)
+        rows = load_hf_split(spec, "labelled sequences")
         columns = set(rows.column_names)
     else:
         import pandas as pd

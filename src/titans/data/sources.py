@@ -179,35 +179,39 @@ class JsonlSource(TextSource):
             yield Document(f"line-{lineno}", text)
 
 
+def load_hf_split(spec: str, what: str):
+    """The split that ``hf:NAME[:CONFIG][:SPLIT]`` names (default split "train"): a hub dataset through
+    ``datasets``, a folder written by ``save_to_disk`` (a dataset, or a dataset dict to take the split
+    from), or a folder of data files. Errors start with `what` and the spec."""
+    parts = spec[len("hf:") :].split(":")
+    if len(parts) > 3 or not parts[0]:
+        raise ValueError(f"bad dataset spec {spec!r}: expected hf:NAME[:CONFIG][:SPLIT]")
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError(
+            f"{what} {spec!r} needs the Hugging Face 'datasets' package: "
+            "pip install datasets (or pip install 'titans[datasets]')"
+        ) from e
+    name = parts[0]
+    config = (parts[1] or None) if len(parts) > 1 else None
+    split = (parts[2] or "train") if len(parts) > 2 else "train"
+    try:
+        saved = ("dataset_info.json", "dataset_dict.json")  # else a folder of data files: load_dataset
+        if Path(name).is_dir() and any((Path(name) / f).is_file() for f in saved):
+            ds = datasets.load_from_disk(name)
+            return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+        return datasets.load_dataset(path=name, name=config, split=split)
+    except Exception as e:  # offline misses, unknown names and bad splits raise many exception types
+        raise ValueError(f"{what} {spec!r}: cannot load dataset ({type(e).__name__}: {e})") from e
+
+
 class HFDatasetSource(TextSource):
     """One document per row of a Hugging Face dataset split; text in column ``text_field``."""
 
     def __init__(self, spec: str, text_field: str = "text"):
-        parts = spec[len("hf:") :].split(":")
-        if len(parts) > 3 or not parts[0]:
-            raise ValueError(f"bad dataset spec {spec!r}: expected hf:NAME[:CONFIG][:SPLIT]")
-        try:
-            import datasets
-        except ImportError as e:
-            raise ImportError(
-                f"text source {spec!r} needs the Hugging Face 'datasets' package: "
-                "pip install datasets (or pip install 'titans[datasets]')"
-            ) from e
-        name = parts[0]
-        config = (parts[1] or None) if len(parts) > 1 else None
-        split = (parts[2] or "train") if len(parts) > 2 else "train"
         self.spec, self.text_field = spec, text_field
-        try:
-            if Path(name).is_dir() and (Path(name) / "dataset_info.json").is_file():
-                ds = datasets.load_from_disk(name)
-                if isinstance(ds, datasets.DatasetDict):
-                    ds = ds[split]
-            elif Path(name).is_dir() and (Path(name) / "dataset_dict.json").is_file():
-                ds = datasets.load_from_disk(name)[split]
-            else:
-                ds = datasets.load_dataset(path=name, name=config, split=split)
-        except Exception as e:  # offline misses, unknown names and bad splits raise many exception types
-            raise ValueError(f"text source {spec!r}: cannot load dataset ({type(e).__name__}: {e})") from e
+        ds = load_hf_split(spec, "text source")
         if text_field not in ds.column_names:
             raise ValueError(
                 f"text source {spec!r}: no column {text_field!r} (columns: {', '.join(ds.column_names)})"

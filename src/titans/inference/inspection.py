@@ -29,6 +29,7 @@ from titans.inference.generation import IncrementalDecoder
 from titans.layers.memory import NeuralMemory
 from titans.models.lm import TitansLM
 from titans.models.monitor import (
+    HEAD_FIELDS,
     MemoryMonitor,
     MemoryReport,
     find_memory_state,
@@ -342,18 +343,7 @@ def render_html(trace: Trace, pieces: list[str], title: str, meta: dict[str, str
             cells = [
                 f"L{layer.layer}",
                 str(h),
-                *(
-                    _fmt(getattr(layer, k)[h])
-                    for k in (
-                        "surprise_mean",
-                        "surprise_p50",
-                        "surprise_p95",
-                        "write_rate",
-                        "theta",
-                        "eta",
-                        "alpha",
-                    )
-                ),
+                *(_fmt(getattr(layer, k)[h]) for k in HEAD_FIELDS),
                 _fmt(max(row[h] for row in layer.weight_norm)),
                 util,
                 _fmt(max(row[h] for row in layer.momentum_norm)),

@@ -41,6 +41,8 @@ if TYPE_CHECKING:  # the model imports nothing from here
     from titans.models.lm import TitansLM
 
 STAT_FIELDS = ("surprise", "theta", "eta", "alpha", "written")
+# LayerReport's numbers with one value per head
+HEAD_FIELDS = ("surprise_mean", "surprise_p50", "surprise_p95", "write_rate", "theta", "eta", "alpha")
 
 
 @dataclass
@@ -63,18 +65,7 @@ class LayerReport:
 
     def summary(self) -> dict[str, float]:
         """Head means of every number (`weight_norm` etc. as the largest over the MLP's layers)."""
-        out = {
-            name: _mean(getattr(self, name))
-            for name in (
-                "surprise_mean",
-                "surprise_p50",
-                "surprise_p95",
-                "write_rate",
-                "theta",
-                "eta",
-                "alpha",
-            )
-        }
+        out = {name: _mean(getattr(self, name)) for name in HEAD_FIELDS}
         out["weight_norm"] = max(_mean(row) for row in self.weight_norm)
         out["momentum_norm"] = max(_mean(row) for row in self.momentum_norm)
         if self.utilisation is not None:
