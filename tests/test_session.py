@@ -266,3 +266,15 @@ def test_bad_session_input_is_refused_by_name():
     with pytest.raises(ValueError, match="snapshots"):
         MemorySession(model, snapshots=-1)
     assert session.read([]).tokens == 0 and session.state is None
+
+
+def test_events_keep_the_latest_max_events():
+    """Events travel in the session's bytes on every change: a long-lived session keeps only the latest."""
+    session = MemorySession(tiny("lmm"))
+    session.max_events = 5
+    for i in range(6):
+        session.freeze(reason=f"f{i}")
+        session.unfreeze(reason=f"u{i}")
+    assert [e.reason for e in session.events] == ["u3", "f4", "u4", "f5", "u5"]
+    restored = MemorySession.from_bytes(tiny("lmm"), session.to_bytes())
+    assert [e.reason for e in restored.events] == ["u3", "f4", "u4", "f5", "u5"]

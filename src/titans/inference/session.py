@@ -196,7 +196,11 @@ class MemorySession:
         guard_max_rise: the guard undoes a write that raises the probe loss by more than this share.
         frozen: start frozen.
         piece_len: tokens per model call (default `default_piece_len`); results do not depend on it.
+
+    `events` keeps the latest `max_events` (a class attribute; set it on an instance to change it).
     """
+
+    max_events = 256
 
     def __init__(
         self,
@@ -232,7 +236,7 @@ class MemorySession:
         self._current = _kept(state)
         self._frozen = bool(frozen)
         self._snapshots: list[_Kept] = []  # oldest first
-        self.events: list[SessionEvent] = []
+        self.events: list[SessionEvent] = []  # the latest `max_events`, oldest first
         self._probe_loss: float | None = None  # the probe loss of the current state, once measured
         self.last_report: MemoryReport | None = None
         self._last_stats: dict | None = None
@@ -592,6 +596,8 @@ class MemorySession:
     def _record(self, kind: str, reason: str, **extra: float | None) -> SessionEvent:
         event = SessionEvent(kind, reason, self.position, time.time(), **extra)
         self.events.append(event)
+        # the events travel in the session's bytes on every change: a long-lived session keeps its latest
+        del self.events[: -self.max_events]
         return event
 
     def _state_or_empty(self) -> TitansState:
