@@ -44,7 +44,7 @@ def _loss_and_grads(fn, args, w, s, kw, dtype, seed=1):
     return [o.detach().double() for o in outs], [None if x is None else x.double() for x in grads]
 
 
-def _close(a, b, tol, what):
+def assert_close(a, b, tol, what):
     scale = b.abs().max().clamp_min(1.0)
     err = (a - b).abs().max()
     assert err <= tol * scale, f"{what}: max diff {err.item():.3e} (scale {scale.item():.3e})"
@@ -63,7 +63,7 @@ def check_against_reference(
     outs, grads = _loss_and_grads(neural_memory_triton, args, w, s, options, dtype)
     ref_outs, ref_grads = _loss_and_grads(neural_memory_ref, args, w, s, options, F64)
     for i, (o, r) in enumerate(zip(outs, ref_outs)):
-        _close(o, r, tol, f"output {i}")
+        assert_close(o, r, tol, f"output {i}")
     names = NAMES + [f"w{i}" for i in range(depth)] + [f"s{i}" for i in range(depth)]
     for name, g, r in zip(names, grads, ref_grads):
         if name == "log_eta" and not momentum:
@@ -72,7 +72,7 @@ def check_against_reference(
             assert g is None or not g.any(), name
             continue
         assert g is not None, name
-        _close(g, r, tol * 10, f"grad {name}")
+        assert_close(g, r, tol * 10, f"grad {name}")
 
 
 @interpreted
@@ -116,8 +116,8 @@ def test_half_inputs_with_float32_state(half):
     y, w_out, _, norm = neural_memory_triton(*qkv, *args[3:], ws, ss, **kw)
     assert y.dtype == torch.float32 and w_out[0].dtype == torch.float32
     ref = neural_memory_chunked(*(x.detach().float() for x in qkv), *args[3:], ws, ss, **kw)
-    _close(y.detach(), ref[0], 1e-5, "y")
-    _close(w_out[1].detach(), ref[1][1], 1e-5, "w")
+    assert_close(y.detach(), ref[0], 1e-5, "y")
+    assert_close(w_out[1].detach(), ref[1][1], 1e-5, "w")
     (y.sum() + norm.sum()).backward()
     assert all(x.grad.dtype == half and torch.isfinite(x.grad).all() for x in qkv)
 
@@ -132,7 +132,7 @@ def test_checkpoint_every_keeps_gradients():
         neural_memory_triton, args, w, s, {**kw, "checkpoint_every": 2}, torch.float32
     )
     for a, b in zip(outs + grads, outs_c + grads_c):
-        _close(a, b, 1e-6, "checkpointed")
+        assert_close(a, b, 1e-6, "checkpointed")
 
 
 def _memory(**kw) -> NeuralMemory:
@@ -151,15 +151,15 @@ def test_layer_streaming_pieces_equal_whole_and_torch(splits):
     whole, state_whole = mem(x)
     torch_mem = _memory(backend="torch")
     ref, state_ref = torch_mem(x)
-    _close(whole.detach(), ref.detach(), 1e-5, "triton vs torch")
+    assert_close(whole.detach(), ref.detach(), 1e-5, "triton vs torch")
     state, outs, start = None, [], 0
     for n in splits:
         y, state = mem(x[:, start : start + n], state)
         outs.append(y)
         start += n
-    _close(torch.cat(outs, 1).detach(), whole.detach(), 1e-5, "pieces vs whole")
+    assert_close(torch.cat(outs, 1).detach(), whole.detach(), 1e-5, "pieces vs whole")
     for a, b in zip(state.weights + state.momentum, state_ref.weights + state_ref.momentum):
-        _close(a.detach(), b.detach(), 1e-5, "state")
+        assert_close(a.detach(), b.detach(), 1e-5, "state")
 
 
 @interpreted
@@ -172,7 +172,7 @@ def test_layer_parameter_gradients_match_torch_backend():
         (y.square().sum() + state.weights[1].sum()).backward()
         grads.append([p.grad for p in mem.parameters()])
     for a, b in zip(*grads):
-        _close(a, b, 1e-4, "parameter grad")
+        assert_close(a, b, 1e-4, "parameter grad")
 
 
 def test_backend_choices_and_errors(monkeypatch, caplog):
@@ -219,7 +219,7 @@ def test_auto_picks_kernels_on_cuda_and_matches_torch():
     y, state = mem(x)
     mem.backend = "torch"
     y_ref, state_ref = mem(x)
-    _close(y, y_ref, 1e-4, "cuda kernels vs torch")
+    assert_close(y, y_ref, 1e-4, "cuda kernels vs torch")
 
 
 @interpreted
@@ -240,7 +240,7 @@ def test_backward_falls_back_where_the_kernel_does_not_fit(monkeypatch):
     for _ in range(2):
         outs_f, grads_f = _loss_and_grads(neural_memory_triton, args, w, s, kw, torch.float32)
         for a, b in zip(outs + grads, outs_f + grads_f):
-            _close(a, b, 1e-6, "fallback")
+            assert_close(a, b, 1e-6, "fallback")
     assert len(tried) == 1 and len(memory_triton._UNFIT) == 1
 
 
@@ -281,5 +281,5 @@ def test_layer_under_bf16_autocast_matches_torch_backend():
         y.float().sum().backward()
         assert state.weights[0].dtype == torch.float32
         runs.append((y.float().detach(), mem.init_weights[0].grad))
-    _close(runs[0][0], runs[1][0], 1e-3, "y")
-    _close(runs[0][1], runs[1][1], 1e-3, "grad")
+    assert_close(runs[0][0], runs[1][0], 1e-3, "y")
+    assert_close(runs[0][1], runs[1][1], 1e-3, "grad")

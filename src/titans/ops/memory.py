@@ -180,6 +180,37 @@ def chunk_coefficients(theta: Tensor, log_eta: Tensor, log_keep: Tensor) -> tupl
     return gamma, beta, seg_a_end[..., 0].exp(), c, seg_e[..., -1, 0].exp()
 
 
+def chunk_mix(
+    theta: Tensor, log_eta: Tensor, log_keep: Tensor, chunk_size: int, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The chunk steps' coefficients for the complete chunks of gates (B, H, T): gamma, beta (N, m, b)
+    and mix (N, m, 2, 2) = [[A_b, c], [0, E_b]] per chunk (X' = mix @ [W; S] + U), N = B * H, m = T // b,
+    in `dtype`."""
+    batch, heads, seq = theta.shape
+    n_full, b = seq // chunk_size, chunk_size
+    shape = (batch, heads, n_full, b)
+    gamma, beta, decay, carry, mom_decay = chunk_coefficients(
+        *(x[..., : n_full * b].reshape(shape) for x in (theta, log_eta, log_keep))
+    )
+    mix = torch.stack([decay, carry, torch.zeros_like(decay), mom_decay], -1)
+    n_seq = batch * heads
+    mix = mix.to(dtype).reshape(n_seq, n_full, 2, 2)
+    gamma, beta = (x.to(dtype).reshape(n_seq, n_full, b) for x in (gamma, beta))
+    return gamma, beta, mix
+
+
+def stack_states(weights: tuple[Tensor, ...], momentum: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """Each layer's W and S (B, H, r, c) stacked as one (B * H, 2, r, c) state, as the chunk steps take it."""
+    return tuple(torch.stack([w, s], 2).reshape(-1, 2, *w.shape[-2:]) for w, s in zip(weights, momentum))
+
+
+def unstack_states(states, batch: int, heads: int) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """`stack_states` undone: views of the W and S halves, (B, H, r, c) each."""
+    weights = tuple(x[:, 0].view(batch, heads, *x.shape[2:]) for x in states)
+    momentum = tuple(x[:, 1].view(batch, heads, *x.shape[2:]) for x in states)
+    return weights, momentum
+
+
 def _chunk_forward(
     kq, v, gamma, beta, mix, activation, residual, clip, threshold, states, out=None, error=None, aux=None
 ):
@@ -690,17 +721,8 @@ def neural_memory_chunked(
         return y, weights, momentum, _surprise(_surprise_parts(inputs, deltas))[1]
 
     n_seq, dtype = batch * heads, weights[0].dtype
-    shape = (batch, heads, n_full, b)
-    gamma, beta, decay, carry, mom_decay = chunk_coefficients(
-        theta[..., : n_full * b].reshape(shape),
-        log_eta[..., : n_full * b].reshape(shape),
-        log_keep[..., : n_full * b].reshape(shape),
-    )
-    # mix = [[A_b, c], [0, E_b]] per chunk: X' = mix @ [W; S] + U
-    mix = torch.stack([decay, carry, torch.zeros_like(decay), mom_decay], -1)
-    mix = mix.to(dtype).reshape(n_seq, n_full, 2, 2)
-    gamma, beta = (x.to(dtype).reshape(n_seq, n_full, b) for x in (gamma, beta))
-    states = tuple(torch.stack([w, s], 2).reshape(n_seq, 2, *w.shape[-2:]) for w, s in zip(weights, momentum))
+    gamma, beta, mix = chunk_mix(theta, log_eta, log_keep, b, dtype)
+    states = stack_states(weights, momentum)
     # (N, T, d) views, cut into the complete chunks and a trailing partial one. split() rather than indexing,
     # whose backward is a full-size zero tensor per piece; and only where there is more than one piece, since
     # split's backward concatenates the pieces' gradients (a full copy, even of a single piece)
@@ -727,8 +749,7 @@ def neural_memory_chunked(
         ys.append(y)
         norms.append(norm)
     # views of the stacked states (W and S halves), not copies: whoever needs them contiguous copies anyway
-    weights = tuple(x[:, 0].view(batch, heads, *x.shape[2:]) for x in states)
-    momentum = tuple(x[:, 1].view(batch, heads, *x.shape[2:]) for x in states)
+    weights, momentum = unstack_states(states, batch, heads)
     if seq > n_full * b:  # trailing partial chunk: read (and report surprise), written by a later call
         tail = (x[1].reshape(batch, heads, -1, dim) for x in (q_full, k_full, v_full))
         aux_tail = None if aux_flat is None else aux_flat[:, n_full * b :].reshape(batch, heads, -1)

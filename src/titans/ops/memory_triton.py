@@ -38,7 +38,9 @@ from titans.ops.memory import (
     _surprise,
     _surprise_parts,
     _without_autocast,
-    chunk_coefficients,
+    chunk_mix,
+    stack_states,
+    unstack_states,
 )
 from titans.validation import check_int
 
@@ -398,25 +400,14 @@ def neural_memory_triton(
         n_full = seq // b
         n_seq, dtype = batch * heads, weights[0].dtype
         if n_full:
-            shape = (batch, heads, n_full, b)
-            gamma, beta, decay, carry, mom_decay = chunk_coefficients(
-                theta[..., : n_full * b].reshape(shape),
-                log_eta[..., : n_full * b].reshape(shape),
-                log_keep[..., : n_full * b].reshape(shape),
-            )
-            mix = torch.stack([decay, carry, torch.zeros_like(decay), mom_decay], -1)
-            mix = mix.to(dtype).reshape(n_seq, n_full, 2, 2)
-            gamma, beta = (x.to(dtype).reshape(n_seq, n_full, b) for x in (gamma, beta))
+            gamma, beta, mix = chunk_mix(theta, log_eta, log_keep, b, dtype)
         else:
             gamma = beta = q.new_zeros(n_seq, 0, b, dtype=dtype)
             mix = q.new_zeros(n_seq, 0, 2, 2, dtype=dtype)
-        states = tuple(
-            torch.stack([w, s], 2).reshape(n_seq, 2, *w.shape[-2:]) for w, s in zip(weights, momentum)
-        )
+        states = stack_states(weights, momentum)
         flat = (x.reshape(n_seq, seq, dim) for x in (q, k, v))
         group = checkpoint_every if checkpoint_every and torch.is_grad_enabled() else 1
         config = (activation, residual, surprise_clip, b, min(group, max(n_full, 1)))
         y, norm, *states = _TritonChunks.apply(config, *flat, gamma, beta, mix, *states)
-    weights = tuple(x[:, 0].view(batch, heads, *x.shape[2:]) for x in states)
-    momentum = tuple(x[:, 1].view(batch, heads, *x.shape[2:]) for x in states)
+    weights, momentum = unstack_states(states, batch, heads)
     return y.view(batch, heads, seq, dim), weights, momentum, norm.view(batch, heads, seq)
