@@ -197,7 +197,7 @@ def _layer_report(
     numbers: dict[str, list[float]] = {}
     if stats is None or stats.surprise.shape[2] == 0:
         tokens = 0
-        for name in ("surprise_mean", "surprise_p50", "surprise_p95", "write_rate", "theta", "eta", "alpha"):
+        for name in HEAD_FIELDS:
             numbers[name] = list(nan)
     else:
         tokens = stats.surprise.shape[2]

@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
 
+import numpy as np
 import torch
-from torch import Tensor
 
 from titans.data.tokenizers import Tokenizer
 from titans.inference.session import DEFAULT_GUARD_MAX_RISE, MemorySession
@@ -85,21 +85,14 @@ class Engine:
 
 
 # ------------------------------------------------------------------------------------------ JSON
-def _quantile(ordered: Tensor, q: float) -> float:
-    """The q-quantile of sorted values (linear interpolation, as numpy's default)."""
-    pos = q * (ordered.numel() - 1)
-    lo = int(pos)
-    hi = min(lo + 1, ordered.numel() - 1)
-    return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
-
-
 def read_stats(stats: Iterable[MemoryStats], tokens: int) -> dict[str, Any]:
     """The surprise and gate statistics of one read: every memory layer's MemoryStats pooled (all memory
     layers, heads and tokens)."""
     stats = list(stats)
     if not stats:
         return {"tokens": tokens}
-    surprise = torch.cat([s.surprise.detach().float().reshape(-1) for s in stats]).sort().values
+    surprise = torch.cat([s.surprise.detach().float().reshape(-1) for s in stats])
+    p50, p95 = np.percentile(surprise.double().numpy(), [50, 95])  # linear interpolation, as the monitor
     theta = torch.cat([s.theta.detach().float().reshape(-1) for s in stats])
     eta = torch.cat([s.eta.detach().float().reshape(-1) for s in stats])
     alpha = torch.cat([s.alpha.detach().float().reshape(-1) for s in stats])
@@ -107,8 +100,8 @@ def read_stats(stats: Iterable[MemoryStats], tokens: int) -> dict[str, Any]:
         "tokens": tokens,
         "surprise": {
             "mean": float(surprise.mean()),
-            "p50": _quantile(surprise, 0.5),
-            "p95": _quantile(surprise, 0.95),
+            "p50": float(p50),
+            "p95": float(p95),
             "max": float(surprise.max()),
         },
         "theta_mean": float(theta.mean()),
