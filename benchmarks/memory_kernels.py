@@ -56,8 +56,11 @@ def _timed(fn, steps: int) -> float:
 
 
 def case(args: argparse.Namespace, seq: int, depth: int, hidden: int) -> dict:
+    from titans.ops import memory_triton
     from titans.ops.memory import neural_memory_chunked
     from titans.ops.memory_triton import neural_memory_triton
+
+    memory_triton._UNFIT.clear()
 
     inputs, w, s = _problem(args, seq, depth, hidden)
     kw = {"chunk_size": args.chunk, "activation": "silu", "surprise_clip": 1.0}
@@ -94,6 +97,8 @@ def case(args: argparse.Namespace, seq: int, depth: int, hidden: int) -> dict:
         with torch.no_grad():
             row[f"{name}_fwd_ms"] = _timed(lambda n=name: call(n), args.steps)
         row[f"{name}_fwd_bwd_ms"] = _timed(lambda n=name: backward(n), args.steps)
+    # where the backward kernel did not fit in one SM's shared memory, the torch chunk step ran instead
+    row["triton_backward"] = "torch fallback" if memory_triton._UNFIT else "kernel"
     row["speedup_fwd"] = row["torch_fwd_ms"] / row["triton_fwd_ms"]
     row["speedup_fwd_bwd"] = row["torch_fwd_bwd_ms"] / row["triton_fwd_bwd_ms"]
     return row

@@ -223,3 +223,23 @@ def test_saved_config_without_the_memory_input_norm_rebuilds_the_unnormalised_bl
 def test_option_must_be_a_bool(field):
     with pytest.raises(ValueError, match=field):
         TitansConfig(**{field: "yes"})
+
+
+def test_mac_default_gate_passes_the_loss_gradient_to_the_memory_at_init():
+    """MAC's output o = gate(y, M(u)): with the default "norm" gate (W (norm(y) * sigmoid(norm(m))), MAG's)
+    the memory gets a gradient of the same order as the rest of the block; with the "open" gate
+    (y * 2 sigmoid(W norm(m)), W = 0) it is scaled by the attention output y, which its small output
+    projection keeps far below 1 at init: an order of magnitude less, the onset of learning through the
+    memory comes late or not at all (docs/evaluations.md, "MAC on the pass-key recipe")."""
+    tokens = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(0))
+
+    def memory_grad(gate: str) -> float:
+        torch.manual_seed(0)
+        model = TitansLM(TitansConfig.preset("tiny", variant="mac", mac_gate=gate))
+        logits, _ = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        grads = [p.grad for b in model.blocks for p in b.memory.parameters() if p.grad is not None]
+        return torch.cat([g.flatten() for g in grads]).norm().item()
+
+    assert TitansConfig().mac_gate == "norm"
+    assert memory_grad("norm") > 5 * memory_grad("open")

@@ -54,13 +54,21 @@ NAMES = ["q", "k", "v", "theta", "log_eta", "log_keep"]
 
 
 def check_against_reference(
-    shape, depth, options, *, momentum=True, forgetting=True, dtype=torch.float32, tol=2e-4
+    shape, depth, options, *, momentum=True, forgetting=True, dtype=torch.float32, tol=2e-4, device="cpu"
 ):
     batch, heads, seq, d = shape
     args, w, s = random_problem(
         batch, heads, seq, d, depth, expansion=2, seed=seq + depth, momentum=momentum, forgetting=forgetting
     )
-    outs, grads = _loss_and_grads(neural_memory_triton, args, w, s, options, dtype)
+
+    def on_device(*a, **kw):
+        moved = [x.to(device) if torch.is_tensor(x) else tuple(t.to(device) for t in x) for x in a]
+        return [
+            o.cpu() if torch.is_tensor(o) else tuple(t.cpu() for t in o)
+            for o in neural_memory_triton(*moved, **kw)
+        ]
+
+    outs, grads = _loss_and_grads(on_device, args, w, s, options, dtype)
     ref_outs, ref_grads = _loss_and_grads(neural_memory_ref, args, w, s, options, F64)
     for i, (o, r) in enumerate(zip(outs, ref_outs)):
         assert_close(o, r, tol, f"output {i}")
@@ -220,6 +228,26 @@ def test_auto_picks_kernels_on_cuda_and_matches_torch():
     mem.backend = "torch"
     y_ref, state_ref = mem(x)
     assert_close(y, y_ref, 1e-4, "cuda kernels vs torch")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or memory_triton.interpreting(), reason="needs CUDA, compiled"
+)
+@pytest.mark.parametrize(
+    "depth, shape, options",
+    [
+        # the presets' sizes (head 64, hidden 128, chunk 64), T not a multiple of the chunk, B * H = 3
+        (2, (1, 3, 200, 64), {"chunk_size": 64, "surprise_clip": 1.0}),
+        (1, (3, 1, 150, 64), {"chunk_size": 64, "activation": "gelu", "residual": True}),
+        (2, (2, 2, 77, 32), {"chunk_size": 16, "residual": True, "surprise_clip": 0.3}),
+        (2, (1, 2, 40, 128), {"chunk_size": 32}),
+    ],
+)
+def test_compiled_kernel_matches_reference_on_cuda(depth, shape, options):
+    """The compiled kernels (not the interpreter) against the float64 reference on CPU, fp32 matmuls
+    (`allow_tf32` off, torch's default), at the sizes the presets train with."""
+    check_against_reference(shape, depth, options, device="cuda", tol=5e-4)
 
 
 @interpreted
