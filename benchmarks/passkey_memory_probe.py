@@ -7,7 +7,11 @@ stays at its learned initial weights). If the two match, the answer does not com
 Depth 1.0 puts the needle next to the question, inside the attention's reach for MAC; smaller depths put
 it segments away.
 
-    python benchmarks/passkey_memory_probe.py RUN_DIR [--length 320] [--samples 32]
+    python benchmarks/passkey_memory_probe.py RUN_DIR [--length 320] [--samples 32] [--per-position]
+
+With `--per-position`, also each answer position's loss and greedy accuracy (memory on, all depths pooled)
+and the fraction of answers right in every position: a model can carry the key half-way, every digit
+often right and the whole key seldom.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 from titans import TitansLM
 from titans.evaluation.niah import niah_training_example
@@ -29,12 +34,14 @@ def main() -> None:
     p.add_argument("--length", type=int, default=320)
     p.add_argument("--samples", type=int, default=32)
     p.add_argument("--depths", default="0,0.5,0.9,1")
+    p.add_argument("--per-position", action="store_true")
     args = p.parse_args()
     model, _, tokenizer = load_model(args.checkpoint)
     frozen = TitansLM(dataclasses.replace(model.config, memory_write=False)).eval()
     frozen.load_state_dict(model.state_dict())
     print(f"{model.config.variant}: answer loss at length {args.length}, {args.samples} samples per depth")
     print(f"{'depth':>6}{'memory on':>11}{'writes off':>12}")
+    losses, hits = [], []  # per answer, per position (memory on)
     for depth in (float(d) for d in args.depths.split(",")):
         examples = [
             niah_training_example(tokenizer, length=args.length, seed=10_000 + i, depth=depth)
@@ -45,6 +52,23 @@ def main() -> None:
             on = masked_loss(model, inputs, targets, mask)[1].item()
             off = masked_loss(frozen, inputs, targets, mask)[1].item()
         print(f"{depth:>6.2f}{on:>11.3f}{off:>12.3f}")
+        if args.per_position:
+            with torch.no_grad():
+                logits, _ = model(inputs)
+            token_loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+            right = logits.argmax(-1) == targets
+            for b in range(len(examples)):
+                where = mask[b].nonzero().flatten()
+                losses.append(token_loss[b, where].tolist())
+                hits.append(right[b, where].tolist())
+    if args.per_position:
+        n = min(len(h) for h in hits)
+        print(f"per answer position (memory on, {len(hits)} answers): position, loss, accuracy")
+        for j in range(n):
+            loss = sum(x[j] for x in losses) / len(losses)
+            acc = sum(h[j] for h in hits) / len(hits)
+            print(f"{j:>6}{loss:>11.3f}{acc:>12.2f}")
+        print(f"whole answer right: {sum(all(h) for h in hits) / len(hits):.2f}")
 
 
 if __name__ == "__main__":
