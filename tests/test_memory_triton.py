@@ -235,19 +235,24 @@ def test_auto_picks_kernels_on_cuda_and_matches_torch():
     not torch.cuda.is_available() or memory_triton.interpreting(), reason="needs CUDA, compiled"
 )
 @pytest.mark.parametrize(
-    "depth, shape, options",
+    "depth, shape, options, must_fit",
     [
         # the presets' sizes (head 64, hidden 128, chunk 64), T not a multiple of the chunk, B * H = 3
-        (2, (1, 3, 200, 64), {"chunk_size": 64, "surprise_clip": 1.0}),
-        (1, (3, 1, 150, 64), {"chunk_size": 64, "activation": "gelu", "residual": True}),
-        (2, (2, 2, 77, 32), {"chunk_size": 16, "residual": True, "surprise_clip": 0.3}),
-        (2, (1, 2, 40, 128), {"chunk_size": 32}),
+        (2, (1, 3, 200, 64), {"chunk_size": 64, "surprise_clip": 1.0}, True),
+        (1, (3, 1, 150, 64), {"chunk_size": 64, "activation": "gelu", "residual": True}, True),
+        (2, (2, 2, 77, 32), {"chunk_size": 16, "residual": True, "surprise_clip": 0.3}, True),
+        # a 128 x 256 state: the backward kernel may not fit; then the fallback's gradients are checked
+        (2, (1, 2, 40, 128), {"chunk_size": 32}, False),
     ],
 )
-def test_compiled_kernel_matches_reference_on_cuda(depth, shape, options):
+def test_compiled_kernel_matches_reference_on_cuda(depth, shape, options, must_fit, monkeypatch):
     """The compiled kernels (not the interpreter) against the float64 reference on CPU, fp32 matmuls
-    (`allow_tf32` off, torch's default), at the sizes the presets train with."""
+    (`allow_tf32` off, torch's default). At the sizes the presets train with, the backward must run as the
+    kernel, not fall back to the torch chunk step for want of shared memory."""
+    monkeypatch.setattr(memory_triton, "_UNFIT", set())
     check_against_reference(shape, depth, options, device="cuda", tol=5e-4)
+    if must_fit:
+        assert not memory_triton._UNFIT, "the backward kernel did not fit in the device's shared memory"
 
 
 @interpreted
