@@ -8,7 +8,8 @@ Importing this package registers the "titans" model type with `AutoConfig` and `
     hf_model = AutoModelForCausalLM.from_pretrained("out/")         # after `import titans.hf`
     ids = hf_model.generate(prompt, max_new_tokens=20, do_sample=False)
 
-The `TitansState` travels through `generate()` as `past_key_values` (a `TitansCache`). The core library
+The `TitansState` travels through `generate()` as `past_key_values` (`cache` from transformers 5.24), in a
+`TitansCache`. The core library
 never imports this package, so `transformers` stays optional.
 """
 

@@ -30,6 +30,9 @@ class TitansCache:
 
     is_compileable = False
     is_croppable = False
+    # transformers >= 5.24 slices `input_ids` by get_seq_length() only for caches that are not all "linear"
+    # (a Mamba-style cache); ours counts tokens since wrapping so that slicing is the one we want
+    is_linear = (False,)
 
     def __init__(self, state: TitansState | None = None, base_position: int | None = None):
         if state is not None and not isinstance(state, TitansState):
@@ -59,7 +62,7 @@ class TitansCache:
 class TitansForCausalLM(PreTrainedModel, GenerationMixin):
     """A `TitansLM` (as `.model`) under the transformers API: from_pretrained, save_pretrained, generate.
 
-    forward(input_ids (B, T), past_key_values=None | TitansCache | TitansState, labels=None)
+    forward(input_ids (B, T), past_key_values (or cache)=None | TitansCache | TitansState, labels=None)
         -> CausalLMOutputWithPast(loss, logits (B, T, vocab), past_key_values=TitansCache)
     labels follow the transformers convention (same as input_ids, shifted inside; -100 is ignored).
     """
@@ -116,8 +119,13 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
         labels: Tensor | None = None,
         use_cache: bool | None = None,
         return_dict: bool | None = None,
+        cache: TitansCache | TitansState | None = None,
         **kwargs,  # position_ids, cache_position, ...: positions live in the state
     ):
+        # transformers >= 5.24 passes the cache as `cache`; earlier versions as `past_key_values`
+        if cache is not None and past_key_values is not None:
+            raise ValueError("TitansForCausalLM: pass the state as `cache` or as `past_key_values`, not both")
+        past_key_values = cache if cache is not None else past_key_values
         if inputs_embeds is not None:
             raise ValueError("TitansForCausalLM: inputs_embeds is not supported; pass input_ids")
         if input_ids is None:
