@@ -189,11 +189,15 @@ def test_backend_choices_and_errors(monkeypatch, caplog):
     with pytest.raises(ValueError, match="memory_backend must be"):
         TitansConfig(memory_backend="fast")
     x = torch.randn(1, 5, 12)
-    # auto on CPU: torch, said once in the log
+    # auto on CPU: torch, said once in the debug log (on CUDA, where it is news, at INFO)
     from titans.layers import memory as layer
 
     monkeypatch.setattr(layer, "_logged_choices", set())
     with caplog.at_level(logging.INFO, logger="titans.layers.memory"):
+        _memory(backend="auto")(x)
+    assert not [r for r in caplog.records if "backend='auto'" in r.getMessage()]
+    monkeypatch.setattr(layer, "_logged_choices", set())
+    with caplog.at_level(logging.DEBUG, logger="titans.layers.memory"):
         _memory(backend="auto")(x)
         _memory(backend="auto")(x)
     said = [r.getMessage() for r in caplog.records if "backend='auto'" in r.getMessage()]

@@ -606,7 +606,9 @@ class NeuralMemory(nn.Module):
         choice = ("triton", "the kernels cover this config on CUDA") if reason is None else ("torch", reason)
         if choice not in _logged_choices:
             _logged_choices.add(choice)
-            log.info("NeuralMemory(backend='auto'): the %s chunk loop (%s)", *choice)
+            # on CUDA the choice is news (a fallback costs speed); off CUDA torch is the only path
+            level = logging.INFO if q.device.type == "cuda" else logging.DEBUG
+            log.log(level, "NeuralMemory(backend='auto'): the %s chunk loop (%s)", *choice)
         return reason is None
 
     def _scan_frozen(
