@@ -73,6 +73,25 @@ def test_generate_continues_a_saved_state(saved_dir, tmp_path):
     assert many.shape == (3, 9)
 
 
+def test_forward_takes_the_state_as_cache_or_past_key_values(saved_dir):
+    """transformers >= 5.24 passes the cache as `cache`, earlier versions as `past_key_values`: the forward
+    continues the state under either name, whichever version is installed."""
+    _, model = saved_dir
+    hf = TitansForCausalLM.from_titans(model).eval()
+    doc, more = tokens(2, 21, seed=7), tokens(2, 5, seed=8)
+    with torch.no_grad():
+        want, _ = model(more, prefill(model, doc)[1])
+        state = prefill(model, doc)[1]
+        by_cache = hf(more, cache=TitansCache(state)).logits
+        by_past = hf(more, past_key_values=TitansCache(state)).logits
+        fresh = hf(more).logits
+    torch.testing.assert_close(by_cache, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(by_past, want, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(fresh, want)  # the state matters, so a dropped one would show
+    with pytest.raises(ValueError, match="not both"):
+        hf(more, cache=TitansCache(state), past_key_values=TitansCache(state))
+
+
 def test_beam_search_runs(saved_dir, monkeypatch):
     """Beam search reorders the state through the cache's reorder_cache hook."""
     path, _ = saved_dir

@@ -8,9 +8,8 @@ Importing this package registers the "titans" model type with `AutoConfig` and `
     hf_model = AutoModelForCausalLM.from_pretrained("out/")         # after `import titans.hf`
     ids = hf_model.generate(prompt, max_new_tokens=20, do_sample=False)
 
-The `TitansState` travels through `generate()` as `past_key_values` (`cache` from transformers 5.24), in a
-`TitansCache`. The core library
-never imports this package, so `transformers` stays optional.
+The `TitansState` travels through `generate()` in a `TitansCache`, as `past_key_values` (`cache` from
+transformers 5.24). The core library never imports this package, so `transformers` stays optional.
 """
 
 from titans.hf.configuration import TitansHFConfig
