@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from titans.evaluation.babilong import babilong_grid
 from titans.evaluation.niah import niah_grid
 from titans.evaluation.runner import evaluate, greedy_generate, predict, prefill
 from titans.evaluation.task_training import (
+    HoldThenCosine,
     LengthCurriculum,
     TaskTrainConfig,
     collate,
@@ -169,6 +171,46 @@ def test_curriculum_lengths_ramp_and_stay_in_bounds():
     for step in range(10, 200, 5):
         adaptive.update(step, 0.5)
     assert adaptive.cap(200) == 1024
+
+
+def test_hold_lr_keeps_the_peak_until_the_curriculum_is_full_then_decays_to_the_floor():
+    hold = HoldThenCosine(warmup_steps=4, total_steps=30, min_lr_ratio=0.1)
+    assert [hold(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert all(hold(s) == 1.0 for s in range(4, 30))  # never released: the whole run at the peak
+    hold.release(11)
+    hold.release(20)  # once only
+    assert hold.released_at == 12 and hold(12) == 1.0
+    factors = [hold(s) for s in range(12, 31)]
+    assert all(a > b for a, b in zip(factors, factors[1:-1]))  # strictly decreasing to the end
+    assert factors[-1] == pytest.approx(0.1) and hold(40) == pytest.approx(0.1)
+    early = HoldThenCosine(10, 30, 0.1)
+    early.release(2)  # in the warm-up: the decay starts after it
+    assert early.released_at == 10 and early(9) == 1.0
+
+    # In training: the adaptive curriculum (threshold above any loss) grows the cap 288 -> 304 -> 320 at
+    # steps 0 and 10; the peak lr holds until then and the cosine spans the steps after it.
+    torch.manual_seed(0)
+    model = TitansLM(tiny_config("lmm", depth=1))
+    cfg = TaskTrainConfig(
+        train_length=320,
+        start_length=288,
+        curriculum_loss=100.0,
+        steps=24,
+        batch_size=2,
+        lr=1e-3,
+        warmup_steps=2,
+        log_every=1,
+        hold_lr=True,
+    )
+    history = train_on_task(model, TOK, cfg, log=None)
+    caps = [h["max_length"] for h in history]
+    full = caps.index(320)
+    assert 0 < full < 20
+    lrs = [h["lr"] for h in history]  # the lr of the next step
+    assert all(lr == pytest.approx(1e-3) for lr in lrs[1 : full + 1])
+    assert history[-1]["lr_released_at"] == full + 1 and lrs[-1] == pytest.approx(1e-4)
+    plain = train_on_task(TitansLM(tiny_config("lmm", depth=1)), TOK, replace(cfg, hold_lr=False), log=None)
+    assert plain[full]["lr"] < 1e-3 and "lr_released_at" not in plain[-1]
 
 
 def test_recipe_lowers_the_answer_loss_and_gates_are_set():

@@ -114,6 +114,12 @@ def add_recipe_args(
     g.add_argument("--batch-size", type=int, default=8, help="fine-tuning batch")
     g.add_argument("--lr", type=float, default=3e-3, help="fine-tuning peak learning rate")
     g.add_argument("--warmup-steps", type=int, default=20, help="fine-tuning warm-up steps")
+    g.add_argument(
+        "--hold-lr",
+        action="store_true",
+        help="keep the peak learning rate until the curriculum reaches --train-length, then decay (cosine) "
+        "over the remaining steps",
+    )
     g.add_argument("--lm-loss-weight", type=float, default=0.0, help="add the LM loss of all tokens x this")
     g.add_argument("--time-budget", type=float, default=None, metavar="MINUTES", help="stop training early")
 

@@ -44,6 +44,7 @@ def task_config(args: argparse.Namespace, task: str, **task_fields: Any) -> Task
         batch_size=args.batch_size,
         lr=args.lr,
         warmup_steps=min(args.warmup_steps, args.steps),
+        hold_lr=args.hold_lr,
         lm_loss_weight=args.lm_loss_weight,
         seed=args.seed,
         **task_fields,

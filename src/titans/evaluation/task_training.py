@@ -6,7 +6,9 @@
 Every step draws a fresh batch from the generators' "train" stream (disjoint from the evaluation samples):
 NIAH pass-key prompts with the needle at a uniform random depth, or BABILong stories. The loss is the
 cross-entropy of the answer tokens alone (``TrainingExample.target_mask``). AdamW with linear warm-up then a
-cosine decay, gradient clipping.
+cosine decay, gradient clipping. With ``hold_lr`` the learning rate stays at its peak until the curriculum
+has reached ``train_length``, and the cosine decay then spans the steps that are left: a model whose onset
+comes late still learns the longer lengths at the peak rate, instead of meeting them on a decayed one.
 
 Length curriculum: the longest length used ramps linearly from ``start_length`` to ``train_length`` over
 the first ``curriculum`` share of the steps, or, with ``curriculum_loss`` set, grows by 25% whenever the
@@ -43,7 +45,7 @@ from titans.evaluation.babilong import TASKS as BABI_TASKS
 from titans.evaluation.babilong import babilong_training_example, make_babilong_sample
 from titans.evaluation.haystack import TextTokenizer, TrainingExample
 from titans.evaluation.niah import NEEDLE_KINDS, make_niah_sample, niah_training_example
-from titans.training.optim import parameter_groups, warmup_cosine
+from titans.training.optim import lr_factor, parameter_groups, warmup_cosine
 from titans.validation import check_int
 
 TASK_NAMES = ("niah", "babilong")
@@ -58,6 +60,8 @@ class TaskTrainConfig:
     haystack: the haystack name, None for the task's default (noise for passkey, moby_dick for babilong).
     length_multiple: every drawn length is rounded down to a multiple of it (and kept >= the minimum).
     curriculum_loss: None for the linear length ramp, else the adaptive curriculum's loss threshold.
+    hold_lr: keep the peak learning rate (after warm-up) until the curriculum's cap reaches ``train_length``,
+        then decay by the cosine over the remaining steps; if it never does, the whole run is at the peak.
     lm_loss_weight: adds this times the next-token loss of *every* position (haystack, needle, question) to
         the answer loss; 0 (the default) is the answer-only recipe. A small weight gives the model the local
         text features it needs before retrieval can be learned (a stand-in for LM pre-training).
@@ -78,6 +82,7 @@ class TaskTrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
+    hold_lr: bool = False
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
@@ -186,12 +191,42 @@ def masked_loss(
 
 def make_optimizer(model: nn.Module, cfg: TaskTrainConfig) -> tuple[torch.optim.AdamW, LambdaLR]:
     """AdamW and its warm-up + cosine schedule, with the LM trainer's weight-decay policy (matrices of
-    linear and conv layers only) and schedule (both from ``titans.training.optim``)."""
+    linear and conv layers only) and schedule (both from ``titans.training.optim``). With ``cfg.hold_lr``
+    the schedule is a ``HoldThenCosine`` (reachable as ``sched.lr_lambdas[0]``)."""
     opt = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
+    if cfg.hold_lr:
+        hold = HoldThenCosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+        return opt, LambdaLR(opt, hold)
     sched = warmup_cosine(
         opt, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio
     )
     return opt, sched
+
+
+@dataclass
+class HoldThenCosine:
+    """Learning-rate factor: linear warm-up, then 1.0 until ``release(step)``, then a cosine from 1.0 to
+    ``min_lr_ratio`` between that step and ``total_steps`` (flat after it)."""
+
+    warmup_steps: int
+    total_steps: int
+    min_lr_ratio: float
+    released_at: int | None = None
+
+    def release(self, step: int) -> None:
+        """Start the decay at the next optimizer step (no earlier than the end of the warm-up); once only."""
+        if self.released_at is None:
+            self.released_at = max(step + 1, self.warmup_steps)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.released_at is None or step < self.released_at:
+            return 1.0
+        span = self.total_steps - self.released_at
+        return lr_factor(
+            step - self.released_at, warmup_steps=0, total_steps=span, min_lr_ratio=self.min_lr_ratio
+        )
 
 
 @dataclass
@@ -266,6 +301,7 @@ def train_on_task(
         loss_threshold=cfg.curriculum_loss,
     )
     opt, sched = make_optimizer(model, cfg)
+    hold: HoldThenCosine | None = sched.lr_lambdas[0] if cfg.hold_lr else None
     device = next(model.parameters()).device
     model.train()
     history: list[dict] = []
@@ -286,6 +322,8 @@ def train_on_task(
         value = float(answer_loss.detach())
         running = value if running is None else 0.9 * running + 0.1 * value
         curriculum.update(step, running)
+        if hold is not None and curriculum.cap(step) >= cfg.train_length:
+            hold.release(step)
         elapsed = time.perf_counter() - t0
         last = step == cfg.steps - 1
         out_of_time = max_seconds is not None and elapsed > max_seconds
@@ -300,6 +338,8 @@ def train_on_task(
                 "lr": sched.get_last_lr()[0],
                 "seconds": elapsed,
             }
+            if hold is not None:
+                record["lr_released_at"] = hold.released_at
             history.append(record)
             if log is not None:
                 log(
