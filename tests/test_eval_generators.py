@@ -250,6 +250,12 @@ def test_niah_grid_and_training_example():
     assert {(s.length, s.depth) for s in grid} == {(n, d) for n in lengths for d in depths}
     assert len({s.answer for s in grid}) == 4  # one needle per (length, k), shared across depths
     assert grid == niah_grid(tok, lengths, depths, samples_per_cell=2, seed=5)
+    # Needles follow a length's index in the list, not its value: a second grid with the same seed repeats
+    # them (what the docstring warns about); another seed draws new ones.
+    other = niah_grid(tok, [900, 1500], depths, samples_per_cell=2, seed=5)
+    assert [s.answer for s in other] == [s.answer for s in grid]
+    fresh = niah_grid(tok, [900, 1500], depths, samples_per_cell=2, seed=6)
+    assert not {s.answer for s in fresh} & {s.answer for s in grid}
 
     ex = niah_training_example(tok, length=900, seed=5)
     assert len(ex.tokens) == len(ex.loss_mask) == 900

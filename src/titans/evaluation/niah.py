@@ -218,7 +218,10 @@ def niah_grid(
     """The length x depth evaluation set: ``samples_per_cell`` samples for every (length, depth).
 
     Sample ``k`` of a length uses the same seed at every depth (so a row of the grid varies only the
-    needle's position); seeds differ across lengths and ``k``.
+    needle's position): a length's ``samples_per_cell * len(depths)`` prompts hold ``samples_per_cell``
+    distinct needles. Seeds differ across lengths and ``k`` within one grid; they follow a length's index
+    in ``lengths``, not its value, so two grids with the same ``seed`` and different ``lengths`` repeat
+    their needles (the first length of each gets the same ones). A different ``seed`` gives new needles.
     """
     if samples_per_cell < 1:
         raise ValueError(f"samples_per_cell must be >= 1, got {samples_per_cell}")
