@@ -47,7 +47,7 @@ TRANSFORMER_RECIPE = (
 # Each variant's recipe: the base recipe with the variant's changes appended (a later flag wins).
 RECIPES: dict[str, str] = {
     "lmm": BASE_RECIPE,
-    # MAC learns later than the LMM, at a step that varies by seed (about 650 to 900): 1,500 steps, and the
+    # MAC learns later than the LMM, at a step that varies by seed (about 650 to 1,000): 1,500 steps, and the
     # peak learning rate held until the curriculum reaches 1,024 tokens (on the plain cosine the latest
     # seed met the longer lengths on a decayed rate and stalled). Its default gate ("norm"); the "open"
     # gate passes the answer's gradient to the memory scaled by the attention output, about 20x less at

@@ -185,7 +185,7 @@ def test_hold_lr_keeps_the_peak_until_the_curriculum_is_full_then_decays_to_the_
     assert factors[-1] == pytest.approx(0.1) and hold(40) == pytest.approx(0.1)
     early = HoldThenCosine(10, 30, 0.1)
     early.release(2)  # in the warm-up: the decay starts after it
-    assert early.released_at == 10 and early(9) == 1.0
+    assert early.released_at == 10 and early(9) == early(10) == 1.0 > early(11)
 
     # In training: the adaptive curriculum (threshold above any loss) grows the cap 288 -> 304 -> 320 at
     # steps 0 and 10; the peak lr holds until then and the cosine spans the steps after it.

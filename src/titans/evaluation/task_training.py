@@ -189,13 +189,14 @@ def masked_loss(
     return answer + lm_weight * lm, answer
 
 
-def make_optimizer(model: nn.Module, cfg: TaskTrainConfig) -> tuple[torch.optim.AdamW, LambdaLR]:
+def make_optimizer(
+    model: nn.Module, cfg: TaskTrainConfig, hold: HoldThenCosine | None = None
+) -> tuple[torch.optim.AdamW, LambdaLR]:
     """AdamW and its warm-up + cosine schedule, with the LM trainer's weight-decay policy (matrices of
-    linear and conv layers only) and schedule (both from ``titans.training.optim``). With ``cfg.hold_lr``
-    the schedule is a ``HoldThenCosine`` (reachable as ``sched.lr_lambdas[0]``)."""
+    linear and conv layers only) and schedule (both from ``titans.training.optim``); ``hold`` replaces the
+    schedule (``cfg.hold_lr``; the caller releases it)."""
     opt = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
-    if cfg.hold_lr:
-        hold = HoldThenCosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+    if hold is not None:
         return opt, LambdaLR(opt, hold)
     sched = warmup_cosine(
         opt, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio
@@ -300,8 +301,8 @@ def train_on_task(
         random.Random(f"curriculum-{cfg.seed}"),
         loss_threshold=cfg.curriculum_loss,
     )
-    opt, sched = make_optimizer(model, cfg)
-    hold: HoldThenCosine | None = sched.lr_lambdas[0] if cfg.hold_lr else None
+    hold = HoldThenCosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio) if cfg.hold_lr else None
+    opt, sched = make_optimizer(model, cfg, hold)
     device = next(model.parameters()).device
     model.train()
     history: list[dict] = []
