@@ -8,6 +8,7 @@ Depth 1.0 puts the needle next to the question, inside the attention's reach for
 it segments away.
 
     python benchmarks/passkey_memory_probe.py RUN_DIR [--length 320] [--samples 32] [--per-position]
+        [--kind passkey|number|uuid] [--haystack noise|essays|moby_dick|sotu]
 
 With `--per-position`, also each answer position's loss and greedy accuracy (memory on, all depths pooled)
 and the fraction of answers right in every position: a model can carry the key half-way, every digit
@@ -23,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from titans import TitansLM
-from titans.evaluation.niah import niah_training_example
+from titans.evaluation.haystack import HAYSTACK_NAMES
+from titans.evaluation.niah import NEEDLE_KINDS, niah_training_example
 from titans.evaluation.task_training import collate, masked_loss
 from titans.training.model_io import load_model
 
@@ -35,16 +37,28 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=32)
     p.add_argument("--depths", default="0,0.5,0.9,1")
     p.add_argument("--per-position", action="store_true")
+    p.add_argument("--kind", default="passkey", choices=tuple(NEEDLE_KINDS), help="the needle trained on")
+    p.add_argument("--haystack", default=None, choices=HAYSTACK_NAMES, help="default: the kind's own")
     args = p.parse_args()
     model, _, tokenizer = load_model(args.checkpoint)
     frozen = TitansLM(dataclasses.replace(model.config, memory_write=False)).eval()
     frozen.load_state_dict(model.state_dict())
-    print(f"{model.config.variant}: answer loss at length {args.length}, {args.samples} samples per depth")
+    print(
+        f"{model.config.variant}: {args.kind} answer loss at length {args.length}, "
+        f"{args.samples} samples per depth"
+    )
     print(f"{'depth':>6}{'memory on':>11}{'writes off':>12}")
     losses, hits = [], []  # per answer, per position (memory on)
     for depth in (float(d) for d in args.depths.split(",")):
         examples = [
-            niah_training_example(tokenizer, length=args.length, seed=10_000 + i, depth=depth)
+            niah_training_example(
+                tokenizer,
+                length=args.length,
+                kind=args.kind,
+                haystack=args.haystack,
+                seed=10_000 + i,
+                depth=depth,
+            )
             for i in range(args.samples)
         ]
         inputs, targets, mask = collate(examples)

@@ -5,6 +5,9 @@ Each (variant, seq) runs in a fresh subprocess, so its peak RSS is its own. All 
 should keep flat tokens/s as the sequence grows; full attention should not.
 
     python benchmarks/variants_throughput.py [--seqs 1024,4096,16384] [--variants mac,mag,...] [--steps 3]
+
+``--preset tiny --set memory_conv_kernel=8`` measures a named preset (any TitansConfig field overridden) in
+place of the --dim/--depth/--heads/--window/--chunk-size shape.
 """
 
 from __future__ import annotations
@@ -24,20 +27,26 @@ import torch
 
 def measure(variant: str, seq: int, args: argparse.Namespace) -> dict:
     from titans import TitansConfig, TitansLM
+    from titans.training.config import parse_set
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    cfg = TitansConfig(
-        variant=variant,
-        vocab_size=256,
-        dim=args.dim,
-        depth=args.depth,
-        heads=args.heads,
-        segment_len=args.window,
-        window=args.window,
-        chunk_size=args.chunk_size,
-        persistent_tokens=4,
-    )
+    overrides = parse_set(args.set, model_only=True)
+    if args.preset:
+        cfg = TitansConfig.preset(args.preset, variant=variant, vocab_size=256, **overrides)
+    else:
+        cfg = TitansConfig(
+            variant=variant,
+            vocab_size=256,
+            dim=args.dim,
+            depth=args.depth,
+            heads=args.heads,
+            segment_len=args.window,
+            window=args.window,
+            chunk_size=args.chunk_size,
+            persistent_tokens=4,
+            **overrides,
+        )
     model = TitansLM(cfg)
     tokens = torch.randint(0, 256, (args.batch, seq + 1))
     times, cpu_times = [], []
@@ -74,6 +83,8 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--chunk-size", type=int, default=32)
+    p.add_argument("--preset", help="a TitansConfig preset (tiny, small, ...) in place of the shape flags")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a TitansConfig field")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads in each worker")
@@ -87,12 +98,19 @@ def main() -> None:
     passthrough = [
         f"--{k.replace('_', '-')}={v}"
         for k, v in vars(args).items()
-        if k in ("dim", "depth", "heads", "window", "chunk_size", "batch", "steps", "threads")
-    ]
+        if k in ("dim", "depth", "heads", "window", "chunk_size", "batch", "steps", "threads", "preset")
+        and v is not None
+    ] + [f"--set={item}" for item in args.set]
+    shape = (
+        f"preset {args.preset}"
+        if args.preset
+        else f"dim {args.dim}, depth {args.depth}, window/segment {args.window}, chunk {args.chunk_size}"
+    )
+    if args.set:
+        shape += ", " + ", ".join(args.set)
     print(
-        f"fwd+bwd, batch {args.batch}, dim {args.dim}, depth {args.depth}, window/segment {args.window}, "
-        f"chunk {args.chunk_size}, {args.threads} threads; median of {args.steps} steps; load average "
-        f"{os.getloadavg()[0]:.1f}"
+        f"fwd+bwd, batch {args.batch}, {shape}, {args.threads} threads; median of {args.steps} steps; "
+        f"load average {os.getloadavg()[0]:.1f}"
     )
     print(
         f"{'variant':12s} {'seq':>7s} {'tokens/s':>10s} {'tok/CPU-s':>10s} {'step s':>8s} "

@@ -53,3 +53,16 @@ def test_depth_cells_and_cli(tmp_path):
     bad.write_text(json.dumps({"cells": []}))
     res = subprocess.run([sys.executable, str(SCRIPT), str(bad)], capture_output=True, text=True)
     assert res.returncode != 0 and "no metadata.samples" in res.stderr
+
+
+def test_char_accuracy_gives_a_blurred_key_partial_credit():
+    assert answer_counts.char_accuracy("12345", " 12355") == 0.8
+    assert answer_counts.char_accuracy("12345", "12") == 0.4
+    assert answer_counts.char_accuracy("12345", "123456") == 1.0
+    assert answer_counts.char_accuracy("", " ") == 1.0
+    samples = [
+        {"length": 64, "depth": 0.0, "answer": "ab-cd", "prediction": " ab-cd", "correct": True},
+        {"length": 64, "depth": 0.0, "answer": "ab-cd", "prediction": " xb-cx", "correct": False},
+    ]
+    (row,) = answer_counts.answer_counts(samples)
+    assert row["accuracy"] == 0.5 and abs(row["char_accuracy"] - 0.8) < 1e-12
