@@ -1,7 +1,8 @@
-"""Where does a pass-key model's answer come from? Answer loss with the memory's writes on and off.
+"""Where does a needle model's answer come from? Answer loss with the memory's writes on and off.
 
-Loads a model trained on S-NIAH pass-key (`titans eval niah --train-recipe ... --save-model DIR`) and scores
-the answer tokens of fresh training-stream samples at one length, by needle depth: as trained, and with
+Loads a model trained on an S-NIAH needle (`titans eval niah --train-recipe ... --save-model DIR`; the pass
+key unless `--kind` says otherwise) and scores the answer tokens of fresh training-stream samples at one
+length, by needle depth: as trained, and with
 `memory_write=False` (theta = 0; with `memory_forgetting=false`, as in the pass-key recipe, the memory then
 stays at its learned initial weights). If the two match, the answer does not come through the memory.
 Depth 1.0 puts the needle next to the question, inside the attention's reach for MAC; smaller depths put

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+SHAPE_FLAGS = ("dim", "depth", "heads", "window", "chunk_size")
+
 
 def measure(variant: str, seq: int, args: argparse.Namespace) -> dict:
     from titans import TitansConfig, TitansLM
@@ -98,8 +100,7 @@ def main() -> None:
     passthrough = [
         f"--{k.replace('_', '-')}={v}"
         for k, v in vars(args).items()
-        if k in ("dim", "depth", "heads", "window", "chunk_size", "batch", "steps", "threads", "preset")
-        and v is not None
+        if k in (*SHAPE_FLAGS, "batch", "steps", "threads", "preset") and v is not None
     ] + [f"--set={item}" for item in args.set]
     shape = (
         f"preset {args.preset}"
@@ -137,7 +138,9 @@ def main() -> None:
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     machine = {"load_average_end": os.getloadavg(), "torch": torch.__version__}
-    path.write_text(json.dumps({"args": vars(args), "machine": machine, "results": rows}, indent=2) + "\n")
+    # with a preset the shape flags did not apply: record only what did
+    recorded = {k: v for k, v in vars(args).items() if not (args.preset and k in SHAPE_FLAGS)}
+    path.write_text(json.dumps({"args": recorded, "machine": machine, "results": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
