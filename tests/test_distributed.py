@@ -79,6 +79,34 @@ def test_torchrun_two_ranks_match_one_process(single_process, mode, overrides):
         assert (tensor - ref_state[name]).abs().max().item() <= 5e-5, name
 
 
+def test_torchrun_carries_each_ranks_rows_like_one_process(tmp_path):
+    """carry_state under torchrun: each rank carries the state of its own rows (two micro-batches each), and
+    the checkpoint holds the whole batch's carried state in global row order, as one process writes it."""
+    cache = tmp_path / "cache"
+    single = Trainer(config(tmp_path / "single", cache, carry_state=True))
+    single.train()
+    cfg_file = tmp_path / "ddp.json"
+    config(tmp_path / "ddp", cache, carry_state=True, grad_accum=2).save(cfg_file)
+    env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += ["-m", "titans", "train", "--config", str(cfg_file), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses, _ = train_losses(tmp_path / "ddp")
+    assert losses == pytest.approx(train_losses(tmp_path / "single")[0], abs=1e-5)
+    from titans.models.state import state_from_bytes, state_tensors
+    from titans.training.checkpoint import latest_checkpoint, load_checkpoint
+
+    def carried(run):
+        (saved,) = load_checkpoint(latest_checkpoint(run)).trainer_state["carried"]  # one group
+        return state_tensors(state_from_bytes(saved))
+
+    ref, got = carried(tmp_path / "single"), carried(tmp_path / "ddp")
+    assert ref.keys() == got.keys()
+    for name in ref:
+        assert torch.allclose(ref[name], got[name], atol=1e-4), name
+
+
 def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
     """torchrun with more processes per node than GPUs: name the mismatch, not 'invalid device ordinal'."""
     import torch

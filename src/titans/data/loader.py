@@ -11,6 +11,15 @@ step plus the settings, which ``load_state_dict`` checks. Sharding: rank ``r`` o
 rows ``r::world_size`` of the same global batch, so the ranks together see exactly the batch one process
 would.
 
+``StreamBatches`` (training with a carried state, ``TrainConfig.carry_state``): row ``b`` of the global batch
+reads consecutive windows of one contiguous stretch of the stream, so a model can carry its state from one
+visit to the next (truncated backprop through time). The stream is cut into ``groups * batch_size`` equal
+lanes; step ``s`` reads the ``batch_size`` lanes of group ``s % groups``. An *episode* of a group is
+``reset_every`` of its visits (default: as many windows as a lane holds); at its first visit each row starts
+at a random offset within its lane (drawn from ``(seed, episode, group)``), then moves on by ``seq_len``
+tokens a visit. ``resets(step)`` says whether step ``step`` starts an episode (the trainer then starts that
+group from a fresh state). Sharded and resumed like ``TokenBatches``.
+
 ``EvalWindows`` (evaluation): a fixed number of contiguous, non-overlapping windows of the held-out stream
 (window ``i`` covers inputs ``[i*T, (i+1)*T)`` and targets shifted by one), spread evenly over the stream,
 in a fixed order, sharded ``r::world_size`` like training.
@@ -20,7 +29,7 @@ token. ``bytes_per_token`` is the ratio for the WHOLE held-out stream (``TokenSt
 its UTF-8 bytes / its tokens), not per window: for the byte tokenizer it is exactly 1; for a subword
 tokenizer the evenly spread windows make it a close estimate of the evaluated windows' own ratio.
 
-Public API (names are stable): ``TokenBatches``, ``EvalWindows``, ``bits_per_byte``.
+Public API (names are stable): ``TokenBatches``, ``StreamBatches``, ``EvalWindows``, ``bits_per_byte``.
 """
 
 from __future__ import annotations
@@ -157,6 +166,102 @@ class TokenBatches:
                     f"data state mismatch: checkpoint has {key}={state[key]}, this loader has {mine[key]}"
                 )
         self.step = int(state["step"])
+
+
+class StreamBatches(TokenBatches):
+    """Endless training batches whose rows continue from one visit of their lanes to the next; see the
+    module docstring.
+
+    Yields (inputs, targets), each (batch_size // world_size, seq_len) int64 CPU tensors. With ``groups``
+    g, the stream is cut into g * batch_size lanes and step ``s`` reads group ``s % g``'s batch_size lanes:
+    row ``b`` holds the window that follows the one it held at step ``s - g``, unless ``resets(s)``.
+    Consecutive steps then draw on different stretches of the stream (g = 1: the same lanes every step).
+    """
+
+    def __init__(
+        self,
+        tokens: TokenStream | np.ndarray,
+        *,
+        batch_size: int,
+        seq_len: int,
+        reset_every: int | None = None,
+        groups: int = 1,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        step: int = 0,
+    ):
+        super().__init__(
+            tokens,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            step=step,
+        )
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise ValueError(f"groups must be a positive integer, got {groups!r}")
+        lanes = groups * batch_size
+        self.groups = groups
+        self.lane_len = (self.tokens.shape[0] - 1) // lanes  # tokens of input a row can walk through
+        fits = self.lane_len // seq_len
+        if fits < 1:
+            raise ValueError(
+                f"token stream has {self.tokens.shape[0]} tokens: cut into {lanes} lanes (groups={groups} x "
+                f"batch_size={batch_size}), each holds {self.lane_len}, fewer than one window of "
+                f"seq_len={seq_len} (this needs {lanes * seq_len + 1} tokens)"
+            )
+        if reset_every is not None and (isinstance(reset_every, bool) or reset_every < 1):
+            raise ValueError(f"reset_every must be a positive integer or None, got {reset_every!r}")
+        if reset_every is not None and reset_every > fits:
+            raise ValueError(
+                f"reset_every={reset_every} windows of {seq_len} tokens do not fit in a lane of "
+                f"{self.lane_len} tokens (the stream cut into {lanes} lanes): at most {fits}"
+            )
+        self.reset_every = reset_every
+        self.episode_len = reset_every or fits  # windows a lane is walked before its rows start afresh
+
+    def group(self, step: int) -> int:
+        """The group of lanes ``step`` reads."""
+        return step % self.groups
+
+    def resets(self, step: int) -> bool:
+        """Whether ``step`` starts an episode of its group: its rows do not continue that group's windows of
+        step ``step - groups``."""
+        return (step // self.groups) % self.episode_len == 0
+
+    def _offsets(self, episode: int, group: int) -> np.ndarray:
+        """(batch_size,) global start of each row's first window in ``episode`` of ``group``."""
+        rng = np.random.default_rng([self.seed, episode, group, 1])  # 1: not TokenBatches' (seed, epoch)
+        slack = self.lane_len - self.episode_len * self.seq_len
+        lanes = group * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
+        return lanes * self.lane_len + rng.integers(0, slack + 1, size=self.batch_size)
+
+    def get_batch(self, step: int) -> Batch:
+        """This rank's rows of the global batch at ``step``."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        episode, k = divmod(step // self.groups, self.episode_len)
+        starts = self._offsets(episode, self.group(step))[self.rank :: self.world_size] + k * self.seq_len
+        return _windows(self.tokens, starts, self.seq_len)
+
+    def epoch(self, step: int | None = None) -> float:
+        """Fractional passes over the stream at the start of ``step`` (default: the next step)."""
+        step = self.step if step is None else step
+        return step * self.batch_size * self.seq_len / max(1, self.tokens.shape[0] - 1)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "reset_every": self.reset_every, "groups": self.groups}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("reset_every", "groups"):
+            if state.get(key) != getattr(self, key):
+                raise ValueError(
+                    f"data state mismatch: checkpoint has {key}={state.get(key)}, this loader has "
+                    f"{getattr(self, key)}"
+                )
+        super().load_state_dict(state)
 
 
 class EvalWindows:

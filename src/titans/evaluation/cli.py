@@ -1,12 +1,14 @@
-"""`titans eval ppl | niah | babilong | tasks | ablate | depth`: the evaluation commands.
+"""`titans eval ppl | context | niah | babilong | tasks | ablate | depth`: the evaluation commands.
 
-``ppl`` scores held-out text (``perplexity``); the others are the paper's long-context evaluations, and
-each of them writes a JSON result file and a PNG next to it (``--out``, default ``results/evals/<task>``)
-and prints its table. ``niah`` and ``babilong`` evaluate one model, either a trained checkpoint
-(``--checkpoint``) or one trained first with the fine-tuning recipe (``--train-recipe``, see
-``task_training``); ``tasks`` trains and evaluates several variants on one task; ``ablate`` and ``depth``
-are the paper's Table 5 and Figures 7-8 (see ``ablation`` and ``depth_study``). docs/evaluations.md has
-the commands that produced our results.
+``ppl`` scores held-out text (``perplexity``); ``context`` measures a checkpoint's loss against position
+over long windows, beside its frozen-memory twin (``context``; JSON and PNG in the run folder). The others
+are the paper's long-context evaluations, and each of them writes a JSON result file and a PNG next to it
+(``--out``, default ``results/evals/<task>``) and prints its table. ``niah`` and ``babilong`` evaluate one
+model, either a trained checkpoint (``--checkpoint``) or one trained first with the fine-tuning recipe
+(``--train-recipe``, see ``task_training``); ``tasks`` trains and evaluates several variants on one task;
+``ablate`` and ``depth`` are the paper's Table 5 and Figures 7-8 (see ``ablation`` and ``depth_study``).
+docs/evaluations.md has the
+commands that produced our results.
 
 This module holds the ``niah``, ``babilong`` and ``tasks`` commands and registers them all; what they share
 lives below it: their options (``args``), the models and samples they build (``recipe``) and their result
@@ -20,7 +22,7 @@ import json
 from pathlib import Path
 
 from titans.data.tokenizers import load_tokenizer
-from titans.evaluation import ablation, depth_study
+from titans.evaluation import ablation, context, depth_study
 from titans.evaluation.args import (
     add_eval_args,
     add_model_args,
@@ -345,10 +347,11 @@ def add_lm_eval_parser(commands) -> None:
 
 
 def register(commands, evals) -> None:
-    """Add ``ppl``, ``niah``, ``babilong``, ``tasks``, ``ablate`` and ``depth`` to ``titans eval``, and the
-    ``titans lm-eval`` command."""
+    """Add ``ppl``, ``context``, ``niah``, ``babilong``, ``tasks``, ``ablate`` and ``depth`` to
+    ``titans eval``, and the ``titans lm-eval`` command."""
     add_lm_eval_parser(commands)
     add_ppl_parser(evals)
+    context.add_parser(evals)
     add_niah_parser(evals)
     add_babilong_parser(evals)
     add_tasks_parser(evals)

@@ -476,7 +476,8 @@ def register(commands, evals) -> None:
         "--max-norm",
         type=float,
         default=None,
-        help="||W|| that counts as full (default: the model's memory_monitor_max_norm)",
+        help="||W|| that counts as full (default: the model's memory_monitor_max_norm, else its "
+        "memory_max_norm)",
     )
     p.add_argument(
         "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="read at most this many tokens of the text"

@@ -24,7 +24,15 @@ from titans.layers.norm import RMSNorm
 from titans.layers.residual import residual_output
 from titans.layers.state_tree import StateTree, register_state_type
 from titans.ops.conv import causal_conv_silu
-from titans.ops.memory import ACTIVATIONS, check_threshold, memory_forward, neural_memory_chunked, write_mask
+from titans.ops.memory import (
+    ACTIVATIONS,
+    bound_weights,
+    check_max_norm,
+    check_threshold,
+    memory_forward,
+    neural_memory_chunked,
+    write_mask,
+)
 from titans.ops.memory_ref import neural_memory_ref
 from titans.ops.memory_triton import covered, device_reason, neural_memory_triton
 from titans.ops.norms import l2_normalize, rms_norm
@@ -127,6 +135,12 @@ class NeuralMemory(nn.Module):
         qk_norm: l2-normalise queries and keys.
         momentum: data-dependent surprise decay eta (False: eta = 0, no momentum).
         forgetting: data-dependent weight decay alpha (False: alpha = 0, no forgetting).
+        forget_to: what forgetting pulls the weights toward: "zero" (the paper: W_t = (1 - alpha_t) W_{t-1}
+            + S_t) or "init", the learned initial weights W_0 (W_t = (1 - alpha_t) W_{t-1} + alpha_t W_0 +
+            S_t: W - W_0 follows the paper's recurrence). With "zero", a trained model that reads far past
+            its training length forgets W_0 itself, which its outputs were trained on (docs/design.md,
+            "Forgetting toward the initial weights"); with "init" an unwritten memory returns to W_0. The
+            "titans" rule on the torch loop only.
         max_lr: theta_t = max_lr * sigmoid(.) bounds the inner learning rate. The defaults (0.03, theta
             starting at 0.01) keep outer training stable over long sequences: with theta ~0.1 and more,
             the inner dynamics turn chaotic and the outer gradient grows exponentially with the chunks.
@@ -139,6 +153,18 @@ class NeuralMemory(nn.Module):
             norm at its chunk-start weights, before clipping: the `surprise` the stats report) is below
             this adds no gradient to the momentum S; momentum decay and forgetting still apply. None
             (default) or 0 writes every token. `MemoryStats.written` reports the decisions.
+        max_norm: a bound on the memory's weights, so that they stay in range on any length: at every chunk
+            boundary, after the chunk's momentum and forgetting update, each memory-MLP layer's W_l (per
+            batch row and head, the Frobenius norm of its (d_in, d_out) matrix) is multiplied by
+            min(1, max_norm / ||W_l||), so ||W_l|| <= max_norm in every state and every chunk reads (and
+            takes its surprise at) bounded weights; the initial state's W_0 (the learned init) is bounded
+            the same way. This is the projection of W onto the ball ||W_l|| <= max_norm; as in projected
+            gradient descent with momentum, the momentum S (the velocity) is not rescaled. A state passed
+            in (e.g. from a memory without the bound) is used as it is until its next complete chunk.
+            The rescale is per chunk, where the state is defined, so any split of a sequence into calls
+            gives the outputs of one pass; the tokens of a trailing partial chunk are bounded with their
+            chunk when a later call completes it. Gradients flow through the rescale. None (default): no
+            bound. The "titans" rule only, on the torch loop (the Triton kernels do not cover it).
         output_gate: normalise the read and gate it with a linear function of x (paper §4.4).
         learned_init: W_0 is a learned parameter (False: fixed at its random init).
         write: False freezes the memory (an ablation twin with the same parameters): every token reads the
@@ -171,6 +197,7 @@ class NeuralMemory(nn.Module):
         qk_norm: bool = True,
         momentum: bool = True,
         forgetting: bool = True,
+        forget_to: str = "zero",
         max_lr: float = 0.03,
         theta_init: float = 0.01,
         eta_init: float = 0.9,
@@ -185,6 +212,7 @@ class NeuralMemory(nn.Module):
         rule: str | dict | MemoryRule = "titans",
         backend: str = "auto",
         surprise_threshold: float | None = None,
+        max_norm: float | None = None,
     ) -> None:
         super().__init__()
         head_dim = head_dim or dim // heads
@@ -202,6 +230,9 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"NeuralMemory: conv_kernel must be >= 0, got {conv_kernel}")
         check_int("NeuralMemory: checkpoint_every", checkpoint_every, none_ok=True)
         check_threshold("NeuralMemory: surprise_threshold", surprise_threshold)
+        check_max_norm("NeuralMemory: max_norm", max_norm)
+        if forget_to not in ("zero", "init"):
+            raise ValueError(f"NeuralMemory: forget_to must be 'zero' or 'init', got {forget_to!r}")
         if impl not in ("chunked", "reference"):
             raise ValueError(f"NeuralMemory: impl must be 'chunked' or 'reference', got {impl!r}")
         if backend not in BACKENDS:
@@ -225,6 +256,8 @@ class NeuralMemory(nn.Module):
         self.write = write
         self.backend = backend
         self.surprise_threshold = surprise_threshold
+        self.max_norm = max_norm
+        self.forget_to = forget_to
 
         inner = heads * head_dim
         self.to_qkv = nn.Linear(dim, 3 * inner, bias=False)
@@ -247,10 +280,22 @@ class NeuralMemory(nn.Module):
         self.to_gate = nn.Linear(dim, inner, bias=False) if output_gate else None
         self.to_out = residual_output(nn.Linear(inner, dim, bias=False))
         self.rule = resolve_rule(rule)
+        self._check_titans_only_options()
         self._add_rule_gates()
         reason = self._triton_config_reason() if backend == "triton" else None
         if reason is not None:  # a choice of options, not of device: refused before any input
             raise ValueError(f"NeuralMemory(backend='triton'): {reason}; use backend='auto' or 'torch'")
+
+    def _check_titans_only_options(self) -> None:
+        """Refuse a weight bound or forgetting toward W_0 with a rule other than "titans" (its state is the
+        pre-retention A, and its op has neither)."""
+        options = (("max_norm", self.max_norm, None), ("forget_to", self.forget_to, "zero"))
+        for name, value, default in options:
+            if value != default and not self.rule.is_titans:
+                raise ValueError(
+                    f"NeuralMemory: {name}={value!r} is not covered by rule={self.rule.to_config()!r} "
+                    "(only rule='titans')"
+                )
 
     def _add_rule_gates(self) -> None:
         """The projection of the rule's extra per-token gates (Omega window weights, Huber deltas), if any;
@@ -282,9 +327,10 @@ class NeuralMemory(nn.Module):
         """The state every sequence starts from: W = W_0 (learned), S = 0, nothing pending."""
         device = device or self.to_qkv.weight.device
         dtype = dtype or self.to_qkv.weight.dtype
-        weights = tuple(
-            w.to(device, dtype).unsqueeze(0).expand(batch_size, *w.shape) for w in self.init_weights
-        )
+        init = tuple(w.to(device, dtype) for w in self.init_weights)
+        if self.max_norm is not None:  # the bound holds from the first chunk on (W_0 is a state too)
+            init = tuple(bound_weights(w, self.max_norm) for w in init)
+        weights = tuple(w.unsqueeze(0).expand(batch_size, *w.shape) for w in init)
         momentum = tuple(torch.zeros_like(w) for w in weights)
         h, d = self.heads, self.head_dim
         tail = None
@@ -538,6 +584,7 @@ class NeuralMemory(nn.Module):
         if self.impl == "chunked" and self._use_triton(q):
             fn = partial(neural_memory_triton, checkpoint_every=checkpoint_every)
         elif not self.rule.is_titans:
+            self._check_titans_only_options()  # refused at construction too; this catches a later assignment
             if self.impl == "chunked":
                 fn = partial(memory_rule_chunked, checkpoint_every=checkpoint_every)
             else:
@@ -562,9 +609,16 @@ class NeuralMemory(nn.Module):
                 neural_memory_chunked,
                 checkpoint_every=checkpoint_every,
                 surprise_threshold=self.surprise_threshold,
+                max_norm=self.max_norm,
+                anchor=self._anchor(),
             )
         else:
-            fn = partial(neural_memory_ref, surprise_threshold=self.surprise_threshold)
+            fn = partial(
+                neural_memory_ref,
+                surprise_threshold=self.surprise_threshold,
+                max_norm=self.max_norm,
+                anchor=self._anchor(),
+            )
         return fn(
             q,
             k,
@@ -580,13 +634,24 @@ class NeuralMemory(nn.Module):
             surprise_clip=self.surprise_clip,
         )
 
+    def _anchor(self) -> tuple[Tensor, ...] | None:
+        """What forgetting pulls the weights toward, per layer (1, H, d_in, d_out): the initial state's
+        W_0 with forget_to="init" (bounded like it where max_norm is set), else None (zero)."""
+        if self.forget_to == "zero" or not self.write:
+            return None
+        return self.initial_state(1).weights
+
     def _triton_config_reason(self) -> str | None:
         """Why the Triton kernels cannot run this memory's options (None where they can): they run the
-        default "titans" rule without a surprise threshold only."""
+        default "titans" rule without a surprise threshold or a weight bound only."""
         if not self.rule.is_titans:
             return f"rule={self.rule.to_config()!r} is not covered by the kernels (only rule='titans')"
         if self.surprise_threshold is not None:
             return "surprise_threshold is not covered by the kernels"
+        if self.max_norm is not None:
+            return "max_norm is not covered by the kernels"
+        if self.forget_to != "zero":
+            return f"forget_to={self.forget_to!r} is not covered by the kernels"
         return None
 
     def _use_triton(self, q: Tensor) -> bool:
@@ -627,4 +692,6 @@ class NeuralMemory(nn.Module):
             f"dim={self.dim}, heads={self.heads}, head_dim={self.head_dim}, depth={self.depth}, "
             f"chunk_size={self.chunk_size}, momentum={self.momentum}, forgetting={self.forgetting}"
             + ("" if self.rule.is_titans else f", rule={self.rule.to_config()!r}")
+            + ("" if self.max_norm is None else f", max_norm={self.max_norm}")
+            + ("" if self.forget_to == "zero" else f", forget_to={self.forget_to!r}")
         )

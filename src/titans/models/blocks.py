@@ -39,6 +39,7 @@ def make_memory(cfg: TitansConfig) -> NeuralMemory:
         conv_kernel=cfg.memory_conv_kernel,
         momentum=cfg.memory_momentum,
         forgetting=cfg.memory_forgetting,
+        forget_to=cfg.memory_forget_to,
         max_lr=cfg.memory_max_lr,
         theta_init=cfg.memory_theta_init,
         eta_init=cfg.memory_eta_init,
@@ -50,6 +51,7 @@ def make_memory(cfg: TitansConfig) -> NeuralMemory:
         rule=cfg.memory_rule,
         backend=cfg.memory_backend,
         surprise_threshold=cfg.memory_surprise_threshold,
+        max_norm=cfg.memory_max_norm,
     )
 
 

@@ -31,6 +31,7 @@ def read_json_object(path: str | Path, owner: str) -> dict[str, Any]:
 
 
 MAC_GATES = ("norm", "open")
+FORGET_TARGETS = ("zero", "init")
 
 
 @dataclass
@@ -67,6 +68,10 @@ class TitansConfig:
     memory_conv_kernel: int = 4
     memory_momentum: bool = True
     memory_forgetting: bool = True
+    # what forgetting pulls the memory's weights toward (NeuralMemory.forget_to): "zero" (the paper's
+    # W_t = (1 - alpha) W_{t-1} + S_t) or "init", the learned initial weights W_0 (W - W_0 follows the
+    # paper's recurrence, and a memory left unwritten returns to W_0 instead of fading to nothing)
+    memory_forget_to: str = "zero"
     # inner learning rate: bound and initial value. Larger values (e.g. 1.0 / 0.1) make the outer
     # gradient through the memory grow exponentially with the number of chunks (docs/evaluations.md)
     memory_max_lr: float = 0.03
@@ -91,8 +96,13 @@ class TitansConfig:
     memory_backend: str = "auto"
     # surprise-gated writes (NeuralMemory.surprise_threshold): a token whose surprise is below this is not
     # written (None: every token is). Monitoring: memory utilisation is ||W|| / memory_monitor_max_norm
+    # (None: memory_max_norm's bound, if any)
     memory_surprise_threshold: float | None = None
     memory_monitor_max_norm: float | None = None
+    # a bound on the memory's weights (NeuralMemory.max_norm): at every chunk boundary each memory-MLP
+    # layer's W is rescaled to Frobenius norm <= this (None: no bound). Also the monitoring's default
+    # max_norm where memory_monitor_max_norm is None (`utilisation_max_norm`)
+    memory_max_norm: float | None = None
     # The MAC block (docs/design.md, "The MAC block"). mac_norm_memory_tokens: the retrieved memory tokens h
     # enter the attention RMS-normalised, in the scale of the normed block input beside them. mac_gate: the
     # output o = y * gate(M(y)) is "norm", W (norm(y) * sigmoid(norm(M(y)))) as MAG combines its branches,
@@ -180,7 +190,11 @@ class TitansConfig:
                 "TitansConfig.memory_backend must be 'auto', 'triton' or 'torch', "
                 f"got {self.memory_backend!r}"
             )
-        for name, low in (("memory_surprise_threshold", 0.0), ("memory_monitor_max_norm", None)):
+        for name, low in (
+            ("memory_surprise_threshold", 0.0),
+            ("memory_monitor_max_norm", None),
+            ("memory_max_norm", None),
+        ):
             val = getattr(self, name)
             ok = val is None or (
                 not isinstance(val, bool)
@@ -191,6 +205,21 @@ class TitansConfig:
             if not ok:
                 bound = ">= 0" if low is not None else "> 0"
                 raise ValueError(f"TitansConfig.{name} must be null or a finite number {bound}, got {val!r}")
+        if self.memory_forget_to not in FORGET_TARGETS:
+            raise ValueError(
+                f"TitansConfig.memory_forget_to must be one of {FORGET_TARGETS}, got "
+                f"{self.memory_forget_to!r}"
+            )
+        if self.memory_forget_to != "zero" and self.memory_rule != "titans":
+            raise ValueError(
+                f"TitansConfig.memory_forget_to={self.memory_forget_to!r} is not covered by memory_rule="
+                f"{self.memory_rule!r} (only 'titans')"
+            )
+        if self.memory_max_norm is not None and self.memory_rule != "titans":
+            raise ValueError(
+                f"TitansConfig.memory_max_norm is not covered by memory_rule={self.memory_rule!r} (only "
+                "'titans')"
+            )
         if self.memory_backend == "triton":  # the kernels run the default rule, every token written
             if self.memory_rule != "titans":
                 raise ValueError(
@@ -201,6 +230,16 @@ class TitansConfig:
                 raise ValueError(
                     "TitansConfig.memory_backend='triton' does not cover memory_surprise_threshold "
                     f"({self.memory_surprise_threshold!r}): use memory_backend='auto' or 'torch'"
+                )
+            if self.memory_forget_to != "zero":
+                raise ValueError(
+                    f"TitansConfig.memory_backend='triton' does not cover memory_forget_to="
+                    f"{self.memory_forget_to!r}: use memory_backend='auto' or 'torch'"
+                )
+            if self.memory_max_norm is not None:
+                raise ValueError(
+                    "TitansConfig.memory_backend='triton' does not cover memory_max_norm "
+                    f"({self.memory_max_norm!r}): use memory_backend='auto' or 'torch'"
                 )
         if self.mlp_mult <= 0:
             raise ValueError(f"TitansConfig.mlp_mult must be > 0, got {self.mlp_mult}")
@@ -223,6 +262,14 @@ class TitansConfig:
     def mlp_hidden(self) -> int:
         """SwiGLU width: 2/3 of mlp_mult * dim (same parameters as a plain MLP), rounded up to 8."""
         return -(-int(self.mlp_mult * self.dim * 2 / 3) // 8) * 8
+
+    @property
+    def utilisation_max_norm(self) -> float | None:
+        """The ||W|| that monitoring counts as full (utilisation = ||W|| / this): memory_monitor_max_norm,
+        else the weights' bound memory_max_norm (None: neither, no utilisation reported)."""
+        if self.memory_monitor_max_norm is not None:
+            return self.memory_monitor_max_norm
+        return self.memory_max_norm
 
     def has_memory(self, layer: int) -> bool:
         if not self.spec.memory:
@@ -289,6 +336,8 @@ FIELD_HELP: dict[str, str] = {
     "memory_conv_kernel": "causal depthwise convolution width on queries, keys and values (0: none)",
     "memory_momentum": "surprise with momentum (eta); false: the plain gradient",
     "memory_forgetting": "forgetting gate (alpha) on the memory weights",
+    "memory_forget_to": "what forgetting pulls the memory weights toward: zero (the paper) or init (the "
+    "learned initial weights)",
     "memory_max_lr": "upper bound of the memory's inner learning rate theta",
     "memory_theta_init": "initial inner learning rate theta",
     "memory_eta_init": "initial momentum decay eta, in (0, 1)",
@@ -304,7 +353,10 @@ FIELD_HELP: dict[str, str] = {
     "triton, torch",
     "memory_surprise_threshold": "surprise-gated writes: tokens whose surprise is below this are not "
     "written (null: all are)",
-    "memory_monitor_max_norm": "monitoring: memory utilisation is ||W|| / this (null: not reported)",
+    "memory_monitor_max_norm": "monitoring: memory utilisation is ||W|| / this (null: memory_max_norm; "
+    "neither: not reported)",
+    "memory_max_norm": "bound on the memory's weights: at every chunk boundary each memory layer's ||W|| is "
+    "rescaled to at most this (null: no bound)",
     "mac_norm_memory_tokens": "MAC: RMS-normalise the retrieved memory tokens before attention",
     "mac_gate": f"MAC output gate: {', '.join(MAC_GATES)}",
     "mac_norm_memory_input": "MAC: RMS-normalise the attention output before the memory writes it",

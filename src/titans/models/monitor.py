@@ -15,7 +15,8 @@ Per memory layer (the index of its block) and head:
                                                 MLP in the state, averaged over rows (with a memory rule's
                                                 retention map, of the pre-retention A the state holds)
     utilisation[l]                              weight_norm[l] / max_norm (default
-                                                `TitansConfig.memory_monitor_max_norm`; None without one)
+                                                `TitansConfig.utilisation_max_norm`: the monitor's
+                                                max_norm, else the weights' bound; None without one)
 
 `MemoryMonitor` accumulates the stats of successive calls (a stream read in pieces) into one report.
 """
@@ -237,11 +238,12 @@ def memory_report(
 ) -> MemoryReport:
     """The `MemoryReport` of a model's memory: the per-token numbers from `stats` (the list of one
     `forward_with_stats` call, or `stats_by_layer`'s dict; None: state norms only) and the norms from
-    `state` (the state after those tokens). max_norm: default `model.config.memory_monitor_max_norm`."""
+    `state` (the state after those tokens). max_norm: default `model.config.utilisation_max_norm`
+    (memory_monitor_max_norm, else the weights' bound memory_max_norm)."""
     if not isinstance(state, TitansState):
         raise TypeError(f"memory_report: state must be a TitansState, got {type(state).__name__}")
     if max_norm is None:
-        max_norm = model.config.memory_monitor_max_norm
+        max_norm = model.config.utilisation_max_norm
     if max_norm is not None and not (isinstance(max_norm, (int, float)) and 0 < max_norm < math.inf):
         raise ValueError(f"memory_report: max_norm must be a finite number > 0, got {max_norm!r}")
     if stats is None:

@@ -121,6 +121,27 @@ def select_rows(state: TitansState, index: Tensor) -> TitansState:
     return map_state(state, lambda t: t.index_select(0, index.to(t.device)))
 
 
+def cat_rows(states: list[TitansState]) -> TitansState:
+    """The rows of several states of one model, in order, as one state (the inverse of `select_rows` over a
+    split batch). They must be at the same position (a state's position is one int for all its rows)."""
+    if not states:
+        raise ValueError("cat_rows: no states to join")
+    positions = {s.position for s in states}
+    if len(positions) != 1:
+        raise ValueError(f"cat_rows: the states are at different positions {sorted(positions)}")
+    if len(states) == 1:
+        return states[0]
+    named = [state_tensors(s) for s in states]
+    if any(n.keys() != named[0].keys() for n in named):
+        raise ValueError("cat_rows: the states do not have the same structure (states of different models?)")
+    by_id = {id(t): name for name, t in named[0].items()}
+
+    def join(t: Tensor) -> Tensor:
+        return t if t.dim() == 0 else torch.cat([n[by_id[id(t)]] for n in named])
+
+    return map_state(states[0], join)
+
+
 # ------------------------------------------------------------------------------------------ encoding
 def _encode(obj: Any, name: str, tensors: dict[str, Tensor], names: dict[int, str]) -> Any:
     if obj is None or (isinstance(obj, int) and not isinstance(obj, bool)):
@@ -378,6 +399,7 @@ __all__ = [
     "STATE_TYPES",
     "StateFileError",
     "TitansState",
+    "cat_rows",
     "expand_state",
     "load_state",
     "map_state",

@@ -134,6 +134,30 @@ def check_threshold(name: str, value: float | None) -> None:
         raise ValueError(f"{name} must be None or a finite number >= 0, got {value!r}")
 
 
+def check_max_norm(name: str, value: float | None) -> None:
+    """Refuse a weight-norm bound that is not None or a finite number > 0, naming the option."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
+
+
+def bound_scale(w: Tensor, max_norm: float) -> Tensor:
+    """min(1, max_norm / ||W||_F) per matrix: w (..., d_in, d_out) -> (...).
+
+    Written max_norm / max(||W||, max_norm): it never divides by a norm near 0, it is exactly 1 where the
+    bound does not bind (so a bounded W is a fixed point), and its gradient reaches ||W|| only where it
+    binds."""
+    norm = torch.linalg.vector_norm(w, dim=(-2, -1))
+    # a true division: `max_norm / tensor` is max_norm * (1 / tensor), which can round m / m to 1 - ulp
+    return torch.full_like(norm, max_norm) / norm.clamp_min(max_norm)
+
+
+def bound_weights(w: Tensor, max_norm: float) -> Tensor:
+    """W rescaled to Frobenius norm at most max_norm, per matrix: w (..., d_in, d_out) -> the same shape."""
+    return w * bound_scale(w, max_norm)[..., None, None]
+
+
 def clip_scale(norm: Tensor, max_norm: float) -> Tensor:
     """Factor that rescales a surprise of norm `norm` to at most `max_norm` (1 where already below)."""
     return (max_norm / norm.clamp_min(1e-12)).clamp(max=1.0)
@@ -387,6 +411,64 @@ class _GradBuffers:
         return buf
 
 
+class _BoundState(torch.autograd.Function):
+    """A chunk step's new state X = [W; S] (N, 2, d_in, d_out) with W rescaled in place by
+    s = min(1, max_norm / ||W||_F) per sequence, S as it is (`neural_memory_chunked(max_norm=...)`).
+
+    In place, saving only its output and s: the next chunk step saves that output as its input anyway, so
+    under autograd the bound keeps no extra state-sized tensor per chunk (a generic `x * s` would keep the
+    unbounded X as well). Backward, where the bound binds (s < 1, ||W'|| = max_norm for W' = s W):
+    dL/dW = s (g - <g, W'> W' / max_norm^2); elsewhere g.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, max_norm: float) -> Tensor:
+        scale = bound_scale(x[:, 0], max_norm)  # (N,)
+        x[:, 0].mul_(scale[:, None, None])
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x, scale)
+        ctx.max_norm = max_norm
+        return x
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    @_without_autocast
+    def backward(ctx, g: Tensor) -> tuple[Tensor, None]:
+        x, scale = ctx.saved_tensors
+        w, g_w = x[:, 0], g[:, 0]
+        inner = torch.linalg.vecdot(g_w.flatten(1), w.flatten(1))  # <g, W'> per sequence
+        coef = torch.where(scale < 1, inner / ctx.max_norm**2, 0.0)
+        g_x = torch.empty_like(g, memory_format=torch.contiguous_format)
+        g_x[:, 1] = g[:, 1]
+        torch.mul(g_w, scale[:, None, None], out=g_x[:, 0])
+        g_x[:, 0].addcmul_(w, (-scale * coef)[:, None, None])
+        return g_x, None
+
+
+class _AnchorState(torch.autograd.Function):
+    """A chunk step's new state X = [W; S] (N, 2, d_in, d_out) with (1 - A_b) W_anchor added to W in place,
+    A_b (N,) the chunk's product of (1 - alpha): forgetting pulls W toward the anchor (the learned initial
+    weights) instead of toward zero (`neural_memory_chunked(anchor=...)`). In place, like `_BoundState`;
+    it saves the anchor (N, d_in, d_out) and A_b, never the state."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, keep: Tensor, anchor: Tensor) -> Tensor:
+        x[:, 0].addcmul_(anchor, (1 - keep)[:, None, None])
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(keep, anchor)
+        return x
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    @_without_autocast
+    def backward(ctx, g: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        keep, anchor = ctx.saved_tensors
+        g_w = g[:, 0]
+        g_keep = -torch.linalg.vecdot(g_w.flatten(1), anchor.flatten(1)) if ctx.needs_input_grad[1] else None
+        g_anchor = g_w * (1 - keep)[:, None, None] if ctx.needs_input_grad[2] else None
+        return g, g_keep, g_anchor
+
+
 class _ChunkStep(torch.autograd.Function):
     """One complete chunk: read M(q; W_0), take every key's inner gradient at W_0, write the chunk.
 
@@ -581,9 +663,13 @@ def _run_chunks(
     mix,
     aux,
     *states,
+    max_norm: float | None = None,
+    anchor: tuple[Tensor, ...] | None = None,
 ):
     """Consecutive complete chunks. q, k, v: (N, m * b, d); gamma, beta: (N, m, b); mix: (N, m, 2, 2);
-    error, aux: the error map and its per-token input (N, m * b) (both None for l2)."""
+    error, aux: the error map and its per-token input (N, m * b) (both None for l2); max_norm: each
+    chunk's new W is rescaled to Frobenius norm at most this, per layer; anchor: per layer (N, d_in,
+    d_out), what forgetting pulls W toward (`neural_memory_chunked`)."""
     ys, norms = [], []
     n_seq, length, dim = k.shape
     # each chunk's keys then its queries, contiguous (the rows that go through the MLP together): one copy
@@ -605,6 +691,10 @@ def _run_chunks(
             y, norm, *states = _ChunkStep.apply(*args, (grads, i % 2), error, a_c, *states)
         else:
             y, norm, states, _ = _chunk_forward(*args, states, out=buffers[i % 2], error=error, aux=a_c)
+        if anchor is not None:  # forgetting toward the anchor: W += (1 - A_b) W_anchor
+            states = [_AnchorState.apply(x, m_c[:, 0, 0], a) for x, a in zip(states, anchor)]
+        if max_norm is not None:  # the bound at the chunk boundary, before the next chunk reads W
+            states = [_BoundState.apply(x, max_norm) for x in states]
         ys.append(y)
         norms.append(norm)
     return (torch.cat(ys, 1), torch.cat(norms, 1), *states)
@@ -619,23 +709,31 @@ class _CheckpointedChunks(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, config, q, k, v, gamma, beta, mix, aux, *states):
+    def forward(ctx, config, max_norm, n_anchor, q, k, v, gamma, beta, mix, aux, *tensors):
+        """tensors: the states, then the `n_anchor` anchors (None: n_anchor 0)."""
         ctx.set_materialize_grads(False)
-        ctx.config = config
-        ctx.save_for_backward(q, k, v, gamma, beta, mix, aux, *states)
-        return _run_chunks(*config, q, k, v, gamma, beta, mix, aux, *states)
+        ctx.config, ctx.max_norm, ctx.n_anchor = config, max_norm, n_anchor
+        ctx.save_for_backward(q, k, v, gamma, beta, mix, aux, *tensors)
+        return _CheckpointedChunks.run(config, max_norm, n_anchor, q, k, v, gamma, beta, mix, aux, *tensors)
+
+    @staticmethod
+    def run(config, max_norm, n_anchor, q, k, v, gamma, beta, mix, aux, *tensors):
+        states, anchor = tensors[: len(tensors) - n_anchor], tensors[len(tensors) - n_anchor :]
+        return _run_chunks(
+            *config, q, k, v, gamma, beta, mix, aux, *states, max_norm=max_norm, anchor=anchor or None
+        )
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @_without_autocast
     def backward(ctx, *grads):
-        needs = ctx.needs_input_grad[1:]
+        needs = ctx.needs_input_grad[3:]
         inputs = [
             None if t is None else t.detach().requires_grad_(need)
             for t, need in zip(ctx.saved_tensors, needs)
         ]
         with torch.enable_grad():
-            outputs = _run_chunks(*ctx.config, *inputs)
+            outputs = _CheckpointedChunks.run(ctx.config, ctx.max_norm, ctx.n_anchor, *inputs)
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
         wanted = [t for t in inputs if t is not None and t.requires_grad]
         result = [None] * len(inputs)
@@ -643,7 +741,7 @@ class _CheckpointedChunks(torch.autograd.Function):
             outs, grad_outs = zip(*pairs)
             got = iter(torch.autograd.grad(outs, wanted, grad_outs, allow_unused=True))
             result = [next(got) if t is not None and t.requires_grad else None for t in inputs]
-        return (None, *result)
+        return (None, None, None, *result)
 
 
 def neural_memory_chunked(
@@ -664,6 +762,8 @@ def neural_memory_chunked(
     error=None,
     error_aux: Tensor | None = None,
     surprise_threshold: float | None = None,
+    max_norm: float | None = None,
+    anchor: tuple[Tensor, ...] | None = None,
 ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
     """Read and write the neural memory over a sequence, chunk by chunk.
 
@@ -680,6 +780,16 @@ def neural_memory_chunked(
         `surprise`, taken at its chunk-start weights, before clipping) is below it adds nothing to S (its
         gradient is multiplied by 0); the momentum decay and the forgetting still apply to every token.
         0 writes every token, as None does.
+    max_norm: if set, a bound on the weights: after each complete chunk's momentum and forgetting update,
+        every layer's W_l (per batch row and head, Frobenius norm over its (d_in, d_out) matrix) is
+        multiplied by min(1, max_norm / ||W_l||), so the next chunk reads and differentiates weights of
+        norm <= max_norm; the momentum S is not rescaled. The given `weights` are used as they are (the
+        caller bounds an initial state). Gradients flow through the rescale.
+    anchor: if set, per layer a tensor broadcastable to (B, H, d_in, d_out) (the learned initial weights
+        W_init): forgetting pulls W toward it instead of toward zero, W_t = (1 - alpha_t) W_{t-1} +
+        alpha_t W_init + S_t, so W - W_init follows the paper's recurrence and a memory that stops being
+        written returns to W_init. Per chunk: W_b = A_b W_0 + (1 - A_b) W_init + c S_0 - sum_j gamma_j u_j.
+        Applied before the max_norm bound. Gradients flow to the anchor and the gates.
 
     Returns:
         y: (B, H, T, d) retrievals, token t reading the weights at the start of its chunk.
@@ -689,6 +799,7 @@ def neural_memory_chunked(
     """
     check_int("checkpoint_every", checkpoint_every, none_ok=True)
     check_threshold("neural_memory_chunked: surprise_threshold", surprise_threshold)
+    check_max_norm("neural_memory_chunked: max_norm", max_norm)
     if torch.is_autocast_enabled(q.device.type):
         # The memory runs in its state's dtype, not autocast's: the state's in-place updates need one dtype,
         # and a bf16 state would lose each write's small increments. q, k, v (often bf16 there) are cast.
@@ -709,6 +820,8 @@ def neural_memory_chunked(
                 error=error,
                 error_aux=error_aux,
                 surprise_threshold=surprise_threshold,
+                max_norm=max_norm,
+                anchor=anchor,
             )
     batch, heads, seq, dim = q.shape
     b = chunk_size
@@ -723,6 +836,11 @@ def neural_memory_chunked(
     n_seq, dtype = batch * heads, weights[0].dtype
     gamma, beta, mix = chunk_mix(theta, log_eta, log_keep, b, dtype)
     states = stack_states(weights, momentum)
+    if anchor is not None:  # (N, d_in, d_out) per layer, in the state's dtype
+        anchor = tuple(
+            a.to(dtype).expand(batch, heads, *w.shape[-2:]).reshape(n_seq, *w.shape[-2:])
+            for a, w in zip(anchor, weights)
+        )
     # (N, T, d) views, cut into the complete chunks and a trailing partial one. split() rather than indexing,
     # whose backward is a full-size zero tensor per piece; and only where there is more than one piece, since
     # split's backward concatenates the pieces' gradients (a full copy, even of a single piece)
@@ -743,9 +861,14 @@ def neural_memory_chunked(
         auxs = (aux_full,)
     for q_g, k_g, v_g, g_g, b_g, m_g, a_g in zip(*pieces, *coefs, auxs):
         if group < n_full:
-            y, norm, *states = _CheckpointedChunks.apply(config, q_g, k_g, v_g, g_g, b_g, m_g, a_g, *states)
+            anchors = anchor or ()
+            y, norm, *states = _CheckpointedChunks.apply(
+                config, max_norm, len(anchors), q_g, k_g, v_g, g_g, b_g, m_g, a_g, *states, *anchors
+            )
         else:
-            y, norm, *states = _run_chunks(*config, q_g, k_g, v_g, g_g, b_g, m_g, a_g, *states)
+            y, norm, *states = _run_chunks(
+                *config, q_g, k_g, v_g, g_g, b_g, m_g, a_g, *states, max_norm=max_norm, anchor=anchor
+            )
         ys.append(y)
         norms.append(norm)
     # views of the stacked states (W and S halves), not copies: whoever needs them contiguous copies anyway

@@ -17,6 +17,10 @@ M(x; W) = x W_1 for depth 1, act(... act(x W_1) ...) W_L for depth L (+ x with `
 `surprise_clip` c, u_t is scaled by min(1, c / ||u_t||) (||.|| over all of the token's layers). With
 `surprise_threshold` tau, a token whose surprise ||u_t|| (at the chunk-start weights, before clipping) is
 below tau is not written: u_t is replaced by 0 in the momentum step, while eta_t and alpha_t still act.
+With `max_norm` m, at the end of every complete chunk (after its last token's momentum and forgetting
+step) each layer's weights are rescaled, W_l <- W_l * min(1, m / ||W_l||_F) per batch element and head;
+the momentum S is left as it is. With an `anchor` W_init, forgetting pulls W toward it instead of toward
+zero: W_t = (1 - alpha_t) * W_{t-1} + alpha_t * W_init + S_t.
 
 Only complete chunks are written; a trailing partial chunk is read (and its surprise reported) but its
 update is left for the caller to apply once the chunk completes (see `NeuralMemory`'s pending tokens).
@@ -41,6 +45,12 @@ def _mlp(x: Tensor, weights: list[Tensor], activation: str, residual: bool) -> T
     return h + x if residual else h
 
 
+def _norm_bound(w: Tensor, max_norm: float) -> Tensor:
+    """min(1, max_norm / ||w||_F) for w (B, H, d_in, d_out) -> (B, H)."""
+    norm = torch.linalg.matrix_norm(w)  # Frobenius
+    return torch.clamp(max_norm / norm.clamp_min(torch.finfo(norm.dtype).tiny), max=1.0)
+
+
 def neural_memory_ref(
     q: Tensor,
     k: Tensor,
@@ -56,6 +66,8 @@ def neural_memory_ref(
     residual: bool = False,
     surprise_clip: float | None = None,
     surprise_threshold: float | None = None,
+    max_norm: float | None = None,
+    anchor: tuple[Tensor, ...] | None = None,
 ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
     """Same contract as `titans.ops.memory.neural_memory_chunked`; see there for shapes."""
     _, _, seq, _ = q.shape
@@ -84,5 +96,10 @@ def neural_memory_ref(
             if complete:
                 th, et, kp = (x[:, :, t, None, None] for x in (theta, eta, keep))
                 s = [et * s_l - th * u_l for s_l, u_l in zip(s, u)]
-                w = [kp * w_l + s_l for w_l, s_l in zip(w, s)]
+                if anchor is None:
+                    w = [kp * w_l + s_l for w_l, s_l in zip(w, s)]
+                else:
+                    w = [kp * w_l + (1 - kp) * a_l + s_l for w_l, a_l, s_l in zip(w, anchor, s)]
+        if complete and max_norm is not None:  # the chunk boundary: ||W_l|| <= max_norm
+            w = [w_l * _norm_bound(w_l, max_norm)[..., None, None] for w_l in w]
     return torch.stack(ys, 2), tuple(w), tuple(s), torch.stack(surprises, 2)

@@ -67,6 +67,15 @@ class TrainConfig:
     seq_len: int = 256
     batch_size: int = 16
     grad_accum: int = 1  # micro-batches per rank per step (same global batch, less memory)
+    # carry the model's state (the memory, attention caches) from each step's windows to the next step's,
+    # which continue them in the stream, detached at the window boundary (truncated backprop through time;
+    # `StreamBatches`): the model trains on memories that have read far more than seq_len tokens. The
+    # state starts fresh every carry_reset_every visits of a lane (None: when a row reaches the end of its
+    # lane). carry_groups: lanes per row, visited in turn (step s reads group s % carry_groups), so that
+    # consecutive steps draw on different stretches of the stream; the trainer keeps a state per group
+    carry_state: bool = False
+    carry_reset_every: int | None = None
+    carry_groups: int = 1
     # length of the run
     steps: int = 1000
     tokens: int | None = None  # token budget; when set, steps = ceil(tokens / (batch_size * seq_len))
@@ -137,6 +146,21 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be a positive integer, got {val!r}")
         if self.tokens is not None and (not isinstance(self.tokens, int) or self.tokens < 1):
             raise ValueError(f"TrainConfig.tokens must be a positive integer or null, got {self.tokens!r}")
+        if self.carry_reset_every is not None and self.carry_reset_every < 1:
+            raise ValueError(
+                "TrainConfig.carry_reset_every must be a positive integer or null, got "
+                f"{self.carry_reset_every}"
+            )
+        if self.carry_reset_every is not None and not self.carry_state:
+            raise ValueError("TrainConfig.carry_reset_every applies with carry_state: true only")
+        if not isinstance(self.carry_groups, int) or self.carry_groups < 1:
+            raise ValueError(
+                f"TrainConfig.carry_groups must be a positive integer, got {self.carry_groups!r}"
+            )
+        if self.carry_groups > 1 and not self.carry_state:
+            raise ValueError("TrainConfig.carry_groups applies with carry_state: true only")
+        if self.carry_state and self.cuda_graphs:
+            raise ValueError("TrainConfig.cuda_graphs: not with carry_state (a graph replays a fresh state)")
         if self.batch_size % self.grad_accum:
             raise ValueError(
                 f"TrainConfig.grad_accum={self.grad_accum} must divide batch_size={self.batch_size}"
@@ -203,6 +227,8 @@ class TrainConfig:
         trainer compares as a whole (``model_mismatches``)."""
         mine = self.to_dict()
         skip = RESUMABLE_CHANGES | MODEL_FIELDS
+        # a field the checkpoint lacks was added since, with a default that trains as before
+        saved = {**{f.name: f.default for f in fields(self) if f.name in ADDED_FIELDS}, **saved}
         return sorted(k for k in set(mine) | set(saved) if k not in skip and mine.get(k) != saved.get(k))
 
     # ------------------------------------------------------------------------------------ file i/o
@@ -236,6 +262,9 @@ class TrainConfig:
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
+
+# TrainConfig fields added after runs were saved without them; their defaults train as those runs did
+ADDED_FIELDS = frozenset({"carry_state", "carry_reset_every", "carry_groups"})
 
 # TrainConfig fields that only say which model to build: compared on resume through the model they make
 MODEL_FIELDS = frozenset({"preset", "variant", "model"})
@@ -324,6 +353,12 @@ FIELD_HELP: dict[str, str] = {
     "seq_len": "training sequence length, tokens",
     "batch_size": "global batch, sequences per optimizer step (all ranks together)",
     "grad_accum": "micro-batches per rank per step (the same global batch in less memory)",
+    "carry_state": "carry the state (memory, caches) across consecutive windows of each row's stream, "
+    "detached at window boundaries (truncated backprop through time)",
+    "carry_reset_every": "with carry_state: start from a fresh state every this many visits of a lane "
+    "(null: at the end of each row's lane of the stream)",
+    "carry_groups": "with carry_state: lanes per row, visited in turn (consecutive steps read different "
+    "stretches of the stream; one carried state per group)",
     "steps": "optimizer steps of the run",
     "tokens": "token budget; when set, steps = ceil(tokens / (batch_size * seq_len))",
     "time_budget_min": "stop cleanly, with a checkpoint, after this many minutes (--resume continues)",

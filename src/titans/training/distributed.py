@@ -22,6 +22,7 @@ import gc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -123,6 +124,15 @@ def all_reduce_sum(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return values
 
 
+def gather_objects(obj: Any, info: DistInfo) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank (a collective under torchrun)."""
+    if not info.enabled:
+        return [obj]
+    out: list[Any] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def any_rank(flag: bool, info: DistInfo) -> bool:
     """True on every rank when ``flag`` is true on some rank (so all ranks stop at the same step)."""
     if not info.enabled:
@@ -145,8 +155,10 @@ def agree_to_stop(over_budget: bool, signum: int | None, info: DistInfo) -> tupl
     return bool(local[0]), (local[1] or None)
 
 
-def wrap_model(model: nn.Module, info: DistInfo, fsdp: bool = False) -> nn.Module:
-    """DDP, FSDP2 or the model itself (single process without FSDP). The model is on ``info.device``."""
+def wrap_model(model: nn.Module, info: DistInfo, fsdp: bool = False, carried: bool = False) -> nn.Module:
+    """DDP, FSDP2 or the model itself (single process without FSDP). The model is on ``info.device``.
+    ``carried``: the model runs from carried states (``TrainConfig.carry_state``), where the memory's learned
+    initial weights get no gradient except on the steps that start fresh."""
     if fsdp:
         if not info.enabled:
             raise ValueError("TrainConfig.fsdp needs a process group: launch with torchrun")
@@ -172,7 +184,7 @@ def wrap_model(model: nn.Module, info: DistInfo, fsdp: bool = False) -> nn.Modul
     device_ids = [info.device.index] if info.device.type == "cuda" else None
     # a frozen memory (write=False) never uses its gate projection: DDP must not wait for its gradient
     frozen = any(isinstance(m, NeuralMemory) and not m.write for m in model.modules())
-    return DDP(model, device_ids=device_ids, find_unused_parameters=frozen)
+    return DDP(model, device_ids=device_ids, find_unused_parameters=frozen or carried)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -2,7 +2,10 @@
 
 One optimizer step = one global batch (``TokenBatches`` step ``s``; under torchrun each rank takes its rows).
 Every training sequence starts from a fresh memory state (``state=None``): the memory learns at test time
-*within* a sequence, the outer parameters learn across sequences.
+*within* a sequence, the outer parameters learn across sequences. With ``carry_state`` the rows of step
+``s`` continue those of step ``s - 1`` in the stream (``StreamBatches``) and start from the state the
+previous step ended with, detached (truncated backprop through time), so the model learns to use a memory
+that has read far more than one window; checkpoints hold that state.
 
 Checkpoints (``titans.training.checkpoint``; rank 0 writes) hold the model weights (safetensors), the
 optimizer, the lr schedule, the data position and the RNG states, every ``ckpt_every`` steps, at the end,
@@ -30,12 +33,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from titans.data.loader import EvalWindows, TokenBatches
+from titans.data.loader import EvalWindows, StreamBatches, TokenBatches
 from titans.data.stream import load_token_streams
 from titans.data.tokenizers import load_tokenizer
 from titans.layers.memory import NeuralMemory
 from titans.models.lm import TitansLM
 from titans.models.monitor import memory_layers, memory_report
+from titans.models.state import TitansState, cat_rows, select_rows, state_from_bytes, state_to_bytes
 from titans.training import distributed as D
 from titans.training.checkpoint import (
     CHECKPOINTS,
@@ -159,17 +163,25 @@ class Trainer:
                 f"TrainConfig.cuda_graphs needs one process on one CUDA device; this run has {where}"
             )
         self.graphed_step: GraphedMicroStep | None = None  # captured at the first step (cuda_graphs)
-        self.engine = D.wrap_model(self.model, self.info, fsdp=cfg.fsdp)
+        self.engine = D.wrap_model(self.model, self.info, fsdp=cfg.fsdp, carried=cfg.carry_state)
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
-        self.batches = TokenBatches(
-            streams.train,
-            batch_size=cfg.batch_size,
-            seq_len=cfg.seq_len,
-            seed=cfg.seed,
-            rank=self.info.rank,
-            world_size=self.info.world_size,
-        )
+        shard = dict(seed=cfg.seed, rank=self.info.rank, world_size=self.info.world_size)
+        if cfg.carry_state:
+            self.batches: TokenBatches = StreamBatches(
+                streams.train,
+                batch_size=cfg.batch_size,
+                seq_len=cfg.seq_len,
+                reset_every=cfg.carry_reset_every,
+                groups=cfg.carry_groups,
+                **shard,
+            )
+        else:
+            self.batches = TokenBatches(
+                streams.train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, **shard
+            )
+        # carry_state: per group of lanes, the state this rank's rows ended its last visit with (None: fresh)
+        self.carried: list[TitansState | None] = [None] * cfg.carry_groups
         self.eval_windows = EvalWindows(
             streams.heldout,
             seq_len=cfg.seq_len,
@@ -249,6 +261,12 @@ class Trainer:
         ):
             group["lr"] = base * fn(self.scheduler.last_epoch)
         self.batches.load_state_dict(state["data"])
+        if state.get("carried") is not None:  # per group, the global batch's rows; this rank takes its own
+            mine = torch.arange(self.info.rank, self.config.batch_size, self.info.world_size)
+            self.carried = [
+                None if b is None else select_rows(state_from_bytes(b, self.device, model=self.model), mine)
+                for b in state["carried"]
+            ]
         restore_rng_state(state["rng"])
         self.step = int(state["step"])
         if self.batches.step != self.step:
@@ -298,6 +316,7 @@ class Trainer:
                 f"saved as a checkpoint; {self._last_good()} (try a lower lr or memory_max_lr, or grad_clip)"
             )
         model_state, optim_state = self._state_dicts()
+        carried = self._global_carried()
         path = None
         if self.info.is_main:
             trainer_state = {
@@ -307,6 +326,7 @@ class Trainer:
                 "data": self.batches.state_dict(),
                 "rng": capture_rng_state(),
                 "world_size": self.info.world_size,
+                "carried": carried,
             }
             config = {
                 "train": self.config.to_dict(),
@@ -332,7 +352,39 @@ class Trainer:
         D.barrier(self.info)
         return path
 
+    def _global_carried(self) -> list[bytes | None] | None:
+        """Per group of lanes, the carried state of the whole global batch (rows in global order) as state
+        bytes, on the main rank (a collective under torchrun); None without carry_state."""
+        if not self.config.carry_state:
+            return None
+        return [self._global_state(s) for s in self.carried]
+
+    def _global_state(self, state: TitansState | None) -> bytes | None:
+        """One group's carried state, gathered from every rank into global row order (main rank)."""
+        parts = D.gather_objects(None if state is None else state_to_bytes(state), self.info)
+        if not self.info.is_main or parts[0] is None:
+            return None
+        if self.info.world_size == 1:
+            return parts[0]
+        joined = cat_rows([state_from_bytes(p) for p in parts])
+        rows = self.config.batch_size // self.info.world_size
+        # global row g is row g // world_size of rank g % world_size
+        order = torch.tensor([(g % self.info.world_size) * rows + g // self.info.world_size
+                              for g in range(self.config.batch_size)])  # fmt: skip
+        return state_to_bytes(select_rows(joined, order))
+
     # ---------------------------------------------------------------------------------------- steps
+    def _step_states(self, step: int, accum: int) -> list[TitansState | None]:
+        """The state each micro-batch of ``step`` starts from: fresh, or (carry_state) its rows of the
+        state its group's last visit ended with, unless ``step`` starts an episode of that group."""
+        if not self.config.carry_state or self.batches.resets(step):
+            return [None] * accum
+        carried = self.carried[self.batches.group(step)]
+        if carried is None:
+            return [None] * accum
+        rows = torch.arange(self.config.batch_size // self.info.world_size)
+        return [select_rows(carried, part) for part in rows.chunk(accum)]
+
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on global batch ``step``: (this rank's mean loss, the gradient norm)."""
         inputs, targets = self.batches.get_batch(step)
@@ -342,13 +394,19 @@ class Trainer:
         accum = self.config.grad_accum
         self.engine.train()
         loss_sum = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
+        ends: list[TitansState] = []
+        for i, (x, y, state) in enumerate(
+            zip(inputs.chunk(accum), targets.chunk(accum), self._step_states(step, accum))
+        ):
             with D.no_sync(self.engine, skip=i < accum - 1):
                 with autocast_context(self.device, self.autocast_dtype):
-                    logits, _ = self.engine(x.to(self.device, non_blocking=True))  # fresh memory state
+                    logits, end = self.engine(x.to(self.device, non_blocking=True), state)
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(self.device).flatten())
                 (loss / accum).backward()
             loss_sum += loss.detach() / accum
+            ends.append(end.detach())  # truncated backprop: the next step's graph starts here
+        if self.config.carry_state:
+            self.carried[self.batches.group(step)] = cat_rows(ends)
         return loss_sum, self._optimizer_step()
 
     def _optimizer_step(self) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""`titans eval context` results over seeds: per position bucket, each model's mean loss, its range over the
+seeds, and the writing model's margin under its frozen twin and under a compared baseline, seed by seed.
+
+Each file is one seed's `titans eval context --checkpoint RUN --compare BASELINE` JSON; models are matched
+by role (the writing model is the first curve, its twin the frozen one, the baseline the next), so the runs'
+own labels may differ between seeds.
+
+    python benchmarks/context_seeds.py results/long_context/mac_init_s{0,1,2}_8k.json --out summary.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def roles(result: dict) -> dict[str, dict]:
+    """{"writing": curve, "frozen": curve or absent, "baseline": curve or absent} of one result file."""
+    models = list(result["models"].values())
+    out = {"writing": models[0]}
+    rest = models[1:]
+    frozen = [m for m in rest if m["frozen"]]
+    if frozen:
+        out["frozen"] = frozen[0]
+    others = [m for m in rest if not m["frozen"]]
+    if others:
+        out["baseline"] = others[0]
+    return out
+
+
+def summarise(results: list[dict]) -> dict:
+    """Per bucket and role: mean and (min, max) over the files; and per bucket the margins writing - frozen
+    and writing - baseline for every file."""
+    labels = results[0]["bucket_labels"]
+    if any(r["bucket_labels"] != labels for r in results):
+        raise ValueError("the files have different position buckets (another --length?)")
+    per = [roles(r) for r in results]
+    out: dict = {"buckets": labels, "files": len(results), "roles": {}, "margins": {}}
+    for role in ("writing", "frozen", "baseline"):
+        if all(role in p for p in per):
+            losses = np.array([p[role]["bucket_loss"] for p in per])  # (seeds, buckets)
+            out["roles"][role] = {
+                "variant": per[0][role]["variant"],
+                "mean": losses.mean(0).tolist(),
+                "min": losses.min(0).tolist(),
+                "max": losses.max(0).tolist(),
+            }
+    for other in ("frozen", "baseline"):
+        if other in out["roles"]:
+            diff = np.array([np.subtract(p["writing"]["bucket_loss"], p[other]["bucket_loss"]) for p in per])
+            out["margins"][f"writing - {other}"] = {"per_seed": diff.tolist(), "max": diff.max(0).tolist()}
+    return out
+
+
+def table(summary: dict) -> str:
+    roles_ = summary["roles"]
+    head = ["positions"] + [f"{r} ({v['variant']})" for r, v in roles_.items()]
+    head += [f"{m} (worst seed)" for m in summary["margins"]]
+    rows = [head]
+    for k, label in enumerate(summary["buckets"]):
+        row = [label]
+        for v in roles_.values():
+            row.append(f"{v['mean'][k]:.3f} [{v['min'][k]:.3f}-{v['max'][k]:.3f}]")
+        for m in summary["margins"].values():
+            row.append(f"{m['max'][k]:+.3f}")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="+", help="titans eval context JSON files, one per seed")
+    p.add_argument("--out", default=None, help="summary JSON")
+    args = p.parse_args()
+    results = [json.loads(Path(f).read_text()) for f in args.files]
+    summary = summarise(results)
+    summary["sources"] = args.files
+    print(f"{len(results)} files, mean [lowest-highest] nats/token; margins: the largest over the files")
+    print(table(summary))
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
