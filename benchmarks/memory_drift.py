@@ -147,8 +147,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    from titans.data.stream import load_token_streams
     from titans.evaluation.context import context_windows, frozen_twin, position_buckets
+    from titans.evaluation.perplexity import heldout_stream
     from titans.training.model_io import load_model
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -163,7 +163,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model, cfg, tokenizer = load_model(args.checkpoint)
     model.eval()
-    heldout = load_token_streams(cfg.data, tokenizer, heldout_fraction=cfg.heldout_fraction).heldout
+    heldout = heldout_stream(cfg, tokenizer)
     win = context_windows(heldout, args.length, args.windows, what="the held-out split")
     buckets = position_buckets(args.length)
     result = {"checkpoint": str(args.checkpoint), "length": args.length, "windows": win.count,

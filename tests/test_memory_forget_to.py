@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from test_memory import assert_close_rel, causality_check, random_problem
+from test_memory_max_norm import assert_lm_streams, small_lm
 from titans import NeuralMemory
 from titans.models import TitansConfig, TitansLM
-from titans.models.monitor import find_memory_state
 from titans.ops.memory import neural_memory_chunked
 from titans.ops.memory_ref import neural_memory_ref
 
@@ -203,26 +203,11 @@ def test_bad_values_other_rules_and_the_kernels_are_refused():
 
 @pytest.mark.parametrize("variant", ["mac", "mal"])
 def test_lm_streams_with_it(variant):
-    cfg = TitansConfig.preset(
-        "tiny", variant=variant, vocab_size=64, dim=32, heads=2, segment_len=16, window=16, chunk_size=4,
-        memory_forget_to="init", memory_alpha_init=0.3,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = TitansLM(cfg).double().eval()
+    model = small_lm(variant, memory_forget_to="init", memory_alpha_init=0.3)
     tokens = torch.randint(0, 64, (2, 45), generator=torch.Generator().manual_seed(1))
+    full, _ = assert_lm_streams(model, tokens)
+    plain = TitansLM(TitansConfig(**{**model.config.to_dict(), "memory_forget_to": "zero"})).double().eval()
+    plain.load_state_dict(model.state_dict())
     with torch.no_grad():
-        full, full_state = model(tokens)
-        parts, state, start = [], None, 0
-        for n in (5, 13, 19, 8):
-            logits, state = model(tokens[:, start : start + n], state)
-            parts.append(logits)
-            start += n
-        plain = TitansLM(TitansConfig(**{**cfg.to_dict(), "memory_forget_to": "zero"})).double().eval()
-        plain.load_state_dict(model.state_dict())
         other, _ = plain(tokens)
-    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-10, rtol=0)
-    for a, b in zip(state.layers, full_state.layers):
-        mem_a, mem_b = find_memory_state(a), find_memory_state(b)
-        for x, y in zip(mem_a.weights + mem_a.momentum, mem_b.weights + mem_b.momentum):
-            torch.testing.assert_close(x, y, atol=1e-10, rtol=0)
     assert not torch.allclose(full[:, -8:], other[:, -8:], atol=1e-6)

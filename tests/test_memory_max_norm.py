@@ -328,28 +328,22 @@ def test_other_rules_and_the_triton_kernels_are_refused():
         rule_mem(torch.randn(1, 4, 8))
 
 
-@pytest.mark.parametrize("variant", ["mac", "mal"])
-def test_lm_with_the_bound_streams_and_reports_utilisation(variant):
+def small_lm(variant: str, **memory_options) -> TitansLM:
+    """A float64 tiny-preset LM of width 32 with the given memory options (seeded)."""
     cfg = TitansConfig.preset(
-        "tiny",
-        variant=variant,
-        vocab_size=64,
-        dim=32,
-        heads=2,
-        segment_len=16,
-        window=16,
-        chunk_size=4,
-        memory_max_norm=2.0,
-    )
+        "tiny", variant=variant, vocab_size=64, dim=32, heads=2, segment_len=16, window=16, chunk_size=4,
+        **memory_options,
+    )  # fmt: skip
     torch.manual_seed(0)
-    model = TitansLM(cfg).double().eval()
-    memories = [b.memory for b in model.blocks if getattr(b, "memory", None) is not None]
-    assert memories and all(m.max_norm == 2.0 for m in memories)
-    tokens = torch.randint(0, 64, (2, 45), generator=torch.Generator().manual_seed(1))
+    return TitansLM(cfg).double().eval()
+
+
+def assert_lm_streams(model: TitansLM, tokens: torch.Tensor, lengths=(5, 13, 19, 8)):
+    """Calls of `lengths` tokens give one pass's logits and memory states; returns (logits, state)."""
     with torch.no_grad():
         full, full_state = model(tokens)
         parts, state, start = [], None, 0
-        for n in (5, 13, 19, 8):
+        for n in lengths:
             logits, state = model(tokens[:, start : start + n], state)
             parts.append(logits)
             start += n
@@ -359,7 +353,19 @@ def test_lm_with_the_bound_streams_and_reports_utilisation(variant):
         mem_a, mem_b = find_memory_state(a), find_memory_state(b)
         for x, y in zip(mem_a.weights + mem_a.momentum, mem_b.weights + mem_b.momentum):
             torch.testing.assert_close(x, y, atol=1e-10, rtol=0)
-        assert (_norms(mem_b.weights) <= 2.0 * (1 + EPS)).all()
+    return full, full_state
+
+
+@pytest.mark.parametrize("variant", ["mac", "mal"])
+def test_lm_with_the_bound_streams_and_reports_utilisation(variant):
+    model = small_lm(variant, memory_max_norm=2.0)
+    cfg = model.config
+    memories = [b.memory for b in model.blocks if getattr(b, "memory", None) is not None]
+    assert memories and all(m.max_norm == 2.0 for m in memories)
+    tokens = torch.randint(0, 64, (2, 45), generator=torch.Generator().manual_seed(1))
+    _, full_state = assert_lm_streams(model, tokens)
+    for layer in full_state.layers:
+        assert (_norms(find_memory_state(layer).weights) <= 2.0 * (1 + EPS)).all()
     # utilisation is ||W|| / memory_max_norm when no monitoring max_norm is set, and at most 1
     report = memory_report(model, None, full_state)
     assert report.max_norm == 2.0 and 0 < report.max_utilisation <= 1 + 1e-9

@@ -43,10 +43,10 @@ from torch import Tensor
 
 from titans.data.sources import load_source
 from titans.data.split import split_documents, split_tail
-from titans.data.stream import TokenStream, encode_documents, load_token_streams
+from titans.data.stream import TokenStream, encode_documents
 from titans.data.tokenizers import Tokenizer
 from titans.evaluation.args import set_threads, str_list
-from titans.evaluation.perplexity import whole_source_stream
+from titans.evaluation.perplexity import heldout_stream, whole_source_stream
 from titans.evaluation.reporting import command_line, plot_or_skip
 from titans.evaluation.scoring import new_figure, render_table, save_figure
 from titans.models.lm import TitansLM
@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 FIRST_BUCKET = 256  # the first bucket, [0, 256); the second ends at 1024, then every bucket doubles
 SECOND_BUCKET = 1024
 PLOT_BINS_PER_OCTAVE = 4  # bins of the finer curve (JSON "curve", the PNG)
+FIRST_PLOT_BIN = 16  # its first bin: single early positions are too few tokens for a readable curve
 
 # ---------------------------------------------------------------------------------------------------------
 # Positions
@@ -83,12 +84,15 @@ def position_buckets(length: int) -> list[tuple[int, int]]:
 
 def plot_bins(length: int, per_octave: int = PLOT_BINS_PER_OCTAVE) -> list[tuple[int, int]]:
     """Finer log-spaced position bins [lo, hi) covering [0, length), about ``per_octave`` per doubling of
-    the tokens read (position + 1); the first positions get one bin each."""
+    the tokens read (position + 1); the first bin holds the first ``FIRST_PLOT_BIN`` positions (where the
+    length is over 4 times that), the next few positions get one bin each."""
     check_int("length", length)
     num = max(2, int(math.log2(length + 1) * per_octave) + 1)
     read = np.unique(np.round(np.geomspace(1, length + 1, num)).astype(np.int64))  # tokens read: 1 .. L+1
     edges = [int(r) - 1 for r in read]  # as positions: 0 .. L
     edges[0], edges[-1] = 0, length
+    if length > 4 * FIRST_PLOT_BIN:
+        edges = [0, FIRST_PLOT_BIN] + [e for e in edges if e > FIRST_PLOT_BIN]
     return list(zip(edges[:-1], edges[1:]))
 
 
@@ -528,13 +532,7 @@ def _load_windows(args: argparse.Namespace, cfg, tokenizer: Tokenizer) -> tuple[
                 cfg.data, tokenizer, text_field=cfg.text_field, heldout_fraction=cfg.heldout_fraction
             )
             return document_windows(docs, args.length, args.windows, what=what), desc
-        stream = load_token_streams(
-            cfg.data,
-            tokenizer,
-            heldout_fraction=cfg.heldout_fraction,
-            cache_dir=cfg.cache_dir,
-            text_field=cfg.text_field,
-        ).heldout
+        stream = heldout_stream(cfg, tokenizer)
         return context_windows(stream, args.length, args.windows, what=what), desc
     what = f"text source {args.data!r}"
     if args.per_document:

@@ -50,6 +50,17 @@ def whole_source_stream(spec: str, tokenizer: Tokenizer, text_field: str = "text
     return TokenStream(tokens, n_bytes, tuple(ids), "all", source.spec, tokenizer.name)
 
 
+def heldout_stream(cfg, tokenizer: Tokenizer) -> TokenStream:
+    """The held-out split a training run (its `TrainConfig`) set aside, as that run split and tokenized it."""
+    return load_token_streams(
+        cfg.data,
+        tokenizer,
+        heldout_fraction=cfg.heldout_fraction,
+        cache_dir=cfg.cache_dir,
+        text_field=cfg.text_field,
+    ).heldout
+
+
 def run_ppl(args) -> int:
     """``titans eval ppl``: load a checkpoint, score held-out text, print and write JSON."""
     loaded = load_checkpoint_from(args.checkpoint)
@@ -58,13 +69,7 @@ def run_ppl(args) -> int:
     model, cfg, tokenizer = load_model(loaded, map_location=device)
     seq_len = args.seq_len or cfg.seq_len
     if args.data is None:
-        stream = load_token_streams(
-            cfg.data,
-            tokenizer,
-            heldout_fraction=cfg.heldout_fraction,
-            cache_dir=cfg.cache_dir,
-            text_field=cfg.text_field,
-        ).heldout
+        stream = heldout_stream(cfg, tokenizer)
         data_desc = f"{cfg.data} (held-out split)"
     else:
         stream = whole_source_stream(args.data, tokenizer, text_field=args.text_field)
