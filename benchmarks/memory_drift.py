@@ -58,15 +58,18 @@ def _hook_reads(model, records: dict) -> None:
 
 def measure(model, inputs, targets, piece: int, buckets, twin=None) -> list[dict]:
     """Per bucket: the numbers of the module docstring, averaged over the windows (rows of inputs)."""
-    from titans.models.monitor import find_memory_state, memory_report, stats_by_layer
+    from titans.models.monitor import MemoryMonitor, find_memory_state
 
     records: dict = {}
     _hook_reads(model, records)
     rows = []
     state, twin_state = None, None
-    w0 = {i: [w.detach() for w in model.blocks[i].memory.init_weights] for i in _memory_blocks(model)}
+    w0 = {
+        i: [w[0].detach() for w in model.blocks[i].memory.initial_state(1).weights]
+        for i in _memory_blocks(model)
+    }
     for lo, hi in buckets:
-        losses, twin_losses, stats = [], [], []
+        losses, twin_losses, monitor = [], [], MemoryMonitor(model)
         records.clear()
         for start in range(lo, hi, piece):
             end = min(hi, start + piece)
@@ -74,7 +77,7 @@ def measure(model, inputs, targets, piece: int, buckets, twin=None) -> list[dict
             with torch.no_grad():
                 out = model.forward_with_stats(x, state)
                 state = out.state
-                stats.append(stats_by_layer(model, out.stats))
+                monitor.update(out.stats)
                 losses.append(F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), reduction="sum").item())
                 if twin is not None:
                     logits, twin_state = twin(x, twin_state)
@@ -86,10 +89,9 @@ def measure(model, inputs, targets, piece: int, buckets, twin=None) -> list[dict
         if twin is not None:
             row["frozen"] = sum(twin_losses) / n
         layers = {}
+        reports = {r.layer: r for r in monitor.report(state).layers}
         for i in _memory_blocks(model):
-            joined = [s[i] for s in stats if i in s]
-            reports = memory_report(model, {i: _cat(joined)}, state).layers
-            report = next(r for r in reports if r.layer == i)
+            report = reports[i]
             mem_state = find_memory_state(state.layers[i])
             drift = sum(
                 ((w - w0[i][j]).flatten(2).norm(dim=-1) / w0[i][j].flatten(1).norm(dim=-1)).mean().item()
@@ -117,13 +119,6 @@ def _memory_blocks(model) -> list[int]:
     from titans.models.monitor import memory_layers
 
     return memory_layers(model)
-
-
-def _cat(pieces):
-    from titans.layers.memory import MemoryStats
-
-    cat = lambda name: torch.cat([getattr(p, name) for p in pieces], dim=-1)  # noqa: E731
-    return MemoryStats(cat("surprise"), cat("theta"), cat("eta"), cat("alpha"), cat("written"))
 
 
 def table(rows: list[dict]) -> str:

@@ -311,7 +311,7 @@ def test_bad_max_norm_is_refused_by_name(bad):
 def test_other_rules_and_the_triton_kernels_are_refused():
     with pytest.raises(ValueError, match=r"max_norm=1.0 is not covered by rule='atlas'"):
         NeuralMemory(8, heads=2, rule="atlas", max_norm=1.0)
-    with pytest.raises(ValueError, match=r"memory_max_norm is not covered by memory_rule='yaad'"):
+    with pytest.raises(ValueError, match=r"memory_max_norm=1.0 is not covered by memory_rule='yaad'"):
         TitansConfig(variant="mal", memory_rule="yaad", memory_max_norm=1.0)
     with pytest.raises(ValueError, match=r"backend='triton'.*max_norm is not covered by the kernels"):
         NeuralMemory(8, heads=2, backend="triton", max_norm=1.0)

@@ -327,10 +327,7 @@ class NeuralMemory(nn.Module):
         """The state every sequence starts from: W = W_0 (learned), S = 0, nothing pending."""
         device = device or self.to_qkv.weight.device
         dtype = dtype or self.to_qkv.weight.dtype
-        init = tuple(w.to(device, dtype) for w in self.init_weights)
-        if self.max_norm is not None:  # the bound holds from the first chunk on (W_0 is a state too)
-            init = tuple(bound_weights(w, self.max_norm) for w in init)
-        weights = tuple(w.unsqueeze(0).expand(batch_size, *w.shape) for w in init)
+        weights = tuple(w.unsqueeze(0).expand(batch_size, *w.shape) for w in self._w0(device, dtype))
         momentum = tuple(torch.zeros_like(w) for w in weights)
         h, d = self.heads, self.head_dim
         tail = None
@@ -634,12 +631,20 @@ class NeuralMemory(nn.Module):
             surprise_clip=self.surprise_clip,
         )
 
+    def _w0(self, device=None, dtype=None) -> tuple[Tensor, ...]:
+        """The initial weights W_0 per layer (H, d_in, d_out), bounded where max_norm is set (W_0 is a state
+        too, so the bound holds from the first chunk on)."""
+        init = tuple(w.to(device, dtype) for w in self.init_weights)
+        if self.max_norm is not None:
+            init = tuple(bound_weights(w, self.max_norm) for w in init)
+        return init
+
     def _anchor(self) -> tuple[Tensor, ...] | None:
-        """What forgetting pulls the weights toward, per layer (1, H, d_in, d_out): the initial state's
-        W_0 with forget_to="init" (bounded like it where max_norm is set), else None (zero)."""
+        """What forgetting pulls the weights toward, per layer (H, d_in, d_out): W_0 with forget_to="init",
+        else None (zero)."""
         if self.forget_to == "zero" or not self.write:
             return None
-        return self.initial_state(1).weights
+        return self._w0()
 
     def _triton_config_reason(self) -> str | None:
         """Why the Triton kernels cannot run this memory's options (None where they can): they run the

@@ -32,6 +32,10 @@ def read_json_object(path: str | Path, owner: str) -> dict[str, Any]:
 
 MAC_GATES = ("norm", "open")
 FORGET_TARGETS = ("zero", "init")
+# memory options and the value that turns each off; the Triton kernels run none of them, and the memory
+# rules other than "titans" do not run TITANS_RULE_ONLY
+OPTION_OFF = {"memory_surprise_threshold": None, "memory_max_norm": None, "memory_forget_to": "zero"}
+TITANS_RULE_ONLY = ("memory_max_norm", "memory_forget_to")
 
 
 @dataclass
@@ -210,37 +214,26 @@ class TitansConfig:
                 f"TitansConfig.memory_forget_to must be one of {FORGET_TARGETS}, got "
                 f"{self.memory_forget_to!r}"
             )
-        if self.memory_forget_to != "zero" and self.memory_rule != "titans":
-            raise ValueError(
-                f"TitansConfig.memory_forget_to={self.memory_forget_to!r} is not covered by memory_rule="
-                f"{self.memory_rule!r} (only 'titans')"
-            )
-        if self.memory_max_norm is not None and self.memory_rule != "titans":
-            raise ValueError(
-                f"TitansConfig.memory_max_norm is not covered by memory_rule={self.memory_rule!r} (only "
-                "'titans')"
-            )
+        for name in TITANS_RULE_ONLY:  # options of the "titans" rule's op alone
+            val = getattr(self, name)
+            if val != OPTION_OFF[name] and self.memory_rule != "titans":
+                raise ValueError(
+                    f"TitansConfig.{name}={val!r} is not covered by memory_rule={self.memory_rule!r} (only "
+                    "'titans')"
+                )
         if self.memory_backend == "triton":  # the kernels run the default rule, every token written
             if self.memory_rule != "titans":
                 raise ValueError(
                     f"TitansConfig.memory_backend='triton' runs memory_rule='titans' only, got memory_rule="
                     f"{self.memory_rule!r}: use memory_backend='auto' or 'torch'"
                 )
-            if self.memory_surprise_threshold is not None:
-                raise ValueError(
-                    "TitansConfig.memory_backend='triton' does not cover memory_surprise_threshold "
-                    f"({self.memory_surprise_threshold!r}): use memory_backend='auto' or 'torch'"
-                )
-            if self.memory_forget_to != "zero":
-                raise ValueError(
-                    f"TitansConfig.memory_backend='triton' does not cover memory_forget_to="
-                    f"{self.memory_forget_to!r}: use memory_backend='auto' or 'torch'"
-                )
-            if self.memory_max_norm is not None:
-                raise ValueError(
-                    "TitansConfig.memory_backend='triton' does not cover memory_max_norm "
-                    f"({self.memory_max_norm!r}): use memory_backend='auto' or 'torch'"
-                )
+            for name in ("memory_surprise_threshold", *TITANS_RULE_ONLY):
+                val = getattr(self, name)
+                if val != OPTION_OFF[name]:
+                    raise ValueError(
+                        f"TitansConfig.memory_backend='triton' does not cover {name}={val!r}: use "
+                        "memory_backend='auto' or 'torch'"
+                    )
         if self.mlp_mult <= 0:
             raise ValueError(f"TitansConfig.mlp_mult must be > 0, got {self.mlp_mult}")
         for name in ("memory_eta_init", "memory_alpha_init"):
