@@ -1,7 +1,15 @@
-"""Shared helpers of the benchmarks: isolated worker runs, timing, FLOP counts, tables.
+"""The benchmarks' harness: timing, resident memory, the machine description, one JSON result writer,
+isolated worker runs, FLOP counts and tables.
 
-Every measured configuration runs in a fresh subprocess (`run_worker`) so its peak RSS is its own and
-one run's allocations, caches and threads cannot pollute the next.
+Every script in `benchmarks/` takes these from here instead of keeping its own: its times come from
+`Timer` / `time_runs` / `time_cuda` (summarised by `timing_summary`), its memory from `peak_rss_*` /
+`current_rss_*`, its result file from `save_json`, which records the command line and `machine_info()`
+(CPU model, threads, memory, torch, the GPU when there is one) next to the results. A script in
+`benchmarks/diagnostics/` puts `benchmarks/` on `sys.path` before importing this module.
+
+A measured configuration that must not share a process with the next runs in a fresh interpreter
+(`run_worker`, answered by `reply`), so that its peak RSS is its own and one run's allocations, caches and
+threads cannot pollute the next.
 """
 
 from __future__ import annotations
@@ -10,10 +18,12 @@ import json
 import os
 import platform
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -23,7 +33,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def run_worker(script: str, spec: dict, timeout: float = 1800) -> dict:
     """Run `python script --worker JSON` in a fresh interpreter; return the JSON dict it prints last.
 
-    A worker that fails (e.g. killed for memory) yields {"error": ...} instead of stopping the benchmark.
+    A worker that fails (e.g. killed for memory) or runs past `timeout` seconds yields {"error": ...}
+    instead of stopping the benchmark.
     """
     cmd = [sys.executable, script, "--worker", json.dumps(spec)]
     try:
@@ -37,16 +48,137 @@ def run_worker(script: str, spec: dict, timeout: float = 1800) -> dict:
     return json.loads(lines[-1])
 
 
+def reply(result: dict) -> None:
+    """A worker's answer to `run_worker`: its result as one JSON line on stdout."""
+    print(json.dumps(result), flush=True)
+
+
+# ------------------------------------------------------------------------------------------ timing
+class Timer:
+    """Seconds of one interval: `with Timer() as t: ...`, then `t.wall`, `t.cpu` (process CPU time, all
+    threads: with one thread on a shared machine, what the interval takes on a core of its own) and
+    `t.sys` (the kernel's share of it: mostly page faults, when the work touches memory it has not used
+    before). `sync`, if given, runs before each reading (e.g. `torch.cuda.synchronize`). `elapsed()` reads
+    the wall time so far without leaving the block."""
+
+    def __init__(self, sync: Callable[[], object] | None = None):
+        self.sync = sync
+        self.wall = self.cpu = self.sys = 0.0
+
+    def __enter__(self) -> Timer:
+        if self.sync is not None:
+            self.sync()
+        self._start = (time.perf_counter(), time.process_time(), os.times().system)
+        return self
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start[0]
+
+    def __exit__(self, *exc) -> None:
+        if self.sync is not None:
+            self.sync()
+        wall, cpu, sys_ = self._start
+        self.wall = time.perf_counter() - wall
+        self.cpu = time.process_time() - cpu
+        self.sys = os.times().system - sys_
+
+
+def time_runs(
+    fn: Callable[[], object],
+    reps: int,
+    warmup: int = 1,
+    cpu_times: list[float] | None = None,
+    sys_times: list[float] | None = None,
+    sync: Callable[[], object] | None = None,
+) -> list[float]:
+    """Wall-clock seconds of `reps` calls of fn after `warmup` untimed ones.
+
+    cpu_times / sys_times, if given, receive each call's process CPU time and its kernel share (`Timer`).
+    """
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        with Timer(sync) as t:
+            fn()
+        times.append(t.wall)
+        if cpu_times is not None:
+            cpu_times.append(t.cpu)
+        if sys_times is not None:
+            sys_times.append(t.sys)
+    return times
+
+
+def time_cuda(fn: Callable[[], object], reps: int, warmup: int = 2) -> list[float]:
+    """Seconds of `reps` calls of fn on the current CUDA device, read with CUDA events (the GPU's own clock:
+    host-side gaps between calls are not counted), after `warmup` untimed calls."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def timing_summary(times: list[float]) -> dict:
+    """Median, min, max and spread ((max - min) / median) of a list of seconds."""
+    if not times:
+        return {
+            "n": 0,
+            "median_s": float("nan"),
+            "min_s": float("nan"),
+            "max_s": float("nan"),
+            "spread": None,
+        }
+    mid = statistics.median(times)
+    spread = (max(times) - min(times)) / mid if mid > 0 else None
+    return {"n": len(times), "median_s": mid, "min_s": min(times), "max_s": max(times), "spread": spread}
+
+
+# ------------------------------------------------------------------------------------------ memory
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def current_rss_bytes() -> int:
+    """Resident set size of this process now (Linux: /proc/self/statm; elsewhere the peak so far)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return peak_rss_bytes()
+
+
 def peak_rss_gib() -> float:
-    """Peak resident set size of this process so far (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return peak_rss_bytes() / 2**30
+
+
+def peak_rss_mib() -> float:
+    return peak_rss_bytes() / 2**20
 
 
 def current_rss_gib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    return current_rss_bytes() / 2**30
 
 
+def current_rss_mib() -> float:
+    return current_rss_bytes() / 2**20
+
+
+# ------------------------------------------------------------------------------------------ workloads
 def random_pieces(n: int, vocab: int, piece: int, seed: int):
     """n random token ids as (1, <= piece) tensors, generated piece by piece (a long stream never exists)."""
     import torch
@@ -54,29 +186,6 @@ def random_pieces(n: int, vocab: int, piece: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     for start in range(0, n, piece):
         yield torch.randint(0, vocab, (1, min(piece, n - start)), generator=gen)
-
-
-def time_runs(
-    fn, reps: int, warmup: int = 1, cpu_times: list[float] | None = None, sys_times: list[float] | None = None
-) -> list[float]:
-    """Wall-clock seconds of `reps` calls of fn after `warmup` untimed ones.
-
-    cpu_times, if given, receives each call's process CPU time (all threads): on a shared machine, with
-    one thread, it is what the call would take on a core of its own. sys_times, if given, receives the
-    kernel's share of it (mostly page faults, when a call touches memory it has not used before).
-    """
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, cpu_start, sys_start = time.perf_counter(), time.process_time(), os.times().system
-        fn()
-        times.append(time.perf_counter() - start)
-        if cpu_times is not None:
-            cpu_times.append(time.process_time() - cpu_start)
-        if sys_times is not None:
-            sys_times.append(os.times().system - sys_start)
-    return times
 
 
 def matmul_gflops(n: int = 4096, reps: int = 5) -> dict:
@@ -124,11 +233,13 @@ def projection_flops_per_token(dim: int, heads: int, head_dim: int) -> dict:
     return {"forward": fwd, "backward": 2 * fwd, "total": 3 * fwd}
 
 
-# ------------------------------------------------------------------------------------------ reporting
+# ------------------------------------------------------------------------------------------ machine
 def machine_info() -> dict:
+    """What the numbers were measured on: CPU model, logical CPUs, torch threads, memory, torch and Python
+    versions, the GPU (name and CUDA version; None without one) and the load average now."""
     import torch
 
-    cpu = platform.processor()
+    cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
@@ -140,6 +251,7 @@ def machine_info() -> dict:
             mem = round(int(f.readline().split()[1]) / 2**20, 1)
     except OSError:
         pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {
         "cpu": cpu,
         "logical_cpus": os.cpu_count(),
@@ -147,12 +259,42 @@ def machine_info() -> dict:
         "memory_gib": mem,
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "gpu": gpu,
+        "cuda": torch.version.cuda if gpu else None,
         "loadavg_start": os.getloadavg(),
     }
 
 
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
+def describe(machine: dict) -> str:
+    """One line of a machine description, for a benchmark's header."""
+    where = f"{machine['cpu']}, {machine['logical_cpus']} CPUs, torch {machine['torch']}"
+    if machine.get("gpu"):
+        where += f", {machine['gpu']}"
+    return where + f", load {machine['loadavg_start']}"
+
+
+# ------------------------------------------------------------------------------------------ results
+def result_path(target: str | Path) -> Path:
+    """Where `save_json` writes: benchmarks/results/<target>.json for a bare name, target itself for a path
+    (one with a folder or a .json suffix)."""
+    text = str(target)
+    if "/" in text or os.sep in text or text.endswith(".json"):
+        return Path(target)
+    return RESULTS / f"{text}.json"
+
+
+def save_json(target: str | Path, payload: dict, machine: dict | None = None) -> Path:
+    """Write one result file (`result_path(target)`): the command line that ran, the machine description
+    (payload["machine"], else `machine`, else `machine_info()` now) with the load average at the end, and
+    the payload's results. Returns the path written."""
+    payload = dict(payload)
+    machine = dict(payload.pop("machine", None) or machine or machine_info())
+    machine["loadavg_end"] = os.getloadavg()
+    record = {"command": shlex.join(["python", *sys.argv]), "machine": machine, **payload}
+    path = result_path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
@@ -171,11 +313,3 @@ def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
     print("  ".join("-" * w for w in widths))
     for c in cells:
         print("  ".join(v.ljust(w) for v, w in zip(c, widths)))
-
-
-def save_json(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    payload.setdefault("machine", {})["loadavg_end"] = os.getloadavg()
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    return path
