@@ -1,4 +1,4 @@
-"""benchmarks/answer_counts.py: per-cell answer spread of a result file."""
+"""benchmarks/diagnostics/answer_counts.py: per-cell answer spread of a result file."""
 
 import importlib.util
 import json
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "answer_counts.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "diagnostics" / "answer_counts.py"
 spec = importlib.util.spec_from_file_location("answer_counts", SCRIPT)
 answer_counts = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(answer_counts)

@@ -14,7 +14,7 @@ model (tiny preset, conv 8, no forgetting, theta 0.002; ``--set`` adds fields):
 - ``memory_grad_norm``: the gradient norm of the answer loss over the memory's parameters (the answer's
   gradient that reaches the memory), and ``other_grad_norm`` over the rest of the model.
 
-    python benchmarks/mac_passkey_diagnosis.py --variants lmm,mac --set mac_memory_residual=true
+    python benchmarks/diagnostics/mac_passkey_diagnosis.py --variants lmm,mac --set mac_memory_residual=true
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
+from pathlib import Path
 
 import torch
 
@@ -31,6 +33,9 @@ from titans.evaluation.niah import make_niah_sample
 from titans.evaluation.task_training import collate, masked_loss
 from titans.models.blocks import MACBlock
 from titans.training.config import parse_set
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+from bench_utils import save_json  # noqa: E402
 
 RECIPE = dict(memory_conv_kernel=8, memory_max_lr=0.03, memory_theta_init=0.002, memory_forgetting=False)
 
@@ -152,7 +157,9 @@ def main() -> None:
     p.add_argument("--depth", type=float, default=0.3)
     p.add_argument("--pairs", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument(
+        "--out", default=None, help="write the rows as JSON here (a path, or a name in benchmarks/results/)"
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     random.seed(args.seed)
@@ -163,9 +170,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=2)
-            f.write("\n")
+        print(f"wrote {save_json(args.out, {'args': vars(args), 'rows': rows})}")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 right, how many different answers the model gave, its most frequent answers and the cell's most frequent
 gold answer.
 
-    python benchmarks/answer_counts.py results/evals/babilong/babilong_qa1_qa5_mac_seed0.json
-    python benchmarks/answer_counts.py results/evals/babilong/babilong_qa1_qa5_mag_seed*.json --top 2
+    python benchmarks/diagnostics/answer_counts.py results/evals/babilong/babilong_qa1_qa5_mac_seed0.json
+    python benchmarks/diagnostics/answer_counts.py --top 2 results/evals/babilong/babilong_qa1_qa5_mag_s*.json
 
 A model that reads the prompt gives as many different answers as the prompts have; a model that learned
 only the answer prior gives one or two, and then its accuracy is the share of prompts whose answer is that

@@ -8,8 +8,8 @@ stays at its learned initial weights). If the two match, the answer does not com
 Depth 1.0 puts the needle next to the question, inside the attention's reach for MAC; smaller depths put
 it segments away.
 
-    python benchmarks/passkey_memory_probe.py RUN_DIR [--length 320] [--samples 32] [--per-position]
-        [--kind passkey|number|uuid] [--haystack noise|essays|moby_dick|sotu]
+    python benchmarks/diagnostics/passkey_memory_probe.py RUN_DIR [--length 320] [--samples 32]
+        [--per-position] [--kind passkey|number|uuid] [--haystack noise|essays|moby_dick|sotu]
 
 With `--per-position`, also each answer position's loss and greedy accuracy (memory on, all depths pooled)
 and the fraction of answers right in every position: a model can carry the key half-way, every digit

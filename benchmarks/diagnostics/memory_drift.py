@@ -16,20 +16,22 @@ Streams held-out windows of a checkpoint's own data through the model in pieces,
 
 with the forgetting gate as trained, and with it off (alpha = 0, `--no-forgetting`). JSON to --out.
 
-    python benchmarks/memory_drift.py runs/main --length 16384 --windows 4 --out benchmarks/results/drift.json
+    python benchmarks/diagnostics/memory_drift.py runs/main --length 16384 --windows 4 --out drift
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+from bench_utils import save_json  # noqa: E402
 
 
 def _hook_reads(model, records: dict) -> None:
@@ -152,7 +154,7 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=4, help="held-out windows")
     p.add_argument("--piece", type=int, default=256, help="tokens per forward call")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--out", default=None, help="JSON output")
+    p.add_argument("--out", default=None, help="JSON output (a path, or a name in benchmarks/results/)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -162,7 +164,7 @@ def main() -> None:
     win = context_windows(heldout, args.length, args.windows, what="the held-out split")
     buckets = position_buckets(args.length)
     result = {"checkpoint": str(args.checkpoint), "length": args.length, "windows": win.count,
-              "train_length": cfg.seq_len, "cpu": platform.processor() or platform.machine()}  # fmt: skip
+              "train_length": cfg.seq_len}  # fmt: skip
     result["w0_norm"] = {  # per head, as the table's |W_l|
         str(i): [
             w.flatten(2).norm(dim=-1).mean().item() for w in model.blocks[i].memory.initial_state(1).weights
@@ -186,9 +188,7 @@ def main() -> None:
         print(f"== {name} ({win.count} windows of {args.length} tokens, trained on {cfg.seq_len})")
         print(table(rows), flush=True)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        print(f"wrote {save_json(args.out, result)}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Runs a checkpoint (or run folder) over held-out windows of its own data with `fo
 prints, per memory call, the median theta / eta / alpha and surprise quantiles, next to the values the
 config starts the gates at, and the size of the learned initial memory weights W_0.
 
-    python benchmarks/memory_gate_stats.py runs/compare/mac [--windows 4]
+    python benchmarks/diagnostics/memory_gate_stats.py runs/compare/mac [--windows 4]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ key) and the spread of the values across tokens (standard deviation over tokens 
 over channels). Rows: MAC writing its attention output y as it is (`mac_norm_memory_input=false`), MAC
 writing norm(y) (the default), and the LMM (which writes its normed block input) for reference.
 
-    python benchmarks/mac_memory_keys.py [--tokens 64] [--seed 0]
+    python benchmarks/diagnostics/mac_memory_keys.py [--tokens 64] [--seed 0]
 
 Writes benchmarks/results/mac_memory_keys.json.
 """
@@ -14,12 +14,16 @@ Writes benchmarks/results/mac_memory_keys.json.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-from bench_utils import save_json
 from titans import TitansConfig, TitansLM
 from titans.layers.memory import NeuralMemory
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+from bench_utils import save_json  # noqa: E402
 
 ROWS = {
     "mac, y written as it is": dict(variant="mac", mac_norm_memory_input=False),
