@@ -65,6 +65,11 @@ class Timer:
         self.sync = sync
         self.wall = self.cpu = self.sys = 0.0
 
+    @classmethod
+    def started(cls, sync: Callable[[], object] | None = None) -> Timer:
+        """A clock already running, for `elapsed()` readings across a whole benchmark."""
+        return cls(sync).__enter__()
+
     def __enter__(self) -> Timer:
         if self.sync is not None:
             self.sync()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_utils import save_json
+
 
 def roles(result: dict) -> dict[str, dict]:
     """{"writing": curve, "frozen": curve or absent, "baseline": curve or absent} of one result file."""
@@ -74,7 +76,7 @@ def table(summary: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+", help="titans eval context JSON files, one per seed")
-    p.add_argument("--out", default=None, help="summary JSON")
+    p.add_argument("--out", default=None, help="summary JSON (a path, or a name in benchmarks/results/)")
     args = p.parse_args()
     results = [json.loads(Path(f).read_text()) for f in args.files]
     summary = summarise(results)
@@ -82,8 +84,7 @@ def main() -> None:
     print(f"{len(results)} files, mean [lowest-highest] nats/token; margins: the largest over the files")
     print(table(summary))
     if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        print(f"wrote {save_json(args.out, summary)}")
 
 
 if __name__ == "__main__":

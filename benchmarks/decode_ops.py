@@ -18,12 +18,13 @@ Reported: median and max over the cycle, per step and per block (the count divid
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from bench_utils import save_json
 
 # operators that only change a tensor's metadata (or allocate without writing): no kernel on a GPU
 NO_KERNEL = {
@@ -82,7 +83,9 @@ def main() -> None:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--context", type=int, default=100)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument(
+        "--json", default=None, help="write the rows here (a path, or a name in benchmarks/results/)"
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     rows = [measure(v, args) for v in args.variants.split(",")]
@@ -93,8 +96,7 @@ def main() -> None:
         print(f"{r['variant']:<13}{r['depth']:>7}{r['steps']:>7}{r['median_per_step']:>13g}"
               f"{r['max_per_step']:>10}{r['median_per_block']:>14g}")  # fmt: skip
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        print(f"wrote {save_json(args.json, {'args': vars(args), 'rows': rows})}")
 
 
 if __name__ == "__main__":

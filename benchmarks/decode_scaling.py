@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import torch
 
-from bench_utils import random_pieces
+from bench_utils import Timer, machine_info, peak_rss_mib, random_pieces, reply, run_worker, save_json
+
+WORKER_ARGS = ("preset", "steps", "bursts", "warmup", "threads")
 
 
 def measure(variant: str, context: int, args: argparse.Namespace) -> dict:
@@ -41,20 +38,20 @@ def measure(variant: str, context: int, args: argparse.Namespace) -> dict:
     model = TitansLM(TitansConfig.preset(args.preset, variant=variant)).eval()
     vocab = model.config.vocab_size
     piece = default_piece_len(model)
-    t0 = time.perf_counter()
-    logits, state = prefill(model, random_pieces(context, vocab, piece, seed=1), piece_len=piece)
-    prefill_s = time.perf_counter() - t0
+    with Timer() as clock:
+        logits, state = prefill(model, random_pieces(context, vocab, piece, seed=1), piece_len=piece)
+    prefill_s = clock.wall
     token = logits.argmax(-1, keepdim=True)
     bursts = []  # several bursts of steps: the best burst median is least disturbed by other jobs
     with torch.no_grad():
         for i in range(args.warmup + args.bursts * args.steps):
-            t = time.perf_counter()
-            logits, state = decode_step(model, token, state)
-            token = logits.argmax(-1, keepdim=True)
+            with Timer() as clock:
+                logits, state = decode_step(model, token, state)
+                token = logits.argmax(-1, keepdim=True)
             if i >= args.warmup:
                 if (i - args.warmup) % args.steps == 0:
                     bursts.append([])
-                bursts[-1].append(time.perf_counter() - t)
+                bursts[-1].append(clock.wall)
     ms = 1000 * statistics.median([t for burst in bursts for t in burst])
     best_ms = 1000 * min(statistics.median(burst) for burst in bursts)
     return {
@@ -68,7 +65,7 @@ def measure(variant: str, context: int, args: argparse.Namespace) -> dict:
         "decode_tok_s": round(1000 / ms, 1),
         "decode_ms_best_burst": round(best_ms, 3),
         "state_mib": round(state_nbytes(state) / 2**20, 3),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mib": round(peak_rss_mib(), 1),
         "threads": args.threads,
     }
 
@@ -84,12 +81,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--transformer-max", type=int, default=131072, help="largest context for full attention")
     p.add_argument("--timeout", type=int, default=600, help="seconds per configuration")
-    p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--worker", nargs=2, metavar=("VARIANT", "CONTEXT"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--json", default=None, help="write the results here (a path, or a name in benchmarks/results/)"
+    )
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(measure(args.worker[0], int(args.worker[1]), args)))
+        spec = json.loads(args.worker)
+        reply(measure(spec["variant"], spec["context"], argparse.Namespace(**spec)))
         return
+    machine = machine_info()
 
     rows = []
     header = (
@@ -102,31 +103,12 @@ def main() -> None:
         for context in (int(c) for c in args.contexts.split(",")):
             if variant == "transformer" and context > args.transformer_max:
                 continue
-            cmd = [
-                sys.executable,
-                __file__,
-                "--worker",
-                variant,
-                str(context),
-                "--preset",
-                args.preset,
-                "--steps",
-                str(args.steps),
-                "--warmup",
-                str(args.warmup),
-                "--threads",
-                str(args.threads),
-            ]
-            try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=True)
-            except subprocess.TimeoutExpired:
-                print(f"{variant:<12}{context:>10}   timed out after {args.timeout} s")
-                rows.append({"variant": variant, "context": context, "timeout_s": args.timeout})
+            spec = {"variant": variant, "context": context, **{k: getattr(args, k) for k in WORKER_ARGS}}
+            r = run_worker(__file__, spec, timeout=args.timeout)
+            if "error" in r:
+                print(f"{variant:<12}{context:>10}   {r['error']}")
+                rows.append({"variant": variant, "context": context, **r})
                 continue
-            except subprocess.CalledProcessError as e:
-                print(f"{variant:<12}{context:>10}   failed: {e.stderr.strip().splitlines()[-1:]}")
-                continue
-            r = json.loads(done.stdout.strip().splitlines()[-1])
             rows.append(r)
             print(
                 f"{variant:<12}{context:>10}{r['prefill_tok_s']:>15,}{r['decode_ms_median']:>15.2f}"
@@ -134,10 +116,10 @@ def main() -> None:
                 f"{r['decode_tok_s']:>14.1f}{r['state_mib']:>11.3f}{r['peak_rss_mib']:>14.1f}",
                 flush=True,
             )
-    result = {"benchmark": "decode_scaling", "torch": torch.__version__, "rows": rows}
+    result = {"benchmark": "decode_scaling", "rows": rows}
     print(json.dumps(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {save_json(args.json, result, machine)}")
 
 
 if __name__ == "__main__":

@@ -18,13 +18,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench_utils import machine_info, median, save_json, time_cuda
 
 
 def _timed(step, steps: int) -> tuple[float, float]:
@@ -34,15 +32,7 @@ def _timed(step, steps: int) -> tuple[float, float]:
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times), torch.cuda.max_memory_reserved() / 2**30
+    return median(time_cuda(step, steps, warmup=0)), torch.cuda.max_memory_reserved() / 2**30
 
 
 def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace) -> dict:
@@ -127,12 +117,13 @@ def main() -> None:
         help="eager, graphs (CUDA graph replay), kernels (the memory's Triton kernels), kernels+graphs",
     )
     p.add_argument("--memory-backends", default="torch,triton", help="memory-alone rows: torch and/or triton")
-    p.add_argument("--out", default=str(RESULTS / "gpu_throughput.json"))
+    p.add_argument("--out", default="gpu_throughput", help="a path, or a name in benchmarks/results/")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_throughput.py: needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
+    machine = machine_info()
     seqs = [int(s) for s in args.seqs.split(",")]
     rows: list[dict] = []
 
@@ -155,7 +146,7 @@ def main() -> None:
             for backend in args.memory_backends.split(","):
                 run(memory_row, seq, dtype, backend)
 
-    name = torch.cuda.get_device_name()
+    name = machine["gpu"]
     print(f"\n{name}, preset {args.preset}, batch {args.batch}, bf16 autocast, median of {args.steps} steps")
     print("variant rows: fwd+bwd+AdamW; memory rows: the NeuralMemory layer alone, fwd+bwd;")
     print("reserved: peak GPU memory the allocator held, GiB")
@@ -175,8 +166,7 @@ def main() -> None:
         ratio = f"{ref / r['step_s']:.2f}x" if ref and r.get("mode") != "eager" else ""
         print(f"{label:<14}{mode:<15}{r['seq']:>7}{params:>13}{r['step_s'] * 1e3:>10.1f}"
               f"{r['tokens_per_s']:>12,.0f}{r['peak_reserved_gib']:>10.2f}{ratio:>10}")  # fmt: skip
-    Path(args.out).write_text(json.dumps({"device": name, "torch": torch.__version__, "args": vars(args),
-                                          "rows": rows}, indent=1))  # fmt: skip
+    print(f"wrote {save_json(args.out, {'device': name, 'args': vars(args), 'rows': rows}, machine)}")
 
 
 if __name__ == "__main__":

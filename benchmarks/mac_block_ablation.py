@@ -6,6 +6,7 @@ process (so these are diagnostics, not library options; the options that came ou
 `mac_gate="open"` and `mac_norm_memory_tokens`). Prints held-out bits per byte per row.
 
     python benchmarks/mac_block_ablation.py [--rows default,no_gate,...] [--out-dir runs/mac_ablation]
+        [--name mac_block_ablation]
 
 About 4 minutes per row on one core; rows run one after the other.
 """
@@ -17,6 +18,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+from bench_utils import machine_info, save_json
 
 ROWS = {
     "default": "default block",
@@ -104,10 +107,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--out-dir", default="runs/mac_ablation")
+    p.add_argument("--name", help="also write benchmarks/results/NAME.json")
     p.add_argument("--row", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.row:
         sys.exit(run_row(args.row, Path(args.out_dir) / args.row))
+    machine = machine_info()
     results = []
     for row in args.rows.split(","):
         if row not in ROWS:
@@ -117,6 +122,9 @@ def main() -> None:
         report = json.loads((Path(args.out_dir) / row / "report.json").read_text())
         results.append((row, report["eval"]["bpb"]))
         print(f"{ROWS[row]:<56} {results[-1][1]:.3f}", flush=True)
+    if args.name:
+        rows = [{"row": row, "what": ROWS[row], "held_out_bpb": bpb} for row, bpb in results]
+        print(f"wrote {save_json(args.name, {'args': vars(args), 'rows': rows}, machine)}")
 
 
 if __name__ == "__main__":

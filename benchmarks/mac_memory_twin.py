@@ -16,14 +16,12 @@ next-token accuracy on the repeated segment (chance accuracy = 1/vocab).
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench_utils import Timer, save_json
 from titans import TitansConfig, TitansLM
 
 
@@ -66,22 +64,21 @@ def train_and_eval(write: bool, args: argparse.Namespace) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
     gen = torch.Generator().manual_seed(args.seed)
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        loss, _ = second_segment_metrics(
-            model, batch(args.batch, args.segment_len, args.vocab, gen), args.segment_len
-        )
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-    seconds = time.perf_counter() - start
+    with Timer() as clock:
+        for _ in range(args.steps):
+            loss, _ = second_segment_metrics(
+                model, batch(args.batch, args.segment_len, args.vocab, gen), args.segment_len
+            )
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
     model.eval()
     with torch.no_grad():
         test = batch(512, args.segment_len, args.vocab, torch.Generator().manual_seed(10_000 + args.seed))
         loss, acc = second_segment_metrics(model, test, args.segment_len)
-    return {"memory_write": write, "loss": loss.item(), "accuracy": acc, "train_seconds": seconds}
+    return {"memory_write": write, "loss": loss.item(), "accuracy": acc, "train_seconds": clock.wall}
 
 
 def main() -> None:
@@ -105,7 +102,7 @@ def main() -> None:
         default=str(TitansConfig.mac_norm_memory_input).lower(),
         help="TitansConfig.mac_norm_memory_input",
     )
-    p.add_argument("--out", default="benchmarks/results/mac_memory_twin.json")
+    p.add_argument("--out", default="mac_memory_twin", help="a path, or a name in benchmarks/results/")
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = [train_and_eval(True, args), train_and_eval(False, args)]
@@ -120,9 +117,7 @@ def main() -> None:
     for r in rows:
         name = "MAC" if r["memory_write"] else "MAC, memory off (twin)"
         print(f"{name:24s} {r['loss']:7.3f} {r['accuracy']:9.3f} {r['train_seconds']:8.1f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "results": rows}, indent=2) + "\n")
+    save_json(args.out, {"args": vars(args), "results": rows})
 
 
 if __name__ == "__main__":

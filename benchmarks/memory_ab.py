@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from bench_utils import machine_info, print_table, save_json
+from bench_utils import Timer, machine_info, print_table, save_json, timing_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 OP = "src/titans/ops/memory.py"
@@ -62,6 +60,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
+    machine = machine_info()
     with tempfile.TemporaryDirectory() as folder:
         versions = {
             "A": load_version(args.a, "A", Path(folder)),
@@ -81,24 +80,24 @@ def main() -> None:
     for rep in range(args.reps + 1):
         for label in ("A", "B") if rep % 2 == 0 else ("B", "A"):
             layer_module.neural_memory_chunked = versions[label].neural_memory_chunked
-            start = time.perf_counter()
-            step()
+            with Timer() as clock:
+                step()
             if rep:  # the first round is the warm-up
-                times[label].append(time.perf_counter() - start)
-    medians = {k: statistics.median(v) for k, v in times.items()}
+                times[label].append(clock.wall)
+    summary = {k: timing_summary(v) for k, v in times.items()}
     rows = [
         {
             "version": label,
             "source": spec,
-            "median_s": medians[label],
-            "min_s": min(times[label]),
-            "max_s": max(times[label]),
-            "tok_s": args.batch * 2048 / medians[label],
-            "vs_A": medians[label] / medians["A"],
+            "median_s": summary[label]["median_s"],
+            "min_s": summary[label]["min_s"],
+            "max_s": summary[label]["max_s"],
+            "tok_s": args.batch * 2048 / summary[label]["median_s"],
+            "vs_A": summary[label]["median_s"] / summary["A"]["median_s"],
         }
         for label, spec in (("A", args.a), ("B", args.b))
     ]
-    where = f"{args.threads} threads" if args.device == "cpu" else torch.cuda.get_device_name()
+    where = f"{args.threads} threads" if args.device == "cpu" else machine["gpu"]
     print(f"layer fwd+bwd, batch {args.batch} x seq 2048, {where}, {args.reps} alternating reps each")
     cols = [("version", "version"), ("source", "source"), ("median_s", "median s"), ("min_s", "min s")]
     cols += [("max_s", "max s"), ("tok_s", "tok/s"), ("vs_A", "time vs A")]
@@ -107,7 +106,7 @@ def main() -> None:
         path = save_json(
             args.name,
             {
-                "machine": machine_info(),
+                "machine": machine,
                 "device": args.device,
                 "threads": args.threads,
                 "rows": rows,

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 
 import torch
 import torch.nn.functional as F
 
-from bench_utils import machine_info, print_table, save_json
+from bench_utils import Timer, machine_info, print_table, save_json
 from titans.ops.memory import memory_forward, neural_memory_chunked
 
 THETAS = (0.003, 0.01, 0.03, 0.1, 0.3, 0.5, 1.0, 2.0)
@@ -60,18 +59,8 @@ def recall_error(sizes: list[int], keys, values, theta: float, epochs: int, seed
     return err if math.isfinite(err) else float("inf")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--pairs", default="16,32,64,128,256,512,1024")
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--seeds", type=int, default=2, help="random association sets averaged per point")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (tiny matmuls: 1 is fastest)")
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    d, counts = args.dim, [int(n) for n in args.pairs.split(",")]
-    info = machine_info()
-    start = time.perf_counter()
+def measure_all(args: argparse.Namespace, d: int, counts: list[int], info: dict, clock: Timer) -> None:
+    """Every memory at every N and theta; print the tables and write the result file."""
     results = {}  # (memory, N) -> {theta: mean error}
     for name, sizes in memories(d).items():
         for n in counts:
@@ -85,7 +74,7 @@ def main() -> None:
                     errs.append(recall_error(sizes, keys, values, theta, args.epochs, seed))
                 per_theta[theta] = sum(errs) / len(errs)
             results[name, n] = per_theta
-        print(f"  {name} done ({time.perf_counter() - start:.0f} s)", flush=True)
+        print(f"  {name} done ({clock.elapsed():.0f} s)", flush=True)
 
     rows = []
     for n in counts:
@@ -113,7 +102,22 @@ def main() -> None:
             "rows": rows,
         },
     )
-    print(f"wrote {path}  ({time.perf_counter() - start:.0f} s)")
+    print(f"wrote {path}  ({clock.elapsed():.0f} s)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--pairs", default="16,32,64,128,256,512,1024")
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--seeds", type=int, default=2, help="random association sets averaged per point")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (tiny matmuls: 1 is fastest)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    d, counts = args.dim, [int(n) for n in args.pairs.split(",")]
+    info = machine_info()
+    with Timer() as clock:
+        measure_all(args, d, counts, info, clock)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench_utils import machine_info, median, save_json, time_cuda
 
 
 def _problem(args: argparse.Namespace, seq: int, depth: int, hidden: int) -> tuple[list, tuple, tuple]:
@@ -42,17 +40,8 @@ def _problem(args: argparse.Namespace, seq: int, depth: int, hidden: int) -> tup
 
 
 def _timed(fn, steps: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median milliseconds of `steps` calls after two warm-up calls (CUDA events)."""
+    return 1e3 * median(time_cuda(fn, steps, warmup=2))
 
 
 def case(args: argparse.Namespace, seq: int, depth: int, hidden: int) -> dict:
@@ -113,28 +102,20 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--out", default=str(RESULTS / "memory_kernels.json"))
+    p.add_argument("--out", default="memory_kernels", help="a path, or a name in benchmarks/results/")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("memory_kernels.py: needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = True
+    machine = machine_info()
     rows = []
     for spec in args.cases.split(","):
         depth, hidden = (int(x) for x in spec.split(":"))
         for seq in (int(x) for x in args.seqs.split(",")):
             rows.append(case(args, seq, depth, hidden))
             print(json.dumps(rows[-1]), flush=True)
-    Path(args.out).write_text(
-        json.dumps(
-            {
-                "device": torch.cuda.get_device_name(),
-                "torch": torch.__version__,
-                "args": vars(args),
-                "rows": rows,
-            },
-            indent=1,
-        )  # fmt: skip
-    )
+    payload = {"device": machine["gpu"], "args": vars(args), "rows": rows}
+    print(f"wrote {save_json(args.out, payload, machine)}")
 
 
 if __name__ == "__main__":

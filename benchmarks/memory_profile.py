@@ -19,25 +19,16 @@ as tables:
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-from bench_utils import machine_info, save_json
+from bench_utils import Timer, machine_info, median, save_json, time_runs
 
 MATMUL_OPS = ("aten::bmm", "aten::baddbmm", "aten::baddbmm_", "aten::addmm", "aten::addmm_", "aten::mm")
 
 
 def median_ms(fn, reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median(time_runs(fn, reps, warmup=warmup))
 
 
 def layer_rows(reps: int) -> tuple[list[dict], float]:
@@ -137,14 +128,13 @@ def grad_buffer_rows(reps: int) -> list[dict]:
         for _ in range(reps + 1):  # the first round warms up
             for name, take in (("reused", reused), ("fresh", fresh)):
                 op._GradBuffers.take = take
-                start = time.perf_counter()
-                mem(x)[0].sum().backward()
-                times[name].append(time.perf_counter() - start)
+                with Timer() as clock:
+                    mem(x)[0].sum().backward()
+                times[name].append(clock.wall)
     finally:
         op._GradBuffers.take = reused
     return [
-        {"what": f"state gradients, {name} buffers", "ms": 1e3 * statistics.median(ts[1:])}
-        for name, ts in times.items()
+        {"what": f"state gradients, {name} buffers", "ms": 1e3 * median(ts[1:])} for name, ts in times.items()
     ]
 
 
@@ -208,7 +198,7 @@ def main() -> None:
     for title, rows in results.items():
         show(title, rows)
     if args.json:
-        path = save_json("memory_profile", {"machine": machine_info(), "threads": args.threads, **results})
+        path = save_json("memory_profile", {"threads": args.threads, **results}, machine_info())
         print(f"\nwrote {path}")
 
 

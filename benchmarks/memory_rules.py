@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
-import time
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from bench_utils import machine_info, print_table, save_json
+from bench_utils import Timer, machine_info, print_table, save_json
 from titans.ops.memory import neural_memory_chunked
 from titans.ops.rules import (
     RULE_PRESETS,
@@ -67,12 +65,12 @@ def speed(rules: list[str], reps: int) -> list[dict]:
             leaves = [x.clone().requires_grad_() for x in (q, k, v, gates, *w0)]
             ws = tuple(w.expand(b, *w.shape) for w in leaves[4:])
             ms = tuple(torch.zeros_like(w) for w in ws)
-            t0 = time.perf_counter()
-            y, *_ = fn(*leaves[:4], ws, ms)
-            y.square().mean().backward()
+            with Timer() as clock:
+                y, *_ = fn(*leaves[:4], ws, ms)
+                y.square().mean().backward()
             if i:  # the first run warms up
-                times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
+                times.append(clock.wall)
+        return sorted(times)[len(times) // 2]  # the upper median: one of the runs
 
     def fast(q, k, v, gates, ws, ms):
         return neural_memory_chunked(q, k, v, *gates.unbind(-1), ws, ms, chunk_size=16, surprise_clip=1.0)
@@ -93,11 +91,11 @@ def speed(rules: list[str], reps: int) -> list[dict]:
         r["vs_titans"] = r["fwd_bwd_s"] / rows[0]["fwd_bwd_s"]
     # Muon's orthogonalisation alone, forward: once per chunk per layer on the (B H, d_in, d_out) momentum
     s = [torch.randn(b * h, d, 2 * d), torch.randn(b * h, 2 * d, d)]
-    t0 = time.perf_counter()
-    for _ in range(reps * t // 16):
-        for m in s:
-            newton_schulz(m, 5)
-    ns = (time.perf_counter() - t0) / reps
+    with Timer() as clock:
+        for _ in range(reps * t // 16):
+            for m in s:
+                newton_schulz(m, 5)
+    ns = clock.wall / reps
     rows.append({"rule": "atlas: its Newton-Schulz alone (forward)", "fwd_bwd_s": ns, "vs_titans": None})
     return rows
 
@@ -184,8 +182,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rules = args.rules.split(",")
     sections = args.sections.split(",")
-    out = {"machine": machine_info(), "command": " ".join(sys.argv), "rules": rules}
-    start = time.perf_counter()
+    out = {"machine": machine_info(), "rules": rules}
+    clock = Timer.started()
     if "speed" in sections:
         out["speed"] = speed(rules, args.reps)
         print(
@@ -217,7 +215,7 @@ def main() -> None:
         print_table(rows, cols)
         for r in rows:
             print(r["name"], r.get("niah_by_length"))
-    out["seconds"] = time.perf_counter() - start
+    out["seconds"] = clock.elapsed()
     print(f"wrote {save_json(args.name, out)}")
 
 

@@ -16,15 +16,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import torch
 
-from bench_utils import current_rss_gib, random_pieces
+from bench_utils import (
+    Timer,
+    current_rss_mib,
+    machine_info,
+    peak_rss_mib,
+    random_pieces,
+    reply,
+    run_worker,
+    save_json,
+)
+
+WORKER_ARGS = ("variant", "preset", "piece_len", "threads")
 
 
 def measure(variant: str, length: int, args: argparse.Namespace) -> dict:
@@ -36,10 +42,12 @@ def measure(variant: str, length: int, args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     model = TitansLM(TitansConfig.preset(args.preset, variant=variant)).eval()
     piece = args.piece_len or default_piece_len(model)
-    rss_model = current_rss_gib() * 1024
-    t0 = time.perf_counter()
-    logits, state = prefill(model, random_pieces(length, model.config.vocab_size, piece, 1), piece_len=piece)
-    seconds = time.perf_counter() - t0
+    rss_model = current_rss_mib()
+    with Timer() as clock:
+        logits, state = prefill(
+            model, random_pieces(length, model.config.vocab_size, piece, 1), piece_len=piece
+        )
+    seconds = clock.wall
     return {
         "variant": variant,
         "preset": args.preset,
@@ -49,7 +57,7 @@ def measure(variant: str, length: int, args: argparse.Namespace) -> dict:
         "wall_s": round(seconds, 1),
         "tok_s": round(length / seconds),
         "rss_after_model_mib": round(rss_model, 1),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mib": round(peak_rss_mib(), 1),
         "state_mib": round(state_nbytes(state) / 2**20, 3),
         "finite": bool(torch.isfinite(logits).all()),
         "threads": args.threads,
@@ -64,12 +72,16 @@ def main() -> None:
     p.add_argument("--piece-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=int, default=600, help="seconds per run")
-    p.add_argument("--json", default=None)
-    p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--json", default=None, help="write the results here (a path, or a name in benchmarks/results/)"
+    )
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(measure(args.variant, args.worker, args)))
+        spec = json.loads(args.worker)
+        reply(measure(spec["variant"], spec["length"], argparse.Namespace(**spec)))
         return
+    machine = machine_info()
 
     print(
         f"{'variant':<10}{'tokens':>11}{'wall s':>9}{'tok/s':>9}{'model RSS MiB':>15}{'peak RSS MiB':>14}"
@@ -77,27 +89,12 @@ def main() -> None:
     )
     rows = []
     for length in (int(n) for n in args.lengths.split(",")):
-        cmd = [
-            sys.executable,
-            __file__,
-            "--worker",
-            str(length),
-            "--variant",
-            args.variant,
-            "--preset",
-            args.preset,
-            "--threads",
-            str(args.threads),
-        ]
-        if args.piece_len:
-            cmd += ["--piece-len", str(args.piece_len)]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=True)
-        except subprocess.TimeoutExpired:
-            print(f"{args.variant:<10}{length:>11}   timed out after {args.timeout} s")
-            rows.append({"variant": args.variant, "tokens": length, "timeout_s": args.timeout})
+        spec = {"length": length, **{k: getattr(args, k) for k in WORKER_ARGS}}
+        r = run_worker(__file__, spec, timeout=args.timeout)
+        if "error" in r:
+            print(f"{args.variant:<10}{length:>11}   {r['error']}")
+            rows.append({"variant": args.variant, "tokens": length, **r})
             continue
-        r = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append(r)
         print(
             f"{r['variant']:<10}{length:>11,}{r['wall_s']:>9.1f}{r['tok_s']:>9,}{r['rss_after_model_mib']:>15.1f}"
@@ -105,14 +102,14 @@ def main() -> None:
             flush=True,
         )
     done_rows = [r for r in rows if "peak_rss_mib" in r]
-    result = {"benchmark": "prefill_stream", "torch": torch.__version__, "rows": rows}
+    result = {"benchmark": "prefill_stream", "rows": rows}
     if len(done_rows) >= 2:
         ratio = done_rows[-1]["peak_rss_mib"] / done_rows[0]["peak_rss_mib"]
         result["peak_rss_ratio_longest_vs_shortest"] = round(ratio, 3)
         print(f"peak RSS, {done_rows[-1]['tokens']:,} vs {done_rows[0]['tokens']:,} tokens: x{ratio:.3f}")
     print(json.dumps(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {save_json(args.json, result, machine)}")
 
 
 if __name__ == "__main__":

@@ -10,11 +10,11 @@ time of every --every-th piece and, at the end, the share of memory weights that
 from __future__ import annotations
 
 import argparse
-import time
+import json
 
 import torch
 
-from bench_utils import machine_info, run_worker, save_json
+from bench_utils import Timer, machine_info, reply, run_worker, save_json
 
 
 def measure(flush: bool, pieces: int, every: int) -> dict:
@@ -29,10 +29,10 @@ def measure(flush: bool, pieces: int, every: int) -> dict:
     with torch.no_grad():
         for i in range(pieces):
             x = torch.randint(0, 256, (1, 4096), generator=gen)
-            start = time.perf_counter()
-            _, state = model(x, state, last_only=True)
+            with Timer() as clock:
+                _, state = model(x, state, last_only=True)
             if i % every == 0 or i == pieces - 1:
-                times[str(i * 4096)] = time.perf_counter() - start
+                times[str(i * 4096)] = clock.wall
     tiny = torch.finfo(torch.float32).tiny
     weights = [w for layer in state.layers for w in layer.memory.weights]
     subnormal = sum(((w != 0) & (w.abs() < tiny)).sum().item() for w in weights)
@@ -51,11 +51,10 @@ def main() -> None:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        import json
-
         spec = json.loads(args.worker)
-        print(json.dumps(measure(spec["flush"], spec["pieces"], spec["every"])))
+        reply(measure(spec["flush"], spec["pieces"], spec["every"]))
         return
+    machine = machine_info()
     rows = [
         run_worker(__file__, {"flush": flush, "pieces": args.pieces, "every": args.every}, timeout=3600)
         | {"flush": flush}
@@ -74,7 +73,7 @@ def main() -> None:
         label = "flushed" if row["flush"] else "kept"
         print(f"subnormal memory weights at the end ({label}): {100 * row['subnormal_weight_share']:.1f}%")
     if args.json:
-        path = save_json("subnormal_stream", {"machine": machine_info(), "rows": rows})
+        path = save_json("subnormal_stream", {"rows": rows}, machine)
         print(f"wrote {path}")
 
 

@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import statistics
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import torch
 
+from bench_utils import Timer, machine_info, peak_rss_mib, reply, run_worker, save_json
+
 SHAPE_FLAGS = ("dim", "depth", "heads", "window", "chunk_size")
+WORKER_ARGS = (*SHAPE_FLAGS, "batch", "steps", "threads", "preset", "set")
 
 
 def measure(variant: str, seq: int, args: argparse.Namespace) -> dict:
@@ -53,14 +50,14 @@ def measure(variant: str, seq: int, args: argparse.Namespace) -> dict:
     tokens = torch.randint(0, 256, (args.batch, seq + 1))
     times, cpu_times = [], []
     for i in range(args.steps + 1):  # the first step warms up allocators and caches
-        start, cpu_start = time.perf_counter(), time.process_time()
-        logits, _ = model(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        model.zero_grad(set_to_none=True)
+        with Timer() as clock:
+            logits, _ = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            model.zero_grad(set_to_none=True)
         if i:
-            times.append(time.perf_counter() - start)
-            cpu_times.append(time.process_time() - cpu_start)
+            times.append(clock.wall)
+            cpu_times.append(clock.cpu)
     med, cpu_med = statistics.median(times), statistics.median(cpu_times)
     # tokens per CPU-second: with one thread, the rate the run has on a core of its own (robust on a
     # shared machine, where wall time also counts the neighbours)
@@ -71,7 +68,7 @@ def measure(variant: str, seq: int, args: argparse.Namespace) -> dict:
         "tokens_per_s": args.batch * seq / med,
         "tokens_per_cpu_s": args.batch * seq / cpu_med,
         "step_s": med,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_rss_mib(),
         "params": model.num_parameters(),
     }
 
@@ -90,18 +87,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads in each worker")
-    p.add_argument("--out", default="benchmarks/results/variants_throughput.json")
-    p.add_argument("--child", nargs=2, metavar=("VARIANT", "SEQ"), help=argparse.SUPPRESS)
+    p.add_argument("--out", default="variants_throughput", help="a path, or a name in benchmarks/results/")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.child:
-        print(json.dumps(measure(args.child[0], int(args.child[1]), args)))
+    if args.worker:
+        spec = json.loads(args.worker)
+        reply(measure(spec["variant"], spec["seq"], argparse.Namespace(**spec)))
         return
+    machine = machine_info()
     rows = []
-    passthrough = [
-        f"--{k.replace('_', '-')}={v}"
-        for k, v in vars(args).items()
-        if k in (*SHAPE_FLAGS, "batch", "steps", "threads", "preset") and v is not None
-    ] + [f"--set={item}" for item in args.set]
     shape = (
         f"preset {args.preset}"
         if args.preset
@@ -111,7 +105,7 @@ def main() -> None:
         shape += ", " + ", ".join(args.set)
     print(
         f"fwd+bwd, batch {args.batch}, {shape}, {args.threads} threads; median of {args.steps} steps; "
-        f"load average {os.getloadavg()[0]:.1f}"
+        f"load average {machine['loadavg_start'][0]:.1f}"
     )
     print(
         f"{'variant':12s} {'seq':>7s} {'tokens/s':>10s} {'tok/CPU-s':>10s} {'step s':>8s} "
@@ -119,28 +113,22 @@ def main() -> None:
     )
     for variant in args.variants.split(","):
         for seq in (int(s) for s in args.seqs.split(",")):
-            out = subprocess.run(
-                [sys.executable, __file__, "--child", variant, str(seq), *passthrough],
-                capture_output=True,
-                text=True,
+            row = run_worker(
+                __file__, {"variant": variant, "seq": seq, **{k: getattr(args, k) for k in WORKER_ARGS}}
             )
-            if out.returncode:
-                row = {"variant": variant, "seq": seq, "error": out.stderr.strip().splitlines()[-1]}
+            if "error" in row:
+                row = {"variant": variant, "seq": seq, **row}
                 print(f"{variant:12s} {seq:7d}  failed: {row['error']}")
             else:
-                row = json.loads(out.stdout.strip().splitlines()[-1])
                 print(
                     f"{variant:12s} {seq:7d} {row['tokens_per_s']:10.0f} {row['tokens_per_cpu_s']:10.0f} "
                     f"{row['step_s']:8.2f} "
                     f"{row['peak_rss_mb']:12.0f}"
                 )
             rows.append(row)
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    machine = {"load_average_end": os.getloadavg(), "torch": torch.__version__}
     # with a preset the shape flags did not apply: record only what did
     recorded = {k: v for k, v in vars(args).items() if not (args.preset and k in SHAPE_FLAGS)}
-    path.write_text(json.dumps({"args": recorded, "machine": machine, "results": rows}, indent=2) + "\n")
+    print(f"wrote {save_json(args.out, {'args': recorded, 'results': rows}, machine)}")
 
 
 if __name__ == "__main__":

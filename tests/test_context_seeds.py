@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "context_seeds.py"
+sys.path.insert(0, str(SCRIPT.parent))  # the harness the script imports, as when it runs
 spec = importlib.util.spec_from_file_location("context_seeds", SCRIPT)
 context_seeds = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(context_seeds)

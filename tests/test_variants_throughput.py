@@ -2,6 +2,7 @@
 
 import argparse
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from titans import TitansConfig, TitansLM
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "variants_throughput.py"
+sys.path.insert(0, str(SCRIPT.parent))  # the harness the script imports, as when it runs
 spec = importlib.util.spec_from_file_location("variants_throughput", SCRIPT)
 variants_throughput = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(variants_throughput)

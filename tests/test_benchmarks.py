@@ -1,0 +1,158 @@
+"""benchmarks/: every script runs on the one harness (benchmarks/bench_utils.py) and answers --help, the
+diagnostics run from their own folder, and the harness's result files record the command and the machine."""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+# kept on their own helpers: the serving load test and the S-NIAH seed runner, owned with their subsystems
+OWN_HELPERS = {"serve_load.py", "niah_seeds.py"}
+SCRIPTS = sorted(p for p in BENCH.glob("*.py") if p.name != "bench_utils.py" and p.name not in OWN_HELPERS)
+DIAGNOSTICS = sorted((BENCH / "diagnostics").glob("*.py"))
+
+# what a script takes from the harness instead of writing it itself
+OWN_CODE = {
+    "peak RSS": r"ru_maxrss|getrusage|/proc/self",
+    "timer": r"perf_counter|process_time|cuda\.Event",
+    "JSON writer": r"json\.dump\(|write_text\(\s*json",
+    "machine description": r"\bplatform\.|getloadavg|get_device_name|/proc/cpuinfo",
+}
+
+spec = importlib.util.spec_from_file_location("bench_utils", BENCH / "bench_utils.py")
+harness = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(harness)
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(BENCH))
+
+
+def test_the_lists_are_not_empty():
+    assert len(SCRIPTS) >= 15 and len(DIAGNOSTICS) >= 5
+    assert not {p.name for p in SCRIPTS} & {p.name for p in DIAGNOSTICS}
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=_name)
+def test_script_uses_the_harness(script):
+    source = script.read_text()
+    assert re.search(r"^from bench_utils import ", source, re.M), f"{script.name} does not import the harness"
+    for what, pattern in OWN_CODE.items():
+        found = re.search(pattern, source)
+        assert found is None, f"{script.name} keeps its own {what} ({found.group(0)!r}): use bench_utils"
+
+
+@pytest.mark.parametrize("script", DIAGNOSTICS, ids=_name)
+def test_diagnostic_writes_through_the_harness(script):
+    source = script.read_text()
+    for what in ("peak RSS", "JSON writer", "machine description"):
+        found = re.search(OWN_CODE[what], source)
+        assert found is None, f"{script.name} keeps its own {what} ({found.group(0)!r}): use bench_utils"
+    if "save_json" in source:
+        assert "from bench_utils import" in source and "parents[1]" in source
+
+
+# runs every script's --help in one interpreter (torch imported once), each as `python SCRIPT --help` would:
+# its own folder first on sys.path, the harness not yet imported, run as __main__. Prints {script: "ok" or
+# the failure}.
+HELP_DRIVER = """
+import contextlib, io, json, runpy, sys
+out = {}
+for script in sys.argv[1:]:
+    sys.argv, buffer = [script, "--help"], io.StringIO()
+    sys.modules.pop("bench_utils", None)  # each script finds the harness on its own path
+    sys.path.insert(0, script.rsplit("/", 1)[0])
+    try:
+        with contextlib.redirect_stdout(buffer):
+            runpy.run_path(script, run_name="__main__")
+        out[script] = "no exit after --help"
+    except SystemExit as e:
+        ok = e.code in (0, None) and buffer.getvalue().startswith("usage:")
+        out[script] = "ok" if ok else f"exit {e.code}: {buffer.getvalue()[-300:]}"
+    except Exception as e:
+        out[script] = f"{type(e).__name__}: {e}"
+    sys.path.pop(0)
+print(json.dumps(out))
+"""
+
+
+def test_help_runs_from_any_folder(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    scripts = [str(p) for p in SCRIPTS + DIAGNOSTICS]
+    proc = subprocess.run(
+        [sys.executable, "-c", HELP_DRIVER, *scripts],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    failed = {Path(k).name: v for k, v in results.items() if v != "ok"}
+    assert not failed and len(results) == len(scripts), failed
+
+
+def test_writer_records_the_command_and_the_machine(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(sys, "argv", ["benchmarks/x.py", "--reps", "3", "a b"])
+    path = harness.save_json("x", {"rows": [{"tok_s": 1.0}]})
+    assert path == tmp_path / "results" / "x.json"
+    record = json.loads(path.read_text())
+    assert record["command"] == "python benchmarks/x.py --reps 3 'a b'"
+    machine = record["machine"]
+    assert machine["cpu"] and machine["logical_cpus"] == os.cpu_count()
+    assert machine["torch"] == torch.__version__ and machine["torch_threads"] == torch.get_num_threads()
+    assert (machine["gpu"] is None) == (not torch.cuda.is_available())
+    assert len(machine["loadavg_start"]) == len(machine["loadavg_end"]) == 3
+    assert record["rows"] == [{"tok_s": 1.0}]
+    # the machine described at the start is the one recorded; a path is written where it says
+    start = {**harness.machine_info(), "cpu": "as at the start"}
+    other = harness.save_json(tmp_path / "sub" / "y.json", {"machine": start, "n": 1})
+    assert other == tmp_path / "sub" / "y.json"
+    assert json.loads(other.read_text())["machine"]["cpu"] == "as at the start"
+    assert harness.save_json(str(tmp_path / "z"), {}, machine=start) == tmp_path / "z"
+
+
+def test_timing_and_resident_memory():
+    assert harness.timing_summary([1.0, 3.0, 2.0]) == {
+        "n": 3,
+        "median_s": 2.0,
+        "min_s": 1.0,
+        "max_s": 3.0,
+        "spread": 1.0,
+    }
+    calls = []
+    times = harness.time_runs(lambda: calls.append(1), reps=3, warmup=2)
+    assert len(calls) == 5 and len(times) == 3 and all(t >= 0 for t in times)
+    with harness.Timer() as clock:
+        time.sleep(0.05)
+    assert clock.wall >= 0.05 and clock.cpu < 0.04
+    block = bytearray(64 * 2**20)
+    block[:: 2**12] = b"x" * len(range(0, len(block), 2**12))  # touch every page
+    now = harness.current_rss_bytes()
+    assert now > 64 * 2**20
+    # the same unit as the current size (the kernel updates the peak in steps, so allow a little)
+    assert harness.peak_rss_bytes() >= 0.95 * now
+    assert harness.peak_rss_mib() == pytest.approx(harness.peak_rss_bytes() / 2**20, rel=0.01)
+
+
+def test_worker_round_trip(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(
+        f"import json, sys\nsys.path.insert(0, {str(BENCH)!r})\nfrom bench_utils import reply\n"
+        "spec = json.loads(sys.argv[2])\nif spec['n'] < 0:\n    raise SystemExit('negative n')\n"
+        "print('a line that is not the answer')\nreply({'twice': 2 * spec['n']})\n"
+    )
+    assert harness.run_worker(str(script), {"n": 21}) == {"twice": 42}
+    failed = harness.run_worker(str(script), {"n": -1})
+    assert failed["error"].startswith("exit 1") and "negative n" in failed["error"]
