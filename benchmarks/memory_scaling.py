@@ -27,6 +27,7 @@ import sys
 
 from bench_utils import (
     current_rss_gib,
+    describe,
     machine_info,
     median,
     peak_rss_gib,
@@ -117,7 +118,7 @@ def main() -> None:
 
     seqs = [int(s) for s in args.seqs.split(",")]
     info = machine_info()
-    print(f"{info['cpu']}, {info['logical_cpus']} CPUs, torch {info['torch']}, load {info['loadavg_start']}")
+    print(describe(info))
     plan = []
     for seq in seqs:
         reps = args.reps if seq <= 4096 else 2 if seq <= 16384 else 1

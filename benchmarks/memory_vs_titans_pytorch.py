@@ -30,6 +30,7 @@ import sys
 
 from bench_utils import (
     current_rss_gib,
+    describe,
     fast_path_flops_per_token,
     machine_info,
     matmul_gflops,
@@ -164,7 +165,7 @@ def main() -> None:
         except ImportError:
             print("titans-pytorch is not installed (pip install -e '.[bench]'): measuring our rows only\n")
     info = machine_info()
-    print(f"{info['cpu']}, {info['logical_cpus']} CPUs, torch {info['torch']}, load {info['loadavg_start']}")
+    print(describe(info))
     probe = {"peak": True, "n": 4096, "threads": args.threads}
     peaks = [run_worker(__file__, probe)]
     print(f"fp32 matmul 4096^3: {peaks[0].get('gflops_median', 0):.0f} GFLOP/s (median)\n")
