@@ -1,5 +1,5 @@
 """The memory rules side by side (docs/benchmarks.md, "Memory rules"): cost, capacity, language modelling
-and S-NIAH pass-key retrieval for each preset of `titans.ops.rules` at the same budget.
+and S-NIAH pass-key retrieval for each preset of `titans.ops.memory` (`MemoryRule`) at the same budget.
 
     python benchmarks/memory_rules.py [--sections speed,capacity,lm] [--rules titans,moneta,yaad,memora,atlas]
         [any `titans eval ablate` option for the lm section, e.g. --lm-steps 60 --task-steps 150]
@@ -30,13 +30,13 @@ import torch
 import torch.nn.functional as F
 
 from bench_utils import machine_info, print_table, save_json
-from titans.ops.memory import neural_memory_chunked
-from titans.ops.rules import (
+from titans.ops.memory import (
     RULE_PRESETS,
     MemoryRule,
     fits_fast_path,
     memory_rule_chunked,
     memory_rule_chunked_autograd,
+    neural_memory_chunked,
     newton_schulz,
     read_weights,
 )

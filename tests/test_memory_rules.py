@@ -11,8 +11,7 @@ import torch.nn.functional as F
 
 from tiny_lm import random_tokens, tiny_model
 from titans import NeuralMemory, TitansConfig
-from titans.ops.memory import neural_memory_chunked
-from titans.ops.rules import (
+from titans.ops.memory import (
     RULE_PRESETS,
     HuberBias,
     KLRetention,
@@ -26,10 +25,11 @@ from titans.ops.rules import (
     fits_fast_path,
     memory_rule_chunked,
     memory_rule_chunked_autograd,
+    memory_rule_ref,
+    neural_memory_chunked,
     newton_schulz,
     resolve_rule,
 )
-from titans.ops.rules_ref import memory_rule_ref
 
 F64 = torch.float64
 PRESETS = list(RULE_PRESETS)

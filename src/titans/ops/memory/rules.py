@@ -19,7 +19,7 @@ bias (the inner loss), its retention (how old content is kept) and its learning 
     optimizer  MomentumSGD(momentum)       S_t = eta_t S_{t-1} - theta_t u_t, A_t = keep_t A_{t-1} + S_t
                Muon(steps)                 S_t = eta_t S_{t-1} - u_t, A_t = keep_t A_{t-1} + theta_t NS(S_t)
 
-Everything is in the chunked form of `titans.ops.memory`: every token's gradient is taken at the weights
+Everything is in the chunked form of `titans.ops.memory.chunk`: every token's gradient is taken at the weights
 of its chunk's start. The bias changes only the per-token output error (dL/dM(k) = phi(M(k) - v)); the
 retention only the map A -> W through which the memory is read and differentiated (the update is
 linear in A, so the chunk's closed form is unchanged); the window only the write coefficients (a banded
@@ -30,7 +30,7 @@ applies it with the chunk's summed (decayed) learning rates, NS(S_t) ~ NS(S_b) i
 chunk_size 1).
 
 The "titans" rule, and every rule with Titans's retention, window and optimiser (any bias: "yaad"), runs
-on the custom-autograd fast path of `titans.ops.memory`, the bias threaded in as its error map (forward
+on the custom-autograd fast path of `titans.ops.memory.chunk`, the bias threaded in as its error map (forward
 phi(e), backward phi'(e)); the others run on `memory_rule_chunked_autograd` here: the same chunked matmul
 form, differentiated by torch autograd.
 
@@ -47,13 +47,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from titans.ops.memory import (
-    _act_backward,
-    _layers_forward,
+from titans.ops.memory.chunk import neural_memory_chunked
+from titans.ops.memory.common import (
+    act_backward,
     check_threshold,
     chunk_coefficients,
     clip_scale,
-    neural_memory_chunked,
+    layers_forward,
     segsum,
     suffix_sum,
     write_mask,
@@ -392,7 +392,7 @@ def _chunk(rule, activation, residual, clip, threshold, n, q, k, v, extra, gates
     Returns y (N, n, d), surprise (N, n), new states."""
     m = k.shape[1]
     ws = [read_weights(rule.retention, a) for a, _ in states]
-    out_all, hs, zs = _layers_forward(torch.cat([k, q], 1), ws, activation, residual)
+    out_all, hs, zs = layers_forward(torch.cat([k, q], 1), ws, activation, residual)
     channels = rule.extra_gates
     omega = extra[..., channels.index("omega")] if "omega" in channels else None
     delta = extra[..., channels.index("delta")] if "delta" in channels else None
@@ -401,7 +401,7 @@ def _chunk(rule, activation, residual, clip, threshold, n, q, k, v, extra, gates
     deltas = [err]
     for i in range(len(ws) - 1, 0, -1):
         e = deltas[0] @ ws[i].transpose(-1, -2)
-        deltas.insert(0, _act_backward(e, zs[i - 1][:, :m], activation))
+        deltas.insert(0, act_backward(e, zs[i - 1][:, :m], activation))
     inputs = [h[:, :m] for h in hs]
     win = window_matrix(omega, n, m, rule.window.size)  # (N, n, m) or None
     if win is None:
@@ -475,7 +475,7 @@ def memory_rule_chunked(
 ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
     """Read and write a memory with `rule` (contract of `memory_rule_chunked_autograd`). Rules that fit
     (`fits_fast_path`: the biases with the Titans retention, window and optimiser) run on the fast path
-    of `titans.ops.memory` with the bias's error map; the others on `memory_rule_chunked_autograd`.
+    of `titans.ops.memory.chunk` with the bias's error map; the others on `memory_rule_chunked_autograd`.
     checkpoint_every: as `neural_memory_chunked`'s, on the fast path only."""
     if not fits_fast_path(rule):
         return memory_rule_chunked_autograd(
@@ -546,7 +546,8 @@ def memory_rule_chunked_autograd(
     gates: (B, H, h + T, 3 + e): theta, log(eta), log(1 - alpha), then `rule.extra_gates`.
     weights, momentum: per memory layer (B, H, d_in, d_out): the pre-retention state A (W = g(A)) and S.
     Returns y (B, H, T, d), weights, momentum after the last complete chunk, surprise (B, H, T): the norm of
-    each token's (windowed) inner gradient. Shapes and chunking as `titans.ops.memory.neural_memory_chunked`.
+    each token's (windowed) inner gradient. Shapes and chunking as
+    `titans.ops.memory.chunk.neural_memory_chunked`.
     surprise_threshold: as `neural_memory_chunked`'s: a token whose surprise (its windowed gradient's norm,
     before clipping) is below it adds no gradient to S.
     """

@@ -1,6 +1,6 @@
 """Reference memory rules: the MIRAS / ATLAS update equations written literally, one token at a time.
 
-The ground truth `titans.ops.rules.memory_rule_chunked` is tested against: a Python loop over tokens,
+The ground truth `titans.ops.memory.rules.memory_rule_chunked` is tested against: a Python loop over tokens,
 inner gradients by autograd of the inner loss itself (not of an error map), float64. It shares no code
 with the fast path (its own MLP, losses, retention maps and Newton-Schulz).
 
@@ -95,7 +95,7 @@ def memory_rule_ref(
     surprise_clip: float | None = None,
     surprise_threshold: float | None = None,
 ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
-    """Same contract as `titans.ops.rules.memory_rule_chunked`."""
+    """Same contract as `titans.ops.memory.rules.memory_rule_chunked`."""
     total = q.shape[2]
     c = rule.window.size
     channels = rule.extra_gates
