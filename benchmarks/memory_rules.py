@@ -38,7 +38,6 @@ from titans.ops.memory import (
     memory_rule_chunked_autograd,
     neural_memory_chunked,
     newton_schulz,
-    read_weights,
 )
 
 THETAS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
@@ -122,7 +121,7 @@ def capacity_error(rule_name: str, d: int, n: int, theta: float, epochs: int, se
         _, a_end, _, _ = memory_rule_chunked(
             k, k, v, gates, tuple(weights), momentum, rule=rule, chunk_size=1
         )
-        w = [read_weights(rule.retention, a) for a in a_end]
+        w = [rule.retention.read(a) for a in a_end]
         h = F.silu(keys @ w[0][0, 0])
         pred = h @ w[1][0, 0]
     err = ((pred - values).pow(2).sum() / values.pow(2).sum()).item()

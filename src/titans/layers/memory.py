@@ -31,7 +31,6 @@ from titans.ops.memory import (
     check_threshold,
     memory_forward,
     neural_memory,
-    read_weights,
     resolve_rule,
     triton_reason,
     write_mask,
@@ -299,16 +298,11 @@ class NeuralMemory(nn.Module):
     def _add_rule_gates(self) -> None:
         """The projection of the rule's extra per-token gates (Omega window weights, Huber deltas), if any;
         created last, so the other parameters' initialisation does not depend on the rule."""
-        extra = self.rule.extra_gates
-        self.to_rule_gates = nn.Linear(self.dim, len(extra) * self.heads) if extra else None
+        specs = self.rule.gate_specs
+        self.to_rule_gates = nn.Linear(self.dim, len(specs) * self.heads) if specs else None
         if self.to_rule_gates is None:
             return
-        init = []
-        for name in extra:
-            if name == "omega":
-                init.append(_logit(self.rule.window.gate_init))
-            else:  # softplus^-1(delta_init)
-                init.append(math.log(math.expm1(self.rule.bias.delta_init)))
+        init = [spec.init for spec in specs]
         with torch.no_grad():
             self.to_rule_gates.weight.mul_(0.1)
             self.to_rule_gates.bias.copy_(torch.tensor(init).repeat_interleave(self.heads))
@@ -439,10 +433,7 @@ class NeuralMemory(nn.Module):
         if self.to_rule_gates is None:
             return gates
         logits = self.to_rule_gates(x).to(gates.dtype).view(*x.shape[:2], -1, self.heads).permute(0, 3, 1, 2)
-        extra = [
-            torch.sigmoid(logits[..., i]) if name == "omega" else F.softplus(logits[..., i])
-            for i, name in enumerate(self.rule.extra_gates)
-        ]
+        extra = [spec.activation(logits[..., i]) for i, spec in enumerate(self.rule.gate_specs)]
         return torch.cat([gates, torch.stack(extra, -1)], -1)
 
     def _core_gates(self, x: Tensor) -> Tensor:
@@ -467,7 +458,7 @@ class NeuralMemory(nn.Module):
         """M(q; W) with no update: q (B, H, n, d) -> (B, H, n, d). `weights` as in the state (for a rule
         with a retention map, the pre-retention A: the read is through W = g(A))."""
         if not self.rule.is_titans:
-            weights = tuple(read_weights(self.rule.retention, a) for a in weights)
+            weights = tuple(self.rule.retention.read(a) for a in weights)
         return memory_forward(q, weights, self.activation, self.residual)
 
     def combine_heads(self, y: Tensor, x: Tensor) -> Tensor:
