@@ -4,6 +4,7 @@ every variant, the Titans path unchanged, bad input."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from tiny_lm import random_tokens, tiny_model
 from titans import NeuralMemory, TitansConfig
 from titans.ops.memory import (
     RULE_PRESETS,
+    Bias,
     HuberBias,
     KLRetention,
     LpBias,
@@ -25,7 +27,9 @@ from titans.ops.memory import (
     memory_rule_chunked,
     memory_rule_chunked_autograd,
     memory_rule_ref,
+    neural_memory,
     neural_memory_chunked,
+    neural_memory_ref,
     newton_schulz,
     resolve_rule,
 )
@@ -298,3 +302,81 @@ def test_a_rule_state_saves_loads_and_continues(tmp_path):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
     with pytest.raises(ValueError, match="memory_rule"):
         load_state(tmp_path / "s.safetensors", model=tiny_model("mag"))
+
+
+# ------------------------------------------------------------------------------- parts as classes
+
+
+@pytest.fixture
+def toy_kinds():
+    """Kinds a test registers, unregistered after it (the registries are process-wide)."""
+    added: list[tuple[type, str]] = []
+    yield added
+    for slot, kind in added:
+        slot.registry.pop(kind, None)
+
+
+def test_a_new_bias_is_one_class_and_runs_on_both_paths(toy_kinds):
+    """A bias written as one class (its error map and its backward) runs on the fast path and the autograd
+    path alike, and c ||e||^2 with c = 1 is the l_2 bias exactly."""
+
+    @dataclass(frozen=True)
+    class ScaledL2(Bias, kind="toy_scaled_l2"):
+        c: float = 1.0
+
+        def error_map(self, e, aux):
+            return 2 * self.c * e
+
+        def grad(self, g, e, aux):
+            return 2 * self.c * g, None
+
+    toy_kinds.append((Bias, "toy_scaled_l2"))
+    rule = MemoryRule(bias=ScaledL2(0.5))
+    assert fits_fast_path(rule) and rule.extra_gates == ()
+    assert MemoryRule.from_dict(rule.to_dict()) == rule
+    q, k, v, gates, w, s = rule_problem(rule, 11, 2, seed=3)
+    kw = dict(rule=rule, chunk_size=3, surprise_clip=0.6)
+    fast, g_fast = run_with_grads(memory_rule_chunked, [q, k, v, gates, *w, *s], 2, **kw)
+    auto, g_auto = run_with_grads(memory_rule_chunked_autograd, [q, k, v, gates, *w, *s], 2, **kw)
+    for a, b in zip(fast + g_fast, auto + g_auto):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+    one = memory_rule_chunked_autograd(q, k, v, gates, w, s, rule=MemoryRule(ScaledL2(1.0)), chunk_size=3)
+    l2 = memory_rule_chunked_autograd(q, k, v, gates, w, s, rule=MemoryRule(), chunk_size=3)
+    for a, b in zip(torch.utils._pytree.tree_leaves(one), torch.utils._pytree.tree_leaves(l2)):
+        assert torch.equal(a, b)
+    # the reference is written from the equations: a kind it has no equation for is an error
+    with pytest.raises(NotImplementedError, match="no reference bias for kind 'toy_scaled_l2'"):
+        memory_rule_ref(q, k, v, gates, w, s, rule=rule, chunk_size=3)
+
+
+def test_entry_point_runs_every_path_with_one_call_shape():
+    """`neural_memory(q, k, v, gates, ...)` runs what the backend and rule name: the same numbers as the
+    path called directly; options a path does not cover are refused."""
+    for preset in PRESETS:
+        rule = RULE_PRESETS[preset]
+        q, k, v, gates, w, s = rule_problem(rule, 9, 2)
+        got = neural_memory(q, k, v, gates, w, s, chunk_size=3, rule=preset, surprise_clip=0.5)
+        if rule.is_titans:
+            want = neural_memory_chunked(q, k, v, *gates.unbind(-1), w, s, chunk_size=3, surprise_clip=0.5)
+            ref = neural_memory_ref(q, k, v, *gates.unbind(-1), w, s, chunk_size=3, surprise_clip=0.5)
+        else:
+            want = memory_rule_chunked(q, k, v, gates, w, s, rule=rule, chunk_size=3, surprise_clip=0.5)
+            ref = memory_rule_ref(q, k, v, gates, w, s, rule=rule, chunk_size=3, surprise_clip=0.5)
+        got_ref = neural_memory(
+            q, k, v, gates, w, s, chunk_size=3, rule=preset, surprise_clip=0.5, backend="reference"
+        )
+        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+            assert torch.equal(a, b)
+        for a, b in zip(torch.utils._pytree.tree_leaves(got_ref), torch.utils._pytree.tree_leaves(ref)):
+            assert torch.equal(a, b)
+    q, k, v, gates, w, s = rule_problem(RULE_PRESETS["titans"], 6, 1)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        neural_memory(q, k, v, gates, w, s, chunk_size=3, backend="cuda")
+    with pytest.raises(ValueError, match="max_norm runs rule='titans' only"):
+        neural_memory(q, k, v, gates, w, s, chunk_size=3, rule="yaad", max_norm=1.0)
+    with pytest.raises(ValueError, match="backend='triton' runs rule='titans' only"):
+        neural_memory(q, k, v, gates, w, s, chunk_size=3, rule="moneta", backend="triton")
+    with pytest.raises(ValueError, match="surprise_threshold not covered by the kernels"):
+        neural_memory(q, k, v, gates, w, s, chunk_size=3, backend="triton", surprise_threshold=0.1)
+    with pytest.raises(ValueError, match="history rows are for a windowed rule"):
+        neural_memory(q, k, v, gates, w, s, chunk_size=3, history=2)
