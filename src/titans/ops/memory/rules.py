@@ -3,7 +3,9 @@
 MIRAS (Behrouz et al., arXiv 2504.13173) describes a recurrent memory by its architecture, its attentional
 bias (the inner loss), its retention (how old content is kept) and its learning algorithm; ATLAS (arXiv
 2505.23735) adds the window of the objective (the Omega rule) and Muon as the inner optimiser. A
-`MemoryRule` is those choices as data:
+`MemoryRule` is those choices as data, each part a class that carries its own maths (`Bias`, `Retention`,
+`Optimizer`: a new part is one class, registered under its kind where it is defined; a preset is one line
+of `RULE_PRESETS`):
 
     bias       L2Bias()                    ||M(k) - v||^2                     (Titans)
                LpBias(p)                   sum_i |M(k)_i - v_i|^p             (Moneta)
