@@ -1,8 +1,8 @@
 """Training throughput and peak GPU memory of every variant on a CUDA device (bf16 autocast, as `titans
 train` runs there), eager and with the micro-step replayed as a CUDA graph (`titans train --cuda-graphs`),
 plus the neural memory layer alone in float32 and bf16. Every memory row also runs with the memory's chunk
-loop on the Triton kernels (`memory_backend="triton"`, `titans.ops.memory_triton`): modes "kernels" (eager)
-and "kernels+graphs"; the torch chunk loop is modes "eager" and "graphs".
+loop on the Triton kernels (`memory_backend="triton"`, `titans.ops.memory.triton_chunk`): modes "kernels"
+(eager) and "kernels+graphs"; the torch chunk loop is modes "eager" and "graphs".
 
 One process, one model at a time, eager and graphed side by side. A step is forward + backward + AdamW;
 its time is the median over `--steps` steps after two warm-up steps, read with CUDA events. All variants

@@ -1,15 +1,16 @@
-"""A/B timing of two versions of the memory op (`src/titans/ops/memory.py`) in ONE process: the
-NeuralMemory layer's fwd+bwd at the README's benchmark shapes (batch 2, seq 2048, dim 256, 4 heads of
-256 -> 1024 -> 256, chunk 64, GELU), the two versions taking turns every repetition (A B, B A, A B, ...)
-on the same module, weights and input, so that drift of the machine hits both alike. Separate runs of a
-script on this VM differ by a few percent, more than most single changes to the op gain
+"""A/B timing of two versions of the memory op's torch path (`src/titans/ops/memory/chunk.py`) in ONE
+process: the NeuralMemory layer's fwd+bwd at the README's benchmark shapes (batch 2, seq 2048, dim 256,
+4 heads of 256 -> 1024 -> 256, chunk 64, GELU), the two versions taking turns every repetition (A B, B A,
+A B, ...) on the same module, weights and input, so that drift of the machine hits both alike. Separate
+runs of a script on this VM differ by a few percent, more than most single changes to the op gain
 (docs/benchmarks.md quotes its result for the op's Python-side changes at 21ad462 against 339cebb).
 
     python benchmarks/memory_ab.py --a HEAD~1 [--b WORKTREE] [--reps 12] [--threads 2] [--name NAME]
 
-A and B are git revisions (their `src/titans/ops/memory.py`) or paths to a memory.py; B defaults to the
-working tree's. Only the layer's `neural_memory_chunked` is swapped, so both versions must call the
-compiled CPU kernels (`titans.ops.cpu_kernels`) with the signatures of the installed ones.
+A and B are git revisions (their `src/titans/ops/memory/chunk.py`, or `src/titans/ops/memory.py` in
+revisions where the op is one file) or paths to such a file; B defaults to the working tree's. Only the
+op's `neural_memory_chunked` is swapped, so both versions must call the compiled CPU kernels
+(`titans.ops.cpu_kernels`) with the signatures of the installed ones.
 """
 
 from __future__ import annotations
@@ -24,16 +25,21 @@ from pathlib import Path
 from bench_utils import Timer, machine_info, print_table, save_json, timing_summary
 
 ROOT = Path(__file__).resolve().parent.parent
-OP = "src/titans/ops/memory.py"
+OP = "src/titans/ops/memory/chunk.py"
+OLD_OP = "src/titans/ops/memory.py"  # the torch path's file in revisions where the op was one file
 
 
 def load_version(spec: str, label: str, folder: Path):
     """The memory op module of a git revision or a file path (WORKTREE: the working tree's)."""
     path = ROOT / OP if spec == "WORKTREE" else Path(spec)
     if spec != "WORKTREE" and not path.is_file():
-        source = subprocess.run(
-            ["git", "-C", str(ROOT), "show", f"{spec}:{OP}"], check=True, capture_output=True, text=True
-        ).stdout
+        shown = [
+            subprocess.run(["git", "-C", str(ROOT), "show", f"{spec}:{op}"], capture_output=True, text=True)
+            for op in (OP, OLD_OP)
+        ]
+        source = next((run.stdout for run in shown if run.returncode == 0), None)
+        if source is None:
+            raise SystemExit(f"memory_ab: {spec} has neither {OP} nor {OLD_OP}")
         path = folder / f"memory_{label}.py"
         path.write_text(source)
     module_spec = importlib.util.spec_from_file_location(f"titans_memory_{label}", path)
@@ -44,7 +50,7 @@ def load_version(spec: str, label: str, folder: Path):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--a", required=True, help="git revision or path to a memory.py")
+    p.add_argument("--a", required=True, help="git revision or path to the op's torch path (chunk.py)")
     p.add_argument("--b", default="WORKTREE", help="git revision or path (default: the working tree)")
     p.add_argument("--reps", type=int, default=12, help="timed repetitions of each version")
     p.add_argument("--threads", type=int, default=2)
@@ -55,7 +61,7 @@ def main() -> None:
 
     import torch
 
-    import titans.layers.memory as layer_module
+    import titans.ops.memory as op_module
     from titans import NeuralMemory
 
     torch.set_num_threads(args.threads)
@@ -79,7 +85,8 @@ def main() -> None:
     times: dict[str, list[float]] = {"A": [], "B": []}
     for rep in range(args.reps + 1):
         for label in ("A", "B") if rep % 2 == 0 else ("B", "A"):
-            layer_module.neural_memory_chunked = versions[label].neural_memory_chunked
+            # the entry point's dispatch calls the torch path by this name
+            op_module.neural_memory_chunked = versions[label].neural_memory_chunked
             with Timer() as clock:
                 step()
             if rep:  # the first round is the warm-up

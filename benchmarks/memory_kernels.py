@@ -1,5 +1,5 @@
-"""The memory op alone on a CUDA device: the Triton kernels (`titans.ops.memory_triton`) against the torch
-chunk loop (`titans.ops.memory.neural_memory_chunked`), forward and forward + backward, with how far
+"""The memory op alone on a CUDA device: the Triton kernels (`titans.ops.memory.triton_chunk`) against the
+torch chunk loop (`titans.ops.memory.neural_memory_chunked`), forward and forward + backward, with how far
 their outputs and gradients are apart.
 
 q, k, v in bf16 (as the projections make them under autocast), a float32 state, per-token gates, clip 1.0,
@@ -45,9 +45,8 @@ def _timed(fn, steps: int) -> float:
 
 
 def case(args: argparse.Namespace, seq: int, depth: int, hidden: int) -> dict:
-    from titans.ops import memory_triton
-    from titans.ops.memory import neural_memory_chunked
-    from titans.ops.memory_triton import neural_memory_triton
+    from titans.ops.memory import neural_memory_chunked, neural_memory_triton
+    from titans.ops.memory import triton_chunk as memory_triton  # its cache of shapes that do not fit
 
     memory_triton._UNFIT.clear()
 

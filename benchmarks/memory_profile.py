@@ -112,7 +112,7 @@ def conv_rows(reps: int, layer_ms: float) -> list[dict]:
 def grad_buffer_rows(reps: int) -> list[dict]:
     """The layer fwd+bwd with the chunk steps' state gradients in reused buffers (the default) and, for
     comparison, in a fresh tensor per chunk, alternating run by run in this one process."""
-    import titans.ops.memory as op
+    import titans.ops.memory.chunk as op  # the torch path's gradient buffers, swapped for a comparison
     from titans import NeuralMemory
 
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """The memory rules side by side (docs/benchmarks.md, "Memory rules"): cost, capacity, language modelling
-and S-NIAH pass-key retrieval for each preset of `titans.ops.rules` at the same budget.
+and S-NIAH pass-key retrieval for each preset of `titans.ops.memory` (`MemoryRule`) at the same budget.
 
     python benchmarks/memory_rules.py [--sections speed,capacity,lm] [--rules titans,moneta,yaad,memora,atlas]
         [any `titans eval ablate` option for the lm section, e.g. --lm-steps 60 --task-steps 150]
@@ -28,15 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from bench_utils import Timer, machine_info, print_table, save_json
-from titans.ops.memory import neural_memory_chunked
-from titans.ops.rules import (
+from titans.ops.memory import (
     RULE_PRESETS,
     MemoryRule,
     fits_fast_path,
     memory_rule_chunked,
     memory_rule_chunked_autograd,
+    neural_memory_chunked,
     newton_schulz,
-    read_weights,
 )
 
 THETAS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
@@ -120,7 +119,7 @@ def capacity_error(rule_name: str, d: int, n: int, theta: float, epochs: int, se
         _, a_end, _, _ = memory_rule_chunked(
             k, k, v, gates, tuple(weights), momentum, rule=rule, chunk_size=1
         )
-        w = [read_weights(rule.retention, a) for a in a_end]
+        w = [rule.retention.read(a) for a in a_end]
         h = F.silu(keys @ w[0][0, 0])
         pred = h @ w[1][0, 0]
     err = ((pred - values).pow(2).sum() / values.pow(2).sum()).item()

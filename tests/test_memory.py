@@ -20,8 +20,7 @@ from titans import MemoryState, NeuralMemory
 from titans.ops import cpu_kernels
 from titans.ops.conv import causal_conv_silu
 from titans.ops.conv_ref import causal_conv_silu_ref
-from titans.ops.memory import memory_forward, neural_memory_chunked, segsum, suffix_sum
-from titans.ops.memory_ref import neural_memory_ref
+from titans.ops.memory import memory_forward, neural_memory_chunked, neural_memory_ref, segsum, suffix_sum
 
 F64 = torch.float64
 

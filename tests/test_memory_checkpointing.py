@@ -1,6 +1,6 @@
 """The chunked memory's hand-written backward and its opt-in activation checkpointing.
 
-The fast path (`titans.ops.memory._ChunkStep`) computes its gradients by hand, so every output (reads,
+The fast path (`titans.ops.memory.chunk._ChunkStep`) computes its gradients by hand, so every output (reads,
 surprise, final weights and momentum) is differentiated against the float64 reference here, under each
 option. `checkpoint_every` must change memory use only: outputs and gradients stay the same.
 """
@@ -14,11 +14,10 @@ import torch.nn.functional as F
 from test_memory import assert_close_rel, random_problem
 from titans import NeuralMemory
 from titans.ops import cpu_kernels
-from titans.ops import memory as ops_memory
 from titans.ops.conv import causal_conv_silu
 from titans.ops.conv_ref import causal_conv_silu_ref
-from titans.ops.memory import neural_memory_chunked
-from titans.ops.memory_ref import neural_memory_ref
+from titans.ops.memory import chunk as ops_memory
+from titans.ops.memory import neural_memory_chunked, neural_memory_ref
 
 F64 = torch.float64
 
@@ -169,7 +168,7 @@ def test_cpu_kernels_propagate_non_finite_inputs():
 
 def test_backward_matches_reference_without_cpu_kernels(monkeypatch):
     """The torch-op paths (off CPU, or where the kernels cannot be built) against the reference too."""
-    monkeypatch.setattr("titans.ops.memory.kernels", lambda: None)
+    monkeypatch.setattr("titans.ops.memory.chunk.kernels", lambda: None)
     args, w, s = random_problem(2, 2, 19, 4, 2, expansion=4, seed=2)
     fast_out, fast_grads = outputs_and_grads(neural_memory_chunked, args, w, s, chunk_size=6)
     ref_out, ref_grads = outputs_and_grads(neural_memory_ref, args, w, s, chunk_size=6)

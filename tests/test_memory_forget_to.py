@@ -20,8 +20,7 @@ from test_memory import assert_close_rel, causality_check, random_problem
 from test_memory_max_norm import assert_lm_streams, small_lm
 from titans import NeuralMemory
 from titans.models import TitansConfig, TitansLM
-from titans.ops.memory import neural_memory_chunked
-from titans.ops.memory_ref import neural_memory_ref
+from titans.ops.memory import neural_memory_chunked, neural_memory_ref
 
 F64 = torch.float64
 

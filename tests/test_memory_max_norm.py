@@ -21,8 +21,7 @@ from titans import NeuralMemory
 from titans.models import TitansConfig, TitansLM
 from titans.models.monitor import find_memory_state, memory_report
 from titans.models.state import TitansState
-from titans.ops.memory import bound_weights, neural_memory_chunked
-from titans.ops.memory_ref import neural_memory_ref
+from titans.ops.memory import bound_weights, neural_memory_chunked, neural_memory_ref
 
 F64 = torch.float64
 EPS = 1e-12  # rounding of a rescaled norm, relative

@@ -4,6 +4,7 @@ every variant, the Titans path unchanged, bad input."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -11,9 +12,9 @@ import torch.nn.functional as F
 
 from tiny_lm import random_tokens, tiny_model
 from titans import NeuralMemory, TitansConfig
-from titans.ops.memory import neural_memory_chunked
-from titans.ops.rules import (
+from titans.ops.memory import (
     RULE_PRESETS,
+    Bias,
     HuberBias,
     KLRetention,
     LpBias,
@@ -22,14 +23,16 @@ from titans.ops.rules import (
     MomentumSGD,
     Muon,
     Window,
-    error_map,
     fits_fast_path,
     memory_rule_chunked,
     memory_rule_chunked_autograd,
+    memory_rule_ref,
+    neural_memory,
+    neural_memory_chunked,
+    neural_memory_ref,
     newton_schulz,
     resolve_rule,
 )
-from titans.ops.rules_ref import memory_rule_ref
 
 F64 = torch.float64
 PRESETS = list(RULE_PRESETS)
@@ -225,7 +228,7 @@ def test_lp_error_map_and_its_derivative(p):
     """phi(e) = p sign(e) |e|^(p-1) (smoothed below p = 2), its derivative finite everywhere (at 0 too)."""
     bias = LpBias(p)
     e = torch.tensor([-1.3, -0.2, 0.0, 1e-9, 0.4, 2.0], dtype=F64, requires_grad=True)
-    phi = error_map(bias, e, None)
+    phi = bias.error_map(e, None)
     if p >= 2:
         torch.testing.assert_close(phi, p * e.sign() * e.abs() ** (p - 1))
     (d,) = torch.autograd.grad(phi.sum(), e)
@@ -233,13 +236,13 @@ def test_lp_error_map_and_its_derivative(p):
     if p == 2.0:
         torch.testing.assert_close(d, torch.full_like(d, 2.0))
     x = torch.tensor([-0.7, 0.3, 1.1], dtype=F64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: error_map(bias, t, None), (x,))
+    assert torch.autograd.gradcheck(lambda t: bias.error_map(t, None), (x,))
 
 
 def test_huber_error_map_clamps_per_coordinate_with_the_token_delta():
     e = torch.tensor([[[-2.0, 0.1, 0.5]]], dtype=F64)
     delta = torch.tensor([[0.3]], dtype=F64, requires_grad=True)
-    phi = error_map(HuberBias(), e, delta)
+    phi = HuberBias().error_map(e, delta)
     torch.testing.assert_close(phi, torch.tensor([[[-0.6, 0.2, 0.6]]], dtype=F64))
     (g,) = torch.autograd.grad(phi.sum(), delta)  # -2 (clamped below) + 2 (clamped above)
     torch.testing.assert_close(g, torch.zeros_like(g))
@@ -299,3 +302,81 @@ def test_a_rule_state_saves_loads_and_continues(tmp_path):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
     with pytest.raises(ValueError, match="memory_rule"):
         load_state(tmp_path / "s.safetensors", model=tiny_model("mag"))
+
+
+# ------------------------------------------------------------------------------- parts as classes
+
+
+@pytest.fixture
+def toy_kinds():
+    """Kinds a test registers, unregistered after it (the registries are process-wide)."""
+    added: list[tuple[type, str]] = []
+    yield added
+    for slot, kind in added:
+        slot.registry.pop(kind, None)
+
+
+def test_a_new_bias_is_one_class_and_runs_on_both_paths(toy_kinds):
+    """A bias written as one class (its error map and its backward) runs on the fast path and the autograd
+    path alike, and c ||e||^2 with c = 1 is the l_2 bias exactly."""
+
+    @dataclass(frozen=True)
+    class ScaledL2(Bias, kind="toy_scaled_l2"):
+        c: float = 1.0
+
+        def error_map(self, e, aux):
+            return 2 * self.c * e
+
+        def grad(self, g, e, aux):
+            return 2 * self.c * g, None
+
+    toy_kinds.append((Bias, "toy_scaled_l2"))
+    rule = MemoryRule(bias=ScaledL2(0.5))
+    assert fits_fast_path(rule) and rule.extra_gates == ()
+    assert MemoryRule.from_dict(rule.to_dict()) == rule
+    q, k, v, gates, w, s = rule_problem(rule, 11, 2, seed=3)
+    kw = dict(rule=rule, chunk_size=3, surprise_clip=0.6)
+    fast, g_fast = run_with_grads(memory_rule_chunked, [q, k, v, gates, *w, *s], 2, **kw)
+    auto, g_auto = run_with_grads(memory_rule_chunked_autograd, [q, k, v, gates, *w, *s], 2, **kw)
+    for a, b in zip(fast + g_fast, auto + g_auto):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+    one = memory_rule_chunked_autograd(q, k, v, gates, w, s, rule=MemoryRule(ScaledL2(1.0)), chunk_size=3)
+    l2 = memory_rule_chunked_autograd(q, k, v, gates, w, s, rule=MemoryRule(), chunk_size=3)
+    for a, b in zip(torch.utils._pytree.tree_leaves(one), torch.utils._pytree.tree_leaves(l2)):
+        assert torch.equal(a, b)
+    # the reference is written from the equations: a kind it has no equation for is an error
+    with pytest.raises(NotImplementedError, match="no reference bias for kind 'toy_scaled_l2'"):
+        memory_rule_ref(q, k, v, gates, w, s, rule=rule, chunk_size=3)
+
+
+def test_entry_point_runs_every_path_with_one_call_shape():
+    """`neural_memory(q, k, v, gates, ...)` runs what the backend and rule name: the same numbers as the
+    path called directly; options a path does not cover are refused."""
+    for preset in PRESETS:
+        rule = RULE_PRESETS[preset]
+        q, k, v, gates, w, s = rule_problem(rule, 9, 2)
+        got = neural_memory(q, k, v, gates, w, s, chunk_size=3, rule=preset, surprise_clip=0.5)
+        if rule.is_titans:
+            want = neural_memory_chunked(q, k, v, *gates.unbind(-1), w, s, chunk_size=3, surprise_clip=0.5)
+            ref = neural_memory_ref(q, k, v, *gates.unbind(-1), w, s, chunk_size=3, surprise_clip=0.5)
+        else:
+            want = memory_rule_chunked(q, k, v, gates, w, s, rule=rule, chunk_size=3, surprise_clip=0.5)
+            ref = memory_rule_ref(q, k, v, gates, w, s, rule=rule, chunk_size=3, surprise_clip=0.5)
+        got_ref = neural_memory(
+            q, k, v, gates, w, s, chunk_size=3, rule=preset, surprise_clip=0.5, backend="reference"
+        )
+        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+            assert torch.equal(a, b)
+        for a, b in zip(torch.utils._pytree.tree_leaves(got_ref), torch.utils._pytree.tree_leaves(ref)):
+            assert torch.equal(a, b)
+    q, k, v, gates, w, s = rule_problem(RULE_PRESETS["titans"], 6, 1)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        neural_memory(q, k, v, gates, w, s, chunk_size=3, backend="cuda")
+    with pytest.raises(ValueError, match="max_norm runs rule='titans' only"):
+        neural_memory(q, k, v, gates, w, s, chunk_size=3, rule="yaad", max_norm=1.0)
+    with pytest.raises(ValueError, match="backend='triton' runs rule='titans' only"):
+        neural_memory(q, k, v, gates, w, s, chunk_size=3, rule="moneta", backend="triton")
+    with pytest.raises(ValueError, match="surprise_threshold not covered by the kernels"):
+        neural_memory(q, k, v, gates, w, s, chunk_size=3, backend="triton", surprise_threshold=0.1)
+    with pytest.raises(ValueError, match="history rows are for a windowed rule"):
+        neural_memory(q, k, v, gates, w, s, chunk_size=3, history=2)

@@ -14,8 +14,7 @@ import torch
 
 from test_memory_rules import PRESETS, rule_problem, run_with_grads
 from titans import NeuralMemory, TitansConfig
-from titans.ops.rules import RULE_PRESETS, memory_rule_chunked, memory_rule_chunked_autograd
-from titans.ops.rules_ref import memory_rule_ref
+from titans.ops.memory import RULE_PRESETS, memory_rule_chunked, memory_rule_chunked_autograd, memory_rule_ref
 
 F64 = torch.float64
 OPS = {"dispatch": memory_rule_chunked, "autograd": memory_rule_chunked_autograd}

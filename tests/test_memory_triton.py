@@ -1,6 +1,6 @@
-"""The Triton kernels of the memory's chunk loop (`titans.ops.memory_triton`) against the float64 reference,
-run on CPU by Triton's interpreter: outputs and gradients of every input, awkward shapes, streaming, the
-`backend` choice. GPU-only checks are marked `cuda`."""
+"""The Triton kernels of the memory's chunk loop (`titans.ops.memory.triton_chunk`) against the float64
+reference, run on CPU by Triton's interpreter: outputs and gradients of every input, awkward shapes,
+streaming, the `backend` choice. GPU-only checks are marked `cuda`."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ pytest.importorskip("triton")
 
 from test_memory import random_problem  # noqa: E402
 from titans import NeuralMemory, TitansConfig  # noqa: E402
-from titans.ops import memory_triton  # noqa: E402
-from titans.ops.memory import neural_memory_chunked  # noqa: E402
-from titans.ops.memory_ref import neural_memory_ref  # noqa: E402
-from titans.ops.memory_triton import neural_memory_triton  # noqa: E402
+from titans.ops.memory import (
+    neural_memory_chunked,  # noqa: E402
+    neural_memory_ref,  # noqa: E402
+    neural_memory_triton,  # noqa: E402
+)
+from titans.ops.memory import triton_chunk as memory_triton  # noqa: E402
 
 F64 = torch.float64
 interpreted = pytest.mark.skipif(
@@ -290,7 +292,7 @@ def test_decode_step_is_one_kernel_launch(monkeypatch):
     launches = []
     real = memory_triton._launch
     monkeypatch.setattr(memory_triton, "_launch", lambda *a: launches.append(1) or real(*a))
-    for name in ("_run_chunks", "_read_and_grads"):
+    for name in ("run_chunks", "read_and_grads"):
         monkeypatch.setattr(memory_triton, name, lambda *a, **k: pytest.fail("torch chunk loop ran"))
     with torch.no_grad():
         for _ in range(3):  # 6 + 2 = 8 completes a chunk of 4 on the second step

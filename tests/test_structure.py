@@ -1,5 +1,6 @@
-"""The package's shape: imports go one way, modules do not import each other in a circle, and a
-function-local import of `titans` says why it is local.
+"""The package's shape: imports go one way, modules do not import each other in a circle, a
+function-local import of `titans` says why it is local, and the memory op (`titans.ops.memory`) is reached
+through its entry point, its rule parts refused without their maths.
 
 Every module under src/titans is read with `ast` (nothing is imported), top-level and function-local imports
 alike. Package order, lower first (a module may import its own level and lower ones, never a higher one):
@@ -262,14 +263,117 @@ def test_moved_perplexity_names_still_import():
 
 
 def test_references_share_no_code_with_the_fast_paths():
-    """`ops/*_ref.py` are written from the equations: they import no module of the package, so a bug in a
+    """`ops/**/*_ref.py` are written from the equations: they import no module of the package, so a bug in a
     fast path cannot sit on both sides of the test that compares them."""
     refs = {m for m in {i.importer for i in IMPORTS} | set(COMMENTS) if m.endswith("_ref")}
     assert refs == {
-        "titans.ops.memory_ref",
+        "titans.ops.memory.chunk_ref",
         "titans.ops.attention_ref",
         "titans.ops.conv_ref",
-        "titans.ops.rules_ref",
+        "titans.ops.memory.rules_ref",
     }
     shared = sorted(f"{i.importer} -> {i.target}" for i in IMPORTS if i.importer in refs)
     assert not shared, "references importing package code:\n" + "\n".join(shared)
+
+
+# the memory op's package and its one entry point
+OP_PACKAGE = "titans.ops.memory"
+ROOT = PACKAGE.parents[1]
+# tests and benchmarks that measure or patch one path's internals (its caches, its autograd Function, its
+# buffers) reach the module that holds them; every other file goes through the entry point
+OP_INTERNALS_READERS = {
+    "tests/test_memory_checkpointing.py": {"titans.ops.memory.chunk"},
+    "tests/test_memory_triton.py": {"titans.ops.memory.triton_chunk"},
+    "benchmarks/memory_kernels.py": {"titans.ops.memory.triton_chunk"},
+    "benchmarks/memory_profile.py": {"titans.ops.memory.chunk"},
+}
+
+
+def _op_submodule_imports(imports: list[Import]) -> list[str]:
+    return sorted(
+        f"  {i.importer}:{i.line} imports {i.target}"
+        for i in imports
+        if i.target.startswith(OP_PACKAGE + ".") and not i.importer.startswith("titans.ops.")
+    )
+
+
+def test_the_memory_op_is_reached_through_its_entry_point():
+    """Outside `titans.ops`, the package imports `titans.ops.memory` (its `neural_memory` and the names it
+    exports), never one of its modules; so do the tests and benchmarks, but for those that read one path's
+    internals (OP_INTERNALS_READERS)."""
+    modules = {module_name(f, PACKAGE) for f in PACKAGE.rglob("*.py")}
+    assert {f"{OP_PACKAGE}.chunk", f"{OP_PACKAGE}.rules", f"{OP_PACKAGE}.chunk_ref"} <= modules
+    assert OP_PACKAGE in {i.target for i in IMPORTS if i.importer == "titans.layers.memory"}
+    wrong = _op_submodule_imports(IMPORTS)
+    assert not wrong, "modules of the memory op imported from outside titans.ops:\n" + "\n".join(wrong)
+    outside = []
+    for folder in ("tests", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            found = read_imports(path.read_text(encoding="utf-8"), f"{folder}.{path.stem}", modules)
+            allowed = OP_INTERNALS_READERS.get(rel, set())
+            outside += [
+                f"  {rel}:{i.line} imports {i.target}"
+                for i in found
+                if i.target.startswith(OP_PACKAGE + ".") and i.target not in allowed
+            ]
+    assert not outside, "modules of the memory op imported by tests or benchmarks:\n" + "\n".join(outside)
+
+
+def test_the_entry_point_check_sees_a_submodule_import():
+    source = "from titans.ops.memory import chunk\nfrom titans.ops.memory.rules import MemoryRule\n"
+    modules = {"titans.ops.memory", "titans.ops.memory.chunk", "titans.ops.memory.rules"}
+    found = read_imports(source, "titans.layers.x", modules)
+    assert len(_op_submodule_imports(found)) == 2
+    inside = read_imports(source, "titans.ops.memory", modules, is_package=True)
+    assert not _op_submodule_imports(inside)
+
+
+def test_a_part_without_its_methods_is_refused():
+    """A part class must define every method of its slot where it is defined; a kind is taken once; a rule
+    takes registered parts only."""
+    from titans.ops.memory import (
+        BIASES,
+        OPTIMIZERS,
+        RETENTIONS,
+        Bias,
+        LpBias,
+        MemoryRule,
+        Optimizer,
+        Retention,
+        RulePart,
+    )
+
+    with pytest.raises(TypeError, match=r"retention part NoRead \(kind 'toy_no_read'\) does not define read"):
+
+        class NoRead(Retention, kind="toy_no_read"):
+            pass
+
+    with pytest.raises(TypeError, match="does not define momentum_coefficients, update"):
+
+        class OnlyMomentum(Optimizer, kind="toy_only_momentum"):
+            uses_momentum = True
+
+    with pytest.raises(TypeError, match="does not define grad"):
+
+        class NoGrad(Bias, kind="toy_no_grad"):
+            def error_map(self, e, aux):
+                return e
+
+    assert not {"toy_no_read", "toy_only_momentum", "toy_no_grad"} & {*BIASES, *RETENTIONS, *OPTIMIZERS}
+    with pytest.raises(ValueError, match="bias kind 'lp' is taken by LpBias"):
+
+        class OtherLp(LpBias, kind="lp"):
+            pass
+
+    @dataclass(frozen=True)
+    class Unregistered(Retention):  # no kind: not a part a rule can hold
+        def read(self, a):
+            return a
+
+    with pytest.raises(TypeError, match="retention must be one of"):
+        MemoryRule(retention=Unregistered())
+    with pytest.raises(TypeError, match="derive it from Bias, Retention or Optimizer"):
+
+        class Loose(RulePart, kind="toy_loose"):
+            pass

@@ -16,8 +16,7 @@ import torch
 from test_memory import assert_close_rel, random_problem
 from titans import NeuralMemory
 from titans.models import TitansConfig, TitansLM
-from titans.ops.memory import neural_memory_chunked
-from titans.ops.memory_ref import neural_memory_ref
+from titans.ops.memory import neural_memory_chunked, neural_memory_ref
 
 F64 = torch.float64
 

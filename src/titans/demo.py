@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from titans.ops.memory import memory_forward, neural_memory_chunked
+from titans.ops.memory import memory_forward, neural_memory
 
 
 def run_demo(pairs: int = 32, dim: int = 64, depth: int = 1, epochs: int = 6, seed: int = 0) -> dict:
@@ -34,7 +34,8 @@ def run_demo(pairs: int = 32, dim: int = 64, depth: int = 1, epochs: int = 6, se
     log_eta = torch.full((1, 1, n), math.log(0.5))
     log_keep = torch.zeros(1, 1, n)
     start = time.perf_counter()
-    _, w_end, _, surprise = neural_memory_chunked(k, k, v, theta, log_eta, log_keep, w0, s0, chunk_size=4)
+    gates = torch.stack([theta, log_eta, log_keep], -1)
+    _, w_end, _, surprise = neural_memory(k, k, v, gates, w0, s0, chunk_size=4)
     seconds = time.perf_counter() - start
 
     def recall(w):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -26,18 +25,17 @@ from titans.layers.state_tree import StateTree, register_state_type
 from titans.ops.conv import causal_conv_silu
 from titans.ops.memory import (
     ACTIVATIONS,
+    MemoryRule,
     bound_weights,
     check_max_norm,
     check_threshold,
     memory_forward,
-    neural_memory_chunked,
+    neural_memory,
+    resolve_rule,
+    triton_reason,
     write_mask,
 )
-from titans.ops.memory_ref import neural_memory_ref
-from titans.ops.memory_triton import covered, device_reason, neural_memory_triton
 from titans.ops.norms import l2_normalize, rms_norm
-from titans.ops.rules import MemoryRule, memory_rule_chunked, read_weights, resolve_rule
-from titans.ops.rules_ref import memory_rule_ref
 from titans.validation import check_int
 
 log = logging.getLogger(__name__)
@@ -174,14 +172,14 @@ class NeuralMemory(nn.Module):
         checkpoint_every: opt-in activation checkpointing of the chunked path in groups of this many chunks
             (training on very long sequences: O(T / checkpoint_every) saved states instead of O(T), for
             about one extra forward pass). None (default) keeps every chunk's state.
-        rule: the update rule (`titans.ops.rules`): a preset name ("titans", the default, "moneta", "yaad",
-            "memora", "atlas"), a parts dict or a `MemoryRule` (`titans.ops.rules.memory_rule_chunked`
-            says which run on the fast path; checkpoint_every applies to those). A rule's state `weights`
-            are the pre-retention A (the memory reads W = g(A)).
-        backend: the chunked path's chunk loop: "torch" (`ops/memory.py`), "triton" (the Triton kernels of
-            `ops/memory_triton.py`: CUDA tensors, or CPU ones under TRITON_INTERPRET=1; an error where they
-            do not cover the config) or "auto" (the kernels on CUDA where triton is installed and they cover
-            the config, else torch; the choice is logged once).
+        rule: the update rule (`titans.ops.memory.MemoryRule`): a preset name ("titans", the default,
+            "moneta", "yaad", "memora", "atlas"), a parts dict or a `MemoryRule`
+            (`titans.ops.memory.memory_rule_chunked` says which run on the fast path; checkpoint_every applies
+            to those). A rule's state `weights` are the pre-retention A (the memory reads W = g(A)).
+        backend: the chunked path's chunk loop: "torch" (`ops/memory/chunk.py`), "triton" (the Triton
+            kernels of `ops/memory/triton_chunk.py`: CUDA tensors, or CPU ones under TRITON_INTERPRET=1; an
+            error where they do not cover the config) or "auto" (the kernels on CUDA where triton is installed
+            and they cover the config, else torch; the choice is logged once).
     """
 
     def __init__(
@@ -300,16 +298,11 @@ class NeuralMemory(nn.Module):
     def _add_rule_gates(self) -> None:
         """The projection of the rule's extra per-token gates (Omega window weights, Huber deltas), if any;
         created last, so the other parameters' initialisation does not depend on the rule."""
-        extra = self.rule.extra_gates
-        self.to_rule_gates = nn.Linear(self.dim, len(extra) * self.heads) if extra else None
+        specs = self.rule.gate_specs
+        self.to_rule_gates = nn.Linear(self.dim, len(specs) * self.heads) if specs else None
         if self.to_rule_gates is None:
             return
-        init = []
-        for name in extra:
-            if name == "omega":
-                init.append(_logit(self.rule.window.gate_init))
-            else:  # softplus^-1(delta_init)
-                init.append(math.log(math.expm1(self.rule.bias.delta_init)))
+        init = [spec.init for spec in specs]
         with torch.no_grad():
             self.to_rule_gates.weight.mul_(0.1)
             self.to_rule_gates.bias.copy_(torch.tensor(init).repeat_interleave(self.heads))
@@ -440,10 +433,7 @@ class NeuralMemory(nn.Module):
         if self.to_rule_gates is None:
             return gates
         logits = self.to_rule_gates(x).to(gates.dtype).view(*x.shape[:2], -1, self.heads).permute(0, 3, 1, 2)
-        extra = [
-            torch.sigmoid(logits[..., i]) if name == "omega" else F.softplus(logits[..., i])
-            for i, name in enumerate(self.rule.extra_gates)
-        ]
+        extra = [spec.activation(logits[..., i]) for i, spec in enumerate(self.rule.gate_specs)]
         return torch.cat([gates, torch.stack(extra, -1)], -1)
 
     def _core_gates(self, x: Tensor) -> Tensor:
@@ -468,7 +458,7 @@ class NeuralMemory(nn.Module):
         """M(q; W) with no update: q (B, H, n, d) -> (B, H, n, d). `weights` as in the state (for a rule
         with a retention map, the pre-retention A: the read is through W = g(A))."""
         if not self.rule.is_titans:
-            weights = tuple(read_weights(self.rule.retention, a) for a in weights)
+            weights = tuple(self.rule.retention.read(a) for a in weights)
         return memory_forward(q, weights, self.activation, self.residual)
 
     def combine_heads(self, y: Tensor, x: Tensor) -> Tensor:
@@ -575,60 +565,34 @@ class NeuralMemory(nn.Module):
         checkpoint_every: int | None,
         history: int = 0,
     ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
-        """The memory op (`impl`) over q, k, v (B, H, n, d) and gates (B, H, n, 3 + e) from the state's
-        weights and momentum: y, weights, momentum, surprise (y and surprise for the rows after the first
-        `history`, context-only rows of a windowed rule)."""
-        if self.impl == "chunked" and self._use_triton(q):
-            fn = partial(neural_memory_triton, checkpoint_every=checkpoint_every)
-        elif not self.rule.is_titans:
-            self._check_titans_only_options()  # refused at construction too; this catches a later assignment
-            if self.impl == "chunked":
-                fn = partial(memory_rule_chunked, checkpoint_every=checkpoint_every)
-            else:
-                fn = memory_rule_ref
-            return fn(
-                q,
-                k,
-                v,
-                gates,
-                state.weights,
-                state.momentum,
-                rule=self.rule,
-                chunk_size=chunk_size,
-                history=history,
-                activation=self.activation,
-                residual=self.residual,
-                surprise_clip=self.surprise_clip,
-                surprise_threshold=self.surprise_threshold,
-            )
-        elif self.impl == "chunked":
-            fn = partial(
-                neural_memory_chunked,
-                checkpoint_every=checkpoint_every,
-                surprise_threshold=self.surprise_threshold,
-                max_norm=self.max_norm,
-                anchor=self._anchor(),
-            )
+        """The memory op (`titans.ops.memory.neural_memory`, on the path `impl` and `backend` pick) over q, k,
+        v (B, H, n, d) and gates (B, H, n, 3 + e) from the state's weights and momentum: y, weights,
+        momentum, surprise (y and surprise for the rows after the first `history`, context-only rows of a
+        windowed rule)."""
+        if self.impl == "reference":
+            backend = "reference"
         else:
-            fn = partial(
-                neural_memory_ref,
-                surprise_threshold=self.surprise_threshold,
-                max_norm=self.max_norm,
-                anchor=self._anchor(),
-            )
-        return fn(
+            backend = "triton" if self._use_triton(q) else "torch"
+        # refused at construction too; this catches a later assignment (with the same message as there)
+        self._check_titans_only_options()
+        return neural_memory(
             q,
             k,
             v,
-            gates[..., 0],
-            gates[..., 1],
-            gates[..., 2],
+            gates,
             state.weights,
             state.momentum,
             chunk_size=chunk_size,
+            rule=self.rule,
+            backend=backend,
+            history=history,
             activation=self.activation,
             residual=self.residual,
             surprise_clip=self.surprise_clip,
+            checkpoint_every=checkpoint_every,
+            surprise_threshold=self.surprise_threshold,
+            max_norm=self.max_norm,
+            anchor=self._anchor(),
         )
 
     def _w0(self, device=None, dtype=None) -> tuple[Tensor, ...]:
@@ -665,7 +629,7 @@ class NeuralMemory(nn.Module):
         if self.backend == "torch":
             return False
         hidden = self.init_weights[0].shape[-1]
-        reason = covered(self.depth, self.head_dim, hidden, self.activation) or device_reason(q.device)
+        reason = triton_reason(self.depth, self.head_dim, hidden, self.activation, q.device)
         reason = self._triton_config_reason() or reason
         if self.backend == "triton":
             if reason is not None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from titans.models.variants import VARIANT_SPECS, Variant
-from titans.ops.rules import resolve_rule
+from titans.ops.memory import resolve_rule
 from titans.validation import check_int
 
 VARIANTS = tuple(VARIANT_SPECS)

@@ -1,6 +1,6 @@
 """Reference memory rules: the MIRAS / ATLAS update equations written literally, one token at a time.
 
-The ground truth `titans.ops.rules.memory_rule_chunked` is tested against: a Python loop over tokens,
+The ground truth `titans.ops.memory.rules.memory_rule_chunked` is tested against: a Python loop over tokens,
 inner gradients by autograd of the inner loss itself (not of an error map), float64. It shares no code
 with the fast path (its own MLP, losses, retention maps and Newton-Schulz).
 
@@ -40,30 +40,51 @@ def _mlp(x: Tensor, ws: list[Tensor], activation: str, residual: bool) -> Tensor
     return h + x if residual else h
 
 
-def _weights(retention, a: Tensor) -> Tensor:
-    kind = retention.kind
-    if kind == "decay":
-        return a
-    if kind == "lq":
-        q = float(retention.q)
-        return a / ((a.abs() ** q).sum((-1, -2), keepdim=True) ** (1.0 / q)) ** (q - 2)
+def _decay(retention, a: Tensor) -> Tensor:
+    return a
+
+
+def _lq(retention, a: Tensor) -> Tensor:
+    q = float(retention.q)
+    return a / ((a.abs() ** q).sum((-1, -2), keepdim=True) ** (1.0 / q)) ** (q - 2)
+
+
+def _kl(retention, a: Tensor) -> Tensor:
     e = torch.exp(a - a.amax(-1, keepdim=True))
     return retention.scale * e / e.sum(-1, keepdim=True)
 
 
-def _loss(bias, e: Tensor, delta: Tensor | None) -> Tensor:
-    """Per (batch, head) inner loss of the error e (B, H, d); delta (B, H)."""
-    kind = bias.kind
-    if kind == "l2":
-        return (e * e).sum(-1)
-    if kind == "lp":
-        p = float(bias.p)
-        if p >= 2:
-            return (e.abs() ** p).sum(-1)
-        return ((e * e + bias.eps**2) ** (p / 2)).sum(-1)
+# W(A) per retention kind
+_WEIGHTS = {"decay": _decay, "lq": _lq, "kl": _kl}
+
+
+def _l2(bias, e: Tensor, delta: Tensor | None) -> Tensor:
+    return (e * e).sum(-1)
+
+
+def _lp(bias, e: Tensor, delta: Tensor | None) -> Tensor:
+    p = float(bias.p)
+    if p >= 2:
+        return (e.abs() ** p).sum(-1)
+    return ((e * e + bias.eps**2) ** (p / 2)).sum(-1)
+
+
+def _huber(bias, e: Tensor, delta: Tensor) -> Tensor:
     d = delta.unsqueeze(-1)
     inside = e.abs() <= d
     return torch.where(inside, e * e, 2 * d * e.abs() - d * d).sum(-1)
+
+
+# the per (batch, head) inner loss of the error e (B, H, d), delta (B, H), per bias kind
+_LOSSES = {"l2": _l2, "lp": _lp, "huber": _huber}
+_OPTIMIZERS = ("sgd", "muon")
+
+
+def _written_here(table, part, what: str):
+    """The reference's equation for `part`'s kind: a kind it has none for is an error, never another's."""
+    if part.kind not in table:
+        raise NotImplementedError(f"memory_rule_ref: no reference {what} for kind {part.kind!r}")
+    return table[part.kind]
 
 
 def _orthogonalise(x: Tensor, steps: int) -> Tensor:
@@ -95,11 +116,15 @@ def memory_rule_ref(
     surprise_clip: float | None = None,
     surprise_threshold: float | None = None,
 ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
-    """Same contract as `titans.ops.rules.memory_rule_chunked`."""
+    """Same contract as `titans.ops.memory.rules.memory_rule_chunked`."""
     total = q.shape[2]
     c = rule.window.size
     channels = rule.extra_gates
+    if rule.optimizer.kind not in _OPTIMIZERS:
+        raise NotImplementedError(f"memory_rule_ref: no reference optimizer for kind {rule.optimizer.kind!r}")
     muon = rule.optimizer.kind == "muon"
+    weights_of = _written_here(_WEIGHTS, rule.retention, "retention")
+    loss_of = _written_here(_LOSSES, rule.bias, "bias")
     theta, eta, keep = gates[..., 0], gates[..., 1].exp(), gates[..., 2].exp()
     omega = gates[..., 3 + channels.index("omega")] if "omega" in channels else None
     delta = gates[..., 3 + channels.index("delta")] if "delta" in channels else None
@@ -109,14 +134,14 @@ def memory_rule_ref(
         end = min(start + chunk_size, total)
         complete = end - start == chunk_size
         a_leaf = [a if a.requires_grad else a.detach().requires_grad_(True) for a in a_state]
-        w = [_weights(rule.retention, a) for a in a_leaf]
+        w = [weights_of(rule.retention, a) for a in a_leaf]
         us = []
         for t in range(start, end):
             ys.append(_mlp(q[:, :, t], w, activation, residual))
             objective = 0
             for i in range(max(0, t - c + 1), t + 1):
                 e = _mlp(k[:, :, i], w, activation, residual) - v[:, :, i]
-                li = _loss(rule.bias, e, None if delta is None else delta[:, :, i])
+                li = loss_of(rule.bias, e, None if delta is None else delta[:, :, i])
                 objective = objective + (li if omega is None else omega[:, :, i] * li)
             u = torch.autograd.grad(objective.sum(), w, create_graph=True)
             norm = torch.sqrt(sum((g * g).sum((-1, -2)) for g in u))

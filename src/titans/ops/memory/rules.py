@@ -3,7 +3,9 @@
 MIRAS (Behrouz et al., arXiv 2504.13173) describes a recurrent memory by its architecture, its attentional
 bias (the inner loss), its retention (how old content is kept) and its learning algorithm; ATLAS (arXiv
 2505.23735) adds the window of the objective (the Omega rule) and Muon as the inner optimiser. A
-`MemoryRule` is those choices as data:
+`MemoryRule` is those choices as data, each part a class that carries its own maths (`Bias`, `Retention`,
+`Optimizer`: a new part is one class, registered under its kind where it is defined; a preset is one line
+of `RULE_PRESETS`):
 
     bias       L2Bias()                    ||M(k) - v||^2                     (Titans)
                LpBias(p)                   sum_i |M(k)_i - v_i|^p             (Moneta)
@@ -19,7 +21,7 @@ bias (the inner loss), its retention (how old content is kept) and its learning 
     optimizer  MomentumSGD(momentum)       S_t = eta_t S_{t-1} - theta_t u_t, A_t = keep_t A_{t-1} + S_t
                Muon(steps)                 S_t = eta_t S_{t-1} - u_t, A_t = keep_t A_{t-1} + theta_t NS(S_t)
 
-Everything is in the chunked form of `titans.ops.memory`: every token's gradient is taken at the weights
+Everything is in the chunked form of `titans.ops.memory.chunk`: every token's gradient is taken at the weights
 of its chunk's start. The bias changes only the per-token output error (dL/dM(k) = phi(M(k) - v)); the
 retention only the map A -> W through which the memory is read and differentiated (the update is
 linear in A, so the chunk's closed form is unchanged); the window only the write coefficients (a banded
@@ -30,7 +32,7 @@ applies it with the chunk's summed (decayed) learning rates, NS(S_t) ~ NS(S_b) i
 chunk_size 1).
 
 The "titans" rule, and every rule with Titans's retention, window and optimiser (any bias: "yaad"), runs
-on the custom-autograd fast path of `titans.ops.memory`, the bias threaded in as its error map (forward
+on the custom-autograd fast path of `titans.ops.memory.chunk`, the bias threaded in as its error map (forward
 phi(e), backward phi'(e)); the others run on `memory_rule_chunked_autograd` here: the same chunked matmul
 form, differentiated by torch autograd.
 
@@ -41,19 +43,22 @@ chunk does not hold), and the l_q retention's general f-divergence / Bregman var
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from titans.ops.memory import (
-    _act_backward,
-    _layers_forward,
+from titans.ops.memory.chunk import neural_memory_chunked
+from titans.ops.memory.common import (
+    act_backward,
     check_threshold,
     chunk_coefficients,
     clip_scale,
-    neural_memory_chunked,
+    layers_forward,
     segsum,
     suffix_sum,
     write_mask,
@@ -64,20 +69,160 @@ from titans.validation import check_int
 
 
 @dataclass(frozen=True)
-class L2Bias:
-    """||M(k) - v||^2: the error map is phi(e) = 2 e (Titans)."""
+class GateSpec:
+    """A per-token, per-head gate a rule part learns beyond theta, eta and alpha: the layer projects the
+    input to one logit per head, `activation` maps it to the gate, and the projection's bias starts at
+    `init` (the logit of the gate's initial value)."""
 
-    kind: str = field(default="l2", init=False)
+    name: str
+    activation: Callable[[Tensor], Tensor]
+    init: float
+
+
+class RulePart:
+    """A part of a `MemoryRule` that carries its own maths. Each slot (`Bias`, `Retention`, `Optimizer`)
+    names the methods its parts define; a part registers its kind where it is defined,
+
+        @dataclass(frozen=True)
+        class MyBias(Bias, kind="mine"):
+            ...
+
+    and a class that does not define every method of its slot is refused there (TypeError), so no part
+    runs another part's maths. A rule takes registered parts only (`MemoryRule`)."""
+
+    slot: ClassVar[str] = ""
+    kind: ClassVar[str] = ""
+    methods: ClassVar[tuple[str, ...]] = ()
+    registry: ClassVar[dict[str, type[RulePart]]] = {}
+    # runs on the custom-autograd fast path of `chunk.py` (with the other parts' consent, `fits_fast_path`)
+    fast_path: ClassVar[bool] = False
+
+    def __init_subclass__(cls, kind: str | None = None, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if kind is None:
+            if RulePart in cls.__bases__:  # a slot: its own registry
+                cls.registry = {}
+            return
+        slot = next((base for base in cls.__mro__[1:] if RulePart in base.__bases__), None)
+        if slot is None:
+            raise TypeError(f"rule part {cls.__name__}: derive it from Bias, Retention or Optimizer")
+        missing = [m for m in slot.methods if getattr(cls, m) is getattr(slot, m)]
+        if missing:
+            raise TypeError(
+                f"{slot.slot} part {cls.__name__} (kind {kind!r}) does not define {', '.join(missing)}: "
+                f"every {slot.slot} defines {', '.join(slot.methods)}"
+            )
+        if kind in slot.registry:
+            raise ValueError(
+                f"{slot.slot} kind {kind!r} is taken by {slot.registry[kind].__name__}; {cls.__name__} needs "
+                "another"
+            )
+        cls.kind = kind
+        slot.registry[kind] = cls
+
+    def gates(self) -> tuple[GateSpec, ...]:
+        """The part's learned per-token gate, if any (at most one)."""
+        return ()
+
+
+class Bias(RulePart):
+    """The attentional bias: the inner loss L(M(k), v), seen through its error map dL/dM(k) = phi(e) of the
+    output error e = M(k) - v. Its gate, if any, comes to every method as `aux` (..., n), one per token."""
+
+    slot = "bias"
+    methods = ("error_map", "grad")
+
+    def error_map(self, e: Tensor, aux: Tensor | None) -> Tensor:
+        """phi(e) for e (..., n, d), differentiable by autograd in e and aux (the autograd path)."""
+        raise NotImplementedError
+
+    def value(self, e: Tensor, aux: Tensor | None) -> Tensor:
+        """phi(e) on the fast path (its backward is `grad`)."""
+        return self.error_map(e, aux)
+
+    def grad(self, g: Tensor, e: Tensor, aux: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """(dL/de, dL/daux) for dL/dphi = g: the error map's backward on the fast path."""
+        raise NotImplementedError
+
+    def fast_error(self) -> Bias | None:
+        """What the fast path takes as its error map (`neural_memory_chunked(error=...)`): this part, or
+        None for the path's own 2 e."""
+        return self
+
+
+class Retention(RulePart):
+    """The retention: the map A -> W = g(A) through which the memory is read and differentiated (the state
+    A is updated linearly, so the chunk's closed form holds)."""
+
+    slot = "retention"
+    methods = ("read",)
+
+    def read(self, a: Tensor) -> Tensor:
+        """W = g(A) for a (..., d_in, d_out)."""
+        raise NotImplementedError
+
+
+class Optimizer(RulePart):
+    """The inner optimiser: how a chunk's combined gradients enter the momentum S and the state A.
+
+    With gamma, beta the closed form's per-token coefficients (`chunk_coefficients`) times each token's
+    clip and write factors, a chunk moves S_b = E_b S_0 - sum_t c_S,t u_t (c_S from
+    `momentum_coefficients`) and A by `update`."""
+
+    slot = "optimizer"
+    methods = ("uses_momentum", "momentum_coefficients", "update")
+
+    @property
+    def uses_momentum(self) -> bool:
+        """Whether the momentum decay eta is learned (False: eta = 0)."""
+        raise NotImplementedError
+
+    def momentum_coefficients(self, beta: Tensor, log_eta: Tensor) -> Tensor:
+        """The per-token coefficients of S's write (N, n), given the closed form's beta = theta_t E_b / E_t
+        and the chunk's log(eta) (N, n)."""
+        raise NotImplementedError
+
+    def update(
+        self,
+        a_state: Tensor,
+        s_state: Tensor,
+        s_new: Tensor,
+        inputs: Tensor,
+        deltas: Tensor,
+        c_w: Tensor,
+        theta: Tensor,
+        log_keep: Tensor,
+        decay: Tensor,
+        carry: Tensor,
+    ) -> Tensor:
+        """A at the chunk's end, per layer: a_state, s_state (N, d_in, d_out) at its start, s_new at its end;
+        the per-token gradients' factors inputs (N, m, d_in) and deltas (N, m, d_out) with their weights
+        c_w (N, m) (sum_t c_w,t u_t = inputs^T (c_w deltas)); the chunk's theta, log(1 - alpha) (N, n) and
+        the closed form's A_b (`decay`) and S_0 carry (`carry`) (N,)."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
-class LpBias:
+class L2Bias(Bias, kind="l2"):
+    """||M(k) - v||^2: the error map is phi(e) = 2 e (Titans)."""
+
+    def error_map(self, e: Tensor, aux: Tensor | None) -> Tensor:
+        return 2 * e
+
+    def grad(self, g: Tensor, e: Tensor, aux: Tensor | None) -> tuple[Tensor, None]:
+        return 2 * g, None
+
+    def fast_error(self) -> None:
+        return None  # the fast path's own l2 error map
+
+
+@dataclass(frozen=True)
+class LpBias(Bias, kind="lp"):
     """sum_i |e_i|^p, phi(e) = p sign(e) |e|^(p-1) (Moneta). For p < 2 the power's derivative is unbounded
     at e = 0, so there |e| is smoothed to sqrt(e^2 + eps^2): phi(e) = p e (e^2 + eps^2)^((p-2)/2)."""
 
     p: float = 3.0
     eps: float = 1e-3
-    kind: str = field(default="lp", init=False)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.p, (int, float)) and not isinstance(self.p, bool) and self.p >= 1):
@@ -85,9 +230,10 @@ class LpBias:
         if not self.eps > 0:
             raise ValueError(f"LpBias: eps must be > 0, got {self.eps!r}")
 
-    def value(self, e: Tensor, aux: Tensor | None) -> Tensor:
-        """phi(e) (the fast path's error map interface, `neural_memory_chunked(error=...)`)."""
-        return error_map(self, e, aux)
+    def error_map(self, e: Tensor, aux: Tensor | None) -> Tensor:
+        if self.p == 2:
+            return 2 * e
+        return _LpError.apply(e, float(self.p), float(self.eps))
 
     def grad(self, g: Tensor, e: Tensor, aux: Tensor | None) -> tuple[Tensor, None]:
         """(g * phi'(e), None): the error map's backward (no per-token input)."""
@@ -95,21 +241,26 @@ class LpBias:
 
 
 @dataclass(frozen=True)
-class HuberBias:
+class HuberBias(Bias, kind="huber"):
     """Per coordinate e^2 for |e| <= delta_t, 2 delta_t |e| - delta_t^2 beyond (Yaad): phi(e) = 2
     clamp(e, -delta_t, delta_t). delta_t = softplus(x_t w + b) per token and head, learned; its bias starts
     at `delta_init`."""
 
     delta_init: float = 1.0
-    kind: str = field(default="huber", init=False)
 
     def __post_init__(self) -> None:
         if not self.delta_init > 0:
             raise ValueError(f"HuberBias: delta_init must be > 0, got {self.delta_init!r}")
 
-    def value(self, e: Tensor, aux: Tensor) -> Tensor:
+    def gates(self) -> tuple[GateSpec, ...]:
+        # softplus^-1(delta_init)
+        return (GateSpec("delta", F.softplus, math.log(math.expm1(self.delta_init))),)
+
+    def error_map(self, e: Tensor, aux: Tensor) -> Tensor:
         """phi(e) = 2 clamp(e, -delta, delta), delta = aux (..., n) per token."""
-        return error_map(self, e, aux)
+        d = aux.unsqueeze(-1)
+        # differentiable in delta where clamped (the outer gradient reaches the delta projection)
+        return 2 * torch.minimum(torch.maximum(e, -d), d)
 
     def grad(self, g: Tensor, e: Tensor, aux: Tensor) -> tuple[Tensor, Tensor]:
         """(dL/de, dL/ddelta) for dL/dphi = g: 2 g inside |e| <= delta (the boundary counts as inside),
@@ -120,37 +271,48 @@ class HuberBias:
 
 
 @dataclass(frozen=True)
-class DecayRetention:
+class DecayRetention(Retention, kind="decay"):
     """W = A, kept by the forgetting gate: A_t = (1 - alpha_t) A_{t-1} + ... (Titans)."""
 
-    kind: str = field(default="decay", init=False)
+    fast_path = True
+
+    def read(self, a: Tensor) -> Tensor:
+        return a
 
 
 @dataclass(frozen=True)
-class LqRetention:
+class LqRetention(Retention, kind="lq"):
     """W = A / ||A||_q^(q-2) per memory layer and head (Moneta); q = 2 is `DecayRetention`."""
 
     q: float = 4.0
-    kind: str = field(default="lq", init=False)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.q, (int, float)) and not isinstance(self.q, bool) and self.q >= 2):
             raise ValueError(f"LqRetention: q must be a number >= 2, got {self.q!r}")
 
+    def read(self, a: Tensor) -> Tensor:
+        if self.q == 2:
+            return a
+        q = self.q
+        norm = a.abs().pow(q).sum((-1, -2), keepdim=True).pow(1 / q)
+        return a / norm.clamp_min(1e-12).pow(q - 2)
+
 
 @dataclass(frozen=True)
-class KLRetention:
+class KLRetention(Retention, kind="kl"):
     """W = scale * softmax(A) along each row's d_out entries (Memora): the KL-regularised update
     W_t = softmax(alpha_t log W_{t-1} - eta_t grad) is linear in the logits A (softmax ignores the row's
     log-normaliser), so the decay and the chunk's closed form act on A. scale 1 is the paper's simplex;
     the entries stay positive either way, so the memory cannot flip a sign."""
 
     scale: float = 1.0
-    kind: str = field(default="kl", init=False)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.scale, (int, float)) and self.scale > 0):
             raise ValueError(f"KLRetention: scale must be > 0, got {self.scale!r}")
+
+    def read(self, a: Tensor) -> Tensor:
+        return self.scale * torch.softmax(a, dim=-1)
 
 
 @dataclass(frozen=True)
@@ -166,51 +328,100 @@ class Window:
         if not 0 < self.gate_init < 1:
             raise ValueError(f"Window: gate_init must lie in (0, 1), got {self.gate_init!r}")
 
+    def gates(self) -> tuple[GateSpec, ...]:
+        if self.size == 1:
+            return ()
+        p = self.gate_init
+        return (GateSpec("omega", torch.sigmoid, math.log(p) - math.log1p(-p)),)
+
+    def matrix(self, omega: Tensor | None, n: int, m: int) -> Tensor | None:
+        """(..., n, m): entry [t, i] is the weight of context row i (the chunk's n tokens are its last n
+        rows) in token t's objective: omega_i inside the window i in (t + m - n - size, t + m - n], else
+        0. None for size 1 (the identity)."""
+        if self.size == 1:
+            return None
+        t = torch.arange(n, device=omega.device).unsqueeze(-1) + (m - n)
+        i = torch.arange(m, device=omega.device)
+        band = (i <= t) & (i > t - self.size)
+        return omega.unsqueeze(-2) * band.to(omega.dtype)
+
 
 @dataclass(frozen=True)
-class MomentumSGD:
+class MomentumSGD(Optimizer, kind="sgd"):
     """Gradient descent with momentum (Titans); momentum=False is plain gradient descent (MIRAS's GD)."""
 
     momentum: bool = True
-    kind: str = field(default="sgd", init=False)
+    fast_path = True
+
+    @property
+    def uses_momentum(self) -> bool:
+        return self.momentum
+
+    def momentum_coefficients(self, beta: Tensor, log_eta: Tensor) -> Tensor:
+        return beta
+
+    def update(self, a_state, s_state, s_new, inputs, deltas, c_w, theta, log_keep, decay, carry) -> Tensor:
+        """A_b = A_b' A_0 + c S_0 - sum_t gamma_t u_t."""
+        return (
+            decay[:, None, None] * a_state
+            + carry[:, None, None] * s_state
+            - inputs.transpose(1, 2) @ (c_w.unsqueeze(-1) * deltas)
+        )
 
 
 @dataclass(frozen=True)
-class Muon:
+class Muon(Optimizer, kind="muon"):
     """Muon (ATLAS): the momentum S_t = eta_t S_{t-1} - u_t, orthogonalised by `steps` Newton-Schulz
     iterations, is the step: A_t = keep_t A_{t-1} + theta_t NS(S_t). Once per chunk (see the module)."""
 
     steps: int = 5
-    kind: str = field(default="muon", init=False)
 
     def __post_init__(self) -> None:
         check_int("Muon: steps", self.steps)
 
+    @property
+    def uses_momentum(self) -> bool:
+        return True
 
-BIASES = {"l2": L2Bias, "lp": LpBias, "huber": HuberBias}
-RETENTIONS = {"decay": DecayRetention, "lq": LqRetention, "kl": KLRetention}
-OPTIMIZERS = {"sgd": MomentumSGD, "muon": Muon}
+    def momentum_coefficients(self, beta: Tensor, log_eta: Tensor) -> Tensor:
+        # S_b = E_b S_0 - sum_t (E_b / E_t) s_t u_t: beta without theta
+        return segsum(log_eta)[..., -1, 1:].exp()
+
+    def update(self, a_state, s_state, s_new, inputs, deltas, c_w, theta, log_keep, decay, carry) -> Tensor:
+        """A_b = A_b' A_0 + (sum_t theta_t A_b / A_t) NS(S_b)."""
+        lr = (theta * suffix_sum(log_keep)[..., 1:].exp()).sum(-1)
+        return decay[:, None, None] * a_state + lr[:, None, None] * newton_schulz(s_new, self.steps)
+
+
+# the registered kinds of each slot, by name (filled as the parts above are defined)
+BIASES = Bias.registry
+RETENTIONS = Retention.registry
+OPTIMIZERS = Optimizer.registry
+SLOTS: dict[str, type[RulePart]] = {"bias": Bias, "retention": Retention, "optimizer": Optimizer}
 
 
 @dataclass(frozen=True)
 class MemoryRule:
     """The memory's update rule as its four parts (module docstring). `MemoryRule()` is Titans."""
 
-    bias: L2Bias | LpBias | HuberBias = L2Bias()
-    retention: DecayRetention | LqRetention | KLRetention = DecayRetention()
+    bias: Bias = L2Bias()
+    retention: Retention = DecayRetention()
     window: Window = Window()
-    optimizer: MomentumSGD | Muon = MomentumSGD()
+    optimizer: Optimizer = MomentumSGD()
 
     def __post_init__(self) -> None:
-        for name, kinds in (("bias", BIASES), ("retention", RETENTIONS), ("optimizer", OPTIMIZERS)):
+        for name, slot in SLOTS.items():
             part = getattr(self, name)
-            if type(part) not in kinds.values():
+            if type(part) not in slot.registry.values():
                 raise TypeError(
-                    f"MemoryRule: {name} must be one of {[k.__name__ for k in kinds.values()]}, "
+                    f"MemoryRule: {name} must be one of {[k.__name__ for k in slot.registry.values()]}, "
                     f"got {type(part).__name__}"
                 )
         if not isinstance(self.window, Window):
             raise TypeError(f"MemoryRule: window must be a Window, got {type(self.window).__name__}")
+        for name in ("window", *SLOTS):
+            if len(getattr(self, name).gates()) > 1:
+                raise ValueError(f"MemoryRule: the {name} part learns at most one gate")
 
     @property
     def is_titans(self) -> bool:
@@ -218,20 +429,35 @@ class MemoryRule:
         return self == RULE_PRESETS["titans"]
 
     @property
+    def gate_specs(self) -> tuple[GateSpec, ...]:
+        """The per-token, per-head gates this rule learns beyond theta, eta, alpha, in channel order (the
+        window's, the bias's, the retention's, the optimizer's)."""
+        return tuple(g for name in _GATE_ORDER for g in getattr(self, name).gates())
+
+    @property
     def extra_gates(self) -> tuple[str, ...]:
-        """The per-token, per-head gates this rule learns beyond theta, eta, alpha, in channel order."""
-        return (("omega",) if self.window.size > 1 else ()) + (
-            ("delta",) if isinstance(self.bias, HuberBias) else ()
-        )
+        """The names of `gate_specs`, in channel order."""
+        return tuple(g.name for g in self.gate_specs)
+
+    def gate_of(self, part: str, extra: Tensor) -> Tensor | None:
+        """The channel of part `part`'s ("window", "bias", ...) gate in extra (..., e), the rule's extra gates
+        in channel order: (...) or None where the part has no gate."""
+        start = 0
+        for name in _GATE_ORDER:
+            count = len(getattr(self, name).gates())
+            if name == part:
+                return extra[..., start] if count else None
+            start += count
+        raise ValueError(f"MemoryRule: no part {part!r}; the parts are {list(_GATE_ORDER)}")
 
     @property
     def uses_momentum(self) -> bool:
-        return not isinstance(self.optimizer, MomentumSGD) or self.optimizer.momentum
+        return self.optimizer.uses_momentum
 
     def to_dict(self) -> dict:
         """The parts as plain data (JSON): {"bias": {"kind": "lp", "p": 3.0}, ...}."""
         out = {}
-        for name in ("bias", "retention", "optimizer"):
+        for name in SLOTS:
             part = getattr(self, name)
             out[name] = {"kind": part.kind, **{f.name: v for f, v in _init_fields(part)}}
         out["window"] = asdict(self.window)
@@ -246,13 +472,15 @@ class MemoryRule:
         if unknown:
             raise ValueError(f"MemoryRule: unknown part(s) {unknown}")
         parts = {}
-        for name, kinds in (("bias", BIASES), ("retention", RETENTIONS), ("optimizer", OPTIMIZERS)):
+        for name, slot in SLOTS.items():
             if name in data:
                 spec = dict(data[name])
                 kind = spec.pop("kind", None)
-                if kind not in kinds:
-                    raise ValueError(f"MemoryRule: {name} kind must be one of {sorted(kinds)}, got {kind!r}")
-                parts[name] = kinds[kind](**spec)
+                if kind not in slot.registry:
+                    raise ValueError(
+                        f"MemoryRule: {name} kind must be one of {sorted(slot.registry)}, got {kind!r}"
+                    )
+                parts[name] = slot.registry[kind](**spec)
         if "window" in data:
             parts["window"] = Window(**data["window"])
         return cls(**parts)
@@ -263,6 +491,9 @@ class MemoryRule:
             if rule == self:
                 return name
         return self.to_dict()
+
+
+_GATE_ORDER = ("window", "bias", "retention", "optimizer")
 
 
 def _init_fields(part):
@@ -330,32 +561,6 @@ def _lp_derivative(e: Tensor, p: float, eps: float) -> Tensor:
     return p * s.pow((p - 4) / 2) * ((p - 1) * e.square() + eps * eps)
 
 
-def error_map(bias, e: Tensor, delta: Tensor | None) -> Tensor:
-    """dL/dM(k) for the output error e = M(k) - v (..., n, d); delta (..., n) the Huber thresholds."""
-    if isinstance(bias, L2Bias):
-        return 2 * e
-    if isinstance(bias, LpBias):
-        if bias.p == 2:
-            return 2 * e
-        return _LpError.apply(e, float(bias.p), float(bias.eps))
-    d = delta.unsqueeze(-1)
-    # differentiable in delta where clamped (the outer gradient reaches the delta projection)
-    return 2 * torch.minimum(torch.maximum(e, -d), d)
-
-
-def read_weights(retention, a: Tensor) -> Tensor:
-    """The weights W = g(A) the memory reads and is differentiated at. a: (..., d_in, d_out)."""
-    if isinstance(retention, DecayRetention):
-        return a
-    if isinstance(retention, LqRetention):
-        if retention.q == 2:
-            return a
-        q = retention.q
-        norm = a.abs().pow(q).sum((-1, -2), keepdim=True).pow(1 / q)
-        return a / norm.clamp_min(1e-12).pow(q - 2)
-    return retention.scale * torch.softmax(a, dim=-1)
-
-
 def newton_schulz(x: Tensor, steps: int) -> Tensor:
     """The orthogonal factor of x (..., m, n) (U V^T of its SVD), approximately: x / ||x||_F, then `steps`
     quintic Newton-Schulz iterations X <- a X + (b A + c A^2) X, A = X X^T, on the wide orientation."""
@@ -369,18 +574,6 @@ def newton_schulz(x: Tensor, steps: int) -> Tensor:
     return y.transpose(-1, -2) if tall else y
 
 
-def window_matrix(omega: Tensor | None, n: int, m: int, size: int) -> Tensor | None:
-    """(..., n, m): entry [t, i] is the weight of context row i (the chunk's n tokens are its last n rows)
-    in token t's objective: omega_i inside the window i in (t + m - n - size, t + m - n], else 0. None for
-    size 1 (the identity)."""
-    if size == 1:
-        return None
-    t = torch.arange(n, device=omega.device).unsqueeze(-1) + (m - n)
-    i = torch.arange(m, device=omega.device)
-    band = (i <= t) & (i > t - size)
-    return omega.unsqueeze(-2) * band.to(omega.dtype)
-
-
 # ------------------------------------------------------------------------------------------- the chunk op
 
 
@@ -391,19 +584,16 @@ def _chunk(rule, activation, residual, clip, threshold, n, q, k, v, extra, gates
     whose surprise is below it adds no gradient (None: every token does).
     Returns y (N, n, d), surprise (N, n), new states."""
     m = k.shape[1]
-    ws = [read_weights(rule.retention, a) for a, _ in states]
-    out_all, hs, zs = _layers_forward(torch.cat([k, q], 1), ws, activation, residual)
-    channels = rule.extra_gates
-    omega = extra[..., channels.index("omega")] if "omega" in channels else None
-    delta = extra[..., channels.index("delta")] if "delta" in channels else None
-    err = error_map(rule.bias, out_all[:, :m] - v, delta)
+    ws = [rule.retention.read(a) for a, _ in states]
+    out_all, hs, zs = layers_forward(torch.cat([k, q], 1), ws, activation, residual)
+    err = rule.bias.error_map(out_all[:, :m] - v, rule.gate_of("bias", extra))
     # the inner backprop at the key rows: per layer input a_l (N, m, d_in) and error delta_l (N, m, d_out)
     deltas = [err]
     for i in range(len(ws) - 1, 0, -1):
         e = deltas[0] @ ws[i].transpose(-1, -2)
-        deltas.insert(0, _act_backward(e, zs[i - 1][:, :m], activation))
+        deltas.insert(0, act_backward(e, zs[i - 1][:, :m], activation))
     inputs = [h[:, :m] for h in hs]
-    win = window_matrix(omega, n, m, rule.window.size)  # (N, n, m) or None
+    win = rule.window.matrix(rule.gate_of("window", extra), n, m)  # (N, n, m) or None
     if win is None:
         sq = sum(a.square().sum(-1) * d.square().sum(-1) for a, d in zip(inputs, deltas))[:, m - n :]
     else:
@@ -419,9 +609,7 @@ def _chunk(rule, activation, residual, clip, threshold, n, q, k, v, extra, gates
         scale = scale * write_mask(norm, threshold).to(scale.dtype)
     theta, log_eta, log_keep = gates.unbind(-1)
     gamma, beta, decay, carry, mom_decay = chunk_coefficients(theta, log_eta, log_keep)
-    muon = isinstance(rule.optimizer, Muon)
-    if muon:  # S_b = E_b S_0 - sum_t (E_b / E_t) s_t u_t: beta without theta
-        beta = segsum(log_eta)[..., -1, 1:].exp()
+    beta = rule.optimizer.momentum_coefficients(beta, log_eta)
     c_w, c_s = gamma * scale, beta * scale  # (N, n): per token's combined gradient
     if win is not None:  # -> per context row's gradient
         c_w, c_s = ((c.unsqueeze(-2) @ win).squeeze(-2) for c in (c_w, c_s))
@@ -430,18 +618,7 @@ def _chunk(rule, activation, residual, clip, threshold, n, q, k, v, extra, gates
     new_states = []
     for (a_state, s_state), a, d in zip(states, inputs, deltas):
         s_new = mom_decay[:, None, None] * s_state - a.transpose(1, 2) @ (c_s.unsqueeze(-1) * d)
-        if muon:
-            # A_b = A_b' A_0 + (sum_t theta_t A_b / A_t) NS(S_b)
-            lr = (theta * suffix_sum(log_keep)[..., 1:].exp()).sum(-1)
-            a_new = decay[:, None, None] * a_state + lr[:, None, None] * newton_schulz(
-                s_new, rule.optimizer.steps
-            )
-        else:
-            a_new = (
-                decay[:, None, None] * a_state
-                + carry[:, None, None] * s_state
-                - a.transpose(1, 2) @ (c_w.unsqueeze(-1) * d)
-            )
+        a_new = rule.optimizer.update(a_state, s_state, s_new, a, d, c_w, theta, log_keep, decay, carry)
         new_states.append((a_new, s_new))
     return y, norm, new_states
 
@@ -449,11 +626,7 @@ def _chunk(rule, activation, residual, clip, threshold, n, q, k, v, extra, gates
 def fits_fast_path(rule: MemoryRule) -> bool:
     """Whether `rule` runs on the custom-autograd fast path (`neural_memory_chunked` with the bias's error
     map): the decay retention, window 1 and (momentum) SGD, any bias."""
-    return (
-        isinstance(rule.retention, DecayRetention)
-        and rule.window.size == 1
-        and isinstance(rule.optimizer, MomentumSGD)
-    )
+    return rule.retention.fast_path and rule.window.size == 1 and rule.optimizer.fast_path
 
 
 def memory_rule_chunked(
@@ -475,7 +648,7 @@ def memory_rule_chunked(
 ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
     """Read and write a memory with `rule` (contract of `memory_rule_chunked_autograd`). Rules that fit
     (`fits_fast_path`: the biases with the Titans retention, window and optimiser) run on the fast path
-    of `titans.ops.memory` with the bias's error map; the others on `memory_rule_chunked_autograd`.
+    of `titans.ops.memory.chunk` with the bias's error map; the others on `memory_rule_chunked_autograd`.
     checkpoint_every: as `neural_memory_chunked`'s, on the fast path only."""
     if not fits_fast_path(rule):
         return memory_rule_chunked_autograd(
@@ -510,8 +683,8 @@ def memory_rule_chunked(
         surprise_clip=surprise_clip,
         checkpoint_every=checkpoint_every,
         surprise_threshold=surprise_threshold,
-        error=None if isinstance(rule.bias, L2Bias) else rule.bias,
-        error_aux=gates[..., 3] if isinstance(rule.bias, HuberBias) else None,
+        error=rule.bias.fast_error(),
+        error_aux=rule.gate_of("bias", gates[..., 3:]),
     )
 
 
@@ -546,7 +719,8 @@ def memory_rule_chunked_autograd(
     gates: (B, H, h + T, 3 + e): theta, log(eta), log(1 - alpha), then `rule.extra_gates`.
     weights, momentum: per memory layer (B, H, d_in, d_out): the pre-retention state A (W = g(A)) and S.
     Returns y (B, H, T, d), weights, momentum after the last complete chunk, surprise (B, H, T): the norm of
-    each token's (windowed) inner gradient. Shapes and chunking as `titans.ops.memory.neural_memory_chunked`.
+    each token's (windowed) inner gradient. Shapes and chunking as
+    `titans.ops.memory.chunk.neural_memory_chunked`.
     surprise_threshold: as `neural_memory_chunked`'s: a token whose surprise (its windowed gradient's norm,
     before clipping) is below it adds no gradient to S.
     """
@@ -623,7 +797,12 @@ def newton_schulz_flops(d_in: int, d_out: int, steps: int) -> int:
 
 
 __all__ = [
+    "BIASES",
+    "OPTIMIZERS",
+    "RETENTIONS",
+    "Bias",
     "DecayRetention",
+    "GateSpec",
     "HuberBias",
     "KLRetention",
     "L2Bias",
@@ -632,13 +811,15 @@ __all__ = [
     "MemoryRule",
     "MomentumSGD",
     "Muon",
+    "Optimizer",
     "RULE_PRESETS",
+    "Retention",
+    "RulePart",
     "Window",
-    "error_map",
     "fits_fast_path",
     "memory_rule_chunked",
     "memory_rule_chunked_autograd",
     "newton_schulz",
-    "read_weights",
+    "newton_schulz_flops",
     "resolve_rule",
 ]

@@ -1,7 +1,7 @@
 """The neural memory's chunk loop as a Triton kernel: `neural_memory_triton`, a drop-in for
-`titans.ops.memory.neural_memory_chunked` (same arguments, same returns).
+`titans.ops.memory.chunk.neural_memory_chunked` (same arguments, same returns).
 
-Forward: ONE kernel launch per call (`_memory_triton_kernels.memory_chunks_fwd`): a program per sequence
+Forward: ONE kernel launch per call (`triton_kernels.memory_chunks_fwd`): a program per sequence
 (batch x head) runs every chunk with the state on chip and writes the reads, the surprise norms, the final
 state and, when gradients are recorded, the state at the start of every chunk (or of every
 `checkpoint_every`-th chunk). A call shorter than a chunk (decoding one token at a time) is the same single
@@ -9,8 +9,8 @@ launch: a read, plus the write when the pending tokens complete a chunk.
 
 Backward: ONE launch too (`memory_chunks_bwd`): the chunks in reverse, each chunk's forward recomputed
 from its saved start state and backpropagated, the state gradient carried on chip. Two cases go through
-the torch chunk step instead (`titans.ops.memory._run_chunks`, recomputed per group of chunks from the saved
-states and backpropagated: the same gradients at the torch path's speed): `checkpoint_every` (only every
+the torch chunk step instead (`titans.ops.memory.chunk.run_chunks`, recomputed per group of chunks from the
+saved states and backpropagated: the same gradients at the torch path's speed): `checkpoint_every` (only every
 n-th state is kept), and a shape whose backward kernel needs more shared memory than the GPU has (found at
 its first backward, then remembered).
 
@@ -32,15 +32,14 @@ import os
 import torch
 from torch import Tensor
 
-from titans.ops.memory import (
-    _read_and_grads,
-    _run_chunks,
-    _surprise,
-    _surprise_parts,
-    _without_autocast,
+from titans.ops.memory.chunk import read_and_grads, run_chunks
+from titans.ops.memory.common import (
     chunk_mix,
     stack_states,
+    surprise_norm,
+    surprise_parts,
     unstack_states,
+    without_autocast,
 )
 from titans.validation import check_int
 
@@ -65,9 +64,9 @@ def interpreting() -> bool:
 @functools.cache
 def _kernels():
     # lazily: importing it imports triton (optional), and TRITON_INTERPRET must be set by then
-    from titans.ops import _memory_triton_kernels
+    from titans.ops.memory import triton_kernels
 
-    return _memory_triton_kernels
+    return triton_kernels
 
 
 def covered(depth: int, head_dim: int, hidden: int, activation: str) -> str | None:
@@ -215,7 +214,7 @@ class _TritonChunks(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    @_without_autocast
+    @without_autocast
     def backward(ctx, g_y, g_norm, *g_final):
         if ctx.fused:
             try:
@@ -258,10 +257,10 @@ class _TritonChunks(torch.autograd.Function):
             with torch.enable_grad():
                 tail = [leaf(x[:, length:], need) for x, need in zip((q, k, v), needs[:3])]
                 ws = [x[:, 0].detach().requires_grad_(True) for x in final]
-                y, inputs, deltas = _read_and_grads(
+                y, inputs, deltas = read_and_grads(
                     *(x.unsqueeze(1) for x in tail), [w.unsqueeze(1) for w in ws], activation, residual
                 )
-                norm = _surprise(_surprise_parts(inputs, deltas))[1]
+                norm = surprise_norm(surprise_parts(inputs, deltas))[1]
                 grads = grad_into(
                     (y, norm),
                     (g_y[:, length:].unsqueeze(1).to(dtype), g_norm[:, length:].unsqueeze(1).to(dtype)),
@@ -280,7 +279,7 @@ class _TritonChunks(torch.autograd.Function):
                 pieces = [leaf(x[:, rows], need) for x, need in zip((q, k, v), needs[:3])]
                 coefs = [leaf(x[:, c0:c1], need) for x, need in zip((gamma, beta, mix), needs[3:6])]
                 starts = [x[:, i].detach().requires_grad_(True) for x in saved]
-                outs = _run_chunks(activation, residual, clip, None, b, None, *pieces, *coefs, None, *starts)
+                outs = run_chunks(activation, residual, clip, None, b, None, *pieces, *coefs, None, *starts)
                 grads = grad_into(
                     outs,
                     (g_y[:, rows].to(dtype), g_norm[:, rows].to(dtype), *g_states),
@@ -385,7 +384,7 @@ def neural_memory_triton(
     surprise_clip: float | None = None,
     checkpoint_every: int | None = None,
 ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
-    """`titans.ops.memory.neural_memory_chunked` with the chunk loop in a Triton kernel (see there for
+    """`titans.ops.memory.chunk.neural_memory_chunked` with the chunk loop in a Triton kernel (see there for
     the arguments and returns). q, k, v may be float16 / bfloat16 with a float32 state (the kernel computes
     in float32; y and the surprise come out in the state's dtype)."""
     check_int("chunk_size", chunk_size)

@@ -1,7 +1,7 @@
 """Reference neural-memory recurrence: the equations of docs/design.md ("The memory") written literally,
 one token at a time.
 
-This is the ground truth the fast chunked path (`titans.ops.memory`) is tested against. It is slow on
+This is the ground truth the fast chunked path (`titans.ops.memory.chunk`) is tested against. It is slow on
 purpose: a Python loop over tokens, inner gradients by autograd, no algebra. Use it in float64. It shares
 no code with the fast path (its own memory MLP and clipping), so a bug there cannot hide on both sides of
 a test.
@@ -69,7 +69,7 @@ def neural_memory_ref(
     max_norm: float | None = None,
     anchor: tuple[Tensor, ...] | None = None,
 ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
-    """Same contract as `titans.ops.memory.neural_memory_chunked`; see there for shapes."""
+    """Same contract as `titans.ops.memory.chunk.neural_memory_chunked`; see there for shapes."""
     _, _, seq, _ = q.shape
     eta, keep = log_eta.exp(), log_keep.exp()
     w = list(weights)

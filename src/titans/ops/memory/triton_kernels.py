@@ -1,4 +1,4 @@
-"""Triton kernels of the neural memory's chunk loop (imported lazily by `titans.ops.memory_triton`).
+"""Triton kernels of the neural memory's chunk loop (imported lazily by `titans.ops.memory.triton_chunk`).
 
 Importing this module imports triton and compiles nothing yet. `TRITON_INTERPRET=1` must be set before
 this module is first imported for the kernels to run on CPU tensors (Triton's interpreter).
@@ -11,7 +11,7 @@ and errors delta_l per layer), the surprise norms and the closed-form write
     W' = A W + c S + sum_j (-gamma_j s_j) a_j^T delta_j      S' = E S + sum_j (-beta_j s_j) a_j^T delta_j
 
 (s_j the clip scale) as one (d_in, chunk) x (chunk, d_out) `tl.dot` per layer and half. The maths is that
-of `titans.ops.memory._chunk_forward`; the scalar coefficients (gamma, beta, A, c, E) come in computed.
+of `titans.ops.memory.chunk._chunk_forward`; the scalar coefficients (gamma, beta, A, c, E) come in computed.
 A trailing partial chunk is read (and its surprise reported) with a write that leaves the state as it is
 (coefficients 0, mix the identity): no branch in the loop.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources  # noqa: F401 (memory_triton catches it)
+from triton.runtime.errors import OutOfResources  # noqa: F401 (triton_chunk catches it)
 
 SILU, GELU, RELU = 0, 1, 2
 
@@ -239,7 +239,7 @@ def memory_chunks_bwd(
     PREC: tl.constexpr,
 ):
     """The chunks in reverse: each chunk's forward recomputed from its saved start state, then its
-    backward (the maths of `titans.ops.memory._ChunkStep.backward`), the state gradient carried in
+    backward (the maths of `titans.ops.memory.chunk._ChunkStep.backward`), the state gradient carried in
     registers from chunk to chunk. A chunk's rows go RB at a time (fewer rows per matmul: less shared
     memory to stage the operands in)."""
     pid = tl.program_id(0).to(tl.int64)

@@ -18,221 +18,29 @@ memory layer, (B, H, d_in, d_out). `log_keep = log(1 - alpha)`; both log-gates a
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from titans.ops.cpu_kernels import kernels
+from titans.ops.memory.common import (
+    act_backward,
+    act_second,
+    activate,
+    bound_scale,
+    check_max_norm,
+    check_threshold,
+    chunk_mix,
+    clip_scale,
+    inner_errors,
+    layers_forward,
+    stack_states,
+    surprise_norm,
+    surprise_parts,
+    unstack_states,
+    without_autocast,
+    write_mask,
+)
 from titans.validation import check_int
-
-ACTIVATIONS = ("silu", "gelu", "relu")
-
-
-def _act(x: Tensor, name: str, out: Tensor | None = None) -> Tensor:
-    """act(x), written into `out` if given (a view is fine)."""
-    if out is not None:
-        if name == "silu":
-            return torch.ops.aten.silu.out(x, out=out)
-        if name == "gelu":
-            # gelu.out only into contiguous memory: in torch 2.13 its float32 CPU kernel ignores a strided
-            # out's strides and writes contiguously from its first element (tests/test_memory_checkpointing.py
-            # catches this). A (N, rows, d) slice of a longer buffer is contiguous per sequence.
-            if out.dim() == 3 and out[0].is_contiguous() and x[0].is_contiguous():
-                for x_i, out_i in zip(x, out):
-                    torch.ops.aten.gelu.out(x_i, out=out_i)
-                return out
-            return out.copy_(F.gelu(x))
-        return torch.clamp(x, min=0, out=out)
-    if name == "silu":
-        return F.silu(x)
-    if name == "gelu":
-        return F.gelu(x)
-    return F.relu(x)
-
-
-def _act_backward(g: Tensor, x: Tensor, name: str, out: Tensor | None = None) -> Tensor:
-    """g * act'(x) as one fused kernel (act' is never materialised), written into `out` if given (for use
-    without autograd). Differentiable where the fused kernel has a derivative (gelu, relu); for silu, whose
-    fused kernel has none, the formula is used when autograd records."""
-    if out is not None:
-        if name == "gelu":
-            return torch.ops.aten.gelu_backward.grad_input(g, x, grad_input=out)
-        if name == "relu":
-            return torch.ops.aten.threshold_backward.grad_input(g, x, 0, grad_input=out)
-        return torch.ops.aten.silu_backward.grad_input(g, x, grad_input=out)
-    if name == "gelu":
-        return torch.ops.aten.gelu_backward(g, x)
-    if name == "relu":
-        return torch.ops.aten.threshold_backward(g, x, 0)
-    if torch.is_grad_enabled() and (g.requires_grad or x.requires_grad):
-        s = torch.sigmoid(x)
-        return g * (s * (1 + x * (1 - s)))
-    return torch.ops.aten.silu_backward(g, x)
-
-
-def _act_second(x: Tensor, name: str) -> Tensor | None:
-    """act''(x) (None for relu, where it is 0): it carries the outer gradient through the inner one."""
-    if name == "silu":
-        s = torch.sigmoid(x)
-        return (s * (1 - s)).mul_(x * (1 - 2 * s) + 2)
-    if name == "gelu":
-        x2 = x.square()
-        # pdf(x) (2 - x^2), pdf(x) = exp(-x^2 / 2) / sqrt(2 pi)
-        return torch.mul(x2, -0.3989422804014327).add_(0.7978845608028654).mul_(x2.mul_(-0.5).exp_())
-    return None
-
-
-def memory_forward(
-    x: Tensor, weights: tuple[Tensor, ...] | list[Tensor], activation: str, residual: bool
-) -> Tensor:
-    """M(x; W): x (B, H, n, d) -> (B, H, n, d). Depth 1 is a matrix; depth L an L-layer MLP."""
-    return _layers_forward(x, weights, activation, residual)[0]
-
-
-def _layers_forward(
-    x: Tensor, ws, activation: str, residual: bool
-) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-    """The memory MLP on rows x (..., m, d): its output M(x), each layer's input hs[l] and each hidden
-    layer's pre-activation zs[l]."""
-    hs, zs = [x], []
-    for i, w in enumerate(ws):
-        z = torch.matmul(hs[-1], w)
-        if i < len(ws) - 1:
-            zs.append(z)
-            hs.append(_act(z, activation))
-    return (z + x if residual else z), hs, zs
-
-
-def _inner_errors(
-    delta: Tensor, ws, key_zs: list[Tensor], activation: str
-) -> tuple[list[Tensor], list[Tensor]]:
-    """Backprop of the inner loss's output error through the MLP, at the key rows: per layer the error
-    delta_l after its activation (grad_{W_l} = a_l^T delta_l) and, for the layers after the first,
-    e_l = delta_{l+1} W_{l+1}^T before it. key_zs: the hidden pre-activations at the key rows."""
-    deltas, es = [delta], []
-    for i in range(len(ws) - 1, 0, -1):
-        e = torch.matmul(delta, ws[i].transpose(-1, -2))
-        delta = _act_backward(e, key_zs[i - 1], activation)
-        es.append(e)
-        deltas.append(delta)
-    return deltas[::-1], es[::-1]
-
-
-def write_mask(norm: Tensor, threshold: float) -> Tensor:
-    """Which tokens a surprise-gated memory writes: those whose surprise ||u_t|| (taken at the chunk-start
-    weights, before any clipping) is at least `threshold`. norm (...) -> bool (...)."""
-    return norm >= threshold
-
-
-def check_threshold(name: str, value: float | None) -> None:
-    """Refuse a surprise threshold that is not None or a finite number >= 0, naming the option."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-        raise ValueError(f"{name} must be None or a finite number >= 0, got {value!r}")
-
-
-def check_max_norm(name: str, value: float | None) -> None:
-    """Refuse a weight-norm bound that is not None or a finite number > 0, naming the option."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
-
-
-def bound_scale(w: Tensor, max_norm: float) -> Tensor:
-    """min(1, max_norm / ||W||_F) per matrix: w (..., d_in, d_out) -> (...).
-
-    Written max_norm / max(||W||, max_norm): it never divides by a norm near 0, it is exactly 1 where the
-    bound does not bind (so a bounded W is a fixed point), and its gradient reaches ||W|| only where it
-    binds."""
-    norm = torch.linalg.vector_norm(w, dim=(-2, -1))
-    # a true division: `max_norm / tensor` is max_norm * (1 / tensor), which can round m / m to 1 - ulp
-    return torch.full_like(norm, max_norm) / norm.clamp_min(max_norm)
-
-
-def bound_weights(w: Tensor, max_norm: float) -> Tensor:
-    """W rescaled to Frobenius norm at most max_norm, per matrix: w (..., d_in, d_out) -> the same shape."""
-    return w * bound_scale(w, max_norm)[..., None, None]
-
-
-def clip_scale(norm: Tensor, max_norm: float) -> Tensor:
-    """Factor that rescales a surprise of norm `norm` to at most `max_norm` (1 where already below)."""
-    return (max_norm / norm.clamp_min(1e-12)).clamp(max=1.0)
-
-
-def segsum(log_x: Tensor) -> Tensor:
-    """seg[..., m, j] = sum_{l=j+1..m} log_x[..., l-1] for m >= j, -inf above the diagonal.
-
-    log_x: (..., n) -> (..., n + 1, n + 1); index 0 stands for "before the chunk". Built by a masked
-    cumsum rather than differences of cumulative sums, so -inf entries (eta = 0) never meet inf - inf.
-    """
-    n = log_x.shape[-1]
-    x = F.pad(log_x, (1, 0)).unsqueeze(-1).expand(*log_x.shape[:-1], n + 1, n + 1)
-    strictly_lower = torch.ones(n + 1, n + 1, dtype=torch.bool, device=log_x.device).tril(-1)
-    seg = x.masked_fill(~strictly_lower, 0).cumsum(-2)
-    lower = torch.ones(n + 1, n + 1, dtype=torch.bool, device=log_x.device).tril()
-    return seg.masked_fill(~lower, float("-inf"))
-
-
-def suffix_sum(log_x: Tensor) -> Tensor:
-    """The last row of `segsum`, in O(n): out[..., j] = sum_{l=j..n-1} log_x[..., l], out[..., n] = 0.
-
-    log_x: (..., n) -> (..., n + 1). A plain sum of terms <= 0, so -inf entries stay -inf (no inf - inf).
-    """
-    return F.pad(log_x.flip(-1).cumsum(-1).flip(-1), (0, 1))
-
-
-def chunk_coefficients(theta: Tensor, log_eta: Tensor, log_keep: Tensor) -> tuple[Tensor, ...]:
-    """Scalar coefficients of the closed-form chunk update.
-
-    theta, log_eta, log_keep: (..., b) for the b tokens of each chunk. Returns
-    gamma (..., b), beta (..., b), A_b (...), c (...), E_b (...) such that
-    W_b = A_b W_0 + c S_0 - sum_j gamma_j u_j and S_b = E_b S_0 - sum_j beta_j u_j.
-    Every exponent is a sum of log-gates (<= 0), so nothing can overflow.
-    """
-    seg_e = segsum(log_eta)  # (..., b+1, b+1): log E_m / E_j
-    seg_a_end = suffix_sum(log_keep)  # (..., b+1): log A_b / A_m
-    # sum over m = max(j, 1) .. b of (A_b / A_m) (E_m / E_j), for j = 0 (the S_0 term) .. b. Every term is
-    # exp(<= 0) <= 1, so a plain sum of exps cannot overflow; unlike logsumexp its backward stays finite
-    # when all terms are exp(-inf) = 0 (momentum off: eta = 0).
-    w = (seg_a_end[..., 1:].unsqueeze(-1) + seg_e[..., 1:, :]).exp().sum(-2)
-    c, gamma = w[..., 0], theta * w[..., 1:]
-    beta = theta * seg_e[..., -1, 1:].exp()
-    return gamma, beta, seg_a_end[..., 0].exp(), c, seg_e[..., -1, 0].exp()
-
-
-def chunk_mix(
-    theta: Tensor, log_eta: Tensor, log_keep: Tensor, chunk_size: int, dtype: torch.dtype
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The chunk steps' coefficients for the complete chunks of gates (B, H, T): gamma, beta (N, m, b)
-    and mix (N, m, 2, 2) = [[A_b, c], [0, E_b]] per chunk (X' = mix @ [W; S] + U), N = B * H, m = T // b,
-    in `dtype`."""
-    batch, heads, seq = theta.shape
-    n_full, b = seq // chunk_size, chunk_size
-    shape = (batch, heads, n_full, b)
-    gamma, beta, decay, carry, mom_decay = chunk_coefficients(
-        *(x[..., : n_full * b].reshape(shape) for x in (theta, log_eta, log_keep))
-    )
-    mix = torch.stack([decay, carry, torch.zeros_like(decay), mom_decay], -1)
-    n_seq = batch * heads
-    mix = mix.to(dtype).reshape(n_seq, n_full, 2, 2)
-    gamma, beta = (x.to(dtype).reshape(n_seq, n_full, b) for x in (gamma, beta))
-    return gamma, beta, mix
-
-
-def stack_states(weights: tuple[Tensor, ...], momentum: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """Each layer's W and S (B, H, r, c) stacked as one (B * H, 2, r, c) state, as the chunk steps take it."""
-    return tuple(torch.stack([w, s], 2).reshape(-1, 2, *w.shape[-2:]) for w, s in zip(weights, momentum))
-
-
-def unstack_states(states, batch: int, heads: int) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-    """`stack_states` undone: views of the W and S halves, (B, H, r, c) each."""
-    weights = tuple(x[:, 0].view(batch, heads, *x.shape[2:]) for x in states)
-    momentum = tuple(x[:, 1].view(batch, heads, *x.shape[2:]) for x in states)
-    return weights, momentum
 
 
 def _chunk_forward(
@@ -245,12 +53,12 @@ def _chunk_forward(
     n = v.shape[1]
     ws = [x[:, 0] for x in states]
     # hs[l]: input of layer l for keys then queries (N, 2n, d_in)
-    out_all, hs, zs = _layers_forward(kq, ws, activation, residual)
+    out_all, hs, zs = layers_forward(kq, ws, activation, residual)
     e_out = out_all[:, :n] - v
     err = 2 * e_out if error is None else error.value(e_out, aux)
-    deltas, es = _inner_errors(err, ws, [z[:, :n] for z in zs], activation)
-    sq_parts = _surprise_parts([h[:, :n] for h in hs], deltas)  # kept for the backward pass
-    _, norm = _surprise(sq_parts)
+    deltas, es = inner_errors(err, ws, [z[:, :n] for z in zs], activation)
+    sq_parts = surprise_parts([h[:, :n] for h in hs], deltas)  # kept for the backward pass
+    _, norm = surprise_norm(sq_parts)
     scale = clip_scale(norm, clip) if clip is not None else torch.ones_like(norm)
     if threshold is not None:  # surprise-gated write: a 0/1 factor on each token's gradient
         scale = scale * write_mask(norm, threshold).to(scale.dtype)
@@ -261,20 +69,6 @@ def _chunk_forward(
     # the hidden activations and errors are cheap to recompute from zs and es: not kept
     saved = (sq_parts, norm, scale, hs[0], deltas[-1], *zs, *es) + (() if error is None else (e_out,))
     return out_all[:, n:], norm, new_states, saved
-
-
-def _surprise_parts(inputs: list[Tensor], deltas: list[Tensor]) -> Tensor:
-    """Per layer ||a_l||^2 and ||delta_l||^2 of each token, interleaved: (..., n, 2 depth). Each is one
-    fused reduction (no squared temporary)."""
-    return torch.stack(
-        [torch.linalg.vector_norm(t, dim=-1).square() for a, d in zip(inputs, deltas) for t in (a, d)], -1
-    )
-
-
-def _surprise(sq_parts: Tensor) -> tuple[Tensor, Tensor]:
-    """sq = sum_l ||a_l||^2 ||delta_l||^2 and the surprise ||u_t|| = sqrt(max(sq, 1e-30)), each (..., n)."""
-    sq = sq_parts[..., 0::2].mul(sq_parts[..., 1::2]).sum(-1)
-    return sq, sq.clamp_min(1e-30).sqrt()
 
 
 def _state_kernels(t: Tensor):
@@ -376,22 +170,8 @@ def _scaled_inputs(a: Tensor, coef: Tensor) -> Tensor:
     return (a.unsqueeze(-2) * coef).flatten(-2)
 
 
-def _without_autocast(backward):
-    """Run a Function's backward with autocast off, as its forward ran (`neural_memory_chunked` turns it
-    off): a backward called inside an autocast region would otherwise run its matmuls in bf16 and meet the
-    float32 state gradients in in-place ops."""
-
-    @functools.wraps(backward)
-    def wrapper(ctx, *grads):
-        tensors = [g for g in grads if g is not None] or list(ctx.saved_tensors)
-        with torch.autocast(tensors[0].device.type, enabled=False):
-            return backward(ctx, *grads)
-
-    return wrapper
-
-
 class _GradBuffers:
-    """Two state-gradient buffers per layer that the chunk steps of one `_run_chunks` call take turns with
+    """Two state-gradient buffers per layer that the chunk steps of one `run_chunks` call take turns with
     in the backward pass (chunk c writes slot c % 2).
 
     A fresh weight-sized gradient per chunk can land on newly faulted pages (`benchmarks/memory_profile.py`
@@ -432,7 +212,7 @@ class _BoundState(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    @_without_autocast
+    @without_autocast
     def backward(ctx, g: Tensor) -> tuple[Tensor, None]:
         x, scale = ctx.saved_tensors
         w, g_w = x[:, 0], g[:, 0]
@@ -460,7 +240,7 @@ class _AnchorState(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    @_without_autocast
+    @without_autocast
     def backward(ctx, g: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
         keep, anchor = ctx.saved_tensors
         g_w = g[:, 0]
@@ -503,7 +283,7 @@ class _ChunkStep(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    @_without_autocast
+    @without_autocast
     def backward(ctx, g_y, g_norm, *g_new):
         depth, act = ctx.depth, ctx.activation
         saved = list(ctx.saved_tensors)
@@ -516,9 +296,9 @@ class _ChunkStep(torch.autograd.Function):
         # layer l >= 1's input act(z) (recomputed) fills the first 2n rows of a (N, 3n, d_in) buffer whose
         # last n rows later take e_l's gradient: the two left factors of W_l's gradient, without a cat
         lhs_bufs = [z.new_empty(n_seq, 3 * n, z.shape[-1]) for z in zs]
-        hs = [h0] + [_act(z, act, out=buf[:, : 2 * n]) for z, buf in zip(zs, lhs_bufs)]
+        hs = [h0] + [activate(z, act, out=buf[:, : 2 * n]) for z, buf in zip(zs, lhs_bufs)]
         z_keys = [z[:, :n] for z in zs]
-        deltas = [_act_backward(e, z, act) for e, z in zip(es, z_keys)] + [delta_out]
+        deltas = [act_backward(e, z, act) for e, z in zip(es, z_keys)] + [delta_out]
         ws = [x[:, 0] for x in states]
         needs = ctx.needs_input_grad
         coef = _write_coefficients(gamma, beta, scale)
@@ -561,7 +341,7 @@ class _ChunkStep(torch.autograd.Function):
                 g_norm = g_clip if g_norm is None else g_norm + g_clip
         if g_norm is not None:
             # 4. norm = sqrt(max(sq, 1e-30)), sq = sum_l ||a_l||^2 ||delta_l||^2
-            sq, _ = _surprise(sq_parts)
+            sq, _ = surprise_norm(sq_parts)
             g_sq = torch.where(sq >= 1e-30, g_norm * 0.5 / norm, 0.0).unsqueeze(-1)
             for i in range(depth):
                 h, d = hs[i][:, :n], deltas[i]
@@ -571,8 +351,8 @@ class _ChunkStep(torch.autograd.Function):
         # 5. the inner backprop: delta_l = e_l * act'(p_l), e_l = delta_{l+1} W_{l+1}^T
         g_e, g_pre_keys = [], []
         for i in range(depth - 1):
-            g_e.append(_act_backward(g_delta[i], z_keys[i], act, out=lhs_bufs[i][:, 2 * n :]))
-            second = _act_second(z_keys[i], act)
+            g_e.append(act_backward(g_delta[i], z_keys[i], act, out=lhs_bufs[i][:, 2 * n :]))
+            second = act_second(z_keys[i], act)
             g_pre_keys.append(None if second is None else second.mul_(g_delta[i]).mul_(es[i]))
             g_delta[i + 1] = g_delta[i + 1].baddbmm(g_e[i], ws[i + 1])
         g_aux = None
@@ -611,7 +391,7 @@ class _ChunkStep(torch.autograd.Function):
             g_h[:, :n] += g_a[i]
             if i > 0:
                 rhs = _rhs_buffer(g_h, n, i > 1)
-                g_z = _act_backward(g_h, zs[i - 1], act, out=rhs[:, : 2 * n])
+                g_z = act_backward(g_h, zs[i - 1], act, out=rhs[:, : 2 * n])
                 if g_pre_keys[i - 1] is not None:
                     g_z[:, :n] += g_pre_keys[i - 1]
         g_h0 = g_h if g_h0 is None else g_h + g_h0
@@ -619,7 +399,7 @@ class _ChunkStep(torch.autograd.Function):
         return (g_h0, g_v, g_gamma, g_beta, g_mix, None, None, None, None, None, None, g_aux, *g_states)
 
 
-def _read_and_grads(
+def read_and_grads(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -636,7 +416,7 @@ def _read_and_grads(
     grad_{W_l} ||M(k_j) - v_j||^2 = a_l[j]^T delta_l[j].
     """
     n = k.shape[-2]
-    out_all, hs, zs = _layers_forward(torch.cat([k, q], dim=-2), weights, activation, residual)
+    out_all, hs, zs = layers_forward(torch.cat([k, q], dim=-2), weights, activation, residual)
 
     def keys(t: Tensor) -> Tensor:
         # split(), not slicing: a slice backpropagates as a zero-filled full-size tensor, split as one cat
@@ -644,11 +424,11 @@ def _read_and_grads(
 
     out, y = out_all.split(n, dim=-2)
     err = 2 * (out - v) if error is None else error.value(out - v, aux)
-    deltas, _ = _inner_errors(err, weights, [keys(z) for z in zs], activation)
+    deltas, _ = inner_errors(err, weights, [keys(z) for z in zs], activation)
     return y, [keys(h) for h in hs], deltas
 
 
-def _run_chunks(
+def run_chunks(
     activation: str,
     residual: bool,
     clip: float | None,
@@ -719,13 +499,13 @@ class _CheckpointedChunks(torch.autograd.Function):
     @staticmethod
     def run(config, max_norm, n_anchor, q, k, v, gamma, beta, mix, aux, *tensors):
         states, anchor = tensors[: len(tensors) - n_anchor], tensors[len(tensors) - n_anchor :]
-        return _run_chunks(
+        return run_chunks(
             *config, q, k, v, gamma, beta, mix, aux, *states, max_norm=max_norm, anchor=anchor or None
         )
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    @_without_autocast
+    @without_autocast
     def backward(ctx, *grads):
         needs = ctx.needs_input_grad[3:]
         inputs = [
@@ -768,7 +548,7 @@ def neural_memory_chunked(
     """Read and write the neural memory over a sequence, chunk by chunk.
 
     error, error_aux: the inner loss's error map, dL/dM(k) = error.value(e, aux) for e = M(k) - v, with
-        its backward error.grad(g, e, aux) -> (dL/de, dL/daux) (`titans.ops.rules`: the l_p and Huber
+        its backward error.grad(g, e, aux) -> (dL/de, dL/daux) (`titans.ops.memory.rules`: the l_p and Huber
         biases), and its per-token input (B, H, T) (Huber's delta). None: l2, 2 e (Titans).
 
     checkpoint_every: if set (and gradients are being recorded), complete chunks run in groups of this
@@ -830,8 +610,8 @@ def neural_memory_chunked(
     if error is not None and error_aux is None:  # an error map without a per-token input: zeros
         error_aux = q.new_zeros(q.shape[:3])
     if not n_full:  # nothing to write: a read of the current weights
-        y, inputs, deltas = _read_and_grads(q, k, v, weights, activation, residual, error, error_aux)
-        return y, weights, momentum, _surprise(_surprise_parts(inputs, deltas))[1]
+        y, inputs, deltas = read_and_grads(q, k, v, weights, activation, residual, error, error_aux)
+        return y, weights, momentum, surprise_norm(surprise_parts(inputs, deltas))[1]
 
     n_seq, dtype = batch * heads, weights[0].dtype
     gamma, beta, mix = chunk_mix(theta, log_eta, log_keep, b, dtype)
@@ -866,7 +646,7 @@ def neural_memory_chunked(
                 config, max_norm, len(anchors), q_g, k_g, v_g, g_g, b_g, m_g, a_g, *states, *anchors
             )
         else:
-            y, norm, *states = _run_chunks(
+            y, norm, *states = run_chunks(
                 *config, q_g, k_g, v_g, g_g, b_g, m_g, a_g, *states, max_norm=max_norm, anchor=anchor
             )
         ys.append(y)
@@ -876,8 +656,8 @@ def neural_memory_chunked(
     if seq > n_full * b:  # trailing partial chunk: read (and report surprise), written by a later call
         tail = (x[1].reshape(batch, heads, -1, dim) for x in (q_full, k_full, v_full))
         aux_tail = None if aux_flat is None else aux_flat[:, n_full * b :].reshape(batch, heads, -1)
-        y, inputs, deltas = _read_and_grads(*tail, weights, activation, residual, error, aux_tail)
+        y, inputs, deltas = read_and_grads(*tail, weights, activation, residual, error, aux_tail)
         ys.append(y.reshape(n_seq, -1, dim))
-        norms.append(_surprise(_surprise_parts(inputs, deltas))[1].reshape(n_seq, -1))
+        norms.append(surprise_norm(surprise_parts(inputs, deltas))[1].reshape(n_seq, -1))
     y = torch.cat(ys, 1).view(batch, heads, seq, dim)
     return y, weights, momentum, torch.cat(norms, 1).view(batch, heads, seq)

@@ -1,0 +1,192 @@
+"""The neural memory op: read and write a memory over a sequence, chunk by chunk (docs/design.md, "The
+memory", "The chunked form", "Memory rules").
+
+    y, weights, momentum, surprise = neural_memory(q, k, v, gates, weights, momentum, chunk_size=64)
+
+`neural_memory` is the op's one entry point: the same call for every update rule and every path, the
+backend and rule choosing what runs. The package holds:
+
+    chunk.py           the chunked torch path (custom autograd): the "titans" rule and every rule whose
+                       retention, window and optimiser are Titans's (any bias, as the inner loss's error map)
+    triton_chunk.py    the same chunk loop as Triton kernels (triton_kernels.py): the "titans" rule
+    rules.py           the memory rules' parts (`MemoryRule`) and the chunked path of the other rules
+                       (torch autograd)
+    common.py          what the paths share: the memory MLP and its inner backprop, the chunk coefficients,
+                       the surprise, clip, write mask and weight bound
+    chunk_ref.py       the float64 per-token references, written from the equations; each shares no code
+    rules_ref.py       with the path it checks
+
+Code outside `titans.ops` imports this package only, never its modules.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from titans.ops.memory.chunk import neural_memory_chunked
+from titans.ops.memory.chunk_ref import neural_memory_ref
+from titans.ops.memory.common import (
+    ACTIVATIONS,
+    bound_weights,
+    check_max_norm,
+    check_threshold,
+    memory_forward,
+    segsum,
+    suffix_sum,
+    write_mask,
+)
+from titans.ops.memory.rules import (
+    BIASES,
+    OPTIMIZERS,
+    RETENTIONS,
+    RULE_PRESETS,
+    Bias,
+    DecayRetention,
+    GateSpec,
+    HuberBias,
+    KLRetention,
+    L2Bias,
+    LpBias,
+    LqRetention,
+    MemoryRule,
+    MomentumSGD,
+    Muon,
+    Optimizer,
+    Retention,
+    RulePart,
+    Window,
+    fits_fast_path,
+    memory_rule_chunked,
+    memory_rule_chunked_autograd,
+    newton_schulz,
+    newton_schulz_flops,
+    resolve_rule,
+)
+from titans.ops.memory.rules_ref import memory_rule_ref
+from titans.ops.memory.triton_chunk import covered, device_reason, neural_memory_triton
+
+BACKENDS = ("torch", "triton", "reference")
+
+
+def triton_reason(
+    depth: int, head_dim: int, hidden: int, activation: str, device: torch.device
+) -> str | None:
+    """None where the Triton path can run a memory of this shape on `device`, else why not."""
+    return covered(depth, head_dim, hidden, activation) or device_reason(device)
+
+
+def neural_memory(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gates: Tensor,
+    weights: tuple[Tensor, ...],
+    momentum: tuple[Tensor, ...],
+    *,
+    chunk_size: int,
+    rule: str | dict | MemoryRule | None = None,
+    backend: str = "torch",
+    history: int = 0,
+    activation: str = "silu",
+    residual: bool = False,
+    surprise_clip: float | None = None,
+    checkpoint_every: int | None = None,
+    surprise_threshold: float | None = None,
+    max_norm: float | None = None,
+    anchor: tuple[Tensor, ...] | None = None,
+) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
+    """Read and write the memory over a sequence with `rule`, on `backend`.
+
+    q, k, v: (B, H, h + T, d), the first h = `history` rows context only (a windowed rule's written tokens
+        its window reaches back to; 0 for the other rules).
+    gates: (B, H, h + T, 3 + e): theta, log(eta), log(1 - alpha) per token and head, then the rule's e
+        extra gates (`MemoryRule.extra_gates`).
+    weights, momentum: per memory layer (B, H, d_in, d_out); for a rule with a retention map, the
+        pre-retention state A (the memory reads W = g(A)).
+    rule: a preset name, a parts dict or a `MemoryRule` (None: "titans").
+    backend: "torch" (the chunked torch path), "triton" (the Triton kernels: the "titans" rule without a
+        surprise threshold, weight bound or anchor) or "reference" (the per-token loop, for tests).
+    checkpoint_every: activation checkpointing of the chunk loop (`neural_memory_chunked`); same outputs
+        and gradients. The reference keeps every step.
+    surprise_threshold, max_norm, anchor: as `neural_memory_chunked`'s; max_norm and anchor with the
+        "titans" rule only.
+
+    Returns y (B, H, T, d), weights and momentum after the last complete chunk, surprise (B, H, T).
+    """
+    rule = resolve_rule(rule)
+    if backend not in BACKENDS:
+        raise ValueError(f"neural_memory: backend must be one of {BACKENDS}, got {backend!r}")
+    common = dict(
+        chunk_size=chunk_size, activation=activation, residual=residual, surprise_clip=surprise_clip
+    )
+    if not rule.is_titans:
+        titans_only = {"max_norm": max_norm, "anchor": anchor}
+        used = sorted(name for name, value in titans_only.items() if value is not None)
+        if used or backend == "triton":
+            what = ", ".join(used) if used else "backend='triton'"
+            raise ValueError(f"neural_memory: {what} runs rule='titans' only, got rule={rule.to_config()!r}")
+        options = dict(rule=rule, history=history, surprise_threshold=surprise_threshold, **common)
+        if backend == "reference":
+            return memory_rule_ref(q, k, v, gates, weights, momentum, **options)
+        return memory_rule_chunked(
+            q, k, v, gates, weights, momentum, checkpoint_every=checkpoint_every, **options
+        )
+    if history:
+        raise ValueError(f"neural_memory: history rows are for a windowed rule, got history={history}")
+    theta, log_eta, log_keep = gates[..., 0], gates[..., 1], gates[..., 2]
+    args = (q, k, v, theta, log_eta, log_keep, weights, momentum)
+    if backend == "triton":
+        options = {"surprise_threshold": surprise_threshold, "max_norm": max_norm, "anchor": anchor}
+        used = sorted(name for name, value in options.items() if value is not None)
+        if used:
+            raise ValueError(f"neural_memory(backend='triton'): {', '.join(used)} not covered by the kernels")
+        return neural_memory_triton(*args, checkpoint_every=checkpoint_every, **common)
+    options = dict(surprise_threshold=surprise_threshold, max_norm=max_norm, anchor=anchor, **common)
+    if backend == "reference":
+        return neural_memory_ref(*args, **options)
+    return neural_memory_chunked(*args, checkpoint_every=checkpoint_every, **options)
+
+
+__all__ = [
+    "ACTIVATIONS",
+    "BACKENDS",
+    "BIASES",
+    "OPTIMIZERS",
+    "RETENTIONS",
+    "RULE_PRESETS",
+    "Bias",
+    "DecayRetention",
+    "GateSpec",
+    "HuberBias",
+    "KLRetention",
+    "L2Bias",
+    "LpBias",
+    "LqRetention",
+    "MemoryRule",
+    "MomentumSGD",
+    "Muon",
+    "Optimizer",
+    "Retention",
+    "RulePart",
+    "Window",
+    "bound_weights",
+    "check_max_norm",
+    "check_threshold",
+    "fits_fast_path",
+    "memory_forward",
+    "memory_rule_chunked",
+    "memory_rule_chunked_autograd",
+    "memory_rule_ref",
+    "neural_memory",
+    "neural_memory_chunked",
+    "neural_memory_ref",
+    "neural_memory_triton",
+    "newton_schulz",
+    "newton_schulz_flops",
+    "resolve_rule",
+    "segsum",
+    "suffix_sum",
+    "triton_reason",
+    "write_mask",
+]
