@@ -42,7 +42,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from titans.inference.session import MemorySession
 from titans.serving.auth import ANONYMOUS, bearer_key, hash_key
-from titans.serving.session import Engine, generate_json, read_json, snapshots_json, stats_json
+from titans.serving.limits import BodyTimeout, FairLimiter, KeyGate, Quotas, Sweeper, TooBusy, check_room
+from titans.serving.session import (
+    Engine,
+    generate_json,
+    read_json,
+    session_parts,
+    snapshots_json,
+    stats_json,
+)
 from titans.serving.stores import Record, SessionExists, SessionStore, StoreError, VersionConflict
 from titans.training.config import TrainConfig
 
@@ -172,10 +180,17 @@ class SessionLocks:
 class SessionService:
     """The operations behind the routes: load, check ownership and integrity, apply, persist."""
 
-    def __init__(self, engine: Engine, store: SessionStore, limits: Limits, workers: int) -> None:
+    def __init__(
+        self, engine: Engine, store: SessionStore, limits: Limits, workers: int, quotas: Quotas | None = None
+    ) -> None:
         self.engine, self.store, self.limits = engine, store, limits
+        self.quotas = quotas or Quotas()
         self.locks = SessionLocks()
         self.limiter = anyio.CapacityLimiter(workers)
+        self.gate = KeyGate(self.quotas.max_concurrent)
+        per_key = self.quotas.workers_per_key or max(1, workers // 2)
+        self.fair = FairLimiter(workers, per_key)
+        self.sweeper = Sweeper(store, self.quotas.session_ttl_s)
 
     async def run(self, fn: Callable[[], T]) -> T:
         return await anyio.to_thread.run_sync(fn, limiter=self.limiter)
@@ -184,9 +199,17 @@ class SessionService:
     def _record(self, sid: str, owner: str) -> Record:
         if not _SESSION_ID.match(sid):
             raise _not_found(sid)
+        # the owner first, alone: another key's session is as absent as a missing one, and answered as
+        # fast (its state is never read)
+        stored_owner = self.store.owner(sid)
+        if stored_owner is None or not hmac.compare_digest(stored_owner, owner):
+            raise _not_found(sid)
         record = self.store.get(sid)
         if record is None or not hmac.compare_digest(record.owner, owner):
-            raise _not_found(sid)  # another key's session is as absent as a missing one
+            raise _not_found(sid)
+        if self.sweeper.expired(record.updated):  # idle past --session-ttl: gone, even before a sweep
+            self.store.delete(sid, owner)
+            raise _not_found(sid)
         return record
 
     def _session(self, record: Record) -> MemorySession:
@@ -213,10 +236,11 @@ class SessionService:
     # -------------------------------------------------------------- operations
     def create(self, owner: str) -> dict[str, Any]:
         data = self.engine.new_session().to_bytes()
+        check_room(self.quotas, self.store.usage(owner), new_sessions=1, new_bytes=len(data))
         for _ in range(8):
             sid = uuid.uuid4().hex
             try:
-                record = self.store.create(sid, owner, data)
+                record = self.store.create(sid, owner, session_parts(data))
             except SessionExists:
                 continue
             log.info("session %s created", sid)
@@ -233,8 +257,12 @@ class SessionService:
                 data = session.to_bytes()
             except ValueError as e:  # a state holding NaN or inf: the model diverged on this input
                 raise ApiError(422, f"session {sid} was not changed: {e}") from e
+            parts = session_parts(data)
+            if self.quotas.max_bytes is not None:
+                grown = _stored_size(parts) - record.size
+                check_room(self.quotas, self.store.usage(owner), new_bytes=grown)
             try:
-                version = self.store.put(sid, data, expected_version=record.version)
+                version = self.store.put(sid, parts, expected_version=record.version)
             except VersionConflict:
                 time.sleep(random.uniform(0, 0.002 * (attempt + 1)))  # let the other writer finish
                 continue
@@ -268,6 +296,11 @@ class SessionService:
         return ids
 
 
+def _stored_size(parts: list[bytes]) -> int:
+    """Bytes `parts` take in a store that keeps each distinct part once."""
+    return sum({bytes(p): len(p) for p in parts}.values())
+
+
 def _owner_from(key_hashes: frozenset[str] | None) -> Callable[..., str]:
     def owner(authorization: str | None = Header(None, description="Bearer KEY")) -> str:
         if key_hashes is None:
@@ -293,11 +326,13 @@ def create_app(
     limits: Limits | None = None,
     workers: int = 4,
     model_name: str = "",
+    quotas: Quotas | None = None,
 ) -> FastAPI:
     """The API over `engine` and `store`. key_hashes: sha256 hashes of the accepted keys (`load_api_keys`);
-    None: no keys, every request is one anonymous owner."""
+    None: no keys, every request is one anonymous owner. quotas: per-key limits, idle sessions' lifetime
+    and the slow-client timeout (`titans.serving.limits.Quotas`; default its defaults)."""
     limits = limits or Limits()
-    service = SessionService(engine, store, limits, workers)
+    service = SessionService(engine, store, limits, workers, quotas)
     app = FastAPI(
         title="titans memory server",
         version="1",
@@ -308,6 +343,7 @@ def create_app(
         ),
     )
     app.state.service = service
+    app.add_middleware(BodyTimeout, timeout_s=service.quotas.body_timeout_s)  # inside the body limit
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
     owner_dep = Depends(_owner_from(key_hashes))
 
@@ -333,9 +369,26 @@ def create_app(
             problems.append(f"{where}: {err.get('msg', 'invalid')}")
         return JSONResponse({"detail": "malformed request: " + "; ".join(problems)}, status_code=422)
 
-    async def locked(sid: str, fn: Callable[[], T]) -> T:
-        async with service.locks.hold(sid):
-            return await service.run(fn)
+    # ---- per-key limits (titans.serving.limits): every route's work runs through `gated`
+    @app.exception_handler(TooBusy)
+    async def _too_busy(request: Request, exc: TooBusy) -> JSONResponse:
+        return JSONResponse(
+            {"detail": exc.detail}, status_code=429, headers={"Retry-After": str(exc.retry_after_s)}
+        )
+
+    async def gated(owner: str, fn: Callable[[], T], sid: str | None = None) -> T:
+        """`fn` in a worker thread, counted against the key's concurrent requests; serialised with the
+        other requests to session `sid` when given."""
+        service.sweeper.maybe_sweep()
+        async with service.gate.hold(owner):
+            if sid is None:
+                async with service.fair.slot(owner):
+                    return await service.run(fn)
+            async with service.locks.hold(sid), service.fair.slot(owner):
+                return await service.run(fn)
+
+    async def locked(sid: str, owner: str, fn: Callable[[], T]) -> T:
+        return await gated(owner, fn, sid)
 
     def guarded(fn: Callable[[MemorySession], dict[str, Any]]) -> Callable[[MemorySession], dict[str, Any]]:
         """Session errors that are the request's fault as 422."""
@@ -354,11 +407,11 @@ def create_app(
 
     @app.post("/v1/sessions", status_code=201, summary="create a session -> {id}")
     async def create(owner: str = owner_dep) -> dict[str, Any]:
-        return await service.run(lambda: service.create(owner))
+        return await gated(owner, lambda: service.create(owner))
 
     @app.delete("/v1/sessions/{sid}", summary="delete a session and its snapshots")
     async def delete(sid: str, owner: str = owner_dep) -> dict[str, Any]:
-        return await locked(sid, lambda: service.delete(sid, owner))
+        return await locked(sid, owner, lambda: service.delete(sid, owner))
 
     @app.post("/v1/sessions/{sid}/read", summary="the memory reads (learns) a text")
     async def read(sid: str, body: ReadBody, owner: str = owner_dep) -> dict[str, Any]:
@@ -366,7 +419,7 @@ def create_app(
             ids = service.tokens(body.text, "text")
             return service.change(sid, owner, guarded(lambda s: read_json(s, ids)))
 
-        return await locked(sid, work)
+        return await locked(sid, owner, work)
 
     @app.post("/v1/sessions/{sid}/generate", summary="read a prompt into the memory, then continue it")
     async def generate(sid: str, body: GenerateBody, owner: str = owner_dep) -> dict[str, Any]:
@@ -396,7 +449,7 @@ def create_app(
 
             return service.change(sid, owner, guarded(op))
 
-        return await locked(sid, work)
+        return await locked(sid, owner, work)
 
     @app.get("/v1/sessions/{sid}/stats", summary="counters, the guard's events, memory norms, a digest")
     async def stats(sid: str, owner: str = owner_dep) -> dict[str, Any]:
@@ -404,7 +457,7 @@ def create_app(
             record, session = service.load(sid, owner)
             return {"id": sid, "version": record.version, **stats_json(session)}
 
-        return await service.run(work)
+        return await gated(owner, work)
 
     @app.post("/v1/sessions/{sid}/freeze", summary="stop writing the memory (reads still work)")
     async def freeze(sid: str, owner: str = owner_dep) -> dict[str, Any]:
@@ -412,7 +465,7 @@ def create_app(
             session.freeze()
             return {"frozen": True}
 
-        return await locked(sid, lambda: service.change(sid, owner, op))
+        return await locked(sid, owner, lambda: service.change(sid, owner, op))
 
     @app.post("/v1/sessions/{sid}/unfreeze", summary="write the memory again")
     async def unfreeze(sid: str, owner: str = owner_dep) -> dict[str, Any]:
@@ -420,7 +473,7 @@ def create_app(
             session.unfreeze()
             return {"frozen": False}
 
-        return await locked(sid, lambda: service.change(sid, owner, op))
+        return await locked(sid, owner, lambda: service.change(sid, owner, op))
 
     @app.get("/v1/sessions/{sid}/snapshots", summary="the kept snapshots, newest first (k from 1)")
     async def snapshots(sid: str, owner: str = owner_dep) -> dict[str, Any]:
@@ -428,7 +481,7 @@ def create_app(
             record, session = service.load(sid, owner)
             return {"id": sid, "version": record.version, "snapshots": snapshots_json(session)}
 
-        return await service.run(work)
+        return await gated(owner, work)
 
     @app.post("/v1/sessions/{sid}/rollback", summary="restore a snapshot, bit for bit")
     async def rollback(sid: str, body: RollbackBody, owner: str = owner_dep) -> dict[str, Any]:
@@ -436,7 +489,7 @@ def create_app(
             session.rollback(body.snapshot)
             return {"position": session.position, "reads": session.reads, "snapshots": len(session.snapshots)}
 
-        return await locked(sid, lambda: service.change(sid, owner, guarded(op)))
+        return await locked(sid, owner, lambda: service.change(sid, owner, guarded(op)))
 
     return app
 
