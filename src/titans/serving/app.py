@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import random
 import re
@@ -36,7 +37,7 @@ from typing import Any, TypeVar
 import anyio
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -68,6 +69,7 @@ class Limits:
     max_tokens: int = 16384  # tokens of text (read) or prompt (generate) per request
     max_new_tokens: int = 1024
     conflict_retries: int = 20
+    max_import_bytes: int = 256 << 20  # a whole session's bytes (POST /v1/sessions/import)
 
 
 # ------------------------------------------------------------------------------------------ bodies
@@ -98,6 +100,12 @@ class RollbackBody(_Body):
     snapshot: int = Field(ge=1, description="k from GET .../snapshots (1: the state before the last change)")
 
 
+class ForkBody(_Body):
+    snapshot: int | None = Field(
+        None, ge=1, description="fork from snapshot k of GET .../snapshots (null: from the current state)"
+    )
+
+
 # ------------------------------------------------------------------------------------------ errors
 class ApiError(Exception):
     def __init__(self, status: int, detail: str) -> None:
@@ -113,12 +121,22 @@ class BodyLimit:
     """ASGI middleware: a body over `max_bytes` gets 413, whether its Content-Length says so up front or
     it is streamed (chunked) past the limit; every body is read as JSON."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        option: str = "--max-body-bytes",
+        larger: dict[str, tuple[int, str]] | None = None,
+    ) -> None:
+        self.app, self.max_bytes, self.option = app, max_bytes, option
+        self.larger = larger or {}  # path -> (limit, its option): routes that take whole sessions
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if scope.get("path") in self.larger:
+            await BodyLimit(self.app, *self.larger[scope["path"]])(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
         if headers.get(b"content-type", b"").split(b";")[0].strip() != b"application/json":
@@ -145,7 +163,7 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
     def _detail(self) -> str:
-        return f"request body over the limit of {self.max_bytes} bytes (--max-body-bytes)"
+        return f"request body over the limit of {self.max_bytes} bytes ({self.option})"
 
     async def _refuse(self, send: Send) -> None:
         response = JSONResponse({"detail": self._detail()}, status_code=413)
@@ -235,12 +253,16 @@ class SessionService:
 
     # -------------------------------------------------------------- operations
     def create(self, owner: str) -> dict[str, Any]:
-        data = self.engine.new_session().to_bytes()
-        check_room(self.quotas, self.store.usage(owner), new_sessions=1, new_bytes=len(data))
+        return self._insert(owner, self.engine.new_session().to_bytes())
+
+    def _insert(self, owner: str, data: bytes) -> dict[str, Any]:
+        """A new session of `owner` holding `data` (session bytes) under a fresh id."""
+        parts = session_parts(data)
+        check_room(self.quotas, self.store.usage(owner), new_sessions=1, new_bytes=_stored_size(parts))
         for _ in range(8):
             sid = uuid.uuid4().hex
             try:
-                record = self.store.create(sid, owner, session_parts(data))
+                record = self.store.create(sid, owner, parts)
             except SessionExists:
                 continue
             log.info("session %s created", sid)
@@ -272,6 +294,38 @@ class SessionService:
             f"session {sid} was changed by another server {self.limits.conflict_retries} times while this "
             "request was applied; nothing was changed, send it again",
         )
+
+    def fork(self, sid: str, owner: str, snapshot: int | None) -> dict[str, Any]:
+        """A new session of `owner` from session `sid`'s current state or its snapshot k (with the
+        snapshots older than it); `sid` is not changed."""
+        _, session = self.load(sid, owner)
+        if snapshot is not None:
+            try:
+                session.rollback(snapshot)  # on this copy only: nothing of `sid` is written
+            except ValueError as e:
+                raise ApiError(422, str(e)) from e
+        try:
+            data = session.to_bytes()
+        except ValueError as e:
+            raise ApiError(422, f"session {sid} cannot be forked: {e}") from e
+        result = self._insert(owner, data)
+        log.info("session %s forked from %s", result["id"], sid)
+        return {**result, "parent": sid, "position": session.position, "reads": session.reads}
+
+    def export(self, sid: str, owner: str) -> bytes:
+        """The session's bytes (`MemorySession.to_bytes`), checked to load first."""
+        record, _ = self.load(sid, owner)
+        return record.data
+
+    def import_(self, owner: str, data: bytes) -> dict[str, Any]:
+        """A new session of `owner` from bytes `MemorySession.to_bytes` wrote (for this model)."""
+        try:
+            session = self.engine.load(data)
+        except (ValueError, TypeError) as e:  # SessionFormatError, or a session of another model
+            raise ApiError(422, f"the body is not a session this server can load: {e}") from e
+        result = self._insert(owner, data)
+        log.info("session %s imported", result["id"])
+        return {**result, "position": session.position, "reads": session.reads}
 
     def delete(self, sid: str, owner: str) -> dict[str, Any]:
         if not _SESSION_ID.match(sid) or not self.store.delete(sid, owner):
@@ -344,7 +398,11 @@ def create_app(
     )
     app.state.service = service
     app.add_middleware(BodyTimeout, timeout_s=service.quotas.body_timeout_s)  # inside the body limit
-    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=limits.max_body_bytes,
+        larger={"/v1/sessions/import": (limits.max_import_bytes, "--max-import-bytes")},
+    )
     owner_dep = Depends(_owner_from(key_hashes))
 
     @app.exception_handler(ApiError)
@@ -491,7 +549,153 @@ def create_app(
 
         return await locked(sid, owner, lambda: service.change(sid, owner, guarded(op)))
 
+    add_session_routes(app, service, owner_dep, gated, locked, guarded)
     return app
 
 
-__all__ = ["ApiError", "BodyLimit", "GenerateBody", "Limits", "ReadBody", "RollbackBody", "create_app"]
+# ------------------------------------------------------------------------------ fork, export, stream
+def add_session_routes(app: FastAPI, service: SessionService, owner_dep, gated, locked, guarded) -> None:
+    """Fork a session, export and import its bytes, and generate with the answer streamed (server-sent
+    events)."""
+    engine, limits = service.engine, service.limits
+
+    @app.post("/v1/sessions/{sid}/fork", status_code=201, summary="a new session from this one's memory")
+    async def fork(sid: str, body: ForkBody | None = None, owner: str = owner_dep) -> dict[str, Any]:
+        snapshot = body.snapshot if body is not None else None
+        return await locked(sid, owner, lambda: service.fork(sid, owner, snapshot))
+
+    @app.get(
+        "/v1/sessions/{sid}/export",
+        summary="the session's bytes (MemorySession.to_bytes)",
+        response_class=Response,
+        responses={200: {"content": {"application/octet-stream": {}}}},
+    )
+    async def export(sid: str, owner: str = owner_dep) -> Response:
+        data = await locked(sid, owner, lambda: service.export(sid, owner))
+        return Response(
+            data,
+            media_type="application/octet-stream",
+            headers={"Content-Disposition": f'attachment; filename="{sid}.session"'},
+        )
+
+    @app.post(
+        "/v1/sessions/import",
+        status_code=201,
+        summary="a new session from exported bytes (the body, application/octet-stream)",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+            }
+        },
+    )
+    async def import_session(request: Request, owner: str = owner_dep) -> dict[str, Any]:
+        data = await request.body()
+        return await gated(owner, lambda: service.import_(owner, data))
+
+    @app.post(
+        "/v1/sessions/{sid}/generate/stream",
+        summary="generate, the tokens sent as server-sent events as they come; the memory written at the end",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"text/event-stream": {}}}},
+    )
+    async def generate_stream(sid: str, body: GenerateBody, owner: str = owner_dep) -> StreamingResponse:
+        if body.max_new_tokens > limits.max_new_tokens:
+            raise ApiError(
+                422,
+                f"max_new_tokens {body.max_new_tokens} is over this server's limit of "
+                f"{limits.max_new_tokens} (--max-new-tokens)",
+            )
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def on_token(token: int) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, ("token", token))
+
+        def work() -> dict[str, Any]:
+            ids = service.tokens(body.prompt, "prompt")
+
+            def op(session: MemorySession) -> dict[str, Any]:
+                return generate_json(
+                    engine,
+                    session,
+                    ids,
+                    body.max_new_tokens,
+                    temperature=body.temperature,
+                    top_k=body.top_k,
+                    top_p=body.top_p,
+                    greedy=body.greedy,
+                    seed=body.seed,
+                    stop_at_eos=body.stop_at_eos,
+                    on_token=on_token,
+                )
+
+            return service.change(sid, owner, guarded(op))
+
+        async def run() -> None:
+            try:
+                events.put_nowait(("done", await locked(sid, owner, work)))
+            except Exception as e:  # noqa: BLE001 - handed to the response: an error status or event
+                events.put_nowait(("error", e))
+
+        # the whole generation and its write run on whether or not the client stays to the end
+        task = asyncio.ensure_future(run())
+        app.state.streams = getattr(app.state, "streams", set()) | {task}
+        task.add_done_callback(lambda t: app.state.streams.discard(t))
+        kind, first = await events.get()
+        if kind == "error":
+            raise first  # before any token: the answer is the error's own status
+        return StreamingResponse(
+            _sse(engine, body.stop_at_eos, (kind, first), events),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+
+
+async def _sse(engine: Engine, stop_at_eos: bool, first: tuple[str, Any], events: asyncio.Queue):
+    """Server-sent events: ``token`` ({"id", "text"}: the text it adds), then ``done`` (the generate
+    route's answer, once the session is stored) or ``error`` ({"status", "detail"})."""
+    ids: list[int] = []
+    text = ""
+    eos = engine.tokenizer.eos_id if stop_at_eos else None
+    item = first
+    while True:
+        kind, value = item
+        if kind == "token":
+            ids.append(value)
+            piece = ""
+            if value != eos:
+                decoded = engine.tokenizer.decode([t for t in ids if t != eos])
+                if not decoded.endswith("\ufffd"):  # a character still incomplete waits for its bytes
+                    piece, text = decoded[len(text) :], decoded
+            yield _event("token", {"id": value, "text": piece})
+        elif kind == "done":
+            yield _event("done", value)
+            return
+        else:
+            status, detail = (value.status, value.detail) if isinstance(value, ApiError) else (503, "")
+            if isinstance(value, StoreError):
+                detail = "the session store is unavailable"
+            elif not isinstance(value, ApiError):
+                status, detail = 500, "the generation failed"
+                log.error("streamed generation failed: %r", value)
+            yield _event("error", {"status": status, "detail": detail})
+            return
+        item = await events.get()
+
+
+def _event(kind: str, data: Any) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+__all__ = [
+    "ApiError",
+    "BodyLimit",
+    "ForkBody",
+    "GenerateBody",
+    "Limits",
+    "ReadBody",
+    "RollbackBody",
+    "add_session_routes",
+    "create_app",
+]

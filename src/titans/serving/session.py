@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from typing import Any
 
@@ -185,9 +185,11 @@ def generate_json(
     greedy: bool = False,
     seed: int | None = None,
     stop_at_eos: bool = True,
+    on_token: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """The session continues the prompt `ids` (`MemorySession.generate`): what the generate route answers,
-    the generated text without the prompt (nor a final end-of-text token)."""
+    the generated text without the prompt (nor a final end-of-text token). on_token: called with each
+    generated id as it is produced (streamed answers)."""
     generator = torch.Generator(device=engine.device)
     generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
     eos = engine.tokenizer.eos_id if stop_at_eos else None
@@ -201,6 +203,7 @@ def generate_json(
         greedy=greedy,
         generator=generator,
         stop_tokens=eos,
+        on_token=None if on_token is None else (lambda column: on_token(int(column[0]))),
     )
     new = out[0, len(ids) :].tolist()
     text = engine.tokenizer.decode(new[:-1] if eos is not None and new and new[-1] == eos else new)
