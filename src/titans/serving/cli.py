@@ -60,6 +60,8 @@ def check_limit_args(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--{name.replace('_', '-')} must be a number of seconds >= 0, got {getattr(args, name)}"
             )
+    if args.max_import_bytes < 1:
+        raise ValueError(f"--max-import-bytes must be >= 1, got {args.max_import_bytes}")
     if args.store_pool < 1:
         raise ValueError(f"--store-pool must be >= 1, got {args.store_pool}")
 
@@ -99,7 +101,10 @@ def build_app(args: argparse.Namespace):
     )
     store = open_store(args.store, pool_size=args.store_pool)
     limits = Limits(
-        max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_new_tokens=args.max_new_tokens
+        max_body_bytes=args.max_body_bytes,
+        max_tokens=args.max_tokens,
+        max_new_tokens=args.max_new_tokens,
+        max_import_bytes=args.max_import_bytes,
     )
     app = create_app(
         engine,
@@ -183,6 +188,12 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
         help="seconds an idle keep-alive connection stays open",
     )
     p.add_argument("--store-pool", type=int, default=8, help="connections to the store at most")
+    p.add_argument(
+        "--max-import-bytes",
+        type=int,
+        default=256 << 20,
+        help="larger bodies of POST /v1/sessions/import (a whole session's bytes) get 413",
+    )
 
 
 def register(commands, evals) -> None:
