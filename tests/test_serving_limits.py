@@ -293,30 +293,31 @@ def test_concurrent_requests_per_key_are_limited_and_other_keys_still_served(eng
 
 
 def test_workers_are_shared_fairly_between_keys():
-    """Key A queues 6 requests on 2 workers, then key B one: B runs as soon as one of A's finishes, not
-    after all of A's, and A never holds more than its share."""
+    """Key A queues 6 requests on 2 workers, then key B two: B's first runs as soon as one of A's
+    finishes, and its second before A's queue too (A holds its share of 1 then), not after all of A's;
+    a key alone uses every worker."""
 
-    async def main() -> list[str]:
+    async def main() -> tuple[list[str], int]:
         limiter = FairLimiter(2, per_key=1)
         order: list[str] = []
-        peak = {"a": 0}
+        busy = {"most": 0}
 
         async def job(key: str, i: int) -> None:
             async with limiter.slot(key):
-                if key == "a":
-                    peak["a"] = max(peak["a"], 2 - limiter.free)
+                busy["most"] = max(busy["most"], 2 - limiter.free)
                 order.append(f"{key}{i}")
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.02)
 
         tasks = [asyncio.create_task(job("a", i)) for i in range(6)]
-        await asyncio.sleep(0)
-        tasks.append(asyncio.create_task(job("b", 0)))
+        await asyncio.sleep(0.005)
+        assert limiter.free == 0  # alone, A runs on both workers
+        tasks += [asyncio.create_task(job("b", i)) for i in range(2)]
         await asyncio.gather(*tasks)
-        assert peak["a"] <= 2
-        return order
+        return order, busy["most"]
 
-    order = asyncio.run(main())
-    assert order.index("b0") <= 2, order
+    order, most = asyncio.run(main())
+    assert most == 2 and order[:2] == ["a0", "a1"]
+    assert order.index("b0") == 2 and order.index("b1") <= 4, order
 
 
 # ------------------------------------------------------------------------------------------ expiry

@@ -167,7 +167,8 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
         "--workers-per-key",
         type=int,
         default=0,
-        help="workers one key may run on at once (0: half of --workers, at least 1); waiting keys take turns",
+        help="a key's fair share of the workers (0: half of --workers, at least 1): waiting keys take turns, "
+        "those running fewer first",
     )
     p.add_argument(
         "--session-ttl",

@@ -11,7 +11,7 @@
   (bounded by `max_concurrent` per server).
 - concurrent work per key: requests of one key in this server at once (running, or waiting for a
   worker or for their session); one more is refused at once. The workers themselves are shared fairly
-  (`FairLimiter`): a key runs on at most `workers_per_key` of them, and waiting keys take turns.
+  (`FairLimiter`): waiting keys take turns, those running fewer than `workers_per_key` first.
 - idle sessions: a session not changed for `session_ttl_s` seconds is deleted (refused as missing from
   then on, and swept from the store while the server runs).
 - slow clients: a request body not received within `body_timeout_s` gets 408 and its connection closed
@@ -126,9 +126,10 @@ class KeyGate:
 
 
 class FairLimiter:
-    """`total` worker slots shared by keys: a key holds at most `per_key` of them at once, and when slots
-    free up the waiting keys get them in turn (round-robin), not in order of arrival: a key with many
-    queued requests delays another key's request by at most one request per slot."""
+    """`total` worker slots shared by keys. When slots free up, the waiting keys get them in turn
+    (round-robin), not in order of arrival, and a key already running `per_key` requests only after the
+    keys below that: a key with many queued requests delays another key's request by at most the rest of
+    one running request. A key alone may use every slot (no slot stays idle while work waits)."""
 
     def __init__(self, total: int, per_key: int | None = None) -> None:
         if total < 1:
@@ -141,7 +142,7 @@ class FairLimiter:
 
     @asynccontextmanager
     async def slot(self, key: str) -> AsyncIterator[None]:
-        if self.free and self._used.get(key, 0) < self.per_key and key not in self._waiting:
+        if self.free and not self._waiting:
             self._take(key)
         else:
             future = asyncio.get_running_loop().create_future()
@@ -177,11 +178,10 @@ class FairLimiter:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        for key in list(self._waiting):  # oldest waiting key first; one grant per key per turn
-            if not self.free:
-                return
-            if self._used.get(key, 0) >= self.per_key:
-                continue
+        while self.free and self._waiting:
+            # the longest-waiting key under its share, else the longest-waiting key
+            key = next((k for k in self._waiting if self._used.get(k, 0) < self.per_key), None)
+            key = key if key is not None else next(iter(self._waiting))
             queue = self._waiting.pop(key)
             future = queue.popleft()
             if queue:
