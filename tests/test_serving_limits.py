@@ -194,6 +194,7 @@ def test_a_read_writes_its_new_state_not_every_snapshot(engine, store):
             rows = store.client.hlen(store.prefix + "parts:" + sid)
         assert rows == len(set(stored.parts))
         assert engine.load(stored.data).reads == 10
+        assert store.count() == 1  # the indexes and parts are not counted as sessions
 
 
 def test_session_parts_join_to_the_session_bytes(engine):

@@ -423,7 +423,7 @@ class RedisStore:
     """Sessions in Redis: a hash per session under ``PREFIX + id`` (owner, version, checksum, the digests
     of its parts, size, times), its parts in a hash under ``PREFIX + "parts:" + id``, every owner's sessions
     and sizes in a hash under ``PREFIX + "owner:" + owner``, last changes in a sorted set under
-    ``PREFIX + "changed"``. Writes are Lua scripts (atomic); at most `pool_size` connections."""
+    ``PREFIX + "index:changed"``. Writes are Lua scripts (atomic); at most `pool_size` connections."""
 
     kind = "redis"
     _SEEN = 4096  # records whose part digests are remembered (a write sends only the new parts)
@@ -466,7 +466,7 @@ class RedisStore:
             raise StoreError(f"session store {self.url}: {e}") from e
 
     def _keys(self, sid: str, owner_key: str) -> list[str]:
-        return [self.prefix + sid, self.prefix + "parts:" + sid, owner_key, self.prefix + "changed"]
+        return [self.prefix + sid, self.prefix + "parts:" + sid, owner_key, self.prefix + "index:changed"]
 
     def _remember(self, sid: str, version: int, parts: Sequence[str]) -> None:
         with self._seen_lock:
@@ -549,12 +549,15 @@ class RedisStore:
         return len(sizes), sum(int(s) for s in sizes)
 
     def expire(self, before: float) -> list[str]:
-        sids = [s.decode() for s in self._call(self.client.zrangebyscore, self.prefix + "changed", 0, before)]
+        sids = [
+            s.decode()
+            for s in self._call(self.client.zrangebyscore, self.prefix + "index:changed", 0, before)
+        ]
         gone = []
         for sid in sids:
             owner = self.owner(sid)
             if owner is None:
-                self._call(self.client.zrem, self.prefix + "changed", sid)
+                self._call(self.client.zrem, self.prefix + "index:changed", sid)
                 continue
             keys = self._keys(sid, self.prefix + "owner:" + owner)
             if self._call(self._delete, keys=keys, args=[owner, sid, repr(before)]):
