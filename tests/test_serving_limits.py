@@ -387,3 +387,30 @@ def test_the_pool_refuses_work_after_close(tmp_path):
 
     with pytest.raises(StoreError, match="closed"):
         store.get("a" * 32)
+
+
+def test_a_client_that_trickles_its_head_or_sends_nothing_is_cut_off(tmp_path):
+    """`titans serve --header-timeout 0.5`: a connection that has not sent a whole request head in time is
+    closed (one that sends nothing, and one that sends part of a head); a prompt client is served."""
+    from serving_support import ProcessServer
+
+    checkpoint = make_checkpoint(tmp_path / "run")
+    server = ProcessServer(
+        checkpoint, f"sqlite:///{tmp_path / 's.db'}", tmp_path / "server.log", "--header-timeout", "0.5"
+    )
+    server.start().wait()
+    try:
+        host, port = "127.0.0.1", server.port
+        for opening in (b"", b"GET /v1/health HTTP/1.1\r\nHost: x\r\n"):
+            with socket.create_connection((host, port), timeout=10) as s:
+                s.sendall(opening)
+                start = time.monotonic()
+                s.settimeout(5)
+                try:
+                    assert s.recv(4096) == b""  # closed by the server, nothing answered
+                except TimeoutError:
+                    pytest.fail(f"the server kept a connection open that sent {opening!r} for 5 s")
+                assert time.monotonic() - start < 3
+        assert httpx.get(f"{server.url}/v1/health", timeout=10).status_code == 200
+    finally:
+        server.stop()

@@ -18,6 +18,7 @@ import torch
 
 from titans.inference.cli import load_model
 from titans.inference.session import DEFAULT_GUARD_MAX_RISE
+from titans.serving import limits as d  # its defaults; it needs the serve extra only to serve
 from titans.serving.auth import is_loopback, load_api_keys
 from titans.serving.session import DEFAULT_MAX_SNAPSHOTS, Engine
 from titans.serving.stores import open_store
@@ -55,7 +56,7 @@ def check_limit_args(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--{name.replace('_', '-')} must be >= 0 (0: no limit), got {getattr(args, name)}"
             )
-    for name in ("session_ttl", "body_timeout", "keep_alive_timeout"):
+    for name in ("session_ttl", "body_timeout", "keep_alive_timeout", "header_timeout"):
         if not 0 <= getattr(args, name) < math.inf:
             raise ValueError(
                 f"--{name.replace('_', '-')} must be a number of seconds >= 0, got {getattr(args, name)}"
@@ -68,9 +69,7 @@ def check_limit_args(args: argparse.Namespace) -> None:
 
 def quotas_from(args: argparse.Namespace):
     """`Quotas` of the parsed flags (0: no limit)."""
-    from titans.serving.limits import Quotas
-
-    return Quotas(
+    return d.Quotas(
         max_sessions=args.max_sessions_per_key or None,
         max_bytes=args.max_bytes_per_key or None,
         max_concurrent=args.max_concurrent_per_key or None,
@@ -136,6 +135,7 @@ def run_serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             timeout_graceful_shutdown=10,
             timeout_keep_alive=args.keep_alive_timeout,
+            **({"http": d.head_timeout_protocol(args.header_timeout)} if args.header_timeout else {}),
         )
     finally:
         store.close()
@@ -143,8 +143,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def add_limit_args(p: argparse.ArgumentParser) -> None:
-    from titans.serving import limits as d
-
     p.add_argument(
         "--max-sessions-per-key",
         type=int,
@@ -181,6 +179,13 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=d.DEFAULT_BODY_TIMEOUT_S,
         help="seconds a client has to send a request body; slower ones get 408 (0: no limit)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=d.DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a client has to send a request's line and headers; slower ones are cut off "
+        "(0: no limit)",
     )
     p.add_argument(
         "--keep-alive-timeout",

@@ -14,8 +14,9 @@
   (`FairLimiter`): waiting keys take turns, those running fewer than `workers_per_key` first.
 - idle sessions: a session not changed for `session_ttl_s` seconds is deleted (refused as missing from
   then on, and swept from the store while the server runs).
-- slow clients: a request body not received within `body_timeout_s` gets 408 and its connection closed
-  (`BodyTimeout`); idle keep-alive connections are closed by uvicorn after its keep-alive timeout.
+- slow clients: a request head not received within a timeout closes the connection
+  (`head_timeout_protocol`); a body not received within `body_timeout_s` gets 408 and its connection
+  closed (`BodyTimeout`); idle keep-alive connections are closed by uvicorn after its keep-alive timeout.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ DEFAULT_MAX_BYTES = 4 << 30
 DEFAULT_MAX_CONCURRENT = 64
 DEFAULT_SESSION_TTL_S = 30 * 86400.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_HEADER_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -278,6 +280,54 @@ class BodyTimeout:
         await self.app(scope, replayed, send)
 
 
+def head_timeout_protocol(timeout_s: float) -> type:
+    """uvicorn's h11 protocol with a deadline on a request's head: a connection that has not sent a whole
+    request line and headers `timeout_s` seconds after it opened (or after it sent the first bytes of its
+    next request) is closed. uvicorn times out idle keep-alive connections, but not a client that trickles
+    a head in, nor one that connects and sends nothing. Pass it as ``uvicorn.run(..., http=...)``."""
+    if not 0 < timeout_s < float("inf"):
+        raise ValueError(
+            f"head_timeout_protocol: timeout_s must be a number of seconds > 0, got {timeout_s!r}"
+        )
+    from uvicorn.protocols.http.h11_impl import H11Protocol  # the serve extra
+
+    class HeadTimeoutProtocol(H11Protocol):
+        _head_timer = None
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._watch_head()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._watch_head()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_watching()
+            super().connection_lost(exc)
+
+        def _waiting_for_head(self) -> bool:
+            return (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing()
+
+        def _watch_head(self) -> None:
+            if not self._waiting_for_head():
+                self._stop_watching()
+            elif self._head_timer is None:  # the deadline runs from the head's first byte (or the connect)
+                self._head_timer = self.loop.call_later(timeout_s, self._head_late)
+
+        def _stop_watching(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_late(self) -> None:
+            self._head_timer = None
+            if self._waiting_for_head():
+                self.transport.close()
+
+    return HeadTimeoutProtocol
+
+
 async def _json(send: Send, status: int, body: dict, close: bool = False) -> None:
     payload = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
@@ -289,6 +339,7 @@ async def _json(send: Send, status: int, body: dict, close: bool = False) -> Non
 
 __all__ = [
     "DEFAULT_BODY_TIMEOUT_S",
+    "DEFAULT_HEADER_TIMEOUT_S",
     "DEFAULT_MAX_BYTES",
     "DEFAULT_MAX_CONCURRENT",
     "DEFAULT_MAX_SESSIONS",
@@ -301,4 +352,5 @@ __all__ = [
     "Sweeper",
     "TooBusy",
     "check_room",
+    "head_timeout_protocol",
 ]
