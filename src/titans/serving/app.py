@@ -14,7 +14,8 @@ and is in the store.
 Errors: every refused request gets a 4xx (or 503 when the store is unreachable) with ``{"detail": ...}``
 naming the problem: 401 no or unknown key, 404 unknown session or one of another key, 409 a stored state
 that cannot be read (damaged bytes, or a state of another model), 413 a body over the limit, 422 a
-malformed body, a text over the token limit, symbols the model cannot read, no such snapshot.
+malformed body, a text over the token limit, symbols the model cannot read, no such snapshot; 408 a body
+that did not arrive in time, 429 a per-key limit (`titans.serving.limits`, with Retry-After).
 
 The sessions are `titans.inference.session.MemorySession`s, stored as their `to_bytes`.
 """
