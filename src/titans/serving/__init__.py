@@ -4,7 +4,9 @@
   answers of the routes. The sessions are `titans.inference.session.MemorySession`s (read, generate,
   freeze, snapshots, rollback, the guard, bytes).
 - `titans.serving.stores`: `SQLiteStore`, `RedisStore`, `open_store(url)`: versioned records with
-  compare-and-set writes.
+  compare-and-set writes, each session's states stored as parts of their own, pooled connections.
+- `titans.serving.limits`: per-key quotas (sessions, stored bytes, requests at once), fair workers, idle
+  session expiry, slow-client timeouts.
 - `titans.serving.auth`: API keys as sha256 hashes.
 - `titans.serving.app`: `create_app(engine, store, key_hashes=...)`, the FastAPI app (needs the `serve`
   extra, so it is not imported here).

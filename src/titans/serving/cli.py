@@ -18,6 +18,7 @@ import torch
 
 from titans.inference.cli import load_model
 from titans.inference.session import DEFAULT_GUARD_MAX_RISE
+from titans.serving import limits as d  # its defaults; it needs the serve extra only to serve
 from titans.serving.auth import is_loopback, load_api_keys
 from titans.serving.session import DEFAULT_MAX_SNAPSHOTS, Engine
 from titans.serving.stores import open_store
@@ -45,6 +46,37 @@ def check_serve_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not 0 <= args.guard_max_rise < math.inf:
         raise ValueError(f"--guard-max-rise must be a number >= 0, got {args.guard_max_rise}")
+    check_limit_args(args)
+
+
+def check_limit_args(args: argparse.Namespace) -> None:
+    """The per-key limits and timeouts (0: no limit, where a flag says so)."""
+    for name in ("max_sessions_per_key", "max_bytes_per_key", "max_concurrent_per_key", "workers_per_key"):
+        if getattr(args, name) < 0:
+            raise ValueError(
+                f"--{name.replace('_', '-')} must be >= 0 (0: no limit), got {getattr(args, name)}"
+            )
+    for name in ("session_ttl", "body_timeout", "keep_alive_timeout", "header_timeout"):
+        if not 0 <= getattr(args, name) < math.inf:
+            raise ValueError(
+                f"--{name.replace('_', '-')} must be a number of seconds >= 0, got {getattr(args, name)}"
+            )
+    if args.max_import_bytes < 1:
+        raise ValueError(f"--max-import-bytes must be >= 1, got {args.max_import_bytes}")
+    if args.store_pool < 1:
+        raise ValueError(f"--store-pool must be >= 1, got {args.store_pool}")
+
+
+def quotas_from(args: argparse.Namespace):
+    """`Quotas` of the parsed flags (0: no limit)."""
+    return d.Quotas(
+        max_sessions=args.max_sessions_per_key or None,
+        max_bytes=args.max_bytes_per_key or None,
+        max_concurrent=args.max_concurrent_per_key or None,
+        session_ttl_s=args.session_ttl or None,
+        body_timeout_s=args.body_timeout or None,
+        workers_per_key=args.workers_per_key or None,
+    )
 
 
 def build_app(args: argparse.Namespace):
@@ -66,12 +98,21 @@ def build_app(args: argparse.Namespace):
     engine = Engine(
         model, tokenizer, max_snapshots=args.snapshots, probe=probe, guard_max_rise=args.guard_max_rise
     )
-    store = open_store(args.store)
+    store = open_store(args.store, pool_size=args.store_pool)
     limits = Limits(
-        max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_new_tokens=args.max_new_tokens
+        max_body_bytes=args.max_body_bytes,
+        max_tokens=args.max_tokens,
+        max_new_tokens=args.max_new_tokens,
+        max_import_bytes=args.max_import_bytes,
     )
     app = create_app(
-        engine, store, key_hashes=keys, limits=limits, workers=args.workers, model_name=str(args.checkpoint)
+        engine,
+        store,
+        key_hashes=keys,
+        limits=limits,
+        workers=args.workers,
+        model_name=str(args.checkpoint),
+        quotas=quotas_from(args),
     )
     return app, store
 
@@ -88,11 +129,77 @@ def run_serve(args: argparse.Namespace) -> int:
     log.info("store %s (%d sessions); keys: %s", store.url, store.count(), args.api_keys or "none (no auth)")
     try:
         uvicorn.run(
-            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=10,
+            timeout_keep_alive=args.keep_alive_timeout,
+            **({"http": d.head_timeout_protocol(args.header_timeout)} if args.header_timeout else {}),
         )
     finally:
         store.close()
     return 0
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-sessions-per-key",
+        type=int,
+        default=d.DEFAULT_MAX_SESSIONS,
+        help="sessions a key may hold (0: no limit)",
+    )
+    p.add_argument(
+        "--max-bytes-per-key",
+        type=int,
+        default=d.DEFAULT_MAX_BYTES,
+        help="bytes a key's sessions may take in the store (0: no limit)",
+    )
+    p.add_argument(
+        "--max-concurrent-per-key",
+        type=int,
+        default=d.DEFAULT_MAX_CONCURRENT,
+        help="requests of one key in the server at once, running or waiting; more get 429 (0: no limit)",
+    )
+    p.add_argument(
+        "--workers-per-key",
+        type=int,
+        default=0,
+        help="a key's fair share of the workers (0: half of --workers, at least 1): waiting keys take turns, "
+        "those running fewer first",
+    )
+    p.add_argument(
+        "--session-ttl",
+        type=float,
+        default=d.DEFAULT_SESSION_TTL_S,
+        help="seconds a session may go unchanged before it is deleted (0: never)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=d.DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a client has to send a request body; slower ones get 408 (0: no limit)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=d.DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a client has to send a request's line and headers; slower ones are cut off "
+        "(0: no limit)",
+    )
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    p.add_argument("--store-pool", type=int, default=8, help="connections to the store at most")
+    p.add_argument(
+        "--max-import-bytes",
+        type=int,
+        default=256 << 20,
+        help="larger bodies of POST /v1/sessions/import (a whole session's bytes) get 413",
+    )
 
 
 def register(commands, evals) -> None:
@@ -128,6 +235,7 @@ def register(commands, evals) -> None:
         help="the guard's limit on the probe loss's rise, a share (0.05: 5%%)",
     )
     p.add_argument("--workers", type=int, default=4, help="threads running model work (sessions in parallel)")
+    add_limit_args(p)
     p.add_argument(
         "--torch-threads", type=int, default=1, help="torch intra-op threads (torch.set_num_threads)"
     )
@@ -138,4 +246,13 @@ def register(commands, evals) -> None:
     p.set_defaults(func=run_serve, check=check_serve_args)
 
 
-__all__ = ["DEFAULT_STORE", "build_app", "check_serve_args", "register", "run_serve"]
+__all__ = [
+    "DEFAULT_STORE",
+    "add_limit_args",
+    "build_app",
+    "check_limit_args",
+    "check_serve_args",
+    "quotas_from",
+    "register",
+    "run_serve",
+]

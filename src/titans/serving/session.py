@@ -13,8 +13,9 @@ Everything else (freezing, snapshots and rollback, the guard, the bytes) is the 
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from typing import Any
 
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from titans.data.tokenizers import Tokenizer
-from titans.inference.session import DEFAULT_GUARD_MAX_RISE, MemorySession
+from titans.inference.session import DEFAULT_GUARD_MAX_RISE, SESSION_MAGIC, MemorySession
 from titans.layers.memory import MemoryStats
 from titans.models.lm import TitansLM
 from titans.models.state import TitansState, state_digest
@@ -82,6 +83,34 @@ class Engine:
         """The session of `data` (`MemorySession.to_bytes`). Damaged bytes raise SessionFormatError, a
         session of another model ValueError."""
         return MemorySession.from_bytes(self.model, data)
+
+
+# ------------------------------------------------------------------------------------------ parts
+def session_parts(data: bytes) -> list[bytes]:
+    """`MemorySession.to_bytes` cut where its states start and end: [header, state, ..., state, trailer],
+    joined again by ``b"".join``. A change of a session adds one state and drops the oldest snapshot, so
+    its parts are those of the previous bytes plus a new header and state: a store that keeps each part
+    once writes only those. Bytes that are not a session (or damaged) are one part: the session's own
+    checks refuse them when they are loaded."""
+    start = len(SESSION_MAGIC)
+    try:
+        if not data.startswith(SESSION_MAGIC) or len(data) < start + 8 + 32:
+            raise ValueError("not a session")
+        size = int.from_bytes(data[start : start + 8], "little")
+        sizes = json.loads(data[start + 8 : start + 8 + size])["blobs"]
+        cut = [start + 8 + size]
+        for n in sizes:
+            if not isinstance(n, int) or n < 0:
+                raise ValueError("a blob size is not a count")
+            cut.append(cut[-1] + n)
+        if cut[-1] != len(data) - 32:
+            raise ValueError("blob sizes do not add up")
+    except (ValueError, KeyError, TypeError):
+        return [data]
+    parts = [data[: cut[0]]]
+    parts += [data[a:b] for a, b in zip(cut, cut[1:], strict=False)]
+    parts.append(data[cut[-1] :])
+    return parts
 
 
 # ------------------------------------------------------------------------------------------ JSON
@@ -156,9 +185,11 @@ def generate_json(
     greedy: bool = False,
     seed: int | None = None,
     stop_at_eos: bool = True,
+    on_token: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """The session continues the prompt `ids` (`MemorySession.generate`): what the generate route answers,
-    the generated text without the prompt (nor a final end-of-text token)."""
+    the generated text without the prompt (nor a final end-of-text token). on_token: called with each
+    generated id as it is produced (streamed answers)."""
     generator = torch.Generator(device=engine.device)
     generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
     eos = engine.tokenizer.eos_id if stop_at_eos else None
@@ -172,6 +203,7 @@ def generate_json(
         greedy=greedy,
         generator=generator,
         stop_tokens=eos,
+        on_token=None if on_token is None else (lambda column: on_token(int(column[0]))),
     )
     new = out[0, len(ids) :].tolist()
     text = engine.tokenizer.decode(new[:-1] if eos is not None and new and new[-1] == eos else new)
@@ -211,6 +243,7 @@ __all__ = [
     "memory_norms",
     "read_json",
     "read_stats",
+    "session_parts",
     "snapshots_json",
     "stats_json",
 ]

