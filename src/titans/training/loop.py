@@ -225,7 +225,7 @@ class TrainLoop:
                     self.evaluate(self.step)
                 if self.ckpt_every is not None and self.step % self.ckpt_every == 0 and self.step < end:
                     self.checkpoint(self.step)
-                    saved_step = self.step
+                    saved_step = self.checkpointed_at = self.step
                 budget = self.time_budget_s
                 over = budget is not None and time.perf_counter() - session_start >= budget
                 # every rank, every step: all stop after the same step (a signal reaches them at
@@ -249,6 +249,7 @@ class TrainLoop:
             self.bar = None
         if self.checkpoint is not None and saved_step != self.step:  # first: what a stop must not lose
             self.checkpoint(self.step)
+            self.checkpointed_at = self.step
         return LoopResult(
             step=self.step,
             start_step=start_step,
