@@ -404,3 +404,26 @@ def test_cli_reports_bad_arguments(tmp_path, capsys):
     assert run_cli(argv) == 2
     err = capsys.readouterr().err
     assert "--set" in err and "--checkpoint" in err
+
+
+def test_every_variant_recipe_builds_its_config_and_model():
+    """The per-variant pass-key recipes (`titans.evaluation.recipe.RECIPES`) are options `titans eval niah
+    --train-recipe` accepts, and give the documented schedules and memory settings."""
+    from titans.cli import build_parser
+    from titans.evaluation.args import model_overrides
+    from titans.evaluation.recipe import BASE_RECIPE, RECIPES, task_config, variant_recipe
+    from titans.models.config import VARIANTS
+
+    assert set(RECIPES) <= set(VARIANTS) and variant_recipe("no_such") == variant_recipe("lmm")
+    assert RECIPES["lmm"] == BASE_RECIPE
+    for variant in RECIPES:
+        argv = ["eval", "niah", "--train-recipe", "--variant", variant, *variant_recipe(variant)]
+        args = build_parser().parse_args(argv)
+        cfg = task_config(args, "niah")
+        assert cfg.train_length == 1024 and cfg.start_length == 320 and cfg.batch_size == 8
+        assert cfg.steps == {"mac": 1500, "transformer": 5000}.get(variant, 800)
+        assert cfg.hold_lr == (variant == "mac") and cfg.lm_loss_weight == 0.1
+        # the --set overrides make a valid model config
+        config = TitansConfig.preset(args.preset, variant=variant, vocab_size=256, **model_overrides(args))
+        if variant != "transformer":
+            assert config.memory_conv_kernel == 8 and not config.memory_forgetting

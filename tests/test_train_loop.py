@@ -170,7 +170,7 @@ def _forecast(**kw):
     def run(tmp_path):
         sp = split_series(read_series_csv(_write_csv(tmp_path / "s.csv", 700, ["a", "b"])), lookback=32)
         run = ForecastRun(model="lmm", horizon=8, steps=4, eval_every=2, dim=16, depth=1, heads=2, **kw)
-        return train_forecaster(sp, run)
+        return train_forecaster(sp, run, handle_signals=True)
 
     return run
 
@@ -190,7 +190,7 @@ def test_task_training_steps_through_the_loop(monkeypatch, steps_seen):
     assert steps_seen == [0.25] * 4 and [h["step"] for h in history] == [0, 3]
     _signal_at(monkeypatch, 1)
     model, cfg = _task()
-    history = train_on_task(model, TOK, cfg, log=None)
+    history = train_on_task(model, TOK, cfg, log=None, handle_signals=True)
     assert history[-1]["step"] == 1 and history[-1]["stopped_by"] == "SIGINT" and history[-1]["stopped_early"]
     _poison_at(monkeypatch, 2)
     model, cfg = _task()
@@ -217,8 +217,10 @@ def test_dna_training_steps_through_the_loop(monkeypatch, steps_seen):
     finetune(lm, cls, budget)
     assert steps_seen == [1.0] * (4 + 3) and len(losses) == 4
     _signal_at(monkeypatch, 1)
-    _, losses = pretrain("lmm", seqs, budget)
+    _, losses = pretrain("lmm", seqs, budget, handle_signals=True)
     assert len(losses) == 2  # stopped after the step the signal came in
+    with pytest.raises(KeyboardInterrupt):  # without handle_signals: the usual effect, at once
+        finetune(lm, cls, budget)
     _poison_at(monkeypatch, 0)
     with pytest.raises(FloatingPointError, match="by step 1; fine-tuning lmm"):
         finetune(lm, cls, budget)

@@ -57,10 +57,11 @@ def pretrain(
     budget: DNABudget,
     progress: bool = False,
     *,
-    handle_signals: bool = True,
+    handle_signals: bool = False,
 ) -> tuple[TitansLM, list[float]]:
     """A nucleotide LM trained for ``budget.pretrain_steps`` steps of random windows; (model, per-step
-    training bits per base). A SIGTERM / SIGINT stops it after the current step (fewer losses)."""
+    training bits per base). ``handle_signals``: a SIGTERM / SIGINT stops it after the current step (fewer
+    losses); without it a signal has its usual effect (KeyboardInterrupt)."""
     torch.manual_seed(budget.seed)
     rng = np.random.default_rng(budget.seed)
     lm = TitansLM(dna_config(variant, budget.dim, budget.depth, budget.heads, budget.window))
@@ -104,10 +105,10 @@ def finetune(
     budget: DNABudget,
     progress: bool = False,
     *,
-    handle_signals: bool = True,
+    handle_signals: bool = False,
 ) -> SequenceClassifier:
-    """All of ``lm`` plus a new pooled head, trained on ``train`` for ``budget.finetune_steps`` steps (a
-    SIGTERM / SIGINT stops it after the current step)."""
+    """All of ``lm`` plus a new pooled head, trained on ``train`` for ``budget.finetune_steps`` steps
+    (``handle_signals``: a SIGTERM / SIGINT stops it after the current step)."""
     torch.manual_seed(budget.seed)
     rng = np.random.default_rng(budget.seed + 1)
     clf = SequenceClassifier(lm, num_classes=int(train.y.max()) + 1)

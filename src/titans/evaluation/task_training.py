@@ -20,10 +20,10 @@ retrieve, then to keep it over more and more haystack.
 The steps run on the package's one training loop (``titans.training.loop.TrainLoop``) with this recipe's
 batch source (the curriculum's length, the generated examples) and loss (``masked_loss``) injected: a NaN
 or inf loss stops training with ``FloatingPointError`` naming the step, the gradient norm is clipped to
-``grad_clip``, and a SIGTERM / SIGINT stops it after the current step (recorded in the history as
-``stopped_by``). The weight-decay split (``parameter_groups``) and the warm-up + cosine schedule
-(``warmup_cosine``) are the LM trainer's, from ``titans.training.optim``. Unlike the LM trainer it
-fine-tunes a model it is handed, in place, in float32 and in one process.
+``grad_clip``, and with ``handle_signals`` a SIGTERM / SIGINT stops it after the current step (recorded in
+the history as ``stopped_by``). The weight-decay split (``parameter_groups``) and the warm-up + cosine
+schedule (``warmup_cosine``) are the LM trainer's, from ``titans.training.optim``. Unlike the LM trainer
+it fine-tunes a model it is handed, in place, in float32 and in one process.
 """
 
 from __future__ import annotations
@@ -281,13 +281,15 @@ def train_on_task(
     *,
     log: Callable[[str], None] | None = print,
     max_seconds: float | None = None,
-    handle_signals: bool = True,
+    handle_signals: bool = False,
 ) -> list[dict]:
     """Train ``model`` in place on ``cfg.task``; returns the logged history (step, length, loss, lr, s).
 
-    ``max_seconds`` stops early (the schedule still spans ``cfg.steps``), as does a SIGTERM / SIGINT
-    (``handle_signals``, main thread only); the last record then says ``stopped_early`` (and
-    ``stopped_by``, the signal).
+    ``max_seconds`` stops early (the schedule still spans ``cfg.steps``); the last record then says
+    ``stopped_early``. ``handle_signals`` (main thread only): a SIGTERM / SIGINT stops training after the
+    current step as well (the last record says ``stopped_by``), for a caller that keeps what was trained;
+    without it a signal has its usual effect (KeyboardInterrupt), which ends a study of many runs as a
+    whole.
     """
     min_length = min_task_length(tokenizer, cfg)
     if cfg.train_length < min_length:

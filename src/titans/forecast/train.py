@@ -86,12 +86,13 @@ def predict(
 
 
 def train_forecaster(
-    split: SeriesSplit, run: ForecastRun, progress: bool = False, *, handle_signals: bool = True
+    split: SeriesSplit, run: ForecastRun, progress: bool = False, *, handle_signals: bool = False
 ) -> ForecastResult:
     """Train ``run.model`` on ``split`` at ``run.horizon`` and measure it (see the module docstring).
 
-    A SIGTERM / SIGINT (``handle_signals``, main thread only) stops training after the current step; the
-    best weights so far are measured, and the metrics say ``stopped_by``."""
+    ``handle_signals`` (main thread only): a SIGTERM / SIGINT stops training after the current step, the
+    best weights so far are measured and the metrics say ``stopped_by``; without it a signal has its usual
+    effect (KeyboardInterrupt), which ends a study of many runs as a whole."""
     train, val, test = split.windows(run.horizon)
     torch.manual_seed(run.seed)
     rng = np.random.default_rng(run.seed)
