@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,7 @@ from titans.models.config import PRESETS
 from titans.training.checkpoint import save_checkpoint
 from titans.training.config import TrainConfig
 from titans.training.model_io import load_checkpoint_from, load_model, tokenizer_record
+from titans.training.signals import exit_status
 
 # ---------------------------------------------------------------------------------------------------------
 # Each variant's pass-key recipe, as options of `titans eval niah --train-recipe`.
@@ -102,14 +106,33 @@ def build_model(args: argparse.Namespace, variant: str, vocab_size: int, overrid
     return TitansLM(TitansConfig.preset(args.preset, variant=variant, **overrides)).to(args.device)
 
 
-def train_with_recipe(args: argparse.Namespace, model, tokenizer, task_cfg) -> dict:
-    """Train ``model`` in place; returns a JSON-able summary (the recipe, the last log line, the time)."""
+def train_with_recipe(
+    args: argparse.Namespace,
+    model,
+    tokenizer,
+    task_cfg,
+    checkpoint: Callable[[int, list[dict]], object] | None = None,
+) -> dict:
+    """Train ``model`` in place; returns a JSON-able summary (the recipe, the last log line, the time).
+    ``checkpoint(step, history)``: saves the model every ``--ckpt-every`` steps and at the end; with it a
+    SIGTERM / SIGINT stops training after the current step (the summary's ``final`` says ``stopped_by``)."""
     budget = None if args.time_budget is None else 60.0 * args.time_budget
     t0 = time.perf_counter()
-    history = train_on_task(model, tokenizer, task_cfg, max_seconds=budget)
+    history = train_on_task(
+        model,
+        tokenizer,
+        task_cfg,
+        max_seconds=budget,
+        handle_signals=checkpoint is not None,
+        checkpoint=checkpoint,
+        ckpt_every=getattr(args, "ckpt_every", None),
+    )
+    return {**_summary(task_cfg, history), "seconds": time.perf_counter() - t0}
+
+
+def _summary(task_cfg, history: list[dict]) -> dict:
     return {
         "recipe": task_cfg.to_dict(),
-        "seconds": time.perf_counter() - t0,
         "steps_done": history[-1]["step"] + 1 if history else 0,
         "final": history[-1] if history else None,
         "history": history,
@@ -170,6 +193,8 @@ def obtain_model(args: argparse.Namespace, task_cfg_factory) -> tuple[Any, Any, 
     when ``--train-recipe`` is given (a checkpoint is then fine-tuned: the paper's fine-tuning setup)."""
     if not args.checkpoint and not args.train_recipe:
         raise ValueError("give --checkpoint (a model to evaluate or fine-tune) and/or --train-recipe")
+    if getattr(args, "ckpt_every", None) is not None and not (args.train_recipe and args.save_model):
+        raise ValueError("--ckpt-every saves the model being trained: give --train-recipe and --save-model")
     if args.checkpoint:
         fresh_only = [
             flag
@@ -192,15 +217,32 @@ def obtain_model(args: argparse.Namespace, task_cfg_factory) -> tuple[Any, Any, 
         tokenizer = load_tokenizer(args.tokenizer)
         model = build_model(args, args.variant, tokenizer.vocab_size)
         info = {"model_config": model.config.to_dict(), "parameters": model.num_parameters()}
-    summary = train_with_recipe(args, model, tokenizer, task_cfg_factory())
-    if args.checkpoint:
-        summary["fine_tuned_from"] = str(args.checkpoint)
-        summary["earlier"] = info.get("training")
+    task_cfg = task_cfg_factory()
+    earlier = (
+        {"fine_tuned_from": str(args.checkpoint), "earlier": info.get("training")} if args.checkpoint else {}
+    )
+    checkpoint = None
+    if args.save_model:
+
+        def checkpoint(step: int, history: list[dict]) -> None:  # the model so far, as --save-model
+            summary = {**_summary(task_cfg, history), "steps_done": step, **earlier}
+            save_task_model(args.save_model, model, tokenizer, args, summary, info.get("tokenizer"))
+
+    summary = {**train_with_recipe(args, model, tokenizer, task_cfg, checkpoint), **earlier}
     info["training"] = summary
     if args.save_model:
         saved = save_task_model(args.save_model, model, tokenizer, args, summary, info.get("tokenizer"))
         info["saved"] = str(saved)
         print(f"saved the trained model to {info['saved']}")
+    stopped_by = (summary["final"] or {}).get("stopped_by")
+    if stopped_by is not None:  # the model is saved; the evaluation is not what a stop asked for
+        print(
+            f"titans: stopped by {stopped_by} at step {summary['steps_done']}; the model trained so far is "
+            f"saved to {info['saved']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(exit_status(signal.Signals[stopped_by]))
     return model, tokenizer, info
 
 

@@ -282,6 +282,8 @@ def train_on_task(
     log: Callable[[str], None] | None = print,
     max_seconds: float | None = None,
     handle_signals: bool = False,
+    checkpoint: Callable[[int, list[dict]], object] | None = None,
+    ckpt_every: int | None = None,
 ) -> list[dict]:
     """Train ``model`` in place on ``cfg.task``; returns the logged history (step, length, loss, lr, s).
 
@@ -289,7 +291,8 @@ def train_on_task(
     ``stopped_early``. ``handle_signals`` (main thread only): a SIGTERM / SIGINT stops training after the
     current step as well (the last record says ``stopped_by``), for a caller that keeps what was trained;
     without it a signal has its usual effect (KeyboardInterrupt), which ends a study of many runs as a
-    whole.
+    whole. ``checkpoint(step, history)`` saves the model after ``step`` steps: every ``ckpt_every`` steps
+    (None: never in between) and once after the last step or the step a stop came after.
     """
     min_length = min_task_length(tokenizer, cfg)
     if cfg.train_length < min_length:
@@ -364,6 +367,8 @@ def train_on_task(
         on_step=on_step,
         time_budget_s=max_seconds,
         handle_signals=handle_signals,
+        ckpt_every=ckpt_every,
+        checkpoint=None if checkpoint is None else lambda step: checkpoint(step, history),
         failure_hint=lambda: f"task training of {cfg.task} (try a lower lr or memory_max_lr)",
     )
     done = loop.run()

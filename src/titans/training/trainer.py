@@ -15,6 +15,12 @@ when the wall-clock budget runs out and on SIGTERM / SIGINT (after the current s
 stopped: the same batches, the same per-step losses and the same weights as a run that was never
 interrupted. A resume whose config differs in a field that matters is refused, naming the field (see
 ``TrainConfig.resume_mismatches``).
+
+The steps run on the package's one training loop (``titans.training.loop.TrainLoop``, which task training,
+forecasting and DNA training use too): this trainer injects its step (micro-batches, DDP / FSDP, carried
+state, CUDA graphs), its evaluation, its checkpoint and its memory statistics; the loop does the clipping,
+the optimizer and schedule step, the non-finite check, the metrics, the progress bar, the time budget and
+the stop signals.
 """
 
 from __future__ import annotations
