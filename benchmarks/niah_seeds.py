@@ -7,8 +7,8 @@ trained model on several haystacks and lengths, and aggregate the accuracy per l
 For every (variant, seed) one pipeline runs, pipelines in parallel up to ``--jobs``:
 
 1. ``titans eval niah --train-recipe --variant V --seed S <recipe> --save-model RUNS/V_sS``: the variant's
-   recipe (``RECIPES``; ``--recipe-extra`` is appended) from a fresh model seeded by S; it evaluates once
-   at ``--train-eval-length`` as a check;
+   recipe (``titans.evaluation.recipe.RECIPES``; ``--recipe-extra`` is appended) from a fresh model seeded
+   by S; it evaluates once at ``--train-eval-length`` as a check;
 2. ``titans eval niah --checkpoint RUNS/V_sS --haystack H --lengths ... --seed 0`` for each haystack: the
    same test prompts for every model and seed (``--seed`` of an evaluation only picks the prompts).
 
@@ -30,34 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-# The pass-key recipe of docs/evaluations.md: a memory without forgetting, a conv of 8 on q/k/v, the inner
-# learning rate bounded, lengths <= 1,024 grown by the adaptive curriculum, a little LM loss.
-BASE_RECIPE = (
-    "--set memory_conv_kernel=8 --set memory_max_lr=0.03 --set memory_theta_init=0.002 "
-    "--set memory_forgetting=false --train-length 1024 --start-length 320 --curriculum 0.5 "
-    "--curriculum-loss 0.3 --steps 800 --batch-size 8 --lr 0.003 --warmup-steps 20 --lm-loss-weight 0.1"
-)
-# Full attention needs its own recipe (docs/evaluations.md, "Transformer++"): the linear length ramp (the
-# adaptive one keeps it at <= 500 tokens, where its loss never stays under the threshold), lr 1e-3 and more
-# steps; it solves the task at <= 1,024 tokens after 1,500 to 3,200 steps, depending on the seed.
-TRANSFORMER_RECIPE = (
-    "--train-length 1024 --start-length 320 --curriculum 0.5 --steps 5000 --batch-size 8 --lr 0.001 "
-    "--warmup-steps 50 --lm-loss-weight 0.1"
-)
-# Each variant's recipe: the base recipe with the variant's changes appended (a later flag wins).
-RECIPES: dict[str, str] = {
-    "lmm": BASE_RECIPE,
-    # MAC learns later than the LMM, at a step that varies by seed (about 650 to 1,000): 1,500 steps, and the
-    # peak learning rate held until the curriculum reaches 1,024 tokens (on the plain cosine the latest
-    # seed met the longer lengths on a decayed rate and stalled). Its default gate ("norm"); the "open"
-    # gate passes the answer's gradient to the memory scaled by the attention output, about 20x less at
-    # initialisation, and two seeds of three did not learn with it.
-    "mac": BASE_RECIPE + " --steps 1500 --hold-lr",
-    "mag": BASE_RECIPE,
-    "mal": BASE_RECIPE,
-    "swa": BASE_RECIPE,
-    "transformer": TRANSFORMER_RECIPE,
-}
+from titans.evaluation.recipe import RECIPES, variant_recipe
 
 
 def run_commands(variant: str, seed: int, args: argparse.Namespace) -> list[list[str]]:
@@ -68,7 +41,7 @@ def run_commands(variant: str, seed: int, args: argparse.Namespace) -> list[list
     common = ["--threads", str(args.threads), "--device", args.device, "--out", str(out)]
     train = [
         *("eval", "niah", "--train-recipe", "--variant", variant, "--seed", str(seed)),
-        *shlex.split(RECIPES.get(variant, BASE_RECIPE)),
+        *variant_recipe(variant),
         *("--kind", args.kind),
         *shlex.split(args.recipe_extra),
         *("--lengths", str(args.train_eval_length), "--samples", "1"),

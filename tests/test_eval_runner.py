@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+import titans.evaluation.recipe as recipe_module
 from titans.data.tokenizers import ByteTokenizer
 from titans.evaluation.babilong import babilong_grid
 from titans.evaluation.niah import niah_grid
@@ -404,3 +405,69 @@ def test_cli_reports_bad_arguments(tmp_path, capsys):
     assert run_cli(argv) == 2
     err = capsys.readouterr().err
     assert "--set" in err and "--checkpoint" in err
+
+
+def test_every_variant_recipe_builds_its_config_and_model():
+    """The per-variant pass-key recipes (`titans.evaluation.recipe.RECIPES`) are options `titans eval niah
+    --train-recipe` accepts, and give the documented schedules and memory settings."""
+    from titans.cli import build_parser
+    from titans.evaluation.args import model_overrides
+    from titans.evaluation.recipe import BASE_RECIPE, RECIPES, task_config, variant_recipe
+    from titans.models.config import VARIANTS
+
+    assert set(RECIPES) <= set(VARIANTS) and variant_recipe("no_such") == variant_recipe("lmm")
+    assert RECIPES["lmm"] == BASE_RECIPE
+    for variant in RECIPES:
+        argv = ["eval", "niah", "--train-recipe", "--variant", variant, *variant_recipe(variant)]
+        args = build_parser().parse_args(argv)
+        cfg = task_config(args, "niah")
+        assert cfg.train_length == 1024 and cfg.start_length == 320 and cfg.batch_size == 8
+        assert cfg.steps == {"mac": 1500, "transformer": 5000}.get(variant, 800)
+        assert cfg.hold_lr == (variant == "mac") and cfg.lm_loss_weight == 0.1
+        # the --set overrides make a valid model config
+        config = TitansConfig.preset(args.preset, variant=variant, vocab_size=256, **model_overrides(args))
+        if variant != "transformer":
+            assert config.memory_conv_kernel == 8 and not config.memory_forgetting
+
+
+def test_cli_recipe_checkpoints_and_a_signal_saves_the_model_and_ends(tmp_path, monkeypatch, capsys):
+    """`--save-model` with `--ckpt-every`: the model is saved during training (the shared training loop's
+    checkpoints), and a SIGINT stops training after the current step, saves it and ends with status 130."""
+    import signal
+
+    from titans.evaluation.recipe import load_task_model
+    from titans.training.checkpoint import list_checkpoints
+    from titans.training.loop import TrainLoop
+
+    saved_steps: list[int] = []
+    real_save = recipe_module.save_task_model
+    monkeypatch.setattr(
+        recipe_module,
+        "save_task_model",
+        lambda path, model, tok, args, summary, *a: (
+            saved_steps.append(summary["steps_done"]) or real_save(path, model, tok, args, summary, *a)
+        ),
+    )
+    real_step = TrainLoop.default_step
+
+    def step(self, s):
+        if s == 2:
+            signal.raise_signal(signal.SIGINT)
+        return real_step(self, s)
+
+    monkeypatch.setattr(TrainLoop, "default_step", step)
+    argv = ["eval", "niah", "--train-recipe", "--variant", "lmm", *TINY_SET, *RECIPE, "--steps", "6"]
+    argv += ["--lengths", "300", "--samples", "1", "--out", str(tmp_path / "res")]
+    argv += ["--save-model", str(tmp_path / "model"), "--ckpt-every", "2"]
+    with pytest.raises(SystemExit) as stopped:
+        run_cli(argv)
+    assert stopped.value.code == 130
+    assert saved_steps == [2, 3, 3]  # every 2 steps, the loop's last checkpoint, the command's save
+    assert [p.name for p in list_checkpoints(tmp_path / "model")] == ["step_00000003"]
+    _, _, info = load_task_model(tmp_path / "model", "cpu")
+    assert info["training"]["steps_done"] == 3 and info["training"]["final"]["stopped_by"] == "SIGINT"
+    assert "stopped by SIGINT at step 3" in capsys.readouterr().err
+    assert not (tmp_path / "res").exists()  # no evaluation after the stop
+    argv = ["eval", "niah", "--train-recipe", *TINY_SET, *RECIPE, "--ckpt-every", "2"]
+    assert run_cli(argv) == 2  # nowhere to save
+    assert "--ckpt-every saves the model being trained" in capsys.readouterr().err

@@ -377,3 +377,40 @@ def test_a_part_without_its_methods_is_refused():
 
         class Loose(RulePart, kind="toy_loose"):
             pass
+
+
+# The one module that steps an optimizer: every training loop of the package runs on it.
+TRAIN_LOOP = "titans.training.loop"
+
+
+def optimizer_steps(source: str) -> list[tuple[int, str]]:
+    """Where a module steps an optimizer or clips gradients: `x.step()` called without arguments (an
+    optimizer's or a schedule's step; a data or world `step(...)` takes some) and `clip_grad_norm_`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        bare_step = name == "step" and isinstance(func, ast.Attribute) and not (node.args or node.keywords)
+        if bare_step or name in ("clip_grad_norm_", "clip_grad_value_"):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_reader_finds_optimizer_steps():
+    source = "opt.step()\nsched.step()\nworld.step({'move': 1.0})\nnn.utils.clip_grad_norm_(ps, 1.0)\n"
+    assert [line for line, _ in optimizer_steps(source)] == [1, 2, 4]
+
+
+def test_only_the_shared_loop_steps_an_optimizer():
+    """Task training, forecasting, DNA training and the LM trainer inject their batches and loss into
+    `titans.training.loop` instead of keeping loops of their own: clipping, the non-finite check, signals,
+    checkpoints and progress then hold for every one of them."""
+    elsewhere = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = module_name(path, PACKAGE)
+        if module != TRAIN_LOOP:
+            elsewhere += [f"{module}:{line}: {call}" for line, call in optimizer_steps(path.read_text())]
+    assert not elsewhere, "optimizer steps outside titans.training.loop:\n" + "\n".join(elsewhere)
+    assert optimizer_steps((PACKAGE / "training" / "loop.py").read_text())  # the reader sees the real one

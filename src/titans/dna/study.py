@@ -2,6 +2,9 @@
 records, then fine-tune each as a classifier (``SequenceClassifier``) on the proximal / distal task and
 measure test accuracy (``titans.dna.tasks``). Order-k Markov chains and a GC-content threshold are the
 reference points that need no network.
+
+Both trainings run on the package's training loop (``titans.training.loop.TrainLoop``): AdamW without
+weight decay, the gradient norm clipped to 1, a NaN or inf loss stopped with an error naming the step.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from titans.dna.tasks import (
     split_records,
 )
 from titans.models.lm import TitansLM
+from titans.training.loop import TrainLoop
 
 
 @dataclass
@@ -47,40 +51,41 @@ class DNABudget:
     eval_windows: int = 256  # held-out LM windows measured (evenly spaced over the test records)
 
 
-def _bar(total: int, desc: str, progress: bool):
-    if not progress:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, leave=False)
-
-
 def pretrain(
-    variant: str, train: list[np.ndarray], budget: DNABudget, progress: bool = False
+    variant: str,
+    train: list[np.ndarray],
+    budget: DNABudget,
+    progress: bool = False,
+    *,
+    handle_signals: bool = False,
 ) -> tuple[TitansLM, list[float]]:
-    """A nucleotide LM trained for ``budget.pretrain_steps`` steps of random windows; (model, losses)."""
+    """A nucleotide LM trained for ``budget.pretrain_steps`` steps of random windows; (model, per-step
+    training bits per base). ``handle_signals``: a SIGTERM / SIGINT stops it after the current step (fewer
+    losses); without it a signal has its usual effect (KeyboardInterrupt)."""
     torch.manual_seed(budget.seed)
     rng = np.random.default_rng(budget.seed)
     lm = TitansLM(dna_config(variant, budget.dim, budget.depth, budget.heads, budget.window))
     opt = torch.optim.AdamW(lm.parameters(), lr=budget.lr, weight_decay=0.0)
-    bar = _bar(budget.pretrain_steps, f"pretrain {variant}", progress)
-    losses = []
-    for step in range(budget.pretrain_steps):
-        lm.train()
-        x = torch.from_numpy(sample_lm_batch(train, budget.seq_len, budget.batch_size, rng))
-        logits, _ = lm(x[:, :-1])
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"pretrain {variant}: loss {loss.item()} at step {step}")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item() / math.log(2))
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+    losses: list[float] = []
+
+    def loss_fn(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        logits, _ = model(x[:, :-1])
+        return nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+
+    TrainLoop(
+        lm,
+        opt,
+        total_steps=budget.pretrain_steps,
+        batches=lambda step: torch.from_numpy(sample_lm_batch(train, budget.seq_len, budget.batch_size, rng)),
+        loss_fn=loss_fn,
+        grad_clip=1.0,
+        on_step=lambda step, loss, grad_norm, aux: losses.append(loss.item() / math.log(2)),
+        handle_signals=handle_signals,
+        progress=progress,
+        progress_desc=f"pretrain {variant}",
+        progress_leave=False,
+        failure_hint=lambda: f"pre-training {variant} (try a lower lr)",
+    ).run()
     return lm, losses
 
 
@@ -95,28 +100,37 @@ def accuracy(model: nn.Module, data: ClassificationSet, batch_size: int = 64) ->
 
 
 def finetune(
-    lm: TitansLM, train: ClassificationSet, budget: DNABudget, progress: bool = False
+    lm: TitansLM,
+    train: ClassificationSet,
+    budget: DNABudget,
+    progress: bool = False,
+    *,
+    handle_signals: bool = False,
 ) -> SequenceClassifier:
-    """All of ``lm`` plus a new pooled head, trained on ``train`` for ``budget.finetune_steps`` steps."""
+    """All of ``lm`` plus a new pooled head, trained on ``train`` for ``budget.finetune_steps`` steps
+    (``handle_signals``: a SIGTERM / SIGINT stops it after the current step)."""
     torch.manual_seed(budget.seed)
     rng = np.random.default_rng(budget.seed + 1)
     clf = SequenceClassifier(lm, num_classes=int(train.y.max()) + 1)
     opt = torch.optim.AdamW(clf.parameters(), lr=budget.finetune_lr, weight_decay=0.0)
-    bar = _bar(budget.finetune_steps, f"finetune {lm.config.variant}", progress)
-    for _ in range(budget.finetune_steps):
-        clf.train()
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = rng.integers(0, len(train.y), budget.batch_size)
-        loss = nn.functional.cross_entropy(
-            clf(torch.from_numpy(train.x[idx])), torch.from_numpy(train.y[idx])
-        )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(clf.parameters(), 1.0)
-        opt.step()
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+        return torch.from_numpy(train.x[idx]), torch.from_numpy(train.y[idx])
+
+    TrainLoop(
+        clf,
+        opt,
+        total_steps=budget.finetune_steps,
+        batches=batch,
+        loss_fn=lambda model, b: nn.functional.cross_entropy(model(b[0]), b[1]),
+        grad_clip=1.0,
+        handle_signals=handle_signals,
+        progress=progress,
+        progress_desc=f"finetune {lm.config.variant}",
+        progress_leave=False,
+        failure_hint=lambda: f"fine-tuning {lm.config.variant} (try a lower finetune_lr)",
+    ).run()
     return clf
 
 

@@ -154,5 +154,13 @@ def add_source_args(p: argparse.ArgumentParser, default_length: int) -> None:
     )
     p.add_argument("--variant", default="mac", help="variant of a fresh model")
     p.add_argument("--save-model", default=None, help="save the recipe-trained model here (a run folder)")
+    p.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="with --save-model: also save the model every STEPS training steps (with --save-model, a "
+        "SIGTERM or Ctrl-C during training saves the model trained so far and ends the command)",
+    )
     add_model_args(p)
     add_recipe_args(p, default_length=default_length)

@@ -1,16 +1,22 @@
 """What the task commands (`eval niah | babilong | tasks | ablate`) build from their options.
 
-The fine-tuning recipe (``task_config``: a ``TaskTrainConfig`` from the recipe options;
-``train_with_recipe``), the model (``build_model``: a fresh one; ``obtain_model``: a checkpoint's or a fresh
-one, trained with the recipe first when asked), recipe-trained models as trainer checkpoints
-(``save_task_model``, ``load_task_model``), and the evaluation samples with the model run on them
-(``niah_samples``, ``babilong_samples``, ``evaluate_lengths``).
+Each variant's pass-key recipe (``RECIPES``, ``variant_recipe``: the options of ``titans eval niah
+--train-recipe`` that train it; ``benchmarks/niah_seeds.py`` runs them over seeds), the fine-tuning recipe
+(``task_config``: a ``TaskTrainConfig`` from the recipe options; ``train_with_recipe``), the model
+(``build_model``: a fresh one; ``obtain_model``: a checkpoint's or a fresh one, trained with the recipe
+first when asked), recipe-trained models as trainer checkpoints (``save_task_model``, ``load_task_model``),
+and the evaluation samples with the model run on them (``niah_samples``, ``babilong_samples``,
+``evaluate_lengths``).
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
+import signal
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +33,46 @@ from titans.models.config import PRESETS
 from titans.training.checkpoint import save_checkpoint
 from titans.training.config import TrainConfig
 from titans.training.model_io import load_checkpoint_from, load_model, tokenizer_record
+from titans.training.signals import exit_status
+
+# ---------------------------------------------------------------------------------------------------------
+# Each variant's pass-key recipe, as options of `titans eval niah --train-recipe`.
+
+# The pass-key recipe (docs/evaluations.md): a memory without forgetting, a conv of 8 on q/k/v, the inner
+# learning rate bounded, lengths <= 1,024 grown by the adaptive curriculum, a little LM loss.
+BASE_RECIPE = (
+    "--set memory_conv_kernel=8 --set memory_max_lr=0.03 --set memory_theta_init=0.002 "
+    "--set memory_forgetting=false --train-length 1024 --start-length 320 --curriculum 0.5 "
+    "--curriculum-loss 0.3 --steps 800 --batch-size 8 --lr 0.003 --warmup-steps 20 --lm-loss-weight 0.1"
+)
+# Full attention needs its own recipe (docs/evaluations.md, "Transformer++"): the linear length ramp (the
+# adaptive one keeps it at <= 500 tokens, where its loss never stays under the threshold), lr 1e-3 and more
+# steps; it solves the task at <= 1,024 tokens after 1,500 to 3,200 steps, depending on the seed.
+TRANSFORMER_RECIPE = (
+    "--train-length 1024 --start-length 320 --curriculum 0.5 --steps 5000 --batch-size 8 --lr 0.001 "
+    "--warmup-steps 50 --lm-loss-weight 0.1"
+)
+# Each variant's recipe: the base recipe with the variant's changes appended (a later flag wins).
+RECIPES: dict[str, str] = {
+    "lmm": BASE_RECIPE,
+    # MAC learns later than the LMM, at a step that varies by seed (about 650 to 1,000): 1,500 steps, and the
+    # peak learning rate held until the curriculum reaches 1,024 tokens (on the plain cosine the latest
+    # seed met the longer lengths on a decayed rate and stalled). Its default gate ("norm"); the "open"
+    # gate passes the answer's gradient to the memory scaled by the attention output, about 20x less at
+    # initialisation, and two seeds of three did not learn with it.
+    "mac": BASE_RECIPE + " --steps 1500 --hold-lr",
+    "mag": BASE_RECIPE,
+    "mal": BASE_RECIPE,
+    "swa": BASE_RECIPE,
+    "transformer": TRANSFORMER_RECIPE,
+}
+
+
+def variant_recipe(variant: str) -> list[str]:
+    """The recipe options of ``variant`` as command-line arguments of ``titans eval niah --train-recipe``
+    (the base recipe for a variant without its own)."""
+    return shlex.split(RECIPES.get(variant, BASE_RECIPE))
+
 
 # ---------------------------------------------------------------------------------------------------------
 # The recipe and the model.
@@ -60,14 +106,33 @@ def build_model(args: argparse.Namespace, variant: str, vocab_size: int, overrid
     return TitansLM(TitansConfig.preset(args.preset, variant=variant, **overrides)).to(args.device)
 
 
-def train_with_recipe(args: argparse.Namespace, model, tokenizer, task_cfg) -> dict:
-    """Train ``model`` in place; returns a JSON-able summary (the recipe, the last log line, the time)."""
+def train_with_recipe(
+    args: argparse.Namespace,
+    model,
+    tokenizer,
+    task_cfg,
+    checkpoint: Callable[[int, list[dict]], object] | None = None,
+) -> dict:
+    """Train ``model`` in place; returns a JSON-able summary (the recipe, the last log line, the time).
+    ``checkpoint(step, history)``: saves the model every ``--ckpt-every`` steps and at the end; with it a
+    SIGTERM / SIGINT stops training after the current step (the summary's ``final`` says ``stopped_by``)."""
     budget = None if args.time_budget is None else 60.0 * args.time_budget
     t0 = time.perf_counter()
-    history = train_on_task(model, tokenizer, task_cfg, max_seconds=budget)
+    history = train_on_task(
+        model,
+        tokenizer,
+        task_cfg,
+        max_seconds=budget,
+        handle_signals=checkpoint is not None,
+        checkpoint=checkpoint,
+        ckpt_every=getattr(args, "ckpt_every", None),
+    )
+    return {**_summary(task_cfg, history), "seconds": time.perf_counter() - t0}
+
+
+def _summary(task_cfg, history: list[dict]) -> dict:
     return {
         "recipe": task_cfg.to_dict(),
-        "seconds": time.perf_counter() - t0,
         "steps_done": history[-1]["step"] + 1 if history else 0,
         "final": history[-1] if history else None,
         "history": history,
@@ -128,6 +193,8 @@ def obtain_model(args: argparse.Namespace, task_cfg_factory) -> tuple[Any, Any, 
     when ``--train-recipe`` is given (a checkpoint is then fine-tuned: the paper's fine-tuning setup)."""
     if not args.checkpoint and not args.train_recipe:
         raise ValueError("give --checkpoint (a model to evaluate or fine-tune) and/or --train-recipe")
+    if getattr(args, "ckpt_every", None) is not None and not (args.train_recipe and args.save_model):
+        raise ValueError("--ckpt-every saves the model being trained: give --train-recipe and --save-model")
     if args.checkpoint:
         fresh_only = [
             flag
@@ -150,15 +217,32 @@ def obtain_model(args: argparse.Namespace, task_cfg_factory) -> tuple[Any, Any, 
         tokenizer = load_tokenizer(args.tokenizer)
         model = build_model(args, args.variant, tokenizer.vocab_size)
         info = {"model_config": model.config.to_dict(), "parameters": model.num_parameters()}
-    summary = train_with_recipe(args, model, tokenizer, task_cfg_factory())
-    if args.checkpoint:
-        summary["fine_tuned_from"] = str(args.checkpoint)
-        summary["earlier"] = info.get("training")
+    task_cfg = task_cfg_factory()
+    earlier = (
+        {"fine_tuned_from": str(args.checkpoint), "earlier": info.get("training")} if args.checkpoint else {}
+    )
+    checkpoint = None
+    if args.save_model:
+
+        def checkpoint(step: int, history: list[dict]) -> None:  # the model so far, as --save-model
+            summary = {**_summary(task_cfg, history), "steps_done": step, **earlier}
+            save_task_model(args.save_model, model, tokenizer, args, summary, info.get("tokenizer"))
+
+    summary = {**train_with_recipe(args, model, tokenizer, task_cfg, checkpoint), **earlier}
     info["training"] = summary
     if args.save_model:
         saved = save_task_model(args.save_model, model, tokenizer, args, summary, info.get("tokenizer"))
         info["saved"] = str(saved)
         print(f"saved the trained model to {info['saved']}")
+    stopped_by = (summary["final"] or {}).get("stopped_by")
+    if stopped_by is not None:  # the model is saved; the evaluation is not what a stop asked for
+        print(
+            f"titans: stopped by {stopped_by} at step {summary['steps_done']}; the model trained so far is "
+            f"saved to {info['saved']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(exit_status(signal.Signals[stopped_by]))
     return model, tokenizer, info
 
 

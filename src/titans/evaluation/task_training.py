@@ -17,16 +17,13 @@ step draws its length uniformly between the task's minimum and that maximum (a b
 no padding is needed). Short samples put the needle near the question: the model first learns *what* to
 retrieve, then to keep it over more and more haystack.
 
-Why this is its own loop and not ``titans.training.trainer.Trainer``: the Trainer builds its model from a
-``TrainConfig`` and trains it on fixed-length windows of a token stream, with the next-token loss of every
-position, bf16 autocast on CUDA, grad accumulation, DDP / FSDP, held-out evaluations and resumable
-checkpoints. This recipe fine-tunes a model it is handed (a loaded checkpoint or a fresh one) in place, on
-examples generated step by step whose length changes from step to step (the curriculum; in adaptive mode
-it follows the running loss), with the loss of the answer tokens alone (``target_mask``), in float32 and in
-one process. Running it through the Trainer would need the model, the batch source and the loss injected
-into it, and would change the recipe's numbers (autocast, the order of random draws). The two share what
-they have in common from ``titans.training.optim``: the weight-decay split (``parameter_groups``) and the
-warm-up + cosine schedule (``warmup_cosine``); both clip the gradient norm the same way.
+The steps run on the package's one training loop (``titans.training.loop.TrainLoop``) with this recipe's
+batch source (the curriculum's length, the generated examples) and loss (``masked_loss``) injected: a NaN
+or inf loss stops training with ``FloatingPointError`` naming the step, the gradient norm is clipped to
+``grad_clip``, and with ``handle_signals`` a SIGTERM / SIGINT stops it after the current step (recorded in
+the history as ``stopped_by``). The weight-decay split (``parameter_groups``) and the warm-up + cosine
+schedule (``warmup_cosine``) are the LM trainer's, from ``titans.training.optim``. Unlike the LM trainer
+it fine-tunes a model it is handed, in place, in float32 and in one process.
 """
 
 from __future__ import annotations
@@ -45,6 +42,7 @@ from titans.evaluation.babilong import TASKS as BABI_TASKS
 from titans.evaluation.babilong import babilong_training_example, make_babilong_sample
 from titans.evaluation.haystack import TextTokenizer, TrainingExample
 from titans.evaluation.niah import NEEDLE_KINDS, make_niah_sample, niah_training_example
+from titans.training.loop import TrainLoop
 from titans.training.optim import lr_factor, parameter_groups, warmup_cosine
 from titans.validation import check_int
 
@@ -283,10 +281,18 @@ def train_on_task(
     *,
     log: Callable[[str], None] | None = print,
     max_seconds: float | None = None,
+    handle_signals: bool = False,
+    checkpoint: Callable[[int, list[dict]], object] | None = None,
+    ckpt_every: int | None = None,
 ) -> list[dict]:
     """Train ``model`` in place on ``cfg.task``; returns the logged history (step, length, loss, lr, s).
 
-    ``max_seconds`` stops early (the schedule still spans ``cfg.steps``) and records it in the history.
+    ``max_seconds`` stops early (the schedule still spans ``cfg.steps``); the last record then says
+    ``stopped_early``. ``handle_signals`` (main thread only): a SIGTERM / SIGINT stops training after the
+    current step as well (the last record says ``stopped_by``), for a caller that keeps what was trained;
+    without it a signal has its usual effect (KeyboardInterrupt), which ends a study of many runs as a
+    whole. ``checkpoint(step, history)`` saves the model after ``step`` steps: every ``ckpt_every`` steps
+    (None: never in between) and once after the last step or the step a stop came after.
     """
     min_length = min_task_length(tokenizer, cfg)
     if cfg.train_length < min_length:
@@ -304,54 +310,76 @@ def train_on_task(
     hold = HoldThenCosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio) if cfg.hold_lr else None
     opt, sched = make_optimizer(model, cfg, hold)
     device = next(model.parameters()).device
-    model.train()
     history: list[dict] = []
     t0 = time.perf_counter()
-    running = None
-    for step in range(cfg.steps):
-        length = curriculum.length(step)
+    now: dict = {"running": None}  # the current step's length and the running answer loss
+
+    def batches(step: int) -> tuple[Tensor, Tensor, Tensor]:
+        now["length"] = length = curriculum.length(step)
         seeds = range(step * cfg.batch_size, (step + 1) * cfg.batch_size)
         seeds = [cfg.seed * 10_000_019 + s for s in seeds]  # distinct training streams per seed
         batch = collate([task_example(tokenizer, cfg, length=length, seed=s) for s in seeds])
-        inputs, targets, mask = (t.to(device) for t in batch)
-        loss, answer_loss = masked_loss(model, inputs, targets, mask, cfg.lm_loss_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-        opt.step()
-        sched.step()
-        value = float(answer_loss.detach())
-        running = value if running is None else 0.9 * running + 0.1 * value
+        return tuple(t.to(device) for t in batch)
+
+    def loss_fn(model: nn.Module, batch: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, dict]:
+        loss, answer_loss = masked_loss(model, *batch, cfg.lm_loss_weight)
+        return loss, {"answer_loss": answer_loss}
+
+    def on_step(step: int, loss: Tensor, grad_norm: Tensor | None, aux: dict) -> None:
+        value = float(aux["answer_loss"].detach())
+        running = now["running"] = value if now["running"] is None else 0.9 * now["running"] + 0.1 * value
         curriculum.update(step, running)
         if hold is not None and curriculum.cap(step) >= cfg.train_length:
             hold.release(step)
-        elapsed = time.perf_counter() - t0
-        last = step == cfg.steps - 1
-        out_of_time = max_seconds is not None and elapsed > max_seconds
-        if step % cfg.log_every == 0 or last or out_of_time:
-            record = {
-                "step": step,
-                "length": length,
-                "max_length": curriculum.cap(step),
-                "loss": value,
-                "loss_avg": running,
-                "grad_norm": grad_norm,
-                "lr": sched.get_last_lr()[0],
-                "seconds": elapsed,
-            }
-            if hold is not None:
-                record["lr_released_at"] = hold.released_at
-            history.append(record)
-            if log is not None:
-                log(
-                    f"step {step:5d}  len {length:5d}/{record['max_length']:5d}  "
-                    f"loss {value:.3f} (avg {running:.3f})  "
-                    f"gnorm {grad_norm:.2f}  lr {record['lr']:.2e}  {elapsed:.0f}s"
-                )
-        if out_of_time:
-            history[-1]["stopped_early"] = True
-            if log is not None:
-                log(f"stopped after {step + 1} of {cfg.steps} steps: time budget {max_seconds:.0f}s spent")
-            break
+        record = {
+            "step": step,
+            "length": now["length"],
+            "max_length": curriculum.cap(step),
+            "loss": value,
+            "loss_avg": running,
+            "grad_norm": float(grad_norm),
+            "lr": sched.get_last_lr()[0],
+            "seconds": time.perf_counter() - t0,
+        }
+        if hold is not None:
+            record["lr_released_at"] = hold.released_at
+        now["record"] = record
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            _keep(record)
+
+    def _keep(record: dict) -> None:
+        history.append(record)
+        if log is not None:
+            log(
+                f"step {record['step']:5d}  len {record['length']:5d}/{record['max_length']:5d}  "
+                f"loss {record['loss']:.3f} (avg {record['loss_avg']:.3f})  "
+                f"gnorm {record['grad_norm']:.2f}  lr {record['lr']:.2e}  {record['seconds']:.0f}s"
+            )
+
+    loop = TrainLoop(
+        model,
+        opt,
+        total_steps=cfg.steps,
+        batches=batches,
+        loss_fn=loss_fn,
+        scheduler=sched,
+        grad_clip=cfg.grad_clip,
+        on_step=on_step,
+        time_budget_s=max_seconds,
+        handle_signals=handle_signals,
+        ckpt_every=ckpt_every,
+        checkpoint=None if checkpoint is None else lambda step: checkpoint(step, history),
+        failure_hint=lambda: f"task training of {cfg.task} (try a lower lr or memory_max_lr)",
+    )
+    done = loop.run()
+    if done.stopped_early and done.step > 0:
+        if not history or history[-1] is not now["record"]:
+            _keep(now["record"])
+        history[-1]["stopped_early"] = True
+        if done.stopped_by is not None:
+            history[-1]["stopped_by"] = done.stopped_by
+        if log is not None:
+            why = done.stopped_by or f"time budget {max_seconds:.0f}s spent"
+            log(f"stopped after {done.step} of {cfg.steps} steps: {why}")
     model.eval()
     return history

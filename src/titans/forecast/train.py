@@ -3,8 +3,10 @@
     result = train_forecaster(split, ForecastRun(model="lmm", horizon=96, steps=150))
     result.metrics      # {"test_mse", "test_mae", "val_mse", ...} on the standardised test part
 
-Training draws random windows of the training part (a seeded generator), minimises the MSE with Adam, and
-keeps the weights of the best validation MSE (checked every ``eval_every`` steps and at the end). Test
+Training draws random windows of the training part (a seeded generator), minimises the MSE with Adam
+(gradient norm clipped to 1) on the package's training loop (``titans.training.loop.TrainLoop``: a NaN or
+inf loss stops it, naming the step), and keeps the weights of the best validation MSE (checked every
+``eval_every`` steps and at the end). Test
 metrics average over every test window (stride 1) and every predicted value, as the literature does.
 """
 
@@ -21,6 +23,7 @@ from torch import nn
 
 from titans.data.series import ForecastWindows, SeriesSplit
 from titans.forecast.model import FORECAST_MODELS, build_forecaster
+from titans.training.loop import TrainLoop
 
 
 @dataclass
@@ -82,8 +85,14 @@ def predict(
     return x[0], y[0], model(torch.from_numpy(x))[0].numpy()
 
 
-def train_forecaster(split: SeriesSplit, run: ForecastRun, progress: bool = False) -> ForecastResult:
-    """Train ``run.model`` on ``split`` at ``run.horizon`` and measure it (see the module docstring)."""
+def train_forecaster(
+    split: SeriesSplit, run: ForecastRun, progress: bool = False, *, handle_signals: bool = False
+) -> ForecastResult:
+    """Train ``run.model`` on ``split`` at ``run.horizon`` and measure it (see the module docstring).
+
+    ``handle_signals`` (main thread only): a SIGTERM / SIGINT stops training after the current step, the
+    best weights so far are measured and the metrics say ``stopped_by``; without it a signal has its usual
+    effect (KeyboardInterrupt), which ends a study of many runs as a whole."""
     train, val, test = split.windows(run.horizon)
     torch.manual_seed(run.seed)
     rng = np.random.default_rng(run.seed)
@@ -98,34 +107,41 @@ def train_forecaster(split: SeriesSplit, run: ForecastRun, progress: bool = Fals
         revin=run.revin,
     )
     opt = torch.optim.Adam(model.parameters(), lr=run.lr)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=run.steps, desc=f"{split.series.name} {run.model} H={run.horizon}", leave=False)
     best = (math.inf, copy.deepcopy(model.state_dict()), 0)
-    losses = []
+    losses: list[float] = []
+    evaluated = {0}
+
+    def check(step: int) -> None:  # the validation MSE; keep the best weights
+        nonlocal best
+        evaluated.add(step)
+        v = evaluate(model, val)["mse"]
+        if v < best[0]:
+            best = (v, copy.deepcopy(model.state_dict()), step)
+
+    def loss_fn(model: nn.Module, batch: tuple[np.ndarray, np.ndarray]) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y))
+
+    loop = TrainLoop(
+        model,
+        opt,
+        total_steps=run.steps,
+        batches=lambda step: train.batch(rng.integers(0, len(train), run.batch_size)),
+        loss_fn=loss_fn,
+        grad_clip=1.0,
+        eval_every=run.eval_every,
+        evaluate=check,
+        on_step=lambda step, loss, grad_norm, aux: losses.append(loss.item()),
+        handle_signals=handle_signals,
+        progress=progress,
+        progress_desc=f"{split.series.name} {run.model} H={run.horizon}",
+        progress_leave=False,
+        failure_hint=lambda: f"forecaster {run.model} at horizon {run.horizon} (try a lower lr)",
+    )
     t0 = time.perf_counter()
-    for step in range(1, run.steps + 1):
-        model.train()
-        x, y = train.batch(rng.integers(0, len(train), run.batch_size))
-        loss = nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y))
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"{run.model}: the training loss is {loss.item()} at step {step}")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-        if step % run.eval_every == 0 or step == run.steps:
-            v = evaluate(model, val)["mse"]
-            if v < best[0]:
-                best = (v, copy.deepcopy(model.state_dict()), step)
-    if bar is not None:
-        bar.close()
+    done = loop.run()
+    if done.step not in evaluated:  # the last step (the loop evaluates the steps before it)
+        check(done.step)
     train_s = time.perf_counter() - t0
     model.load_state_dict(best[1])
     m = evaluate(model, test)
@@ -139,6 +155,9 @@ def train_forecaster(split: SeriesSplit, run: ForecastRun, progress: bool = Fals
         "train_seconds": train_s,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+    if done.stopped_by is not None:
+        metrics["stopped_by"] = done.stopped_by
+        metrics["steps_done"] = done.step
     return ForecastResult(run, model, metrics)
 
 

@@ -15,6 +15,12 @@ when the wall-clock budget runs out and on SIGTERM / SIGINT (after the current s
 stopped: the same batches, the same per-step losses and the same weights as a run that was never
 interrupted. A resume whose config differs in a field that matters is refused, naming the field (see
 ``TrainConfig.resume_mismatches``).
+
+The steps run on the package's one training loop (``titans.training.loop.TrainLoop``, which task training,
+forecasting and DNA training use too): this trainer injects its step (micro-batches, DDP / FSDP, carried
+state, CUDA graphs), its evaluation, its checkpoint and its memory statistics; the loop does the clipping,
+the optimizer and schedule step, the non-finite check, the metrics, the progress bar, the time budget and
+the stop signals.
 """
 
 from __future__ import annotations
@@ -22,10 +28,8 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import math
 import os
 import shutil
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +57,7 @@ from titans.training.checkpoint import (
 )
 from titans.training.config import TrainConfig, model_mismatches
 from titans.training.cuda_graphs import GraphedMicroStep
+from titans.training.loop import TrainLoop, optimizer_step
 from titans.training.metrics import (
     METRICS_FILE,
     PLOT_FILE,
@@ -65,7 +70,7 @@ from titans.training.metrics import (
 from titans.training.model_io import TOKENIZER_DIR, keep_tokenizer_copy, load_weights, tokenizer_record
 from titans.training.optim import build_optimizer, build_scheduler
 from titans.training.perplexity import PerplexityResult, autocast_context, evaluate_perplexity
-from titans.training.signals import StopSignals, signal_name
+from titans.training.signals import StopSignals
 
 log = logging.getLogger(__name__)
 REPORT_FILE = "report.json"
@@ -411,15 +416,14 @@ class Trainer:
 
     def _optimizer_step(self) -> torch.Tensor:
         """Clip, step the optimizer and the schedule, clear the gradients; returns the gradient norm."""
-        max_norm = self.config.grad_clip if self.config.grad_clip is not None else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.scheduler.step()
         # a CUDA graph adds into the gradient tensors it was captured with: zero them, keep them
-        self.optimizer.zero_grad(set_to_none=not self.config.cuda_graphs)
-        return grad_norm.detach()
+        return optimizer_step(
+            self.model.parameters(),
+            self.optimizer,
+            self.scheduler,
+            self.config.grad_clip,
+            set_to_none=not self.config.cuda_graphs,
+        )
 
     def _graphed_train_step(self, inputs: torch.Tensor, targets: torch.Tensor):
         """`train_step` with each micro-step a CUDA graph replay (one process, one GPU)."""
@@ -461,57 +465,34 @@ class Trainer:
     def _train(self, stop_at: int | None, signals: StopSignals) -> TrainResult:
         cfg, info = self.config, self.info
         total = cfg.total_steps
-        end = total if stop_at is None else min(stop_at, total)
-        bar = _progress(cfg.progress and info.is_main, total, self.step)
-        session_start = time.perf_counter()
-        train_time = interval_time = 0.0
-        pending: list[torch.Tensor] = []
-        last_logged: float | None = None
-        stopped_early = False
-        stopped_by: str | None = None
-        saved_step = self.step if self.last_checkpoint is not None else -1
         start_step = self.step
-        lr = self.optimizer.param_groups[0]["lr"]
-        try:
-            while self.step < end:
-                t0 = time.perf_counter()
-                lr = self.optimizer.param_groups[0]["lr"]  # the lr this step uses
-                loss, grad_norm = self.train_step(self.step)
-                self.step += 1
-                pending.append(loss)
-                if self.device.type == "cuda" and self.step % cfg.log_every == 0:
-                    torch.cuda.synchronize(self.device)  # honest timing at log points
-                dt = time.perf_counter() - t0
-                train_time += dt
-                interval_time += dt
-                bar.update(1)
-                if self.step % cfg.log_every == 0 or self.step == end:
-                    last_logged = self._log_train(pending, lr, grad_norm, interval_time, bar)
-                    pending, interval_time = [], 0.0
-                if self.step % cfg.eval_every == 0 and self.step < end:
-                    self._log_eval(self.evaluate(), bar)
-                if self.step % cfg.ckpt_every == 0 and self.step < end:
-                    self.save_checkpoint()
-                    saved_step = self.step
-                budget = cfg.time_budget_min
-                over = budget is not None and time.perf_counter() - session_start >= budget * 60
-                # every rank, every step: all stop after the same step (a signal reaches them at
-                # different moments)
-                over, signum = D.agree_to_stop(over, signals.signum, info)
-                if (over or signum) and self.step < end:
-                    stopped_early = True
-                    if signum:
-                        stopped_by = signal_name(signum)
-                    elif info.is_main:
-                        bar.write(f"time budget of {budget:g} min reached at step {self.step}")
-                    break
-            if pending:
-                last_logged = self._log_train(pending, lr, None, interval_time, bar)
-            stopped_early = stopped_early or self.step < total
-        finally:
-            bar.close()
-        if saved_step != self.step:  # first, before anything slow: what a stop must not lose
-            self.save_checkpoint()
+        loop = TrainLoop(
+            self.model,
+            self.optimizer,
+            total_steps=total,
+            step_fn=self._loop_step,
+            scheduler=self.scheduler,
+            start_step=self.step,
+            log_every=cfg.log_every,
+            eval_every=cfg.eval_every,
+            evaluate=lambda step: self._log_eval(self.evaluate(), loop),
+            ckpt_every=cfg.ckpt_every,
+            checkpoint=lambda step: self.save_checkpoint(),
+            checkpointed_at=self.step if self.last_checkpoint is not None else None,
+            after_log=lambda step: self._log_memory(),
+            time_budget_s=None if cfg.time_budget_min is None else cfg.time_budget_min * 60,
+            metrics=self.metrics,
+            tokens_per_step=cfg.tokens_per_step,
+            progress=cfg.progress and info.is_main,
+            verbose=info.is_main,
+            info=info,
+            device=self.device,
+            failure_hint=lambda: f"{self._last_good()} (try a lower lr or memory_max_lr, or grad_clip)",
+            step_losses=self.step_losses,
+        )
+        done = loop.run(stop_at, signals=signals)
+        self.step = done.step
+        last_logged, train_time, stopped_by = done.last_logged, done.train_time_s, done.stopped_by
         final_eval = self.evaluate()
         self._log_eval(final_eval, None)
         session_tokens = (self.step - start_step) * cfg.tokens_per_step
@@ -529,7 +510,7 @@ class Trainer:
             eval=final_eval,
             tokens_per_s=tokens_per_s,
             train_time_s=train_time,
-            stopped_early=stopped_early,
+            stopped_early=done.stopped_early,
             checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
             step_losses=list(self.step_losses),
             stopped_by=stopped_by,
@@ -549,30 +530,11 @@ class Trainer:
         c = self.model_config
         return f"{c.variant} dim={c.dim} depth={c.depth} | {self.config.data} | {self.config.tokenizer}"
 
-    def _log_train(self, pending, lr, grad_norm, interval_time, bar) -> float:
-        """Gather the global per-step losses of the interval (one collective), log their mean."""
-        local = torch.stack(pending).float()
-        losses = (D.all_reduce_sum(local, self.info) / self.info.world_size).tolist()
-        self.step_losses.extend(losses)
-        mean = sum(losses) / len(losses)
-        if not math.isfinite(mean):
-            raise FloatingPointError(
-                f"training loss became {mean} by step {self.step}; {self._last_good()} "
-                "(try a lower lr or memory_max_lr, or grad_clip)"
-            )
-        tok_s = len(losses) * self.config.tokens_per_step / max(interval_time, 1e-9)
-        values = {
-            "loss": mean,
-            "lr": lr,
-            "tokens": self.step * self.config.tokens_per_step,
-            "tokens_per_s": tok_s,
-        }
-        if grad_norm is not None:
-            values["grad_norm"] = float(grad_norm)
-        self.metrics.log("train", self.step, **values)
-        self._log_memory()
-        bar.set_postfix(loss=f"{mean:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
-        return mean
+    def _loop_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`train_step` as the loop's step: the trainer's step counter moves with the loop's."""
+        out = self.train_step(step)
+        self.step = step + 1
+        return out
 
     def _log_memory(self) -> None:
         """The memory's monitoring numbers (`titans.models.monitor`, head means per memory layer) as the
@@ -593,12 +555,12 @@ class Trainer:
             model.train(was_training)
         self.metrics.log("memory", self.step, **report.summary())
 
-    def _log_eval(self, result: PerplexityResult, bar) -> None:
+    def _log_eval(self, result: PerplexityResult, loop: TrainLoop | None) -> None:
         self.metrics.log("eval", self.step, loss=result.loss, ppl=result.ppl, bpb=result.bpb)
         if self.info.is_main:
             bpb = f"{result.bpb:.4f}" if result.bpb is not None else "n/a"
             line = f"step {self.step}: held-out loss {result.loss:.4f}  ppl {result.ppl:.3f}  bpb {bpb}"
-            (bar.write if bar is not None else print)(line)
+            (loop.write if loop is not None else print)(line)
 
     # ---------------------------------------------------------------------------------------- sample
     def sample(self) -> str | None:
@@ -667,12 +629,3 @@ def clear_run(run_dir: Path) -> None:
         shutil.rmtree(run_dir / name, ignore_errors=True)
     for name in (METRICS_FILE, PLOT_FILE, REPORT_FILE, CONFIG_FILE):
         (run_dir / name).unlink(missing_ok=True)
-
-
-def _progress(enabled: bool, total: int, initial: int):
-    """A tqdm bar (loss, tokens/s in the postfix; tqdm shows the ETA), or a silent stand-in."""
-    from tqdm import tqdm
-
-    return tqdm(
-        total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True, smoothing=0.1
-    )
