@@ -84,7 +84,7 @@ USER_ERRORS = (ValueError, OSError, ImportError, KeyError)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from titans.training.checkpoint import CheckpointError  # imported only once something went wrong
+    from titans.runtime.checkpoint import CheckpointError  # imported only once something went wrong
 
     return (*USER_ERRORS, CheckpointError)
 

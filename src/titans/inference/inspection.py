@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from titans.inference.cli import load_model
 from titans.inference.generation import IncrementalDecoder
 from titans.layers.memory import NeuralMemory
 from titans.models.lm import TitansLM
@@ -37,7 +36,8 @@ from titans.models.monitor import (
 )
 from titans.models.streaming import iter_pieces
 from titans.ops.memory import check_threshold
-from titans.training.distributed import resolve_device
+from titans.runtime.device import resolve_device
+from titans.runtime.loading import load_trained
 
 DEFAULT_MAX_TOKENS = 4000
 MAX_POINTS = 1200  # points per plotted line (longer series are averaged in bins)
@@ -427,7 +427,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     else:
         text, source = args.prompt, "--prompt"
     device = resolve_device(args.device)
-    model, _, tokenizer = load_model(args.checkpoint, map_location=device)
+    model, tokenizer = load_trained(args.checkpoint, map_location=device)
     if args.threshold is not None:
         set_surprise_threshold(model, args.threshold)
     ids = tokenizer.encode(text)

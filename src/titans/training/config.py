@@ -32,6 +32,7 @@ from typing import Any
 
 from titans.models.config import FIELD_HELP as MODEL_FIELD_HELP
 from titans.models.config import PRESETS, VARIANTS, TitansConfig, read_json_object
+from titans.runtime.sampling import SAMPLING
 from titans.training.fields import check_field_value, describe_fields, parse_field_text
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -112,8 +113,8 @@ class TrainConfig:
     # sample printed at the end of training (0: none)
     sample_tokens: int = 200
     sample_prompt: str = "def "
-    sample_temperature: float = 0.8
-    sample_top_k: int | None = 40
+    sample_temperature: float = SAMPLING.temperature
+    sample_top_k: int | None = SAMPLING.top_k
 
     def __post_init__(self) -> None:
         for f in fields(self):  # the declared types first: the checks below compare numbers
