@@ -34,6 +34,8 @@ from titans.runtime.checkpoint import (
 
 log = logging.getLogger(__name__)
 TOKENIZER_DIR = "tokenizer"
+# TrainConfig.tokenizer's default: what a checkpoint without a tokenizer record was trained with
+DEFAULT_TOKENIZER = "bytes"
 
 
 def tokenizer_record(spec: str, tokenizer: Tokenizer) -> dict[str, Any]:
@@ -85,7 +87,7 @@ def load_checkpoint_from(path: str | Path) -> Checkpoint:
 
 def tokenizer_from_record(record: dict[str, Any], checkpoint: Path | None = None) -> Tokenizer:
     """Rebuild a checkpoint's tokenizer (from its spec, else from the run's copy) and check its vocabulary."""
-    spec = record.get("spec", "bytes")
+    spec = record.get("spec", DEFAULT_TOKENIZER)
     try:
         tokenizer = load_tokenizer(spec)
     except FileNotFoundError:
@@ -136,8 +138,7 @@ def load_trained(
     ``resolve_checkpoint`` takes, or one already loaded (``load_checkpoint_from``)."""
     ckpt = checkpoint_of(checkpoint_or_run_dir)
     saved = ckpt.config
-    # "bytes" is TrainConfig's default tokenizer (a checkpoint without a tokenizer record trained with it)
-    record = saved.get("tokenizer") or {"spec": saved["train"].get("tokenizer", "bytes")}
+    record = saved.get("tokenizer") or {"spec": saved["train"].get("tokenizer", DEFAULT_TOKENIZER)}
     tokenizer = tokenizer_from_record(record, ckpt.path)
     model = TitansLM(TitansConfig.from_saved_dict(saved["model"]))
     load_weights(model, ckpt.model_state)
@@ -145,6 +146,7 @@ def load_trained(
 
 
 __all__ = [
+    "DEFAULT_TOKENIZER",
     "TOKENIZER_DIR",
     "checkpoint_of",
     "keep_tokenizer_copy",

@@ -32,6 +32,7 @@ from typing import Any
 
 from titans.models.config import FIELD_HELP as MODEL_FIELD_HELP
 from titans.models.config import PRESETS, VARIANTS, TitansConfig, read_json_object
+from titans.runtime.loading import DEFAULT_TOKENIZER
 from titans.runtime.sampling import SAMPLING
 from titans.training.fields import check_field_value, describe_fields, parse_field_text
 from titans.validation import check_bounds, field_help, option
@@ -69,7 +70,7 @@ class TrainConfig:
         help="text source: builtin:stdlib, builtin:prose, a file, folder, glob, .jsonl, "
         "hf:NAME[:CFG][:SPLIT]",
     )
-    tokenizer: str = option("bytes", help="bytes, gpt2, mistral-32k or a tokenizer file")
+    tokenizer: str = option(DEFAULT_TOKENIZER, help="bytes, gpt2, mistral-32k or a tokenizer file")
     text_field: str = option("text", help="the text field of .jsonl records and Hugging Face datasets")
     heldout_fraction: float = option(
         0.01, help="share of the documents held out for evaluation, in (0, 1)", above=0, below=1
