@@ -60,9 +60,9 @@ def make_checkpoint(folder: Path) -> Path:
     from titans.data.tokenizers import ByteTokenizer
     from titans.models.config import TitansConfig
     from titans.models.lm import TitansLM
-    from titans.training.checkpoint import save_checkpoint
+    from titans.runtime.checkpoint import save_checkpoint
+    from titans.runtime.loading import tokenizer_record
     from titans.training.config import TrainConfig
-    from titans.training.model_io import tokenizer_record
 
     torch.manual_seed(0)
     model = TitansLM(TitansConfig.preset("tiny", vocab_size=256))
@@ -290,7 +290,7 @@ def write_bytes_per_read(server_url: str, url: str, sid: str, headers: dict, tex
 
 # ------------------------------------------------------------------------------------------ one store
 def bench_store(kind: str, url: str, args: argparse.Namespace, checkpoint: Path, folder: Path) -> dict:
-    from titans.inference.cli import load_model
+    from titans.runtime.loading import load_trained
     from titans.serving.session import Engine
     from titans.serving.stores import open_store
 
@@ -334,7 +334,7 @@ def bench_store(kind: str, url: str, args: argparse.Namespace, checkpoint: Path,
             text_positions_ok &= r.json()["tokens_read"] >= (found[sid] - 1) * args.text_tokens  # 1: warm-up
         server.stop()
         # every record read past the server: checksum and session bytes
-        model, _, tokenizer = load_model(checkpoint)
+        model, tokenizer = load_trained(checkpoint)
         engine = Engine(model, tokenizer)
         store = open_store(url)
         record_bytes = []

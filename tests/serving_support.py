@@ -26,9 +26,9 @@ def make_checkpoint(path: Path, vocab_size: int = 128) -> Path:
     byte tokenizer produce ids the model cannot embed (any non-ASCII character)."""
     from tiny_lm import tiny_model
     from titans.data.tokenizers import ByteTokenizer
-    from titans.training.checkpoint import save_checkpoint
+    from titans.runtime.checkpoint import save_checkpoint
+    from titans.runtime.loading import tokenizer_record
     from titans.training.config import TrainConfig
-    from titans.training.model_io import tokenizer_record
 
     model = tiny_model("mac", dtype=torch.float32, vocab_size=vocab_size, segment_len=16, chunk_size=8)
     config = {

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from titans.training import checkpoint as ckpt
-from titans.training.checkpoint import (
+from titans.runtime import checkpoint as ckpt
+from titans.runtime.checkpoint import (
     CheckpointError,
     capture_rng_state,
     latest_checkpoint,
@@ -172,7 +172,7 @@ def test_truncated_and_bit_flipped_files_are_refused(tmp_path):
 def test_run_folder_checkpoint_is_hashed_once(tmp_path, monkeypatch):
     """latest_checkpoint hashes the files; loading what it picked (verified=True) does not hash them
     again, but still refuses a file whose size no longer matches."""
-    from titans.training.model_io import load_checkpoint_from
+    from titans.runtime.loading import load_checkpoint_from
 
     model, _, trainer = _trained_state()
     path = _save(tmp_path, 1, model, trainer)
@@ -251,7 +251,7 @@ def test_kill_mid_write_keeps_last_good_checkpoint(tmp_path):
         f"""
         import os, sys, torch
         sys.path.insert(0, {SRC!r})
-        from titans.training import checkpoint as ckpt
+        from titans.runtime import checkpoint as ckpt
         state = {{"w": torch.ones(1000, 100)}}
         ckpt.save_checkpoint({str(tmp_path)!r}, 1, model_state=state, trainer_state={{}}, config={{}})
         ckpt.torch.save = lambda *a, **k: os._exit(9)

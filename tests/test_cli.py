@@ -282,8 +282,8 @@ def test_generate_streams_pieces_as_they_are_generated(monkeypatch):
 def test_cli_generate_prints_as_it_goes(tmp_path, capsys, monkeypatch):
     from tiny_lm import tiny_model
     from titans.data.tokenizers import ByteTokenizer
-    from titans.training.checkpoint import save_checkpoint
-    from titans.training.model_io import tokenizer_record
+    from titans.runtime.checkpoint import save_checkpoint
+    from titans.runtime.loading import tokenizer_record
 
     model = tiny_model("mac", dtype=torch.float32, vocab_size=256, segment_len=16, chunk_size=8)
     config = {
@@ -346,7 +346,7 @@ def test_train_report_names_its_files_and_they_have_ordinary_modes(tmp_path, cap
 def test_saved_state_file_has_an_ordinary_mode(tmp_path):
     from tiny_lm import tiny_model
     from titans.inference import prefill
-    from titans.inference.state_io import save_state
+    from titans.models.state import save_state
 
     model = tiny_model("mac", dtype=torch.float32)
     _, state = prefill(model, torch.zeros(1, 5, dtype=torch.int64))

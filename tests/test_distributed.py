@@ -95,7 +95,7 @@ def test_torchrun_carries_each_ranks_rows_like_one_process(tmp_path):
     losses, _ = train_losses(tmp_path / "ddp")
     assert losses == pytest.approx(train_losses(tmp_path / "single")[0], abs=1e-5)
     from titans.models.state import state_from_bytes, state_tensors
-    from titans.training.checkpoint import latest_checkpoint, load_checkpoint
+    from titans.runtime.checkpoint import latest_checkpoint, load_checkpoint
 
     def carried(run):
         (saved,) = load_checkpoint(latest_checkpoint(run)).trainer_state["carried"]  # one group
@@ -111,7 +111,7 @@ def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
     """torchrun with more processes per node than GPUs: name the mismatch, not 'invalid device ordinal'."""
     import torch
 
-    from titans.training.distributed import resolve_device
+    from titans.runtime.device import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

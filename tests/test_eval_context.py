@@ -35,9 +35,10 @@ from titans.evaluation.context import (
     source_documents,
 )
 from titans.models.lm import TitansLM
-from titans.training.checkpoint import save_checkpoint
+from titans.runtime.checkpoint import save_checkpoint
+from titans.runtime.loading import tokenizer_record
 from titans.training.config import TrainConfig
-from titans.training.model_io import load_model, tokenizer_record
+from titans.training.model_io import load_model
 from titans.training.trainer import Trainer
 
 VOCAB = 61

@@ -436,7 +436,7 @@ def test_cli_recipe_checkpoints_and_a_signal_saves_the_model_and_ends(tmp_path, 
     import signal
 
     from titans.evaluation.recipe import load_task_model
-    from titans.training.checkpoint import list_checkpoints
+    from titans.runtime.checkpoint import list_checkpoints
     from titans.training.loop import TrainLoop
 
     saved_steps: list[int] = []

@@ -18,11 +18,10 @@ import torch.distributed as dist
 
 from micro_train import micro_config
 from tiny_lm import tiny_config
-from titans.inference.state_io import load_state, map_state
 from titans.models.lm import TitansLM
-from titans.training import checkpoint as ckpt
-from titans.training import signals as sig
-from titans.training.checkpoint import (
+from titans.models.state import load_state, map_state
+from titans.runtime import checkpoint as ckpt
+from titans.runtime.checkpoint import (
     CheckpointWriteError,
     latest_checkpoint,
     list_checkpoints,
@@ -30,6 +29,7 @@ from titans.training.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from titans.training import signals as sig
 from titans.training.model_io import load_model
 from titans.training.trainer import Trainer
 

@@ -147,11 +147,11 @@ def test_generate_refuses_bad_arguments():
 # ----------------------------------------------------------------------------------------------- CLI
 @pytest.fixture
 def checkpoint(tmp_path):
-    """A trainer-style checkpoint (see titans.training.model_io) of a tiny byte-level model."""
+    """A trainer-style checkpoint (see titans.runtime.loading) of a tiny byte-level model."""
     from titans.data.tokenizers import ByteTokenizer
-    from titans.training.checkpoint import save_checkpoint
+    from titans.runtime.checkpoint import save_checkpoint
+    from titans.runtime.loading import tokenizer_record
     from titans.training.config import TrainConfig
-    from titans.training.model_io import tokenizer_record
 
     model = tiny_model("mac", dtype=torch.float32, vocab_size=256, segment_len=16, chunk_size=8)
     config = {

@@ -143,3 +143,35 @@ def test_training_logs_memory_rows(tmp_path):
     logged = events.Scalars("memory/L0/surprise_mean")
     assert [e.step for e in logged] == [1, 2]
     assert logged[1].value == pytest.approx(memory[1]["L0/surprise_mean"], rel=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["mac", "mag", "lmm"])
+def test_one_definition_of_the_weight_norm(variant):
+    """||W|| has one home (`weight_norms`): the report's numbers, the inspection plot's largest layer and
+    the server's all-weights norm are each that definition, and each equals its direct computation."""
+    from titans.inference.inspection import trace_text
+    from titans.models.monitor import total_weight_norm, weight_norms
+    from titans.serving.session import memory_norms
+
+    model = tiny(variant)
+    tokens = torch.randint(0, 50, (1, 27))
+    with torch.no_grad():
+        state = model.forward_with_stats(tokens).state
+    report = memory_report(model, None, state)
+    memories = [find_memory_state(state.layers[layer.layer]) for layer in report.layers]
+    for layer, memory in zip(report.layers, memories):
+        direct = [[w[0, h].double().norm().item() for h in range(w.shape[1])] for w in memory.weights]
+        assert layer.weight_norm == weight_norms(memory.weights)
+        for got, want in zip(layer.weight_norm, direct):
+            assert got == pytest.approx(want, rel=1e-12)
+        assert layer.max_weight_norm == pytest.approx(max(sum(r) / len(r) for r in direct), rel=1e-12)
+    # the server's ||W||: all of a memory's weights together, of its one row; every memory layer (lmm too)
+    by_hand = [math.sqrt(sum(float(w[0].double().pow(2).sum()) for w in m.weights)) for m in memories]
+    assert memory_norms(state) == pytest.approx(by_hand, rel=1e-12)
+    assert [total_weight_norm(m) for m in memories] == memory_norms(state) and len(by_hand) == 2
+    # the inspection plot's last point: its report of the whole text, largest memory-MLP layer
+    trace = trace_text(model, tokens[0])
+    assert trace.weight_norm[:, -1].tolist() == [layer.max_weight_norm for layer in trace.report.layers]
+    assert trace.weight_norm[:, -1] == pytest.approx(
+        [layer.max_weight_norm for layer in report.layers], rel=1e-6
+    )

@@ -21,10 +21,10 @@ import httpx  # noqa: E402
 import torch
 
 from serving_support import ThreadServer, make_checkpoint, start_redis, stop_redis  # noqa: E402
-from titans.inference.cli import load_model  # noqa: E402
 from titans.inference.session import MemorySession, SessionFormatError  # noqa: E402
 from titans.models.state import state_digest, state_tensors  # noqa: E402
 from titans.models.streaming import generate, prefill  # noqa: E402
+from titans.runtime.loading import load_trained  # noqa: E402
 from titans.serving.app import Limits, create_app  # noqa: E402
 from titans.serving.auth import hash_key  # noqa: E402
 from titans.serving.session import Engine, session_parts  # noqa: E402
@@ -46,7 +46,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(checkpoint) -> Engine:
-    model, _, tokenizer = load_model(checkpoint)
+    model, tokenizer = load_trained(checkpoint)
     return Engine(model, tokenizer, max_snapshots=3)
 
 
@@ -211,7 +211,7 @@ def test_a_frozen_session_reads_without_writing_its_memory(served):
 def test_a_guarded_server_undoes_a_diverging_write(checkpoint, tmp_path):
     """`titans serve --guard-probe`: a read whose write diverges (an inner learning rate raised 200-fold,
     unclipped) is undone and the session frozen; the answer and /stats carry the guard's event."""
-    model, _, tokenizer = load_model(checkpoint)
+    model, tokenizer = load_trained(checkpoint)
     for block in model.blocks:
         block.memory.max_lr, block.memory.surprise_clip = 200.0, None
     engine = Engine(model, tokenizer, probe="The whale was white. Ahab chased it.")

@@ -13,9 +13,9 @@ pytest.importorskip("httpx", reason="the serve-test extra is not installed")
 import httpx  # noqa: E402
 
 from serving_support import ThreadServer, make_checkpoint, start_redis, stop_redis  # noqa: E402
-from titans.inference.cli import load_model  # noqa: E402
 from titans.inference.session import MemorySession  # noqa: E402
 from titans.models.state import state_digest  # noqa: E402
+from titans.runtime.loading import load_trained  # noqa: E402
 from titans.serving.app import Limits, create_app  # noqa: E402
 from titans.serving.auth import hash_key  # noqa: E402
 from titans.serving.limits import Quotas  # noqa: E402
@@ -30,7 +30,7 @@ TEXT = "Call me Ishmael. Some years ago, never mind how long precisely, I went t
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> Engine:
-    model, _, tokenizer = load_model(make_checkpoint(tmp_path_factory.mktemp("fork") / "run"))
+    model, tokenizer = load_trained(make_checkpoint(tmp_path_factory.mktemp("fork") / "run"))
     return Engine(model, tokenizer, max_snapshots=4)
 
 

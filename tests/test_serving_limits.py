@@ -22,7 +22,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 from serving_support import ThreadServer, make_checkpoint, start_redis, stop_redis  # noqa: E402
-from titans.inference.cli import load_model  # noqa: E402
+from titans.runtime.loading import load_trained  # noqa: E402
 from titans.serving.app import create_app  # noqa: E402
 from titans.serving.auth import hash_key  # noqa: E402
 from titans.serving.limits import FairLimiter, Quotas  # noqa: E402
@@ -38,7 +38,7 @@ TEXT = "The whale was white. Ahab chased it across three oceans, for forty years
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> Engine:
-    model, _, tokenizer = load_model(make_checkpoint(tmp_path_factory.mktemp("limits") / "run"))
+    model, tokenizer = load_trained(make_checkpoint(tmp_path_factory.mktemp("limits") / "run"))
     return Engine(model, tokenizer, max_snapshots=8)
 
 

@@ -29,7 +29,7 @@ from titans.inference import (
     select_rows,
     state_batch_size,
 )
-from titans.inference.state_io import state_tensors
+from titans.models.state import state_tensors
 
 F64 = torch.float64
 VOCAB = 53

@@ -5,9 +5,11 @@ through its entry point, its rule parts refused without their maths.
 Every module under src/titans is read with `ast` (nothing is imported), top-level and function-local imports
 alike. Package order, lower first (a module may import its own level and lower ones, never a higher one):
 
-    ops, data, validation, deprecation, _fs < layers < models < training, inference, hf, forecast, dna
-    < evaluation < serving < cli, demo, __main__, lm_eval, titans
+    ops, data, validation, deprecation, _fs < layers < models < runtime
+    < training, inference, hf, forecast, dna < evaluation < serving < cli, demo, __main__, lm_eval, titans
 
+`titans.runtime` holds what both training and inference need (the device, checkpoints, loading a trained
+model, sampling defaults), so those two never import each other, in either direction (`APART`).
 `titans.hf` wraps models for `transformers` (beside training and inference); the root package
 `titans/__init__.py` only re-exports public names, so nothing inside the package imports from it.
 """
@@ -17,7 +19,6 @@ from __future__ import annotations
 import ast
 import io
 import tokenize
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "titans"
 
-TOP = 6
+TOP = 7
 LEVELS = {
     "ops": 0,
     "data": 0,
@@ -34,13 +35,14 @@ LEVELS = {
     "_fs": 0,  # file modes, used by data, models, training and inference
     "layers": 1,
     "models": 2,
-    "training": 3,
-    "inference": 3,
-    "hf": 3,
-    "forecast": 3,  # time-series forecasting on the model blocks
-    "dna": 3,  # DNA language modelling and classification (uses the trainer)
-    "evaluation": 4,
-    "serving": 5,  # the HTTP server over inference; only the CLI above it
+    "runtime": 3,  # device, checkpoints, loading a trained model, sampling defaults
+    "training": 4,
+    "inference": 4,
+    "hf": 4,
+    "forecast": 4,  # time-series forecasting on the model blocks
+    "dna": 4,  # DNA language modelling and classification (uses the trainer)
+    "evaluation": 5,
+    "serving": 6,  # the HTTP server over inference; only the CLI above it
     "cli": TOP,
     "demo": TOP,
     "__main__": TOP,
@@ -132,8 +134,27 @@ def package_imports() -> tuple[list[Import], dict[str, set[int]]]:
     return imports, comments
 
 
+# packages of one level that import nothing of each other, in either direction
+APART = {frozenset({"training", "inference"})}
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
 def upward(imports: list[Import]) -> set[tuple[str, str]]:
     return {(i.importer, i.target) for i in imports if level(i.importer) < level(i.target)}
+
+
+def across(imports: list[Import]) -> set[tuple[str, str]]:
+    """Imports between two packages that are kept apart (`APART`)."""
+    return {
+        (i.importer, i.target)
+        for i in imports
+        if frozenset({package_of(i.importer), package_of(i.target)}) in APART
+        and package_of(i.importer) != package_of(i.target)
+    }
 
 
 def cycles(edges: set[tuple[str, str]]) -> list[list[str]]:
@@ -183,7 +204,7 @@ def test_the_reader_sees_the_package():
     seen = {(i.importer, i.target, i.local) for i in IMPORTS}
     assert ("titans.training.trainer", "titans.training.perplexity", False) in seen
     assert ("titans.evaluation.cli", "titans.evaluation.ablation", False) in seen  # `from P import module`
-    assert ("titans.cli", "titans.training.checkpoint", True) in seen
+    assert ("titans.cli", "titans.runtime.checkpoint", True) in seen
     assert len({i.importer for i in IMPORTS}) > 40
 
 
@@ -228,6 +249,68 @@ def test_imports_go_one_way():
     assert not wrong, "imports against the package order:\n" + "\n".join(f"  {a} -> {b}" for a, b in wrong)
 
 
+def test_training_and_inference_import_nothing_of_each_other():
+    """Neither imports the other, not even inside a function: what both need lives in `titans.runtime`
+    (or lower), so either can be built, changed or left out without the other."""
+    wrong = sorted(across(IMPORTS))
+    assert not wrong, "imports between training and inference:\n" + "\n".join(
+        f"  {a} -> {b}" for a, b in wrong
+    )
+
+
+def test_the_layering_checks_catch_arrows_back_up():
+    """The two checks above, on made-up imports: a function-local import runs back up as much as a
+    top-level one, and training -> inference is refused although both sit on one level."""
+    modules = {
+        "titans.training.trainer",
+        "titans.inference.generation",
+        "titans.runtime.device",
+        "titans.models.lm",
+        "titans.serving.app",
+    }
+    trainer = "def sample():\n    from titans.inference.generation import generate\n"
+    lm = "from titans.runtime.device import resolve_device\n"
+    runtime = "def load():\n    from titans.training import trainer\n"
+    serving = "from titans.runtime.device import resolve_device\nfrom titans.inference import generation\n"
+    imports = (
+        read_imports(trainer, "titans.training.trainer", modules)
+        + read_imports(lm, "titans.models.lm", modules)
+        + read_imports(runtime, "titans.runtime.device", modules)
+        + read_imports(serving, "titans.serving.app", modules)
+    )
+    assert upward(imports) == {
+        ("titans.models.lm", "titans.runtime.device"),
+        ("titans.runtime.device", "titans.training.trainer"),
+    }
+    assert across(imports) == {("titans.training.trainer", "titans.inference.generation")}
+
+
+def test_runtime_helpers_have_one_home():
+    """Device resolution, checkpoint reading and sampling defaults are defined in `titans.runtime` only;
+    the training config takes its sampling defaults from there."""
+    from titans.runtime import checkpoint, device, loading, sampling
+    from titans.training import distributed
+    from titans.training.config import TrainConfig
+
+    assert distributed.resolve_device is device.resolve_device
+    assert loading.load_checkpoint is checkpoint.load_checkpoint
+    defaults = TrainConfig()
+    assert (defaults.sample_temperature, defaults.sample_top_k) == (
+        sampling.SAMPLING.temperature,
+        sampling.SAMPLING.top_k,
+    )
+    defined = {
+        (m, node.name)
+        for m, path in ((module_name(p, PACKAGE), p) for p in PACKAGE.rglob("*.py"))
+        for node in ast.parse(path.read_text(encoding="utf-8")).body
+        if isinstance(node, ast.FunctionDef) and node.name in {"resolve_device", "load_checkpoint"}
+    }
+    assert defined == {
+        ("titans.runtime.device", "resolve_device"),
+        ("titans.runtime.checkpoint", "load_checkpoint"),
+    }
+
+
 def test_no_import_cycles():
     """Top-level imports (those that run when a module is imported) form no cycle."""
     edges = {(i.importer, i.target) for i in IMPORTS if not i.local and not i.type_only}
@@ -244,22 +327,6 @@ def test_local_imports_say_why():
         if i.local and not COMMENTS[i.importer] & set(range(i.line - 1, i.end_line + 1))
     ]
     assert not silent, "function-local imports without a comment saying why:\n" + "\n".join(silent)
-
-
-def test_moved_perplexity_names_still_import():
-    """`titans.evaluation.perplexity` keeps the names that moved to `titans.training.perplexity`, with a
-    DeprecationWarning, and is the home of `titans eval ppl`."""
-    from titans.evaluation import perplexity as old
-    from titans.training import perplexity as new
-
-    for name in ("evaluate_perplexity", "PerplexityResult", "autocast_context"):
-        with pytest.warns(DeprecationWarning, match=f"titans.training.perplexity.{name}"):
-            assert getattr(old, name) is getattr(new, name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert callable(old.run_ppl) and callable(old.add_ppl_parser)
-    with pytest.raises(AttributeError, match="no_such_name"):
-        old.no_such_name  # noqa: B018
 
 
 def test_references_share_no_code_with_the_fast_paths():

@@ -15,7 +15,7 @@ from torch import nn
 from micro_train import MICRO_MODEL
 from micro_train import micro_config as shared_micro_config
 from titans.cli import main as titans_main
-from titans.training.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
+from titans.runtime.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 from titans.training.config import TrainConfig, parse_set
 from titans.training.model_io import load_model
 from titans.training.optim import lr_factor, parameter_groups

@@ -5,7 +5,6 @@ residual projections marked by their layers (the same initial weights as the nam
 from __future__ import annotations
 
 import json
-import warnings
 from functools import partial
 
 import pytest
@@ -203,21 +202,15 @@ def test_marked_residual_projections_are_those_of_the_name_rule(variant, options
     assert all(torch.equal(new[k], old[k]) for k in old)
 
 
-def test_stats_come_typed_and_the_flag_is_deprecated():
+def test_stats_come_typed_and_the_memory_flag_is_deprecated():
     model = tiny_model("mac")
     x = tokens(2, 13)
     with torch.no_grad():
         out = model.forward_with_stats(x)
-        with pytest.warns(DeprecationWarning, match="forward_with_stats"):
-            logits, state, stats = model(x, return_stats=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            plain, _ = model(x)
-    assert isinstance(out, LMOutput) and torch.equal(out.logits, logits) and torch.equal(plain, logits)
-    assert len(out.stats) == len(stats) > 0
-    for a, b in zip(out.stats, stats):
-        assert torch.equal(a.surprise, b.surprise)
-    assert state.position == out.state.position == 13
+        plain, _ = model(x)
+    assert isinstance(out, LMOutput) and torch.equal(plain, out.logits)
+    assert len(out.stats) > 0
+    assert out.state.position == 13
 
     mem = NeuralMemory(16, heads=2, chunk_size=4).double()
     y = torch.randn(2, 9, 16, dtype=torch.float64)
@@ -246,16 +239,18 @@ def test_state_and_streaming_names_import_from_every_documented_place():
     import importlib
 
     import titans
-    from titans.inference import generation, state_io
+    from titans.inference import generation
     from titans.layers import state_tree
     from titans.models import lm, state, streaming
 
     assert titans.TitansState is lm.TitansState is state.TitansState
-    assert state_io.register_state_type is state_tree.register_state_type
-    assert state_io.STATE_TYPES is state_tree.STATE_TYPES
+    assert state.register_state_type is state_tree.register_state_type
+    assert state.STATE_TYPES is state_tree.STATE_TYPES
     for name in ("save_state", "load_state", "map_state", "expand_state", "select_rows", "StateFileError"):
-        assert getattr(state_io, name) is getattr(state, name)
-    prefill = importlib.import_module("titans.inference.prefill")  # the package's `prefill` is the function
-    assert prefill.prefill is streaming.prefill is titans.inference.prefill
+        assert getattr(titans.inference, name) is getattr(state, name)
+    assert titans.inference.prefill is streaming.prefill
+    for alias in ("titans.inference.prefill", "titans.inference.state_io"):  # no alias modules
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(alias)
     assert generation.generate is streaming.generate
     assert generation.sample_next is streaming.sample_next

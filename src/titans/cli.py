@@ -19,7 +19,7 @@ COMMAND_MODULES = (
     "titans.models.cli",  # presets: parameter counts
     "titans.training.cli",  # train
     "titans.inference.cli",  # generate, read
-    "titans.inference.inspection",  # inspect: an HTML report of the memory along a text
+    "titans.inference.inspection.cli",  # inspect: an HTML report of the memory along a text
     "titans.evaluation.cli",  # eval ppl | niah | babilong | tasks | ablate | depth
     "titans.forecast.cli",  # forecast train | eval | study
     "titans.dna.cli",  # dna study | classify
@@ -84,7 +84,7 @@ USER_ERRORS = (ValueError, OSError, ImportError, KeyError)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from titans.training.checkpoint import CheckpointError  # imported only once something went wrong
+    from titans.runtime.checkpoint import CheckpointError  # imported only once something went wrong
 
     return (*USER_ERRORS, CheckpointError)
 

@@ -1,8 +1,14 @@
-"""Argument checks shared by the configs and the public layers and ops (the lowest level of the package)."""
+"""Argument checks shared by the configs and the public layers and ops (the lowest level of the package),
+and `option`, the one place a config field's help text and bounds are written."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Callable
 from typing import Any
+
+_BOUNDS = ("min", "above", "max", "below")
 
 
 def check_int(name: str, value: Any, minimum: int = 1, *, none_ok: bool = False) -> None:
@@ -15,4 +21,82 @@ def check_int(name: str, value: Any, minimum: int = 1, *, none_ok: bool = False)
         raise ValueError(f"{name} must be {what}{' or None' if none_ok else ''}, got {value!r}")
 
 
-__all__ = ["check_int"]
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    factory: Callable[[], Any] | None = None,
+    min: float | None = None,
+    above: float | None = None,
+    max: float | None = None,
+    below: float | None = None,
+    compare: bool = True,
+    **extra: Any,
+) -> Any:
+    """A dataclass field that carries its one-line ``help`` and its bounds in its metadata (``min`` /
+    ``max``: inclusive, ``above`` / ``below``: exclusive; `check_bounds` enforces them, None passes where
+    the field's type allows it). ``extra`` goes into the metadata too (e.g. ``memory_arg``)."""
+    bounds = {"min": min, "above": above, "max": max, "below": below}
+    metadata = {"help": help, **{k: v for k, v in bounds.items() if v is not None}, **extra}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, compare=compare, metadata=metadata)
+    return dataclasses.field(default=default, compare=compare, metadata=metadata)
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """{field name: its one-line help} of a dataclass whose fields are all `option`s."""
+    return {f.name: f.metadata["help"] for f in dataclasses.fields(cls)}
+
+
+def describe_bounds(meta: Any) -> str:
+    """``>= 0``, ``> 0``, ``in (0, 1)``, ``in [0, 1]``, ... from a field's metadata ("" where unbounded)."""
+    low = ("[", meta["min"]) if "min" in meta else ("(", meta["above"]) if "above" in meta else None
+    high = ("]", meta["max"]) if "max" in meta else (")", meta["below"]) if "below" in meta else None
+    if low and high:
+        return f"in {low[0]}{low[1]}, {high[1]}{high[0]}"
+    if low:
+        return f"{'>=' if low[0] == '[' else '>'} {low[1]}"
+    if high:
+        return f"{'<=' if high[0] == ']' else '<'} {high[1]}"
+    return ""
+
+
+def _declared(f: dataclasses.Field) -> list[str]:
+    """The parts of a field's declared type: ``["int", "None"]`` for ``int | None`` (the annotation's text
+    under postponed annotations)."""
+    tp = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    return tp.replace(" ", "").replace("Optional[", "").rstrip("]").split("|")
+
+
+def check_bounds(obj: Any) -> None:
+    """Raise a ValueError naming the field (``Class.field must be ..., got value``) for the first field of
+    the dataclass ``obj`` outside the bounds its metadata gives (`option`). A bounded value must be a
+    finite number (an int where the field is declared one); None passes where the type allows it."""
+    owner = type(obj).__name__
+    for f in dataclasses.fields(obj):
+        if not any(k in f.metadata for k in _BOUNDS):
+            continue
+        value = getattr(obj, f.name)
+        declared = _declared(f)
+        none_ok = "None" in declared
+        if value is None and none_ok:
+            continue
+        whole = "int" in declared
+        lo = f.metadata.get("min", f.metadata.get("above"))
+        hi = f.metadata.get("max", f.metadata.get("below"))
+        ok = (
+            not isinstance(value, bool)
+            and isinstance(value, int if whole else (int, float))
+            and math.isfinite(value)
+            and (lo is None or (value >= lo if "min" in f.metadata else value > lo))
+            and (hi is None or (value <= hi if "max" in f.metadata else value < hi))
+        )
+        if not ok:
+            if whole and f.metadata.get("min") == 1 and hi is None:
+                what = "a positive integer"
+            else:
+                what = f"{'an integer' if whole else 'a number'} {describe_bounds(f.metadata)}"
+            raise ValueError(f"{owner}.{f.name} must be {what}{' or null' if none_ok else ''}, got {value!r}")
+
+
+__all__ = ["check_bounds", "check_int", "describe_bounds", "field_help", "option"]

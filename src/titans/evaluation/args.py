@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from titans.runtime.device import resolve_device
 from titans.training.config import parse_set
-from titans.training.distributed import resolve_device
 
 
 def _number_list(text: str, cast, plural: str, singular: str) -> list:

@@ -50,8 +50,9 @@ from titans.evaluation.perplexity import heldout_stream, whole_source_stream
 from titans.evaluation.reporting import command_line, plot_or_skip
 from titans.evaluation.scoring import new_figure, render_table, save_figure
 from titans.models.lm import TitansLM
-from titans.training.checkpoint import Checkpoint, CheckpointError
-from titans.training.model_io import load_checkpoint_from, load_model, load_weights, tokenizer_from_record
+from titans.runtime.checkpoint import Checkpoint, CheckpointError
+from titans.runtime.loading import load_checkpoint_from, load_weights, tokenizer_from_record
+from titans.training.model_io import load_model
 from titans.validation import check_int
 
 log = logging.getLogger(__name__)

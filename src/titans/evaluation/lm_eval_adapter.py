@@ -51,7 +51,7 @@ from titans.data.tokenizers import Tokenizer
 from titans.models.lm import TitansLM
 from titans.models.state import TitansState, expand_state
 from titans.models.streaming import decode_step, default_piece_len, prefill, sample_next
-from titans.training.distributed import resolve_device
+from titans.runtime.device import resolve_device
 from titans.training.model_io import load_model
 
 log = logging.getLogger(__name__)

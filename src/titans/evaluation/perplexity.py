@@ -5,9 +5,6 @@
 scores a checkpoint's own held-out split, or all of the text named by ``--data`` (see
 ``titans.data.sources``), with ``titans.training.perplexity.evaluate_perplexity`` (the function the
 trainer's own evaluations use), prints the result and writes it as JSON.
-
-``evaluate_perplexity``, ``PerplexityResult`` and ``autocast_context`` live in
-``titans.training.perplexity``; importing them from here still works, with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
@@ -22,15 +19,10 @@ from titans.data.loader import EvalWindows
 from titans.data.sources import load_source
 from titans.data.stream import TokenStream, encode_documents, load_token_streams, separator_ids, token_dtype
 from titans.data.tokenizers import Tokenizer
-from titans.deprecation import moved_names
+from titans.runtime.device import resolve_device
+from titans.runtime.loading import load_checkpoint_from
 from titans.training import perplexity as _heldout
-from titans.training.distributed import resolve_device
-from titans.training.model_io import load_checkpoint_from, load_model
-
-__getattr__ = moved_names(
-    __name__,
-    dict.fromkeys(("PerplexityResult", "autocast_context", "evaluate_perplexity"), _heldout.__name__),
-)
+from titans.training.model_io import load_model
 
 
 def whole_source_stream(spec: str, tokenizer: Tokenizer, text_field: str = "text") -> TokenStream:

@@ -30,9 +30,10 @@ from titans.evaluation.runner import evaluate
 from titans.evaluation.task_training import TaskTrainConfig, train_on_task
 from titans.models import TitansConfig, TitansLM
 from titans.models.config import PRESETS
-from titans.training.checkpoint import save_checkpoint
+from titans.runtime.checkpoint import save_checkpoint
+from titans.runtime.loading import load_checkpoint_from, tokenizer_record
 from titans.training.config import TrainConfig
-from titans.training.model_io import load_checkpoint_from, load_model, tokenizer_record
+from titans.training.model_io import load_model
 from titans.training.signals import exit_status
 
 # ---------------------------------------------------------------------------------------------------------

@@ -12,9 +12,9 @@
 """
 
 from titans.inference.generation import IncrementalDecoder, decode_step, generate, sample_next
-from titans.inference.prefill import default_piece_len, iter_pieces, prefill
 from titans.inference.session import MemorySession, ReadResult, SessionEvent, SessionFormatError, SnapshotInfo
-from titans.inference.state_io import (
+from titans.models.monitor import MemoryReport, memory_report, prefill_with_report
+from titans.models.state import (
     StateFileError,
     expand_state,
     load_state,
@@ -25,7 +25,7 @@ from titans.inference.state_io import (
     state_batch_size,
     state_nbytes,
 )
-from titans.models.monitor import MemoryReport, memory_report, prefill_with_report
+from titans.models.streaming import default_piece_len, iter_pieces, prefill
 
 __all__ = [
     "IncrementalDecoder",

@@ -21,18 +21,13 @@ from pathlib import Path
 import torch
 
 from titans.inference.generation import IncrementalDecoder, generate
-from titans.inference.prefill import prefill
-from titans.inference.state_io import load_state, save_state, state_nbytes
-from titans.training.config import TrainConfig
-from titans.training.distributed import resolve_device
-from titans.training.model_io import load_model as _load
+from titans.models.state import load_state, save_state, state_nbytes
+from titans.models.streaming import prefill
+from titans.runtime.device import resolve_device
+from titans.runtime.loading import load_trained
+from titans.runtime.sampling import SAMPLING
 
 DEFAULT_BLOCK_CHARS = 1 << 20  # characters read and tokenized at a time by `titans read`
-
-
-def load_model(checkpoint: str, map_location: str = "cpu"):
-    """(model, train_config, tokenizer) from a checkpoint or run folder (see titans.training.model_io)."""
-    return _load(checkpoint, map_location=map_location)
 
 
 def peak_rss_mib() -> float:
@@ -73,7 +68,7 @@ def run_read(args: argparse.Namespace) -> int:
     if args.input != "-" and not path.is_file():
         raise SystemExit(f"titans read: no input file at {str(path)!r}")
     device = resolve_device(args.device)
-    model, _, tokenizer = load_model(args.checkpoint, map_location=device)
+    model, tokenizer = load_trained(args.checkpoint, map_location=device)
     state = load_state(args.state, map_location=device, model=model) if args.state else None
     start_position = state.position if state is not None else 0
 
@@ -127,7 +122,7 @@ def run_generate(args: argparse.Namespace) -> int:
     """Print each sample as it is generated: the prompt, then every piece of text as soon as it is whole."""
     check_generate_args(args)
     device = resolve_device(args.device)
-    model, _, tokenizer = load_model(args.checkpoint, map_location=device)
+    model, tokenizer = load_trained(args.checkpoint, map_location=device)
     state = load_state(args.state, map_location=device, model=model) if args.state else None
     ids = tokenizer.encode(args.prompt)
     if not ids:
@@ -191,8 +186,6 @@ def register(commands, evals) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_read)
 
-    # sampling defaults: those of the sample printed at the end of `titans train`
-    train = TrainConfig()
     g = commands.add_parser(
         "generate",
         help="generate text, optionally from a saved state",
@@ -203,12 +196,12 @@ def register(commands, evals) -> None:
     g.add_argument("--prompt", required=True, help="text to continue (at least one token)")
     g.add_argument("--max-new-tokens", type=int, default=200, help="tokens generated per sample at most")
     g.add_argument(
-        "--temperature", type=float, default=train.sample_temperature, help="sampling temperature (0: greedy)"
+        "--temperature", type=float, default=SAMPLING.temperature, help="sampling temperature (0: greedy)"
     )
     g.add_argument(
         "--top-k",
         type=_int_or_none,
-        default=train.sample_top_k,
+        default=SAMPLING.top_k,
         help="sample from the k most likely tokens (none: from all)",
     )
     g.add_argument(
@@ -225,7 +218,6 @@ def register(commands, evals) -> None:
 
 __all__ = [
     "check_generate_args",
-    "load_model",
     "peak_rss_mib",
     "read_text_blocks",
     "register",

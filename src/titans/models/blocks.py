@@ -27,32 +27,8 @@ if TYPE_CHECKING:  # the config imports the variant registry, which imports the 
 
 
 def make_memory(cfg: TitansConfig) -> NeuralMemory:
-    heads = cfg.memory_heads or cfg.heads
-    return NeuralMemory(
-        cfg.dim,
-        heads=heads,
-        head_dim=cfg.memory_head_dim or cfg.dim // heads,
-        depth=cfg.memory_depth,
-        expansion=cfg.memory_expansion,
-        chunk_size=cfg.chunk_size,
-        activation=cfg.memory_activation,
-        conv_kernel=cfg.memory_conv_kernel,
-        momentum=cfg.memory_momentum,
-        forgetting=cfg.memory_forgetting,
-        forget_to=cfg.memory_forget_to,
-        max_lr=cfg.memory_max_lr,
-        theta_init=cfg.memory_theta_init,
-        eta_init=cfg.memory_eta_init,
-        alpha_init=cfg.memory_alpha_init,
-        surprise_clip=cfg.memory_surprise_clip,
-        residual=cfg.memory_residual,
-        write=cfg.memory_write,
-        checkpoint_every=cfg.memory_checkpoint_every,
-        rule=cfg.memory_rule,
-        backend=cfg.memory_backend,
-        surprise_threshold=cfg.memory_surprise_threshold,
-        max_norm=cfg.memory_max_norm,
-    )
+    """The neural memory a config describes (its ``memory_*`` fields: `TitansConfig.memory_kwargs`)."""
+    return NeuralMemory(cfg.dim, **cfg.memory_kwargs())
 
 
 def make_attention(cfg: TitansConfig, window: int | None, persistent: bool = True) -> SelfAttention:

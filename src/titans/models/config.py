@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from titans.models.variants import VARIANT_SPECS, Variant
 from titans.ops.memory import resolve_rule
-from titans.validation import check_int
+from titans.validation import check_bounds, field_help, option
 
 VARIANTS = tuple(VARIANT_SPECS)
 MEMORY_VARIANTS = tuple(name for name, spec in VARIANT_SPECS.items() if spec.memory)
@@ -49,114 +48,161 @@ class TitansConfig:
     persistent_tokens: learned tokens prepended to every attention.
     memory_layers: indices of the blocks that carry a neural memory (None: all); the other blocks of a
         memory variant use sliding-window attention (window `window`, or `segment_len` for mac).
+
+    Every field is an `option`: its one-line help (`FIELD_HELP`, `titans train --list-fields`) and its
+    bounds (checked on construction) live in the field's metadata. A field ``memory_<arg>`` is the
+    `NeuralMemory` argument ``<arg>`` (`memory_kwargs`), unless its metadata names another argument, or
+    none (``memory_arg``).
     """
 
-    variant: str = "mac"
-    vocab_size: int = 256
-    dim: int = 256
-    depth: int = 4
-    heads: int = 4
-    head_dim: int | None = None
-    mlp_mult: float = 4.0
-    segment_len: int = 128
-    window: int = 128
-    chunk_size: int = 16
-    persistent_tokens: int = 4
-    memory_layers: list[int] | None = None
+    variant: str = option("mac", help=f"model variant: {', '.join(VARIANTS)}")
+    vocab_size: int = option(256, help="vocabulary size (training: the tokenizer's unless set larger)", min=1)
+    dim: int = option(256, help="model width", min=1)
+    depth: int = option(4, help="number of residual blocks", min=1)
+    heads: int = option(4, help="attention heads", min=1)
+    head_dim: int | None = option(None, help="attention head width (null: dim / heads)")
+    mlp_mult: float = option(
+        4.0, help="SwiGLU width as a multiple of dim (2/3 of it, for a plain MLP's parameters)", above=0
+    )
+    segment_len: int = option(128, help="MAC segment length (attention span of a MAC block)", min=1)
+    window: int = option(128, help="sliding-window size (mag, mal, swa and the blocks without memory)", min=1)
+    chunk_size: int = option(16, help="tokens per memory update chunk", min=1, memory_arg="chunk_size")
+    persistent_tokens: int = option(4, help="learned tokens prepended to every attention", min=0)
+    memory_layers: list[int] | None = option(
+        None, help="indices of the blocks that carry a neural memory (null: all)", memory_arg=None
+    )
     # neural memory
-    memory_heads: int | None = None
-    memory_head_dim: int | None = None
-    memory_depth: int = 2
-    memory_expansion: float = 2.0
-    memory_activation: str = "silu"
-    memory_conv_kernel: int = 4
-    memory_momentum: bool = True
-    memory_forgetting: bool = True
+    memory_heads: int | None = option(None, help="memory heads (null: the attention heads)")
+    memory_head_dim: int | None = option(None, help="memory head width (null: dim / memory heads)")
+    memory_depth: int = option(2, help="layers of the memory MLP (L_M)", min=1)
+    memory_expansion: float = option(
+        2.0, help="hidden width of a deep memory MLP as a multiple of its head width"
+    )
+    memory_activation: str = option("silu", help="activation of the memory MLP")
+    memory_conv_kernel: int = option(
+        4, help="causal depthwise convolution width on queries, keys and values (0: none)"
+    )
+    memory_momentum: bool = option(True, help="surprise with momentum (eta); false: the plain gradient")
+    memory_forgetting: bool = option(True, help="forgetting gate (alpha) on the memory weights")
     # what forgetting pulls the memory's weights toward (NeuralMemory.forget_to): "zero" (the paper's
     # W_t = (1 - alpha) W_{t-1} + S_t) or "init", the learned initial weights W_0 (W - W_0 follows the
     # paper's recurrence, and a memory left unwritten returns to W_0 instead of fading to nothing)
-    memory_forget_to: str = "zero"
+    memory_forget_to: str = option(
+        "zero",
+        help="what forgetting pulls the memory weights toward: zero (the paper) or init (the "
+        "learned initial weights)",
+    )
     # inner learning rate: bound and initial value. Larger values (e.g. 1.0 / 0.1) make the outer
     # gradient through the memory grow exponentially with the number of chunks (docs/evaluations.md)
-    memory_max_lr: float = 0.03
-    memory_theta_init: float = 0.01
+    memory_max_lr: float = option(0.03, help="upper bound of the memory's inner learning rate theta")
+    memory_theta_init: float = option(0.01, help="initial inner learning rate theta")
     # momentum decay eta and forgetting alpha at initialisation (through the gate biases). A small alpha
     # (e.g. 1e-5) keeps a write for about 1/alpha tokens, which retrieval past the training length needs
-    memory_eta_init: float = 0.9
-    memory_alpha_init: float = 0.01
-    memory_surprise_clip: float | None = 1.0
-    memory_residual: bool = False
+    memory_eta_init: float = option(0.9, help="initial momentum decay eta, in (0, 1)", above=0, below=1)
+    memory_alpha_init: float = option(
+        0.01, help="initial forgetting alpha, in (0, 1) (small: writes are kept longer)", above=0, below=1
+    )
+    memory_surprise_clip: float | None = option(
+        1.0, help="each token's inner gradient is rescaled to at most this norm (null: no clip)"
+    )
+    memory_residual: bool = option(False, help="the memory computes k + MLP(k) instead of MLP(k)")
     # False: a frozen memory, read and never written (no test-time learning, no forgetting): an ablation twin
-    memory_write: bool = True
+    memory_write: bool = option(True, help="false: read-only memory, no test-time learning (an ablation)")
     # training memory: keep the memory's state every this many chunks and recompute the rest in the
     # backward pass (NeuralMemory.checkpoint_every; None: keep every chunk's). Same outputs and gradients
-    memory_checkpoint_every: int | None = None
+    memory_checkpoint_every: int | None = option(
+        None, help="keep the memory state every this many chunks, recompute the rest (null: keep all)", min=1
+    )
     # the memory's update rule (docs/design.md, "Memory rules"): a preset name ("titans", "moneta", "yaad",
     # "memora", "atlas"), a parts dict or a MemoryRule object (stored as its preset name or parts dict).
     # Typed Any: the command line takes a name or a JSON object
-    memory_rule: Any = "titans"
+    memory_rule: Any = option(
+        "titans",
+        help="memory update rule: titans, moneta, yaad, memora, atlas, or a parts dict "
+        "(bias, retention, window, optimizer)",
+    )
     # the memory's chunk loop: "auto" (Triton kernels on CUDA where they cover the config, else torch),
     # "triton" or "torch" (NeuralMemory.backend)
-    memory_backend: str = "auto"
+    memory_backend: str = option(
+        "auto",
+        help="the memory's chunk loop: auto (Triton kernels on CUDA where covered, else torch), "
+        "triton, torch",
+    )
     # surprise-gated writes (NeuralMemory.surprise_threshold): a token whose surprise is below this is not
     # written (None: every token is). Monitoring: memory utilisation is ||W|| / memory_monitor_max_norm
     # (None: memory_max_norm's bound, if any)
-    memory_surprise_threshold: float | None = None
-    memory_monitor_max_norm: float | None = None
+    memory_surprise_threshold: float | None = option(
+        None,
+        help="surprise-gated writes: tokens whose surprise is below this are not written (null: all are)",
+        min=0,
+    )
+    memory_monitor_max_norm: float | None = option(
+        None,
+        help="monitoring: memory utilisation is ||W|| / this (null: memory_max_norm; neither: not reported)",
+        above=0,
+        memory_arg=None,
+    )
     # a bound on the memory's weights (NeuralMemory.max_norm): at every chunk boundary each memory-MLP
     # layer's W is rescaled to Frobenius norm <= this (None: no bound). Also the monitoring's default
     # max_norm where memory_monitor_max_norm is None (`utilisation_max_norm`)
-    memory_max_norm: float | None = None
+    memory_max_norm: float | None = option(
+        None,
+        help="bound on the memory's weights: at every chunk boundary each memory layer's ||W|| is "
+        "rescaled to at most this (null: no bound)",
+        above=0,
+    )
     # The MAC block (docs/design.md, "The MAC block"). mac_norm_memory_tokens: the retrieved memory tokens h
     # enter the attention RMS-normalised, in the scale of the normed block input beside them. mac_gate: the
     # output o = y * gate(M(y)) is "norm", W (norm(y) * sigmoid(norm(M(y)))) as MAG combines its branches,
     # or "open", y * 2 sigmoid(W norm(M(y))) with W zero-initialised (the identity on y at first). The
     # defaults recall best through the memory; open + normalised tokens model language best at small scale
-    mac_norm_memory_tokens: bool = False
-    mac_gate: str = "norm"
+    mac_norm_memory_tokens: bool = option(
+        False, help="MAC: RMS-normalise the retrieved memory tokens before attention"
+    )
+    mac_gate: str = option("norm", help=f"MAC output gate: {', '.join(MAC_GATES)}")
     # mac_norm_memory_input: the attention output y is RMS-normalised (learned weight) before MAC writes it
     # into the memory and reads it back. Unnormalised, y sits at the scale of the attention's small output
     # projection, and the memory's keys and values at initialisation are its conv bias alone, the same for
     # every token (docs/design.md, "The MAC block")
-    mac_norm_memory_input: bool = True
+    mac_norm_memory_input: bool = option(
+        True, help="MAC: RMS-normalise the attention output before the memory writes it"
+    )
     # mac_memory_residual: MAC's memory writes (and reads back for its gate) x + y, the normed block input
     # plus the attention output, instead of y alone. At initialisation the attention spreads over its
     # segment, so y changes little from token to token: keys and queries built from it carry little of the
     # local context that retrieval matches on (docs/design.md, "The memory's write input")
-    mac_memory_residual: bool = True
+    mac_memory_residual: bool = option(
+        True, help="MAC: the memory writes x + y (block input plus attention output), not y alone"
+    )
     # Departures from the paper, each with the paper's form as an option (docs/design.md, "Departures from
     # the paper"). attn_output_gate: every attention normalises its output per head and gates it with
     # sigmoid(x W) before the output projection. persistent_to_memory: MAG and MAL prepend the persistent
     # tokens to the memory's input as well (the memory reads them at the start of every sequence).
     # mal_attn_persistent: MAL's sliding-window attention attends to the persistent tokens (False: the
     # paper's MAL, whose persistent tokens go to the memory only)
-    attn_output_gate: bool = False
-    persistent_to_memory: bool = False
-    mal_attn_persistent: bool = True
+    attn_output_gate: bool = option(
+        False,
+        help="every attention normalises its output per head and gates it by the input "
+        "(the paper's output gate)",
+    )
+    persistent_to_memory: bool = option(
+        False, help="MAG and MAL: the persistent tokens are prepended to the memory's input too"
+    )
+    mal_attn_persistent: bool = option(
+        True, help="MAL: the sliding-window attention attends to the persistent tokens"
+    )
     # attention and the rest
-    qk_norm: bool = True
-    rope_base: float = 10000.0
-    tie_embeddings: bool = True
-    norm_eps: float = 1e-6
-    init_std: float = 0.02
-    name: str = field(default="custom", compare=False)
+    qk_norm: bool = option(True, help="RMS-normalise queries and keys")
+    rope_base: float = option(10000.0, help="rotary position embedding base")
+    tie_embeddings: bool = option(True, help="the output head shares the token embedding")
+    norm_eps: float = option(1e-6, help="epsilon of the RMS norms")
+    init_std: float = option(0.02, help="standard deviation of the initial weights")
+    name: str = option("custom", help="preset name (informational)", compare=False)
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise ValueError(f"TitansConfig.variant must be one of {VARIANTS}, got {self.variant!r}")
-        for name in (
-            "vocab_size",
-            "dim",
-            "depth",
-            "heads",
-            "segment_len",
-            "window",
-            "chunk_size",
-            "memory_depth",
-        ):
-            check_int(f"TitansConfig.{name}", getattr(self, name))
-        if self.persistent_tokens < 0:
-            raise ValueError(f"TitansConfig.persistent_tokens must be >= 0, got {self.persistent_tokens}")
+        check_bounds(self)
         if self.head_dim is None and self.dim % self.heads:
             raise ValueError(
                 f"TitansConfig.heads={self.heads} does not divide dim={self.dim}; set head_dim explicitly"
@@ -184,7 +230,6 @@ class TitansConfig:
             val = getattr(self, name)
             if not isinstance(val, bool):
                 raise ValueError(f"TitansConfig.{name} must be a bool, got {val!r}")
-        check_int("TitansConfig.memory_checkpoint_every", self.memory_checkpoint_every, none_ok=True)
         try:
             self.memory_rule = resolve_rule(self.memory_rule).to_config()
         except (TypeError, ValueError) as e:
@@ -194,21 +239,6 @@ class TitansConfig:
                 "TitansConfig.memory_backend must be 'auto', 'triton' or 'torch', "
                 f"got {self.memory_backend!r}"
             )
-        for name, low in (
-            ("memory_surprise_threshold", 0.0),
-            ("memory_monitor_max_norm", None),
-            ("memory_max_norm", None),
-        ):
-            val = getattr(self, name)
-            ok = val is None or (
-                not isinstance(val, bool)
-                and isinstance(val, (int, float))
-                and math.isfinite(val)
-                and (val >= low if low is not None else val > 0)
-            )
-            if not ok:
-                bound = ">= 0" if low is not None else "> 0"
-                raise ValueError(f"TitansConfig.{name} must be null or a finite number {bound}, got {val!r}")
         if self.memory_forget_to not in FORGET_TARGETS:
             raise ValueError(
                 f"TitansConfig.memory_forget_to must be one of {FORGET_TARGETS}, got "
@@ -234,12 +264,6 @@ class TitansConfig:
                         f"TitansConfig.memory_backend='triton' does not cover {name}={val!r}: use "
                         "memory_backend='auto' or 'torch'"
                     )
-        if self.mlp_mult <= 0:
-            raise ValueError(f"TitansConfig.mlp_mult must be > 0, got {self.mlp_mult}")
-        for name in ("memory_eta_init", "memory_alpha_init"):
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0 < val < 1:
-                raise ValueError(f"TitansConfig.{name} must lie in (0, 1) (a gate value), got {val!r}")
 
     # ------------------------------------------------------------------------------------- derived
     @property
@@ -263,6 +287,21 @@ class TitansConfig:
         if self.memory_monitor_max_norm is not None:
             return self.memory_monitor_max_norm
         return self.memory_max_norm
+
+    def memory_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of this config's `NeuralMemory` (besides ``dim``): every field
+        ``memory_<arg>`` as ``<arg>``, or as the argument its metadata names (``memory_arg``; None: not an
+        argument). ``heads`` / ``head_dim`` left null follow the attention's heads and dim / heads."""
+        kwargs: dict[str, Any] = {}
+        for f in fields(self):
+            arg = f.metadata.get(
+                "memory_arg", f.name.removeprefix("memory_") if f.name.startswith("memory_") else None
+            )
+            if arg is not None:
+                kwargs[arg] = getattr(self, f.name)
+        kwargs["heads"] = heads = self.memory_heads or self.heads
+        kwargs["head_dim"] = self.memory_head_dim or self.dim // heads
+        return kwargs
 
     def has_memory(self, layer: int) -> bool:
         if not self.spec.memory:
@@ -308,63 +347,7 @@ class TitansConfig:
 SAVED_WITHOUT: dict[str, Any] = {"mac_norm_memory_input": False, "mac_memory_residual": False}
 
 # One line per field, for listings (`titans train --list-fields` shows them as model.<field>).
-FIELD_HELP: dict[str, str] = {
-    "variant": f"model variant: {', '.join(VARIANTS)}",
-    "vocab_size": "vocabulary size (training: the tokenizer's unless set larger)",
-    "dim": "model width",
-    "depth": "number of residual blocks",
-    "heads": "attention heads",
-    "head_dim": "attention head width (null: dim / heads)",
-    "mlp_mult": "SwiGLU width as a multiple of dim (2/3 of it, for a plain MLP's parameters)",
-    "segment_len": "MAC segment length (attention span of a MAC block)",
-    "window": "sliding-window size (mag, mal, swa and the blocks without memory)",
-    "chunk_size": "tokens per memory update chunk",
-    "persistent_tokens": "learned tokens prepended to every attention",
-    "memory_layers": "indices of the blocks that carry a neural memory (null: all)",
-    "memory_heads": "memory heads (null: the attention heads)",
-    "memory_head_dim": "memory head width (null: dim / memory heads)",
-    "memory_depth": "layers of the memory MLP (L_M)",
-    "memory_expansion": "hidden width of a deep memory MLP as a multiple of its head width",
-    "memory_activation": "activation of the memory MLP",
-    "memory_conv_kernel": "causal depthwise convolution width on queries, keys and values (0: none)",
-    "memory_momentum": "surprise with momentum (eta); false: the plain gradient",
-    "memory_forgetting": "forgetting gate (alpha) on the memory weights",
-    "memory_forget_to": "what forgetting pulls the memory weights toward: zero (the paper) or init (the "
-    "learned initial weights)",
-    "memory_max_lr": "upper bound of the memory's inner learning rate theta",
-    "memory_theta_init": "initial inner learning rate theta",
-    "memory_eta_init": "initial momentum decay eta, in (0, 1)",
-    "memory_alpha_init": "initial forgetting alpha, in (0, 1) (small: writes are kept longer)",
-    "memory_surprise_clip": "each token's inner gradient is rescaled to at most this norm (null: no clip)",
-    "memory_residual": "the memory computes k + MLP(k) instead of MLP(k)",
-    "memory_write": "false: read-only memory, no test-time learning (an ablation)",
-    "memory_checkpoint_every": "keep the memory state every this many chunks, recompute the rest "
-    "(null: keep all)",
-    "memory_rule": "memory update rule: titans, moneta, yaad, memora, atlas, or a parts dict "
-    "(bias, retention, window, optimizer)",
-    "memory_backend": "the memory's chunk loop: auto (Triton kernels on CUDA where covered, else torch), "
-    "triton, torch",
-    "memory_surprise_threshold": "surprise-gated writes: tokens whose surprise is below this are not "
-    "written (null: all are)",
-    "memory_monitor_max_norm": "monitoring: memory utilisation is ||W|| / this (null: memory_max_norm; "
-    "neither: not reported)",
-    "memory_max_norm": "bound on the memory's weights: at every chunk boundary each memory layer's ||W|| is "
-    "rescaled to at most this (null: no bound)",
-    "mac_norm_memory_tokens": "MAC: RMS-normalise the retrieved memory tokens before attention",
-    "mac_gate": f"MAC output gate: {', '.join(MAC_GATES)}",
-    "mac_norm_memory_input": "MAC: RMS-normalise the attention output before the memory writes it",
-    "mac_memory_residual": "MAC: the memory writes x + y (block input plus attention output), not y alone",
-    "attn_output_gate": "every attention normalises its output per head and gates it by the input "
-    "(the paper's output gate)",
-    "persistent_to_memory": "MAG and MAL: the persistent tokens are prepended to the memory's input too",
-    "mal_attn_persistent": "MAL: the sliding-window attention attends to the persistent tokens",
-    "qk_norm": "RMS-normalise queries and keys",
-    "rope_base": "rotary position embedding base",
-    "tie_embeddings": "the output head shares the token embedding",
-    "norm_eps": "epsilon of the RMS norms",
-    "init_std": "standard deviation of the initial weights",
-    "name": "preset name (informational)",
-}
+FIELD_HELP: dict[str, str] = field_help(TitansConfig)
 
 
 # Paper scales use a 32K vocabulary (Llama-2 style) and are sized for the default variant, mac (the

@@ -16,7 +16,6 @@ from types import MappingProxyType
 import torch
 from torch import Tensor, nn
 
-from titans.deprecation import warn_deprecated
 from titans.layers.memory import MemoryStats, NeuralMemory
 from titans.layers.norm import RMSNorm
 from titans.layers.residual import is_residual_output
@@ -167,22 +166,11 @@ class TitansLM(nn.Module):
         self,
         tokens: Tensor,
         state: TitansState | None = None,
-        return_stats: bool = False,
         last_only: bool = False,
-    ):
+    ) -> tuple[Tensor, TitansState]:
         """tokens (B, T) -> (logits (B, T, vocab), state). ``last_only``: logits of the last position only,
         (B, 1, vocab), which spares the output head on the rest (prefill). For the memory's stats as well,
-        use `forward_with_stats` (`return_stats=True`, which returns (logits, state, stats), is
-        deprecated)."""
-        if return_stats:
-            # stacklevel: the caller of model(...), past nn.Module.__call__
-            warn_deprecated(
-                "TitansLM(tokens, state, return_stats=True) is deprecated: use "
-                "TitansLM.forward_with_stats(tokens, state), which returns an LMOutput",
-                stacklevel=4,
-            )
-            out = self._forward(tokens, state, [], last_only)
-            return out.logits, out.state, out.stats
+        use `forward_with_stats`."""
         out = self._forward(tokens, state, None, last_only)
         return out.logits, out.state
 

@@ -13,7 +13,8 @@ Per memory layer (the index of its block) and head:
     theta, eta, alpha                           the effective gates, averaged over rows and tokens
     weight_norm[l], momentum_norm[l]            ||W_l||, ||S_l|| (Frobenius) of each layer l of the memory
                                                 MLP in the state, averaged over rows (with a memory rule's
-                                                retention map, of the pre-retention A the state holds)
+                                                retention map, of the pre-retention A the state holds):
+                                                `weight_norms`, the one definition of ||W|| in the package
     utilisation[l]                              weight_norm[l] / max_norm (default
                                                 `TitansConfig.utilisation_max_norm`: the monitor's
                                                 max_norm, else the weights' bound; None without one)
@@ -64,10 +65,15 @@ class LayerReport:
     momentum_norm: list[list[float]]
     utilisation: list[list[float]] | None
 
+    @property
+    def max_weight_norm(self) -> float:
+        """||W|| of the memory-MLP layer with the largest head mean: that mean."""
+        return max(_mean(row) for row in self.weight_norm)
+
     def summary(self) -> dict[str, float]:
         """Head means of every number (`weight_norm` etc. as the largest over the MLP's layers)."""
         out = {name: _mean(getattr(self, name)) for name in HEAD_FIELDS}
-        out["weight_norm"] = max(_mean(row) for row in self.weight_norm)
+        out["weight_norm"] = self.max_weight_norm
         out["momentum_norm"] = max(_mean(row) for row in self.momentum_norm)
         if self.utilisation is not None:
             out["utilisation"] = max(_mean(row) for row in self.utilisation)
@@ -184,6 +190,22 @@ def _join(pieces: Sequence[MemoryStats]) -> MemoryStats:
     return MemoryStats(**values)
 
 
+# ------------------------------------------------------------------------------------------ ||W||
+def weight_norms(tensors: Iterable[Tensor]) -> list[list[float]]:
+    """The memory's ||W|| (the one definition every report uses): per memory-MLP layer l and head h, the
+    Frobenius norm of each row's W_l[b, h], averaged over rows. tensors: (B, H, d_in, d_out) per layer
+    (`MemoryState.weights` or `.momentum`) -> [l][h]."""
+    return [
+        torch.linalg.vector_norm(t.detach().double(), dim=(-2, -1)).mean(0).cpu().tolist() for t in tensors
+    ]
+
+
+def total_weight_norm(state: MemoryState) -> float:
+    """||W|| of all of one memory's weights together (every MLP layer and head): the root of the summed
+    squares of `weight_norms` (for a one-row state, the Frobenius norm of the whole row)."""
+    return math.sqrt(sum(n * n for row in weight_norms(state.weights) for n in row))
+
+
 # ------------------------------------------------------------------------------------------ the report
 def _per_head(t: Tensor) -> Tensor:
     """(B, H, T) -> (H, B * T) float64 on the CPU."""
@@ -211,20 +233,13 @@ def _layer_report(
         for name in ("theta", "eta", "alpha"):
             numbers[name] = _per_head(getattr(stats, name)).mean(1).tolist()
 
-    def norms(tensors: Iterable[Tensor]) -> list[list[float]]:
-        # (B, H, d_in, d_out) -> per head the mean over rows of ||W[b, h]||_F
-        return [
-            torch.linalg.vector_norm(t.detach().double(), dim=(-2, -1)).mean(0).cpu().tolist()
-            for t in tensors
-        ]
-
-    weight_norm = norms(state.weights)
+    weight_norm = weight_norms(state.weights)
     utilisation = None if max_norm is None else [[w / max_norm for w in row] for row in weight_norm]
     return LayerReport(
         layer=layer,
         tokens=tokens,
         weight_norm=weight_norm,
-        momentum_norm=norms(state.momentum),
+        momentum_norm=weight_norms(state.momentum),
         utilisation=utilisation,
         **numbers,
     )
@@ -332,4 +347,6 @@ __all__ = [
     "memory_report",
     "prefill_with_report",
     "stats_by_layer",
+    "total_weight_norm",
+    "weight_norms",
 ]

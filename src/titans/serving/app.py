@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from titans.inference.session import MemorySession
+from titans.runtime.sampling import SAMPLING
 from titans.serving.auth import ANONYMOUS, bearer_key, hash_key
 from titans.serving.limits import BodyTimeout, FairLimiter, KeyGate, Quotas, Sweeper, TooBusy, check_room
 from titans.serving.session import (
@@ -54,12 +55,10 @@ from titans.serving.session import (
     stats_json,
 )
 from titans.serving.stores import Record, SessionExists, SessionStore, StoreError, VersionConflict
-from titans.training.config import TrainConfig
 
 log = logging.getLogger("titans.serving")
 T = TypeVar("T")
 _SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
-_SAMPLING = TrainConfig()  # the sampling defaults of `titans generate` and of the sample after training
 
 
 @dataclass(frozen=True)
@@ -85,11 +84,9 @@ class ReadBody(_Body):
 class GenerateBody(_Body):
     prompt: str = Field(description="text read into the memory first, then continued (at least one token)")
     max_new_tokens: int = Field(64, ge=0, description="tokens generated at most")
-    temperature: float = Field(
-        _SAMPLING.sample_temperature, ge=0, description="sampling temperature (0: greedy)"
-    )
+    temperature: float = Field(SAMPLING.temperature, ge=0, description="sampling temperature (0: greedy)")
     top_k: int | None = Field(
-        _SAMPLING.sample_top_k, ge=1, description="sample from the k most likely tokens (null: all)"
+        SAMPLING.top_k, ge=1, description="sample from the k most likely tokens (null: all)"
     )
     top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling threshold (null: off)")
     greedy: bool = Field(False, description="always take the most likely token")

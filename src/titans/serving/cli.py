@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from titans.inference.cli import load_model
 from titans.inference.session import DEFAULT_GUARD_MAX_RISE
+from titans.runtime.device import resolve_device
+from titans.runtime.loading import load_trained
 from titans.serving import limits as d  # its defaults; it needs the serve extra only to serve
 from titans.serving.auth import is_loopback, load_api_keys
 from titans.serving.session import DEFAULT_MAX_SNAPSHOTS, Engine
 from titans.serving.stores import open_store
-from titans.training.distributed import resolve_device
 
 DEFAULT_STORE = "sqlite:///titans-sessions.db"
 
@@ -88,7 +88,7 @@ def build_app(args: argparse.Namespace):
     torch.set_num_threads(args.torch_threads)
     keys = load_api_keys(args.api_keys) if args.api_keys else None
     device = resolve_device(args.device)
-    model, _, tokenizer = load_model(args.checkpoint, map_location=device)
+    model, tokenizer = load_trained(args.checkpoint, map_location=device)
     probe = None
     if args.guard_probe:
         try:

@@ -26,6 +26,7 @@ from titans.data.tokenizers import Tokenizer
 from titans.inference.session import DEFAULT_GUARD_MAX_RISE, SESSION_MAGIC, MemorySession
 from titans.layers.memory import MemoryStats
 from titans.models.lm import TitansLM
+from titans.models.monitor import find_memory_state, total_weight_norm
 from titans.models.state import TitansState, state_digest
 
 DEFAULT_MAX_SNAPSHOTS = 8
@@ -140,16 +141,12 @@ def read_stats(stats: Iterable[MemoryStats], tokens: int) -> dict[str, Any]:
 
 
 def memory_norms(state: TitansState | None) -> list[float]:
-    """||W|| (all weight tensors of the memory together, batch row 0) of every memory layer of `state`."""
+    """||W|| (all weight tensors of the memory together; `titans.models.monitor.total_weight_norm`) of every
+    memory layer of `state` (one row: a session's)."""
     if state is None:
         return []
-    norms = []
-    for layer in state.layers:
-        memory = getattr(layer, "memory", None)
-        if memory is not None:
-            total = sum(float(w[0].double().pow(2).sum()) for w in memory.weights)
-            norms.append(total**0.5)
-    return norms
+    memories = (find_memory_state(layer) for layer in state.layers)
+    return [total_weight_norm(memory) for memory in memories if memory is not None]
 
 
 def _course(session: MemorySession, event) -> dict[str, Any]:

@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from titans.models.config import FIELD_HELP as MODEL_FIELD_HELP
 from titans.models.config import PRESETS, VARIANTS, TitansConfig, read_json_object
+from titans.runtime.loading import DEFAULT_TOKENIZER
+from titans.runtime.sampling import SAMPLING
 from titans.training.fields import check_field_value, describe_fields, parse_field_text
+from titans.validation import check_bounds, field_help, option
 
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -55,65 +58,112 @@ class TrainConfig:
     ``steps`` is the number of optimizer steps, or ``tokens`` a token budget that sets it."""
 
     # model
-    preset: str = "tiny"
-    variant: str = "mac"
-    model: dict[str, Any] = field(default_factory=dict)  # TitansConfig field overrides
+    preset: str = option("tiny", help=f"model size preset: {', '.join(PRESETS)}")
+    variant: str = option("mac", help=f"model variant: {', '.join(VARIANTS)}")
+    model: dict[str, Any] = option(
+        factory=dict,
+        help="TitansConfig field overrides of the preset ({field: value}; --set model.<field>=...)",
+    )
     # data
-    data: str = "builtin:stdlib"
-    tokenizer: str = "bytes"
-    text_field: str = "text"
-    heldout_fraction: float = 0.01
-    cache_dir: str | None = None
-    seq_len: int = 256
-    batch_size: int = 16
-    grad_accum: int = 1  # micro-batches per rank per step (same global batch, less memory)
+    data: str = option(
+        "builtin:stdlib",
+        help="text source: builtin:stdlib, builtin:prose, a file, folder, glob, .jsonl, "
+        "hf:NAME[:CFG][:SPLIT]",
+    )
+    tokenizer: str = option(DEFAULT_TOKENIZER, help="bytes, gpt2, mistral-32k or a tokenizer file")
+    text_field: str = option("text", help="the text field of .jsonl records and Hugging Face datasets")
+    heldout_fraction: float = option(
+        0.01, help="share of the documents held out for evaluation, in (0, 1)", above=0, below=1
+    )
+    cache_dir: str | None = option(
+        None, help="where tokenized data is cached (null: the default cache folder)"
+    )
+    seq_len: int = option(256, help="training sequence length, tokens", min=1)
+    batch_size: int = option(
+        16, help="global batch, sequences per optimizer step (all ranks together)", min=1
+    )
+    grad_accum: int = option(
+        1, help="micro-batches per rank per step (the same global batch in less memory)", min=1
+    )
     # carry the model's state (the memory, attention caches) from each step's windows to the next step's,
     # which continue them in the stream, detached at the window boundary (truncated backprop through time;
     # `StreamBatches`): the model trains on memories that have read far more than seq_len tokens. The
     # state starts fresh every carry_reset_every visits of a lane (None: when a row reaches the end of its
     # lane). carry_groups: lanes per row, visited in turn (step s reads group s % carry_groups), so that
     # consecutive steps draw on different stretches of the stream; the trainer keeps a state per group
-    carry_state: bool = False
-    carry_reset_every: int | None = None
-    carry_groups: int = 1
+    carry_state: bool = option(
+        False,
+        help="carry the state (memory, caches) across consecutive windows of each row's stream, "
+        "detached at window boundaries (truncated backprop through time)",
+    )
+    carry_reset_every: int | None = option(
+        None,
+        help="with carry_state: start from a fresh state every this many visits of a lane "
+        "(null: at the end of each row's lane of the stream)",
+        min=1,
+    )
+    carry_groups: int = option(
+        1,
+        help="with carry_state: lanes per row, visited in turn (consecutive steps read different "
+        "stretches of the stream; one carried state per group)",
+        min=1,
+    )
     # length of the run
-    steps: int = 1000
-    tokens: int | None = None  # token budget; when set, steps = ceil(tokens / (batch_size * seq_len))
-    time_budget_min: float | None = None  # stop cleanly (with a checkpoint) after this many minutes
+    steps: int = option(1000, help="optimizer steps of the run", min=1)
+    tokens: int | None = option(
+        None, help="token budget; when set, steps = ceil(tokens / (batch_size * seq_len))", min=1
+    )
+    time_budget_min: float | None = option(
+        None, help="stop cleanly, with a checkpoint, after this many minutes (--resume continues)", above=0
+    )
     # optimizer (AdamW, cosine with warmup)
-    lr: float = 4e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float | None = 1.0
+    lr: float = option(4e-4, help="peak learning rate (AdamW)", above=0)
+    min_lr_ratio: float = option(0.1, help="the cosine schedule ends at min_lr_ratio * lr", min=0, max=1)
+    warmup_steps: int = option(100, help="linear warm-up steps", min=0)
+    weight_decay: float = option(
+        0.1, help="AdamW weight decay of weight matrices (not embeddings, norms, biases, gates)", min=0
+    )
+    beta1: float = option(0.9, help="AdamW beta1")
+    beta2: float = option(0.95, help="AdamW beta2")
+    eps: float = option(1e-8, help="AdamW epsilon")
+    grad_clip: float | None = option(1.0, help="gradient norm clipping (null: none)", above=0)
     # runtime
-    seed: int = 0
-    device: str = "auto"  # auto: cuda if available, else cpu
-    dtype: str = "auto"  # auto: bf16 autocast on CUDA, float32 on CPU
-    fsdp: bool = False
+    seed: int = option(0, help="seed of the initial weights, the batch order and the sample")
+    device: str = option("auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
+    dtype: str = option("auto", help=f"{', '.join(DTYPES)} (auto: bf16 autocast on CUDA, float32 on CPU)")
+    fsdp: bool = option(False, help="shard the model with FSDP2 (under torchrun)")
     # replay each micro-step (forward, loss, backward) as one CUDA graph: one process on one GPU; the memory
     # variants' many small kernels then cost no per-launch CPU time (training/cuda_graphs.py)
-    cuda_graphs: bool = False
-    threads: int | None = None  # torch CPU threads of this process (None: torch's default, one per core)
+    cuda_graphs: bool = option(False, help="replay each micro-step as a CUDA graph (one process, one GPU)")
+    threads: int | None = option(
+        None, help="torch CPU threads of this process (null: torch's default)", min=1
+    )
     # bookkeeping
-    run_dir: str = "runs/main"
-    log_every: int = 10
-    eval_every: int = 200
-    eval_windows: int = 32
-    eval_batch_size: int = 8
-    ckpt_every: int = 500
-    keep_last: int = 3
-    progress: bool = True
-    tensorboard: bool = True
-    plot: bool = True
+    run_dir: str = option("runs/main", help="where checkpoints, metrics, plots and the report go")
+    log_every: int = option(10, help="log the training loss every this many steps", min=1)
+    eval_every: int = option(
+        200, help="evaluate on held-out windows every this many steps (and at the end)", min=1
+    )
+    eval_windows: int = option(32, help="held-out windows per evaluation", min=1)
+    eval_batch_size: int = option(8, help="held-out windows per forward pass", min=1)
+    ckpt_every: int = option(500, help="checkpoint every this many steps (and at the end)", min=1)
+    keep_last: int = option(3, help="checkpoints kept (older ones are deleted)", min=1)
+    progress: bool = option(True, help="show a progress bar")
+    tensorboard: bool = option(
+        True, help="write TensorBoard logs to run_dir/tb (needs the tensorboard package)"
+    )
+    plot: bool = option(True, help="draw run_dir/loss.png at the end (needs matplotlib)")
     # sample printed at the end of training (0: none)
-    sample_tokens: int = 200
-    sample_prompt: str = "def "
-    sample_temperature: float = 0.8
-    sample_top_k: int | None = 40
+    sample_tokens: int = option(
+        200, help="tokens of the sample printed at the end of training (0: none)", min=0
+    )
+    sample_prompt: str = option("def ", help="prompt of that sample")
+    sample_temperature: float = option(
+        SAMPLING.temperature, help="sampling temperature of that sample (0: greedy)", min=0
+    )
+    sample_top_k: int | None = option(
+        SAMPLING.top_k, help="sample from the k most likely tokens (null: all)", min=1
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):  # the declared types first: the checks below compare numbers
@@ -138,25 +188,9 @@ class TrainConfig:
             k: check_field_value(TitansConfig, k, v, label=f"TrainConfig.model.{k}")
             for k, v in self.model.items()
         }
-        positive = ("seq_len", "batch_size", "grad_accum", "steps", "log_every", "eval_every", "ckpt_every",
-                    "keep_last", "eval_windows", "eval_batch_size")  # fmt: skip
-        for name in positive:
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"TrainConfig.{name} must be a positive integer, got {val!r}")
-        if self.tokens is not None and (not isinstance(self.tokens, int) or self.tokens < 1):
-            raise ValueError(f"TrainConfig.tokens must be a positive integer or null, got {self.tokens!r}")
-        if self.carry_reset_every is not None and self.carry_reset_every < 1:
-            raise ValueError(
-                "TrainConfig.carry_reset_every must be a positive integer or null, got "
-                f"{self.carry_reset_every}"
-            )
+        check_bounds(self)
         if self.carry_reset_every is not None and not self.carry_state:
             raise ValueError("TrainConfig.carry_reset_every applies with carry_state: true only")
-        if not isinstance(self.carry_groups, int) or self.carry_groups < 1:
-            raise ValueError(
-                f"TrainConfig.carry_groups must be a positive integer, got {self.carry_groups!r}"
-            )
         if self.carry_groups > 1 and not self.carry_state:
             raise ValueError("TrainConfig.carry_groups applies with carry_state: true only")
         if self.carry_state and self.cuda_graphs:
@@ -165,37 +199,12 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.grad_accum={self.grad_accum} must divide batch_size={self.batch_size}"
             )
-        if not self.lr > 0:
-            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"TrainConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.weight_decay < 0:
-            raise ValueError(f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay}")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"TrainConfig.grad_clip must be > 0 or null, got {self.grad_clip}")
-        if not 0 < self.heldout_fraction < 1:
-            raise ValueError(f"TrainConfig.heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
-        if self.time_budget_min is not None and not self.time_budget_min > 0:
-            raise ValueError(f"TrainConfig.time_budget_min must be > 0 or null, got {self.time_budget_min}")
         if self.dtype not in DTYPES:
             raise ValueError(f"TrainConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"TrainConfig.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if self.cuda_graphs and self.fsdp:
             raise ValueError("TrainConfig.cuda_graphs: not with fsdp (its collectives run outside the graph)")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise ValueError(f"TrainConfig.threads must be a positive integer or null, got {self.threads!r}")
-        # the end-of-training sample: checked here so that a bad value stops the run before it trains
-        if self.sample_tokens < 0:
-            raise ValueError(f"TrainConfig.sample_tokens must be >= 0, got {self.sample_tokens}")
-        if self.sample_temperature < 0:
-            raise ValueError(
-                f"TrainConfig.sample_temperature must be >= 0 (0: greedy), got {self.sample_temperature}"
-            )
-        if self.sample_top_k is not None and self.sample_top_k < 1:
-            raise ValueError(f"TrainConfig.sample_top_k must be >= 1 or null, got {self.sample_top_k}")
 
     # ------------------------------------------------------------------------------------- derived
     @property
@@ -341,56 +350,7 @@ def parse_set(items: list[str], *, model_only: bool = False) -> dict[str, Any]:
 
 
 # One line per field for `titans train --list-fields`.
-FIELD_HELP: dict[str, str] = {
-    "preset": f"model size preset: {', '.join(PRESETS)}",
-    "variant": f"model variant: {', '.join(VARIANTS)}",
-    "model": "TitansConfig field overrides of the preset ({field: value}; --set model.<field>=...)",
-    "data": "text source: builtin:stdlib, builtin:prose, a file, folder, glob, .jsonl, hf:NAME[:CFG][:SPLIT]",
-    "tokenizer": "bytes, gpt2, mistral-32k or a tokenizer file",
-    "text_field": "the text field of .jsonl records and Hugging Face datasets",
-    "heldout_fraction": "share of the documents held out for evaluation, in (0, 1)",
-    "cache_dir": "where tokenized data is cached (null: the default cache folder)",
-    "seq_len": "training sequence length, tokens",
-    "batch_size": "global batch, sequences per optimizer step (all ranks together)",
-    "grad_accum": "micro-batches per rank per step (the same global batch in less memory)",
-    "carry_state": "carry the state (memory, caches) across consecutive windows of each row's stream, "
-    "detached at window boundaries (truncated backprop through time)",
-    "carry_reset_every": "with carry_state: start from a fresh state every this many visits of a lane "
-    "(null: at the end of each row's lane of the stream)",
-    "carry_groups": "with carry_state: lanes per row, visited in turn (consecutive steps read different "
-    "stretches of the stream; one carried state per group)",
-    "steps": "optimizer steps of the run",
-    "tokens": "token budget; when set, steps = ceil(tokens / (batch_size * seq_len))",
-    "time_budget_min": "stop cleanly, with a checkpoint, after this many minutes (--resume continues)",
-    "lr": "peak learning rate (AdamW)",
-    "min_lr_ratio": "the cosine schedule ends at min_lr_ratio * lr",
-    "warmup_steps": "linear warm-up steps",
-    "weight_decay": "AdamW weight decay of weight matrices (not embeddings, norms, biases, gates)",
-    "beta1": "AdamW beta1",
-    "beta2": "AdamW beta2",
-    "eps": "AdamW epsilon",
-    "grad_clip": "gradient norm clipping (null: none)",
-    "seed": "seed of the initial weights, the batch order and the sample",
-    "device": "auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...",
-    "dtype": f"{', '.join(DTYPES)} (auto: bf16 autocast on CUDA, float32 on CPU)",
-    "fsdp": "shard the model with FSDP2 (under torchrun)",
-    "cuda_graphs": "replay each micro-step as a CUDA graph (one process, one GPU)",
-    "threads": "torch CPU threads of this process (null: torch's default)",
-    "run_dir": "where checkpoints, metrics, plots and the report go",
-    "log_every": "log the training loss every this many steps",
-    "eval_every": "evaluate on held-out windows every this many steps (and at the end)",
-    "eval_windows": "held-out windows per evaluation",
-    "eval_batch_size": "held-out windows per forward pass",
-    "ckpt_every": "checkpoint every this many steps (and at the end)",
-    "keep_last": "checkpoints kept (older ones are deleted)",
-    "progress": "show a progress bar",
-    "tensorboard": "write TensorBoard logs to run_dir/tb (needs the tensorboard package)",
-    "plot": "draw run_dir/loss.png at the end (needs matplotlib)",
-    "sample_tokens": "tokens of the sample printed at the end of training (0: none)",
-    "sample_prompt": "prompt of that sample",
-    "sample_temperature": "sampling temperature of that sample (0: greedy)",
-    "sample_top_k": "sample from the k most likely tokens (null: all)",
-}
+FIELD_HELP: dict[str, str] = field_help(TrainConfig)
 
 
 def field_listing() -> str:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titans.layers.memory import NeuralMemory
+from titans.runtime.device import resolve_device
 
 
 @dataclass(frozen=True)
@@ -47,25 +48,6 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
-    """``auto`` -> cuda (this rank's GPU) when available, else cpu; any other spec as torch reads it."""
-    if spec == "auto":
-        spec = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(spec)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {spec!r}: CUDA is not available on this machine")
-        if device.index is None:
-            device = torch.device("cuda", local_rank)
-        if device.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"device {spec!r}: this process wants GPU {device.index} (local rank {local_rank}) but the"
-                f" machine has {torch.cuda.device_count()}; start at most one process per GPU"
-                " (torchrun --nproc_per_node), or pass --device cpu"
-            )
-    return device
 
 
 def init_distributed(device_spec: str = "auto") -> DistInfo:

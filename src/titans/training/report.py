@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from titans.training.checkpoint import CHECKPOINTS
+from titans.runtime.checkpoint import CHECKPOINTS
+from titans.runtime.loading import TOKENIZER_DIR
 from titans.training.metrics import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
-from titans.training.model_io import TOKENIZER_DIR
 from titans.training.trainer import CONFIG_FILE, REPORT_FILE, TrainResult
 
 # What a run folder holds, in the order the report names them: (name, what it is).

@@ -7,7 +7,7 @@ Every training sequence starts from a fresh memory state (``state=None``): the m
 previous step ended with, detached (truncated backprop through time), so the model learns to use a memory
 that has read far more than one window; checkpoints hold that state.
 
-Checkpoints (``titans.training.checkpoint``; rank 0 writes) hold the model weights (safetensors), the
+Checkpoints (``titans.runtime.checkpoint``; rank 0 writes) hold the model weights (safetensors), the
 optimizer, the lr schedule, the data position and the RNG states, every ``ckpt_every`` steps, at the end,
 when the wall-clock budget runs out and on SIGTERM / SIGINT (after the current step; see
 ``titans.training.signals``). Weights or optimizer state holding NaN or inf are never written.
@@ -44,8 +44,8 @@ from titans.layers.memory import NeuralMemory
 from titans.models.lm import TitansLM
 from titans.models.monitor import memory_layers, memory_report
 from titans.models.state import TitansState, cat_rows, select_rows, state_from_bytes, state_to_bytes
-from titans.training import distributed as D
-from titans.training.checkpoint import (
+from titans.models.streaming import generate
+from titans.runtime.checkpoint import (
     CHECKPOINTS,
     CheckpointWriteError,
     capture_rng_state,
@@ -55,6 +55,8 @@ from titans.training.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from titans.runtime.loading import TOKENIZER_DIR, keep_tokenizer_copy, load_weights, tokenizer_record
+from titans.training import distributed as D
 from titans.training.config import TrainConfig, model_mismatches
 from titans.training.cuda_graphs import GraphedMicroStep
 from titans.training.loop import TrainLoop, optimizer_step
@@ -67,7 +69,6 @@ from titans.training.metrics import (
     read_metrics,
     truncate_metrics,
 )
-from titans.training.model_io import TOKENIZER_DIR, keep_tokenizer_copy, load_weights, tokenizer_record
 from titans.training.optim import build_optimizer, build_scheduler
 from titans.training.perplexity import PerplexityResult, autocast_context, evaluate_perplexity
 from titans.training.signals import StopSignals
@@ -568,11 +569,6 @@ class Trainer:
         cfg = self.config
         if cfg.fsdp:
             print("(no sample under FSDP: the sharded model needs every rank to run it)")
-            return None
-        try:
-            from titans.inference.generation import generate  # inference may be left out of a build
-        except ImportError as e:
-            print(f"(no sample: titans.inference.generation is not available: {e})")
             return None
         ids = self.tokenizer.encode(cfg.sample_prompt) or [self.batches.tokens[0].item()]
         prompt = torch.tensor([ids], dtype=torch.long, device=self.device)

@@ -1,131 +1,23 @@
-"""`titans inspect`: what the memory does along a text, as one self-contained HTML file.
+"""The `titans inspect` page: the text coloured by surprise, SVG line charts along the text and the
+per-layer, per-head table of the `MemoryReport`, as one self-contained HTML file (CSS, JavaScript and the
+plots inline; no network, no external files).
 
-    titans inspect --checkpoint runs/main --text notes.txt --out report.html [--threshold 0.5]
-
-The text is read once (in pieces; streaming equals one pass) and the report shows, token by token, the
-surprise (the colour; hovering a token shows its numbers), the write decisions (tokens the memory wrote are
-underlined where a surprise threshold is set), and plots along the text: surprise and write rate per memory
-layer, ||W|| per memory layer (against the max norm where one is set), the gates theta, eta and alpha, and
-the next-token loss; then the per-layer, per-head table of `titans.models.monitor.MemoryReport`. No
-network, no external files: CSS, JavaScript and the SVG plots are inline.
+    page = render_html(trace, token_texts(tokenizer, ids), "title", meta={"checkpoint": "runs/main"})
 """
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
 import math
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from torch import Tensor
 
-from titans.inference.cli import load_model
-from titans.inference.generation import IncrementalDecoder
-from titans.layers.memory import NeuralMemory
-from titans.models.lm import TitansLM
-from titans.models.monitor import (
-    HEAD_FIELDS,
-    MemoryMonitor,
-    MemoryReport,
-    find_memory_state,
-    memory_layers,
-)
-from titans.models.streaming import iter_pieces
-from titans.ops.memory import check_threshold
-from titans.training.distributed import resolve_device
+from titans.inference.inspection.trace import Trace
+from titans.models.monitor import HEAD_FIELDS
 
-DEFAULT_MAX_TOKENS = 4000
 MAX_POINTS = 1200  # points per plotted line (longer series are averaged in bins)
 COLOURS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
-
-
-@dataclass
-class Trace:
-    """Per-token and per-piece numbers of one text read by a model. Token arrays are (L, T) for the L memory
-    layers (head means), (L, H, T) for `written`; `norm_at` (P,) are the positions after each piece and
-    `weight_norm` (L, P) the largest ||W_l|| (head mean) of each memory layer there."""
-
-    layers: list[int]
-    surprise: np.ndarray
-    written: np.ndarray
-    theta: np.ndarray
-    eta: np.ndarray
-    alpha: np.ndarray
-    loss: np.ndarray  # (T,): the loss of predicting token t from the tokens before it (NaN for t = 0)
-    norm_at: np.ndarray
-    weight_norm: np.ndarray
-    report: MemoryReport
-    threshold: float | None
-    max_norm: float | None
-    extra: dict = field(default_factory=dict)
-
-
-def _piece_len(model: TitansLM, tokens: int) -> int:
-    """A multiple of the streaming unit giving about 100 pieces (the ||W|| plot's resolution)."""
-    unit = model.config.spec.streaming_unit(model.config)
-    return max(unit, math.ceil(tokens / 100 / unit) * unit)
-
-
-@torch.no_grad()
-def trace_text(model: TitansLM, tokens: Tensor, max_norm: float | None = None, state=None) -> Trace:
-    """Read tokens (T,) or (1, T) with `model` from `state` and gather the `Trace`."""
-    tokens = tokens.reshape(1, -1).to(next(model.parameters()).device, torch.int64)
-    layers = memory_layers(model)
-    if not layers:
-        raise ValueError(f"inspect: the model ({model.config.variant}) has no neural memory to inspect")
-    monitor = MemoryMonitor(model, max_norm)
-    losses, norm_at, norms, last = [float("nan")], [], [], None
-    for piece in iter_pieces(tokens, _piece_len(model, tokens.shape[1])):
-        out = model.forward_with_stats(piece, state)
-        state = out.state
-        monitor.update(out.stats)
-        logits = out.logits[0].float()
-        if last is not None:
-            losses.append(float(F.cross_entropy(last[None], piece[0, :1])))
-        if piece.shape[1] > 1:
-            losses.extend(F.cross_entropy(logits[:-1], piece[0, 1:], reduction="none").tolist())
-        last = logits[-1]
-        norm_at.append(state.position)
-        norms.append(
-            [
-                max(float(torch.linalg.vector_norm(w.double(), dim=(-2, -1)).mean()) for w in ms.weights)
-                for ms in (find_memory_state(state.layers[i]) for i in layers)
-            ]
-        )
-    stats = monitor.layer_stats()
-
-    def per_layer(name: str) -> np.ndarray:
-        return np.stack([getattr(stats[i], name)[0].double().mean(0).cpu().numpy() for i in layers])
-
-    written = np.stack([stats[i].written[0].cpu().numpy() for i in layers])
-    report = monitor.report(state)
-    return Trace(
-        layers=layers,
-        surprise=per_layer("surprise"),
-        written=written,
-        theta=per_layer("theta"),
-        eta=per_layer("eta"),
-        alpha=per_layer("alpha"),
-        loss=np.array(losses),
-        norm_at=np.array(norm_at),
-        weight_norm=np.array(norms).T,
-        report=report,
-        threshold=report.surprise_threshold,
-        max_norm=report.max_norm,
-    )
-
-
-def set_surprise_threshold(model: TitansLM, threshold: float | None) -> None:
-    """Every memory of `model` gates its writes at `threshold` from now on (None: writes every token)."""
-    check_threshold("inspect: threshold", threshold)
-    for module in model.modules():
-        if isinstance(module, NeuralMemory):
-            module.surprise_threshold = threshold
 
 
 # ------------------------------------------------------------------------------------------ plots
@@ -140,7 +32,8 @@ def _binned(xs: np.ndarray, ys: np.ndarray, points: int = MAX_POINTS) -> tuple[n
     return bx, by
 
 
-def _fmt(v: float) -> str:
+def fmt(v: float) -> str:
+    """A number in three significant digits (small ones in exponent form)."""
     if not math.isfinite(v):
         return str(v)
     return f"{v:.3g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
@@ -186,7 +79,7 @@ def svg_chart(
     for frac in (0, 0.5, 1):
         y = top + ph * (1 - frac)
         v = lo + (hi - lo) * frac
-        label = _fmt(10**v if log else v)
+        label = fmt(10**v if log else v)
         parts.append(f'<text x="{left - 6}" y="{y + 4:.1f}" class="tick" text-anchor="end">{label}</text>')
         parts.append(f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
     for frac in (0, 0.25, 0.5, 0.75, 1):
@@ -286,13 +179,11 @@ def render_html(trace: Trace, pieces: list[str], title: str, meta: dict[str, str
     spans = []
     for t, text in enumerate(pieces):
         z = (s_mean[t] - lo) / (hi - lo) if hi > lo else 0.0
-        per_layer = ", ".join(
-            f"L{layer} {_fmt(trace.surprise[i, t])}" for i, layer in enumerate(trace.layers)
-        )
+        per_layer = ", ".join(f"L{layer} {fmt(trace.surprise[i, t])}" for i, layer in enumerate(trace.layers))
         written = int(round(write_share[t] * len(trace.layers) * heads))
         detail = (
-            f"#{t} {json.dumps(text)[1:-1][:24]!s} | surprise {_fmt(s_mean[t])} ({per_layer}) | written by "
-            f"{written}/{len(trace.layers) * heads} heads | loss {_fmt(trace.loss[t])}"
+            f"#{t} {json.dumps(text)[1:-1][:24]!s} | surprise {fmt(s_mean[t])} ({per_layer}) | written by "
+            f"{written}/{len(trace.layers) * heads} heads | loss {fmt(trace.loss[t])}"
         )
         cls = "t w" if gated and write_share[t] > 0 else "t"
         style = f"background:{_colour(z)}"
@@ -307,7 +198,7 @@ def render_html(trace: Trace, pieces: list[str], title: str, meta: dict[str, str
     charts = [
         svg_chart(
             "surprise ||u_t|| (head mean"
-            + (f"; dashed: threshold {_fmt(trace.threshold)})" if gated else ")"),
+            + (f"; dashed: threshold {fmt(trace.threshold)})" if gated else ")"),
             [(n, xs, trace.surprise[i]) for i, n in enumerate(names)],
             T,
             hlines=((trace.threshold, "threshold"),) if gated else (),
@@ -320,7 +211,7 @@ def render_html(trace: Trace, pieces: list[str], title: str, meta: dict[str, str
         ),
         svg_chart(
             "||W|| (largest memory-MLP layer, head mean) after each piece"
-            + (f"; dashed: max_norm {_fmt(trace.max_norm)} and 0.8 of it" if trace.max_norm else ""),
+            + (f"; dashed: max_norm {fmt(trace.max_norm)} and 0.8 of it" if trace.max_norm else ""),
             [(n, trace.norm_at, trace.weight_norm[i]) for i, n in enumerate(names)],
             T,
             hlines=((trace.max_norm, "max_norm"), (0.8 * trace.max_norm, "0.8 max"))
@@ -339,14 +230,14 @@ def render_html(trace: Trace, pieces: list[str], title: str, meta: dict[str, str
     rows = []
     for layer in trace.report.layers:
         for h in range(len(layer.surprise_mean)):
-            util = "" if layer.utilisation is None else _fmt(max(row[h] for row in layer.utilisation))
+            util = "" if layer.utilisation is None else fmt(max(row[h] for row in layer.utilisation))
             cells = [
                 f"L{layer.layer}",
                 str(h),
-                *(_fmt(getattr(layer, k)[h]) for k in HEAD_FIELDS),
-                _fmt(max(row[h] for row in layer.weight_norm)),
+                *(fmt(getattr(layer, k)[h]) for k in HEAD_FIELDS),
+                fmt(max(row[h] for row in layer.weight_norm)),
                 util,
-                _fmt(max(row[h] for row in layer.momentum_norm)),
+                fmt(max(row[h] for row in layer.momentum_norm)),
             ]
             rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     header = "".join(
@@ -369,7 +260,7 @@ def render_html(trace: Trace, pieces: list[str], title: str, meta: dict[str, str
     meta_line = " · ".join(f"{html.escape(k)}: {html.escape(str(v))}" for k, v in (meta or {}).items())
     rate = trace.report.write_rate
     writes = (
-        f"threshold {_fmt(trace.threshold)}: {rate:.1%} of (layer, head, token) entries written; written "
+        f"threshold {fmt(trace.threshold)}: {rate:.1%} of (layer, head, token) entries written; written "
         "tokens are underlined (darker: more heads wrote)"
         if gated
         else "no surprise threshold: every token is written"
@@ -380,7 +271,7 @@ def render_html(trace: Trace, pieces: list[str], title: str, meta: dict[str, str
 <h1>{html.escape(title)}</h1>
 <div class="meta">{meta_line}</div>
 <div class="legend"><span>surprise (mean over memory layers and heads):
- {_fmt(lo)} <i class="bar"></i> {_fmt(hi)}</span><span>{writes}</span></div>
+ {fmt(lo)} <i class="bar"></i> {fmt(hi)}</span><span>{writes}</span></div>
 <h2>The text, token by token</h2>
 <div id="info">hover a token for its surprise, write decision and loss</div>
 <div id="text">{"".join(spans)}</div>
@@ -393,105 +284,4 @@ def render_html(trace: Trace, pieces: list[str], title: str, meta: dict[str, str
 """
 
 
-def token_texts(tokenizer, ids: list[int]) -> list[str]:
-    """The text of each token, as it completes (a character split over several byte tokens shows on the
-    last of them; the others are empty)."""
-    decoder = IncrementalDecoder(tokenizer)
-    pieces = [decoder.push(i) for i in ids]
-    rest = decoder.finish()
-    if pieces and rest:
-        pieces[-1] += rest
-    return pieces
-
-
-# ------------------------------------------------------------------------------------------ command
-def check_inspect_args(args: argparse.Namespace) -> None:
-    if (args.text is None) == (args.prompt is None):
-        raise ValueError("give exactly one of --text FILE and --prompt STR")
-    if args.max_tokens < 2:
-        raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
-    if args.threshold is not None and not 0 <= args.threshold < math.inf:
-        raise ValueError(f"--threshold must be a finite number >= 0, got {args.threshold}")
-    if args.max_norm is not None and not 0 < args.max_norm < math.inf:
-        raise ValueError(f"--max-norm must be a finite number > 0, got {args.max_norm}")
-
-
-def run_inspect(args: argparse.Namespace) -> int:
-    check_inspect_args(args)
-    if args.text is not None:
-        path = Path(args.text)
-        if not path.is_file():
-            raise FileNotFoundError(f"no text file at {str(path)!r}")
-        text = path.read_text(encoding="utf-8", errors="replace")
-        source = str(path)
-    else:
-        text, source = args.prompt, "--prompt"
-    device = resolve_device(args.device)
-    model, _, tokenizer = load_model(args.checkpoint, map_location=device)
-    if args.threshold is not None:
-        set_surprise_threshold(model, args.threshold)
-    ids = tokenizer.encode(text)
-    if len(ids) < 2:
-        raise ValueError(f"{source} holds {len(ids)} token(s); inspect needs at least 2")
-    truncated = len(ids) > args.max_tokens
-    ids = ids[: args.max_tokens]
-    trace = trace_text(model, torch.tensor(ids), max_norm=args.max_norm)
-    cfg = model.config
-    meta = {
-        "checkpoint": args.checkpoint,
-        "text": source,
-        "tokens": f"{len(ids):,}" + (f" (the first {args.max_tokens:,}; --max-tokens)" if truncated else ""),
-        "model": f"{cfg.variant} dim={cfg.dim} depth={cfg.depth}, memory layers {trace.layers}",
-        "mean loss": _fmt(float(np.nanmean(trace.loss))),
-    }
-    page = render_html(trace, token_texts(tokenizer, ids), f"titans inspect: {Path(source).name}", meta)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page, encoding="utf-8")
-    print(
-        f"inspected {len(ids):,} tokens{' (truncated)' if truncated else ''}: write rate "
-        f"{trace.report.write_rate:.1%}, mean surprise {_fmt(float(np.nanmean(trace.surprise)))}; wrote {out}"
-    )
-    return 0
-
-
-def register(commands, evals) -> None:
-    p = commands.add_parser(
-        "inspect",
-        help="an HTML report of what the memory does along a text (surprise, writes, ||W||, gates)",
-        description="Read a text with a checkpoint's model and write one self-contained HTML report: the "
-        "text coloured by surprise token by token, the write decisions, and plots of its statistics.",
-    )
-    p.add_argument("--checkpoint", required=True, help="checkpoint folder or run folder")
-    p.add_argument("--text", help="UTF-8 text file to read")
-    p.add_argument("--prompt", help="text to read, given inline")
-    p.add_argument("--out", required=True, help="where to write the HTML report")
-    p.add_argument(
-        "--threshold",
-        type=float,
-        default=None,
-        help="surprise threshold for the memory's writes (default: the model's memory_surprise_threshold)",
-    )
-    p.add_argument(
-        "--max-norm",
-        type=float,
-        default=None,
-        help="||W|| that counts as full (default: the model's memory_monitor_max_norm, else its "
-        "memory_max_norm)",
-    )
-    p.add_argument(
-        "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="read at most this many tokens of the text"
-    )
-    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1")
-    p.set_defaults(func=run_inspect, check=check_inspect_args)
-
-
-__all__ = [
-    "Trace",
-    "check_inspect_args",
-    "render_html",
-    "run_inspect",
-    "set_surprise_threshold",
-    "svg_chart",
-    "trace_text",
-]
+__all__ = ["fmt", "render_html", "svg_chart"]
