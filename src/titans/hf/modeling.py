@@ -12,6 +12,9 @@ are per-row streams), `inputs_embeds`.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch.nn.functional as F
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
@@ -20,6 +23,26 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from titans.hf.configuration import TitansHFConfig
 from titans.models.lm import TitansLM
 from titans.models.state import TitansState, expand_state, select_rows, state_batch_size
+
+# The remote code written beside a saved model: `trust_remote_code=True` loads these modules, which take the
+# classes from the installed library, so a folder and `import titans.hf` give the very same classes (a
+# `titans.hf.TitansCache` passed to a model loaded either way is the one its forward expects).
+REMOTE_CODE = {
+    "configuration_titans.py": (
+        '"""Remote code for a saved Titans model (needs `pip install titans[hf]`)."""\n\n'
+        "from titans.hf.configuration import TitansHFConfig\n\n"
+        '__all__ = ["TitansHFConfig"]\n'
+    ),
+    "modeling_titans.py": (
+        '"""Remote code for a saved Titans model (needs `pip install titans[hf]`)."""\n\n'
+        "from titans.hf.modeling import TitansCache, TitansForCausalLM\n\n"
+        '__all__ = ["TitansCache", "TitansForCausalLM"]\n'
+    ),
+}
+AUTO_MAP = {
+    "AutoConfig": "configuration_titans.TitansHFConfig",
+    "AutoModelForCausalLM": "modeling_titans.TitansForCausalLM",
+}
 
 
 class TitansCache:
@@ -97,6 +120,16 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
 
     def to_titans(self) -> TitansLM:
         return self.model
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
+        """transformers' save_pretrained, plus the remote code and `auto_map` that let
+        `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` load the folder in a process
+        that has not imported `titans.hf`."""
+        self.config.auto_map = dict(AUTO_MAP)
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            for name, text in REMOTE_CODE.items():
+                (Path(save_directory) / name).write_text(text)
 
     def get_input_embeddings(self):
         return self.model.embed
