@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from typing import Any
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """'; did you mean 'X'?' for the choice closest to a mistyped `word`, or '' if none is close.
+    Appended to "unknown ..." errors. Swapped letters ('mca') win over other close spellings; otherwise
+    difflib's closest match."""
+    word, names = str(word), [str(c) for c in choices]
+    swapped = [c for c in names if sorted(c.lower()) == sorted(word.lower())]
+    close = swapped or difflib.get_close_matches(word, names, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def check_int(name: str, value: Any, minimum: int = 1, *, none_ok: bool = False) -> None:
@@ -15,4 +27,4 @@ def check_int(name: str, value: Any, minimum: int = 1, *, none_ok: bool = False)
         raise ValueError(f"{name} must be {what}{' or None' if none_ok else ''}, got {value!r}")
 
 
-__all__ = ["check_int"]
+__all__ = ["check_int", "did_you_mean"]

@@ -71,7 +71,7 @@ def read_text_blocks(path: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> Itera
 def run_read(args: argparse.Namespace) -> int:
     path = Path(args.input)
     if args.input != "-" and not path.is_file():
-        raise SystemExit(f"titans read: no input file at {str(path)!r}")
+        raise FileNotFoundError(f"--input: no such file {str(path)!r}")
     device = resolve_device(args.device)
     model, _, tokenizer = load_model(args.checkpoint, map_location=device)
     state = load_state(args.state, map_location=device, model=model) if args.state else None
@@ -85,7 +85,7 @@ def run_read(args: argparse.Namespace) -> int:
     _, state = prefill(model, pieces(), state, piece_len=args.piece_len, progress=not args.no_progress)
     seconds = time.perf_counter() - t0
     if state is None or state.position == start_position:
-        raise SystemExit(f"titans read: {str(path)!r} holds no tokens")
+        raise ValueError(f"--input {str(path)!r} holds no tokens")
     n = state.position - start_position
     save_state(state, args.save_state)
     print(
@@ -131,7 +131,7 @@ def run_generate(args: argparse.Namespace) -> int:
     state = load_state(args.state, map_location=device, model=model) if args.state else None
     ids = tokenizer.encode(args.prompt)
     if not ids:
-        raise SystemExit("titans generate: --prompt must not be empty (the next token is predicted from it)")
+        raise ValueError("--prompt must not be empty (the next token is predicted from it)")
     prompt = torch.tensor([ids], dtype=torch.int64, device=device)
     generator = torch.Generator(device=device)
     generator.manual_seed(args.seed)

@@ -10,7 +10,7 @@ from typing import Any
 
 from titans.models.variants import VARIANT_SPECS, Variant
 from titans.ops.rules import resolve_rule
-from titans.validation import check_int
+from titans.validation import check_int, did_you_mean
 
 VARIANTS = tuple(VARIANT_SPECS)
 MEMORY_VARIANTS = tuple(name for name, spec in VARIANT_SPECS.items() if spec.memory)
@@ -143,7 +143,10 @@ class TitansConfig:
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
-            raise ValueError(f"TitansConfig.variant must be one of {VARIANTS}, got {self.variant!r}")
+            raise ValueError(
+                f"TitansConfig.variant must be one of {VARIANTS}, got {self.variant!r}"
+                + did_you_mean(self.variant, VARIANTS)
+            )
         for name in (
             "vocab_size",
             "dim",
@@ -299,7 +302,10 @@ class TitansConfig:
     def preset(cls, name: str, **overrides: Any) -> TitansConfig:
         """A named size (see PRESETS) with any field overridden, e.g. preset("tiny", variant="mag")."""
         if name not in PRESETS:
-            raise ValueError(f"TitansConfig: unknown preset {name!r}; choose from {sorted(PRESETS)}")
+            raise ValueError(
+                f"TitansConfig: unknown preset {name!r}; choose from {sorted(PRESETS)}"
+                + did_you_mean(name, PRESETS)
+            )
         return cls(**{**PRESETS[name], "name": name, **overrides})
 
 

@@ -33,6 +33,17 @@ from typing import Any
 from titans.models.config import FIELD_HELP as MODEL_FIELD_HELP
 from titans.models.config import PRESETS, VARIANTS, TitansConfig, read_json_object
 from titans.training.fields import check_field_value, describe_fields, parse_field_text
+from titans.validation import did_you_mean
+
+# What --data and --tokenizer accept: the one text that `titans train --help` and `--list-fields` show.
+DATA_HELP = (
+    "text source: builtin:stdlib, builtin:prose, a file, folder, glob, .jsonl, hf:NAME[:CONFIG][:SPLIT], "
+    "fasta:PATH or fasta:builtin (DNA)"
+)
+TOKENIZER_HELP = "bytes, gpt2, mistral-32k, dna, or a tokenizer file (.json, .model, .tiktoken)"
+# Default sample prompts, the first one the tokenizer can encode: code for text tokenizers (the default
+# data is Python source), bases for the DNA alphabet.
+SAMPLE_PROMPTS = ("def ", "ACGT")
 
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -111,7 +122,7 @@ class TrainConfig:
     plot: bool = True
     # sample printed at the end of training (0: none)
     sample_tokens: int = 200
-    sample_prompt: str = "def "
+    sample_prompt: str | None = None  # None: the first of SAMPLE_PROMPTS the tokenizer can encode
     sample_temperature: float = 0.8
     sample_top_k: int | None = 40
 
@@ -121,9 +132,13 @@ class TrainConfig:
         if self.preset not in PRESETS:
             raise ValueError(
                 f"TrainConfig.preset: unknown preset {self.preset!r}; choose from {sorted(PRESETS)}"
+                + did_you_mean(self.preset, PRESETS)
             )
         if self.variant not in VARIANTS:
-            raise ValueError(f"TrainConfig.variant must be one of {VARIANTS}, got {self.variant!r}")
+            raise ValueError(
+                f"TrainConfig.variant must be one of {VARIANTS}, got {self.variant!r}"
+                + did_you_mean(self.variant, VARIANTS)
+            )
         if not isinstance(self.model, dict):
             raise ValueError(
                 f"TrainConfig.model must be a dict of TitansConfig overrides, got {self.model!r}"
@@ -293,12 +308,18 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
         if key.startswith("model."):
             name = key[len("model.") :]
             if name not in model_fields:
-                raise ValueError(f"unknown override {key!r}: TitansConfig has no field {name!r}")
+                raise ValueError(
+                    f"unknown override {key!r}: TitansConfig has no field {name!r}"
+                    + did_you_mean(name, model_fields)
+                )
             out["model"][name] = value
         elif key in known:
             out[key] = value
         else:
-            raise ValueError(f"unknown override {key!r}; known fields: {sorted(known)} (or model.<field>)")
+            raise ValueError(
+                f"unknown override {key!r}{did_you_mean(key, known)} known fields: {sorted(known)} (or "
+                "model.<field>)"
+            )
     return out
 
 
@@ -326,6 +347,9 @@ def parse_set(items: list[str], *, model_only: bool = False) -> dict[str, Any]:
                     hint = "set the variant with --variant"
                 elif model_only and name.startswith("model.") and name[6:] in model_fields:
                     hint = f"write --set {name[6:]}=... here (no model. prefix)"
+                if hint == "no such TitansConfig field":
+                    prefix = "" if model_only else "model."
+                    hint += did_you_mean(key, [prefix + f for f in model_fields])
                 raise ValueError(
                     f"--set {key}: {hint} (`titans train --list-fields` lists the model.<field> ones)"
                 )
@@ -333,9 +357,10 @@ def parse_set(items: list[str], *, model_only: bool = False) -> dict[str, Any]:
         elif key in known:
             out[key] = parse_field_text(TrainConfig, key, raw, label=f"--set {key}")
         else:
+            hint = did_you_mean(key, known) or did_you_mean(key, model_fields).replace("'", "'model.", 1)
             raise ValueError(
-                f"--set {key}: no such TrainConfig field (`titans train --list-fields` lists them, and the "
-                "model.<field> ones)"
+                f"--set {key}: no such TrainConfig field{hint} (`titans train --list-fields` lists them, "
+                "and the model.<field> ones)"
             )
     return out
 
@@ -345,8 +370,8 @@ FIELD_HELP: dict[str, str] = {
     "preset": f"model size preset: {', '.join(PRESETS)}",
     "variant": f"model variant: {', '.join(VARIANTS)}",
     "model": "TitansConfig field overrides of the preset ({field: value}; --set model.<field>=...)",
-    "data": "text source: builtin:stdlib, builtin:prose, a file, folder, glob, .jsonl, hf:NAME[:CFG][:SPLIT]",
-    "tokenizer": "bytes, gpt2, mistral-32k or a tokenizer file",
+    "data": DATA_HELP,
+    "tokenizer": TOKENIZER_HELP,
     "text_field": "the text field of .jsonl records and Hugging Face datasets",
     "heldout_fraction": "share of the documents held out for evaluation, in (0, 1)",
     "cache_dir": "where tokenized data is cached (null: the default cache folder)",
@@ -387,10 +412,32 @@ FIELD_HELP: dict[str, str] = {
     "tensorboard": "write TensorBoard logs to run_dir/tb (needs the tensorboard package)",
     "plot": "draw run_dir/loss.png at the end (needs matplotlib)",
     "sample_tokens": "tokens of the sample printed at the end of training (0: none)",
-    "sample_prompt": "prompt of that sample",
+    "sample_prompt": f"prompt of that sample (null: the first of {list(SAMPLE_PROMPTS)} the tokenizer "
+    "encodes); one the tokenizer cannot encode is refused before training",
     "sample_temperature": "sampling temperature of that sample (0: greedy)",
     "sample_top_k": "sample from the k most likely tokens (null: all)",
 }
+
+
+def sample_prompt_for(prompt: str | None, tokenizer: Any) -> str:
+    """The prompt of the end-of-training sample: `prompt` (TrainConfig.sample_prompt), checked against the
+    tokenizer, or for None the first of SAMPLE_PROMPTS the tokenizer can encode ('' when none: the sample
+    then starts from the first held-out token). `tokenizer`: a `titans.data.tokenizers.Tokenizer`."""
+    if prompt is None:
+        for candidate in SAMPLE_PROMPTS:
+            try:
+                if tokenizer.encode(candidate):
+                    return candidate
+            except ValueError:
+                continue
+        return ""
+    try:
+        tokenizer.encode(prompt)
+    except ValueError as e:
+        raise ValueError(
+            f"TrainConfig.sample_prompt {prompt!r} cannot be encoded by tokenizer {tokenizer.name!r}: {e}"
+        ) from None
+    return prompt
 
 
 def field_listing() -> str:
