@@ -242,11 +242,11 @@ def test_without_trust_remote_code_a_fresh_process_is_refused(saved_folders):
 
 def test_save_pretrained_refuses_before_writing(tmp_path):
     import titans.hf
-    from titans.data.dna import DNATokenizer
+    from titans.data.tokenizers import ByteTokenizer
 
     model = shared_model("mac", vocab_size=VOCAB, dtype=torch.float32)
-    with pytest.raises(ValueError, match="8 symbols, the model 41"):
-        titans.hf.save_pretrained(model, tmp_path / "out", DNATokenizer())
+    with pytest.raises(ValueError, match="256 symbols, more than the model's 41"):
+        titans.hf.save_pretrained(model, tmp_path / "out", ByteTokenizer())
     assert not (tmp_path / "out").exists()
 
     class Other:  # e.g. a SentencePiece model: no conversion here
@@ -255,3 +255,25 @@ def test_save_pretrained_refuses_before_writing(tmp_path):
     with pytest.raises(ValueError, match="cannot be saved as a transformers tokenizer"):
         titans.hf.save_pretrained(model, tmp_path / "out", Other())
     assert not (tmp_path / "out").exists()
+
+
+def test_export_hf_command_writes_a_folder_pipeline_loads(tmp_path, capsys):
+    """`titans export-hf` turns a training run into a folder transformers loads, and says what it wrote."""
+    from micro_train import micro_config
+    from titans.cli import main
+    from titans.training.model_io import load_model
+    from titans.training.trainer import Trainer
+
+    run = tmp_path / "run"
+    Trainer(micro_config(run, tmp_path / "cache", steps=1, batch_size=2, eval_windows=1)).train()
+    out = tmp_path / "exported"
+    assert main(["export-hf", "--checkpoint", str(run), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert str(out / "tokenizer.json") in printed and str(out / "model.safetensors") in printed
+    model, _, tok = load_model(run)
+    pipe = transformers.pipeline("text-generation", model=str(out), trust_remote_code=True)
+    got = pipe("The ", max_new_tokens=12, do_sample=False)[0]["generated_text"]
+    ids = torch.tensor([tok.encode("The ")])
+    assert got == "The " + tok.decode(generate(model, ids, 12, greedy=True)[0, ids.shape[1] :].tolist())
+    assert main(["export-hf", "--checkpoint", str(run), "--out", str(out)]) == 2  # not over a folder
+    assert "--overwrite" in capsys.readouterr().err

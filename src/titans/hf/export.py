@@ -26,14 +26,16 @@ def save_pretrained(
     """Save `model` (and `tokenizer`, when given) as a transformers folder; returns the files written.
 
     The tokenizer is converted before anything is written, so one that cannot be saved (a SentencePiece or
-    tiktoken file) or that does not fit the model (a different vocabulary size) leaves no folder behind.
+    tiktoken file) or that does not fit the model (more symbols than the model has ids) leaves no folder
+    behind.
     """
     hf_tokenizer, ids = None, {}
     if tokenizer is not None:
-        if tokenizer.vocab_size != model.config.vocab_size:
+        # a model may have more ids than its tokenizer (a vocabulary padded to a multiple of 64), not fewer
+        if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(
-                f"save_pretrained: tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} symbols, the "
-                f"model {model.config.vocab_size}"
+                f"save_pretrained: tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} symbols, more "
+                f"than the model's {model.config.vocab_size}"
             )
         hf_tokenizer = to_hf_tokenizer(tokenizer)
         ids = special_token_ids(tokenizer)

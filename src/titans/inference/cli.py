@@ -1,7 +1,9 @@
-"""`titans read` and `titans generate`: read a long document once, then query it many times.
+"""`titans read` and `titans generate`: read a long document once, then query it many times; `titans
+export-hf`: a checkpoint as a Hugging Face `transformers` folder.
 
     titans read --checkpoint runs/main --input book.txt --save-state book.safetensors
     titans generate --checkpoint runs/main --state book.safetensors --prompt "Who is Ahab?" --num-samples 3
+    titans export-hf --checkpoint runs/main --out titans-small
 
 `read` streams the file (text blocks cut at line ends, tokenized block by block) through chunked prefill,
 so memory is bounded by the model's state, not the document; it prints tokens/s and peak RSS.
@@ -174,6 +176,25 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_export_hf(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise FileExistsError(f"--out {str(out)!r} exists and is not empty (--overwrite writes into it)")
+    model, _, tokenizer = load_model(args.checkpoint)
+    try:
+        # local: transformers is an optional extra, needed only by this command
+        from titans.hf.export import save_pretrained
+    except ModuleNotFoundError as e:
+        raise ImportError(f"export-hf needs transformers: pip install 'titans[hf]' ({e})") from None
+    files = save_pretrained(model, out, tokenizer)
+    print(f"wrote {', '.join(str(f) for f in files)}")
+    print(
+        f"load with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True) and "
+        f"AutoTokenizer.from_pretrained({str(out)!r})"
+    )
+    return 0
+
+
 def register(commands, evals) -> None:
     p = commands.add_parser("read", help="read a long document into the model's state and save the state")
     p.add_argument("--checkpoint", required=True, help="checkpoint folder or run folder")
@@ -222,6 +243,18 @@ def register(commands, evals) -> None:
     g.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1")
     g.set_defaults(func=run_generate, check=check_generate_args)
 
+    e = commands.add_parser(
+        "export-hf",
+        help="save a checkpoint as a Hugging Face transformers folder (model, tokenizer, remote code)",
+        description="Write a checkpoint's model and tokenizer as a folder that transformers loads with "
+        "AutoModelForCausalLM (trust_remote_code=True), AutoTokenizer and pipeline('text-generation'). "
+        "Needs the hf extra.",
+    )
+    e.add_argument("--checkpoint", required=True, help="checkpoint folder or run folder")
+    e.add_argument("--out", required=True, help="the folder to write")
+    e.add_argument("--overwrite", action="store_true", help="write into --out even if it holds files")
+    e.set_defaults(func=run_export_hf)
+
 
 __all__ = [
     "check_generate_args",
@@ -229,6 +262,7 @@ __all__ = [
     "peak_rss_mib",
     "read_text_blocks",
     "register",
+    "run_export_hf",
     "run_generate",
     "run_read",
 ]
