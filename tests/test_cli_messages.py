@@ -227,3 +227,18 @@ def test_forecast_plot_without_a_scaler_says_standardised(tmp_path, monkeypatch)
         scaler=split.scaler,
     )  # fmt: skip
     assert saved[0][0][1] == "GHI (standardised)" and saved[1][0][1] == "GHI (W/m^2)"
+
+
+def test_generate_names_the_state_it_wrote(tmp_path, cache_dir, capsys):
+    from micro_train import micro_config
+    from titans.training.trainer import Trainer
+
+    run = tmp_path / "run"
+    Trainer(micro_config(run, cache_dir, steps=1, batch_size=2, eval_windows=1)).train()
+    capsys.readouterr()
+    state = tmp_path / "after.safetensors"
+    argv = ["generate", "--checkpoint", str(run), "--prompt", "The ", "--max-new-tokens", "3", "--device",
+            "cpu", "--save-state", str(state)]  # fmt: skip
+    assert titans_main(argv) == 0
+    captured = capsys.readouterr()
+    assert state.is_file() and f"wrote {state}" in captured.err and str(state) not in captured.out

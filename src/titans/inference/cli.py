@@ -173,6 +173,8 @@ def run_generate(args: argparse.Namespace) -> int:
         print(decoder.finish(), flush=True)
     if args.save_state:
         save_state(final_state, args.save_state)
+        # on stderr: stdout holds only the generated text
+        print(f"wrote {args.save_state} (the state after the generated text)", file=sys.stderr)
     return 0
 
 
