@@ -45,6 +45,12 @@ AUTO_MAP = {
 }
 
 
+# transformers >= 5.24 names the output's cache field `cache` (and warns on `past_key_values`)
+_OUTPUT_CACHE = (
+    "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+)
+
+
 class TitansCache:
     """`past_key_values` for transformers: a `TitansState` and the position it had when wrapped.
 
@@ -192,7 +198,7 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
         if return_dict is False:
             out = (logits, new_cache) if new_cache is not None else (logits,)
             return (loss, *out) if loss is not None else out
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=new_cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_OUTPUT_CACHE: new_cache})
 
 
 def register() -> None:
