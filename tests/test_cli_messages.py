@@ -71,6 +71,8 @@ def test_argparse_errors_name_the_command_and_suggest(capsys, argv, prog, want):
         (["eval", "niah", "--train-recipe", "--set", "memory_dpth=2"], "did you mean 'memory_depth'?"),
         (["dna", "study", "--variants", "swa,lmn"], "did you mean 'lmm'?"),
         (["forecast", "study", "--models", "linaer"], "did you mean 'linear'?"),
+        (["train", "--tokenizer", "byte", "--steps", "1"], "did you mean 'bytes'?"),
+        (["train", "--data", "builtin:stdlb", "--steps", "1"], "did you mean 'builtin:stdlib'?"),
     ],
 )
 def test_unknown_names_get_the_closest_one(capsys, argv, want):
