@@ -255,6 +255,8 @@ def test_save_pretrained_refuses_before_writing(tmp_path):
     with pytest.raises(ValueError, match="cannot be saved as a transformers tokenizer"):
         titans.hf.save_pretrained(model, tmp_path / "out", Other())
     assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="push_to_hub"):  # it would upload before the remote code is written
+        TitansForCausalLM.from_titans(model).save_pretrained(tmp_path / "out", push_to_hub=True)
 
 
 def test_export_hf_command_writes_a_folder_pipeline_loads(tmp_path, capsys):

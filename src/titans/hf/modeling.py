@@ -131,6 +131,11 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
         """transformers' save_pretrained, plus the remote code and `auto_map` that let
         `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` load the folder in a process
         that has not imported `titans.hf`."""
+        if kwargs.get("push_to_hub"):  # transformers would upload before the remote code is written
+            raise ValueError(
+                "TitansForCausalLM.save_pretrained: push_to_hub is not supported; save the folder, then "
+                "upload it whole (huggingface_hub.upload_folder)"
+            )
         self.config.auto_map = dict(AUTO_MAP)
         super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
