@@ -129,3 +129,153 @@ def test_loss_and_refusals(saved_dir):
 def test_core_library_does_not_import_transformers():
     code = "import sys, titans, titans.inference.cli; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- a saved folder as transformers users load it: AutoTokenizer, pipeline, remote code -------------------
+
+TRICKY = "def f(x):\n\treturn x  # é Ā 😀 \x00 end"  # "Ā" is what ByteLevel writes for byte 0
+
+
+def tokenizer_cases(tmp_path):
+    """(our tokenizer, a prompt) for each kind a folder can carry: bytes, the DNA alphabet, a trained BPE."""
+    from titans.data.dna import DNATokenizer
+    from titans.data.tokenizers import ByteTokenizer, train_bpe
+
+    bpe = train_bpe(["def hello(world):\n    return world + 1\n"] * 40, 300, tmp_path / "bpe.json")
+    return {
+        "bytes": (ByteTokenizer(), "def "),
+        "dna": (DNATokenizer(), "ACGTacgtN"),
+        "bpe": (bpe, "def hello"),
+    }
+
+
+@pytest.fixture(scope="module")
+def saved_folders(tmp_path_factory):
+    """name -> (folder, model, our tokenizer, prompt), each saved by titans.hf.save_pretrained."""
+    import titans.hf
+
+    root = tmp_path_factory.mktemp("hf-folders")
+    out = {}
+    for name, (tok, prompt) in tokenizer_cases(root).items():
+        model = shared_model("mac", vocab_size=tok.vocab_size, dtype=torch.float32, seed=3)
+        folder = root / name
+        files = titans.hf.save_pretrained(model, folder, tok)
+        assert {"config.json", "model.safetensors", "tokenizer.json", "modeling_titans.py"} <= {
+            f.name for f in files
+        }
+        out[name] = (folder, model, tok, prompt)
+    return out
+
+
+@pytest.mark.parametrize("name", ["bytes", "dna", "bpe"])
+def test_auto_tokenizer_encodes_as_ours(saved_folders, name):
+    folder, _, tok, prompt = saved_folders[name]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
+    text = prompt if name == "dna" else TRICKY + " <|endoftext|>"  # spelled out, it is ordinary text
+    ids = hf_tok(text)["input_ids"]
+    assert ids == tok.encode(text)
+    assert hf_tok.decode(ids) == tok.decode(ids)
+    assert len(hf_tok) == tok.vocab_size
+
+
+def test_special_tokens_and_pad_ids(saved_folders):
+    """pad_token_id is set for every folder (generate and the pipeline need one) and is what training
+    placed between documents: NUL for bytes, <pad> for DNA, the eos for a BPE."""
+    want = {"bytes": (0, None), "dna": (0, 1), "bpe": (0, 0)}
+    for name, (folder, *_) in saved_folders.items():
+        config = transformers.AutoConfig.from_pretrained(folder)
+        gen = transformers.GenerationConfig.from_pretrained(folder)
+        assert (config.pad_token_id, config.eos_token_id) == want[name], name
+        assert (gen.pad_token_id, gen.eos_token_id) == want[name], name
+    dna = transformers.AutoTokenizer.from_pretrained(saved_folders["dna"][0])
+    assert (dna.pad_token_id, dna.eos_token_id, dna.cls_token_id) == (0, 1, 2)
+    with pytest.raises(Exception, match="UNK"):  # no silent gap for a letter outside the alphabet
+        dna("ACXG")
+
+
+@pytest.mark.parametrize("name", ["bytes", "dna", "bpe"])
+def test_pipeline_greedy_equals_ours(saved_folders, name):
+    """pipeline("text-generation") from the folder (the state travels through generate's cache) writes
+    the text our own greedy generation writes, stopping at the same eos."""
+    folder, model, tok, prompt = saved_folders[name]
+    pipe = transformers.pipeline("text-generation", model=str(folder), trust_remote_code=True)
+    got = pipe(prompt, max_new_tokens=25, do_sample=False)[0]["generated_text"]
+    ids = torch.tensor([tok.encode(prompt)])
+    ours = generate(model, ids, 25, greedy=True, stop_tokens=tok.eos_id)
+    new = [i for i in ours[0, ids.shape[1] :].tolist() if i != tok.eos_id]
+    assert got == prompt + tok.decode(new)
+
+
+def test_remote_code_loads_without_importing_titans_first(saved_folders, tmp_path):
+    """A fresh process that never imports titans loads the folder through trust_remote_code alone (the
+    saved config's auto_map), and its logits and pipeline text match the model that was saved."""
+    folder, model, tok, prompt = saved_folders["bytes"]
+    x = torch.tensor([tok.encode(prompt * 5)])
+    with torch.no_grad():
+        want = model(x)[0]
+    torch.save({"x": x, "want": want}, tmp_path / "want.pt")
+    code = f"""
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+assert not any(m == "titans" or m.startswith("titans.") for m in sys.modules)
+model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+saved = torch.load({str(tmp_path / "want.pt")!r})
+with torch.no_grad():
+    torch.testing.assert_close(model(saved["x"]).logits, saved["want"], atol=1e-5, rtol=1e-5)
+pipe = pipeline("text-generation", model={str(folder)!r}, trust_remote_code=True)
+print(repr(pipe({prompt!r}, max_new_tokens=10, do_sample=False)[0]["generated_text"]))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ids = torch.tensor([tok.encode(prompt)])
+    ours = prompt + tok.decode(generate(model, ids, 10, greedy=True)[0, ids.shape[1] :].tolist())
+    assert done.stdout.strip().splitlines()[-1] == repr(ours)
+
+
+def test_without_trust_remote_code_a_fresh_process_is_refused(saved_folders):
+    """Remote code runs only when asked for: the folder does not load silently without the flag."""
+    folder = saved_folders["bytes"][0]
+    code = f"import transformers; transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r})"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "trust_remote_code" in done.stderr
+
+
+def test_save_pretrained_refuses_before_writing(tmp_path):
+    import titans.hf
+    from titans.data.tokenizers import ByteTokenizer
+
+    model = shared_model("mac", vocab_size=VOCAB, dtype=torch.float32)
+    with pytest.raises(ValueError, match="256 symbols, more than the model's 41"):
+        titans.hf.save_pretrained(model, tmp_path / "out", ByteTokenizer())
+    assert not (tmp_path / "out").exists()
+
+    class Other:  # e.g. a SentencePiece model: no conversion here
+        name, vocab_size, eos_id = "other.model", VOCAB, None
+
+    with pytest.raises(ValueError, match="cannot be saved as a transformers tokenizer"):
+        titans.hf.save_pretrained(model, tmp_path / "out", Other())
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="push_to_hub"):  # it would upload before the remote code is written
+        TitansForCausalLM.from_titans(model).save_pretrained(tmp_path / "out", push_to_hub=True)
+
+
+def test_export_hf_command_writes_a_folder_pipeline_loads(tmp_path, capsys):
+    """`titans export-hf` turns a training run into a folder transformers loads, and says what it wrote."""
+    from micro_train import micro_config
+    from titans.cli import main
+    from titans.training.model_io import load_model
+    from titans.training.trainer import Trainer
+
+    run = tmp_path / "run"
+    Trainer(micro_config(run, tmp_path / "cache", steps=1, batch_size=2, eval_windows=1)).train()
+    out = tmp_path / "exported"
+    assert main(["export-hf", "--checkpoint", str(run), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert str(out / "tokenizer.json") in printed and str(out / "model.safetensors") in printed
+    model, _, tok = load_model(run)
+    pipe = transformers.pipeline("text-generation", model=str(out), trust_remote_code=True)
+    got = pipe("The ", max_new_tokens=12, do_sample=False)[0]["generated_text"]
+    ids = torch.tensor([tok.encode("The ")])
+    assert got == "The " + tok.decode(generate(model, ids, 12, greedy=True)[0, ids.shape[1] :].tolist())
+    assert main(["export-hf", "--checkpoint", str(run), "--out", str(out)]) == 2  # not over a folder
+    assert "--overwrite" in capsys.readouterr().err

@@ -10,8 +10,11 @@ before `func` loads or computes anything. Every option has a help line; `--help`
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
+
+from titans.validation import did_you_mean
 
 # Imported by name (importlib) so that a part left out of a build only loses its commands.
 COMMAND_MODULES = (
@@ -45,6 +48,16 @@ class HelpFormatter(argparse.HelpFormatter):
         return text
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with "did you mean" for a mistyped choice (a command, a --variant, ...)."""
+
+    def _check_value(self, action: argparse.Action, value) -> None:
+        if action.choices is not None and value not in action.choices:
+            choices = ", ".join(map(repr, action.choices))
+            hint = did_you_mean(value, action.choices)
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r} (choose from {choices}){hint}")
+
+
 def _subparsers(parser: argparse.ArgumentParser):
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -54,7 +67,7 @@ def _subparsers(parser: argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="titans",
         description="Titans: neural long-term memory models. `titans COMMAND --help` describes a command.",
         formatter_class=HelpFormatter,
@@ -74,7 +87,24 @@ def build_parser() -> argparse.ArgumentParser:
         module.register(commands, evals)
     for sub in _subparsers(parser):
         sub.formatter_class = HelpFormatter
+        # the innermost command's parser sets this last: errors name it ("titans forecast eval: error: ...")
+        sub.set_defaults(_prog=sub.prog)
     return parser
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> None:
+    """Report options the command does not know as that command's error (argparse would report them as
+    the top-level parser's), with the closest option it has."""
+    # compared without the dashes, which every option shares
+    options = {s.lstrip("-"): s for action in parser._actions for s in action.option_strings}
+    hint = ""
+    for word in extras:
+        if word.startswith("-"):
+            close = difflib.get_close_matches(word.split("=")[0].lstrip("-"), list(options), n=1, cutoff=0.6)
+            if close:
+                hint = f"; did you mean {options[close[0]]}?"
+                break
+    parser.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
 
 
 # Errors in what the user asked for (a bad option or config value, a missing or damaged file, a missing
@@ -97,16 +127,27 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_flush_denormal(True)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    prog = vars(args).pop("_prog", parser.prog)  # popped: commands record their options in result files
+    command_parser = next((p for p in _subparsers(parser) if p.prog == prog), parser)
+    if extras:
+        _unrecognized(command_parser, extras)
     try:
         check = getattr(args, "check", None)
         if check is not None:
             check(args)
         return int(args.func(args) or 0)
     except _user_errors() as e:
-        name = f"eval {args.task}" if args.command == "eval" else args.command
-        print(f"titans {name}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {_message(e)}", file=sys.stderr)
         return 2
+
+
+def _message(error: BaseException) -> str:
+    """The error's text; a missing file reads as such, not as Python's "[Errno 2] ..." form."""
+    if isinstance(error, FileNotFoundError) and error.filename is not None and error.strerror:
+        return f"{error.strerror.lower()}: {str(error.filename)!r}"
+    return str(error)
 
 
 if __name__ == "__main__":

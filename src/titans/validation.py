@@ -4,11 +4,22 @@ and `option`, the one place a config field's help text and bounds are written.""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 _BOUNDS = ("min", "above", "max", "below")
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """'; did you mean 'X'?' for the choice closest to a mistyped `word`, or '' if none is close.
+    Appended to "unknown ..." errors. Swapped letters ('mca') win over other close spellings; otherwise
+    difflib's closest match."""
+    word, names = str(word), [str(c) for c in choices]
+    swapped = [c for c in names if sorted(c.lower()) == sorted(word.lower())]
+    close = swapped or difflib.get_close_matches(word, names, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def check_int(name: str, value: Any, minimum: int = 1, *, none_ok: bool = False) -> None:
@@ -99,4 +110,4 @@ def check_bounds(obj: Any) -> None:
             raise ValueError(f"{owner}.{f.name} must be {what}{' or null' if none_ok else ''}, got {value!r}")
 
 
-__all__ = ["check_bounds", "check_int", "describe_bounds", "field_help", "option"]
+__all__ = ["check_bounds", "check_int", "describe_bounds", "did_you_mean", "field_help", "option"]

@@ -41,6 +41,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from titans.validation import did_you_mean
+
 DEFAULT_SUFFIXES = (".txt", ".md", ".py")
 _SKIP_DIRS = {"__pycache__", "site-packages", "dist-packages"}
 _BUILTINS = ("builtin:stdlib", "builtin:prose")
@@ -277,7 +279,10 @@ def load_source(spec: str | TextSource, *, text_field: str = "text") -> TextSour
 
         return InMemorySource(spec, prose_documents())  # fingerprint: a hash of the texts
     if spec.startswith("builtin:"):
-        raise ValueError(f"unknown built-in text source {spec!r}; expected one of {', '.join(_BUILTINS)}")
+        raise ValueError(
+            f"unknown built-in text source {spec!r}; expected one of {', '.join(_BUILTINS)}"
+            + did_you_mean(spec, _BUILTINS)
+        )
     if spec.startswith("hf:"):
         return HFDatasetSource(spec, text_field=text_field)
     if spec.startswith("fasta:"):

@@ -34,6 +34,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from titans.validation import did_you_mean
+
 # The GPT-2 pre-tokenization regex (contractions, letters, numbers, other symbols, whitespace runs). Used
 # for tiktoken ranks files, which carry no pattern of their own.
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -267,6 +269,7 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
         raise ValueError(
             f"unknown tokenizer {s!r}: expected one of {', '.join(_NAMED_TOKENIZERS)} or a path to a "
             ".json (Hugging Face tokenizers), .model (SentencePiece) or .tiktoken (ranks) file"
+            + did_you_mean(s, _NAMED_TOKENIZERS)
         )
     if suffix == ".json":
         return HFTokenizer(path)

@@ -25,6 +25,7 @@ from titans.dna.study import DNABudget, accuracy, finetune, plot_study, pretrain
 from titans.dna.tasks import ClassificationSet, encode_records
 from titans.models.config import VARIANTS
 from titans.models.lm import TitansLM
+from titans.validation import did_you_mean
 
 
 def _budget(args) -> DNABudget:
@@ -40,7 +41,9 @@ def cmd_study(args) -> int:
     variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
-        raise ValueError(f"unknown variant(s) {bad}; expected from {', '.join(VARIANTS)}")
+        raise ValueError(
+            f"unknown variant(s) {bad}; expected from {', '.join(VARIANTS)}" + did_you_mean(bad[0], VARIANTS)
+        )
     records = read_fasta(_fasta(args.fasta))
     result = run_study(
         records, variants, _budget(args), progress=not args.no_progress, log=lambda m: print(m, flush=True)
@@ -52,7 +55,27 @@ def cmd_study(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "dna.json").write_text(json.dumps(result, indent=2) + "\n")
     plot_study(result, out / "dna.png")
+    print(study_table(result))
+    print(f"wrote {out / 'dna.json'} and {out / 'dna.png'}")
     return 0
+
+
+def study_table(result: dict) -> str:
+    """The study's numbers as a table: one row per variant, then the reference baselines."""
+    rows = [("model", "test bits/base", "test accuracy", "parameters")]
+    for name, row in result["variants"].items():
+        bits, acc = f"{row['test_bits_per_base']:.4f}", f"{row['test_accuracy']:.4f}"
+        rows.append((name, bits, acc, f"{row['parameters']:,}"))
+    ref = result["reference"]
+    for k in (0, 2, 5):
+        rows.append((f"order-{k} Markov", f"{ref[f'markov{k}_bits_per_base']:.4f}", "", ""))
+    rows.append(("GC threshold", "", f"{ref['gc_threshold_accuracy']:.4f}", ""))
+    rows.append(("majority class", "", f"{ref['majority_accuracy']:.4f}", ""))
+    width = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join(
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, width))).rstrip()
+        for r in rows
+    )
 
 
 def _labelled(spec: str, length: int | None) -> ClassificationSet:

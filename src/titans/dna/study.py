@@ -183,7 +183,7 @@ def run_study(
         },
         "variants": {},
     }
-    log(f"reference: {out['reference']}")
+    log("reference: " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in out["reference"].items()))
     for variant in variants:
         t0 = time.perf_counter()
         lm, losses = pretrain(variant, train_seqs, budget, progress)
@@ -238,6 +238,7 @@ def plot_study(result: dict, path) -> None:
     b.axhline(ref["gc_threshold_accuracy"], color="grey", ls="--", lw=1, label="GC threshold")
     b.axhline(ref["majority_accuracy"], color="grey", ls=":", lw=1, label="majority")
     b.set_ylim(0.4, 1.0)
+    b.set_xlabel("variant")
     b.set_ylabel("test accuracy (proximal vs distal)")
     b.legend(fontsize=7)
     fig.tight_layout()

@@ -121,6 +121,7 @@ def plot_rows(rows: list[dict], png_path: Path, title: str) -> Path:
         for x, v in enumerate(values):
             ax.text(x, shown[x], "n/a" if v is None else f"{v:.3f}", ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_xlabel("model")
         ax.set_ylabel(label)
         known = [v for v in values if v is not None]
         if key == "heldout_loss" and known:

@@ -19,6 +19,7 @@ import torch
 from titans.data.series import load_series, split_series
 from titans.forecast.model import FORECAST_MODELS, build_forecaster
 from titans.forecast.train import ForecastRun, evaluate, plot_forecasts, run_record, train_forecaster
+from titans.validation import did_you_mean
 
 HORIZONS = (96, 192, 336, 720)
 
@@ -34,7 +35,10 @@ def _models(text: str) -> list[str]:
     names = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in names if m not in FORECAST_MODELS]
     if bad:
-        raise ValueError(f"unknown forecasting model(s) {bad}; expected from {', '.join(FORECAST_MODELS)}")
+        raise ValueError(
+            f"unknown forecasting model(s) {bad}; expected from {', '.join(FORECAST_MODELS)}"
+            + did_you_mean(bad[0], FORECAST_MODELS)
+        )
     return names
 
 
@@ -75,14 +79,21 @@ def cmd_train(args) -> int:
         {args.model: result.model},
         f"{split.series.name} H={args.horizon}",
         channels=split.series.channels,
+        scaler=split.scaler,
     )
     print(json.dumps({k: record[k] for k in ("series", "test_mse", "test_mae", "val_mse")}, indent=2))
+    print(f"wrote {out / 'result.json'}, {out / 'model.pt'} and {out / 'forecast.png'}")
     return 0
 
 
 def cmd_eval(args) -> int:
     torch.set_num_threads(args.threads)
-    saved = torch.load(Path(args.run) / "model.pt", map_location="cpu", weights_only=True)
+    path = Path(args.run) / "model.pt"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"--run {args.run!r}: no model.pt there (give a folder written by `titans forecast train`)"
+        )
+    saved = torch.load(path, map_location="cpu", weights_only=True)
     rec = saved["record"]
     run = ForecastRun(**{k: v for k, v in rec["run"].items() if k in ForecastRun.__dataclass_fields__})
     series = load_series(rec["series_spec"], date_column=rec.get("date_column"))
@@ -107,6 +118,7 @@ def cmd_study(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     models, horizons = _models(args.models), _ints(args.horizons)
+    written: list[Path] = []
     for spec in args.series.split(","):
         args.series = spec
         split = _split(args)
@@ -123,13 +135,16 @@ def cmd_study(args) -> int:
                     f"({r['train_seconds']:.0f}s)",
                     flush=True,
                 )
+            png = out / f"{split.series.name}-H{h}.png"
             plot_forecasts(
-                out / f"{split.series.name}-H{h}.png",
+                png,
                 split.windows(h)[2],
                 trained,
                 f"{split.series.name}, test window, horizon {h}",
                 channels=split.series.channels,
+                scaler=split.scaler,
             )
+            written.append(png)
             doc = {
                 "command": "titans " + " ".join(sys.argv[1:]),
                 "series": split.series.name,
@@ -140,6 +155,8 @@ def cmd_study(args) -> int:
                 "runs": rows,
             }
             (out / f"{split.series.name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+        written.append(out / f"{split.series.name}.json")
+    print("wrote " + ", ".join(map(str, written)))
     return 0
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import time
 from dataclasses import asdict, dataclass
 
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from titans.data.series import ForecastWindows, SeriesSplit
+from titans.data.series import ForecastWindows, SeriesSplit, StandardScaler
 from titans.forecast.model import FORECAST_MODELS, build_forecaster
 from titans.training.loop import TrainLoop
 
@@ -184,8 +185,12 @@ def plot_forecasts(
     index: int | None = None,
     channels: tuple[str, ...] = (),
     show: int = 3,
+    scaler: StandardScaler | None = None,
 ) -> None:
-    """A PNG of one test window: the lookback, the truth and each model's forecast, for ``show`` channels."""
+    """A PNG of one test window: the lookback, the truth and each model's forecast, for ``show`` channels.
+
+    With the split's ``scaler`` the values are drawn in the series' own units (the channel names carry
+    them, e.g. "GHI (W/m^2)"); without, they stay standardised and the labels say so, without units."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,19 +200,24 @@ def plot_forecasts(
     n = min(show, windows.part.shape[1])
     fig, axes = plt.subplots(n, 1, figsize=(10, 2.4 * n), sharex=True, squeeze=False)
     preds = {name: predict(m, windows, index) for name, m in models.items()}
+    if scaler is not None:
+        preds = {name: tuple(scaler.inverse(v) for v in xyp) for name, xyp in preds.items()}
     x, y, _ = next(iter(preds.values()))
     L, H = len(x), len(y)
     for c in range(n):
         ax = axes[c, 0]
+        ylabel = channels[c] if c < len(channels) else f"channel {c}"
+        if scaler is None:  # a unit in the name would be false for standardised values
+            ylabel = re.sub(r"\s*\([^)]*\)\s*$", "", ylabel) + " (standardised)"
         ax.plot(range(L), x[:, c], color="black", lw=1, label="lookback")
         ax.plot(range(L, L + H), y[:, c], color="black", lw=1, ls="--", label="truth")
         for name, (_, _, p) in preds.items():
             ax.plot(range(L, L + H), p[:, c], lw=1, label=name)
-        ax.set_ylabel(channels[c] if c < len(channels) else f"channel {c}", fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.set_xlabel("time step (lookback, then forecast)", fontsize=8)
         ax.axvline(L - 0.5, color="grey", lw=0.5)
     axes[0, 0].legend(fontsize=7, ncol=len(preds) + 2)
     axes[0, 0].set_title(title, fontsize=9)
-    axes[-1, 0].set_xlabel("step (standardised values)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -12,6 +12,9 @@ are per-row streams), `inputs_embeds`.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch.nn.functional as F
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
@@ -20,6 +23,32 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from titans.hf.configuration import TitansHFConfig
 from titans.models.lm import TitansLM
 from titans.models.state import TitansState, expand_state, select_rows, state_batch_size
+
+# The remote code written beside a saved model: `trust_remote_code=True` loads these modules, which take the
+# classes from the installed library, so a folder and `import titans.hf` give the very same classes (a
+# `titans.hf.TitansCache` passed to a model loaded either way is the one its forward expects).
+REMOTE_CODE = {
+    "configuration_titans.py": (
+        '"""Remote code for a saved Titans model (needs `pip install titans[hf]`)."""\n\n'
+        "from titans.hf.configuration import TitansHFConfig\n\n"
+        '__all__ = ["TitansHFConfig"]\n'
+    ),
+    "modeling_titans.py": (
+        '"""Remote code for a saved Titans model (needs `pip install titans[hf]`)."""\n\n'
+        "from titans.hf.modeling import TitansCache, TitansForCausalLM\n\n"
+        '__all__ = ["TitansCache", "TitansForCausalLM"]\n'
+    ),
+}
+AUTO_MAP = {
+    "AutoConfig": "configuration_titans.TitansHFConfig",
+    "AutoModelForCausalLM": "modeling_titans.TitansForCausalLM",
+}
+
+
+# transformers >= 5.24 names the output's cache field `cache` (and warns on `past_key_values`)
+_OUTPUT_CACHE = (
+    "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+)
 
 
 class TitansCache:
@@ -98,6 +127,21 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
     def to_titans(self) -> TitansLM:
         return self.model
 
+    def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
+        """transformers' save_pretrained, plus the remote code and `auto_map` that let
+        `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` load the folder in a process
+        that has not imported `titans.hf`."""
+        if kwargs.get("push_to_hub"):  # transformers would upload before the remote code is written
+            raise ValueError(
+                "TitansForCausalLM.save_pretrained: push_to_hub is not supported; save the folder, then "
+                "upload it whole (huggingface_hub.upload_folder)"
+            )
+        self.config.auto_map = dict(AUTO_MAP)
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            for name, text in REMOTE_CODE.items():
+                (Path(save_directory) / name).write_text(text)
+
     def get_input_embeddings(self):
         return self.model.embed
 
@@ -159,7 +203,7 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
         if return_dict is False:
             out = (logits, new_cache) if new_cache is not None else (logits,)
             return (loss, *out) if loss is not None else out
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=new_cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_OUTPUT_CACHE: new_cache})
 
 
 def register() -> None:

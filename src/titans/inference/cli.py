@@ -1,7 +1,9 @@
-"""`titans read` and `titans generate`: read a long document once, then query it many times.
+"""`titans read` and `titans generate`: read a long document once, then query it many times; `titans
+export-hf`: a checkpoint as a Hugging Face `transformers` folder.
 
     titans read --checkpoint runs/main --input book.txt --save-state book.safetensors
     titans generate --checkpoint runs/main --state book.safetensors --prompt "Who is Ahab?" --num-samples 3
+    titans export-hf --checkpoint runs/main --out titans-small
 
 `read` streams the file (text blocks cut at line ends, tokenized block by block) through chunked prefill,
 so memory is bounded by the model's state, not the document; it prints tokens/s and peak RSS.
@@ -66,7 +68,7 @@ def read_text_blocks(path: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> Itera
 def run_read(args: argparse.Namespace) -> int:
     path = Path(args.input)
     if args.input != "-" and not path.is_file():
-        raise SystemExit(f"titans read: no input file at {str(path)!r}")
+        raise FileNotFoundError(f"--input: no such file {str(path)!r}")
     device = resolve_device(args.device)
     model, tokenizer = load_trained(args.checkpoint, map_location=device)
     state = load_state(args.state, map_location=device, model=model) if args.state else None
@@ -80,7 +82,7 @@ def run_read(args: argparse.Namespace) -> int:
     _, state = prefill(model, pieces(), state, piece_len=args.piece_len, progress=not args.no_progress)
     seconds = time.perf_counter() - t0
     if state is None or state.position == start_position:
-        raise SystemExit(f"titans read: {str(path)!r} holds no tokens")
+        raise ValueError(f"--input {str(path)!r} holds no tokens")
     n = state.position - start_position
     save_state(state, args.save_state)
     print(
@@ -126,7 +128,7 @@ def run_generate(args: argparse.Namespace) -> int:
     state = load_state(args.state, map_location=device, model=model) if args.state else None
     ids = tokenizer.encode(args.prompt)
     if not ids:
-        raise SystemExit("titans generate: --prompt must not be empty (the next token is predicted from it)")
+        raise ValueError("--prompt must not be empty (the next token is predicted from it)")
     prompt = torch.tensor([ids], dtype=torch.int64, device=device)
     generator = torch.Generator(device=device)
     generator.manual_seed(args.seed)
@@ -166,6 +168,27 @@ def run_generate(args: argparse.Namespace) -> int:
         print(decoder.finish(), flush=True)
     if args.save_state:
         save_state(final_state, args.save_state)
+        # on stderr: stdout holds only the generated text
+        print(f"wrote {args.save_state} (the state after the generated text)", file=sys.stderr)
+    return 0
+
+
+def run_export_hf(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise FileExistsError(f"--out {str(out)!r} exists and is not empty (--overwrite writes into it)")
+    model, tokenizer = load_trained(args.checkpoint)
+    try:
+        # local: transformers is an optional extra, needed only by this command
+        from titans.hf.export import save_pretrained
+    except ModuleNotFoundError as e:
+        raise ImportError(f"export-hf needs transformers: pip install 'titans[hf]' ({e})") from None
+    files = save_pretrained(model, out, tokenizer)
+    print(f"wrote {', '.join(str(f) for f in files)}")
+    print(
+        f"load with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True) and "
+        f"AutoTokenizer.from_pretrained({str(out)!r})"
+    )
     return 0
 
 
@@ -215,12 +238,25 @@ def register(commands, evals) -> None:
     g.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1")
     g.set_defaults(func=run_generate, check=check_generate_args)
 
+    e = commands.add_parser(
+        "export-hf",
+        help="save a checkpoint as a Hugging Face transformers folder (model, tokenizer, remote code)",
+        description="Write a checkpoint's model and tokenizer as a folder that transformers loads with "
+        "AutoModelForCausalLM (trust_remote_code=True), AutoTokenizer and pipeline('text-generation'). "
+        "Needs the hf extra.",
+    )
+    e.add_argument("--checkpoint", required=True, help="checkpoint folder or run folder")
+    e.add_argument("--out", required=True, help="the folder to write")
+    e.add_argument("--overwrite", action="store_true", help="write into --out even if it holds files")
+    e.set_defaults(func=run_export_hf)
+
 
 __all__ = [
     "check_generate_args",
     "peak_rss_mib",
     "read_text_blocks",
     "register",
+    "run_export_hf",
     "run_generate",
     "run_read",
 ]

@@ -9,7 +9,7 @@ from typing import Any
 
 from titans.models.variants import VARIANT_SPECS, Variant
 from titans.ops.memory import resolve_rule
-from titans.validation import check_bounds, field_help, option
+from titans.validation import check_bounds, did_you_mean, field_help, option
 
 VARIANTS = tuple(VARIANT_SPECS)
 MEMORY_VARIANTS = tuple(name for name, spec in VARIANT_SPECS.items() if spec.memory)
@@ -201,7 +201,10 @@ class TitansConfig:
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
-            raise ValueError(f"TitansConfig.variant must be one of {VARIANTS}, got {self.variant!r}")
+            raise ValueError(
+                f"TitansConfig.variant must be one of {VARIANTS}, got {self.variant!r}"
+                + did_you_mean(self.variant, VARIANTS)
+            )
         check_bounds(self)
         if self.head_dim is None and self.dim % self.heads:
             raise ValueError(
@@ -338,7 +341,10 @@ class TitansConfig:
     def preset(cls, name: str, **overrides: Any) -> TitansConfig:
         """A named size (see PRESETS) with any field overridden, e.g. preset("tiny", variant="mag")."""
         if name not in PRESETS:
-            raise ValueError(f"TitansConfig: unknown preset {name!r}; choose from {sorted(PRESETS)}")
+            raise ValueError(
+                f"TitansConfig: unknown preset {name!r}; choose from {sorted(PRESETS)}"
+                + did_you_mean(name, PRESETS)
+            )
         return cls(**{**PRESETS[name], "name": name, **overrides})
 
 

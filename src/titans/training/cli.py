@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from titans.training import distributed as D
-from titans.training.config import TrainConfig, field_listing, parse_set
+from titans.training.config import DATA_HELP, TOKENIZER_HELP, TrainConfig, field_listing, parse_set
 from titans.training.report import compare_table, format_report
 from titans.training.signals import exit_status
 from titans.training.trainer import Trainer
@@ -43,6 +43,7 @@ _FLAGS: dict[str, str] = {
     "run_dir": "run_dir",
     "device": "device",
     "time_budget": "time_budget_min",
+    "threads": "threads",
 }
 
 
@@ -181,15 +182,8 @@ def register(commands, evals) -> None:
         "--preset", help=f"model size preset (tiny, small, base, 170M, ...; config default: {d.preset})"
     )
     p.add_argument("--variant", help=f"mac, mag, mal, lmm, transformer or swa (config default: {d.variant})")
-    p.add_argument(
-        "--data",
-        help="text source: builtin:stdlib, builtin:prose, a file, folder, glob, .jsonl, hf:..., fasta:PATH "
-        f"(config default: {d.data})",
-    )
-    p.add_argument(
-        "--tokenizer",
-        help=f"bytes, gpt2, mistral-32k, dna or a tokenizer file (config default: {d.tokenizer})",
-    )
+    p.add_argument("--data", help=f"{DATA_HELP} (config default: {d.data})")
+    p.add_argument("--tokenizer", help=f"{TOKENIZER_HELP} (config default: {d.tokenizer})")
     p.add_argument("--steps", type=int, help=f"optimizer steps (config default: {d.steps})")
     p.add_argument("--tokens", type=int, help="token budget (sets the steps)")
     p.add_argument("--seq-len", type=int, help=f"training sequence length (config default: {d.seq_len})")
@@ -204,6 +198,12 @@ def register(commands, evals) -> None:
     )
     p.add_argument("--run-dir", help=f"where checkpoints, metrics and plots go (config default: {d.run_dir})")
     p.add_argument("--device", help=f"auto, cpu, cuda, cuda:1, ... (config default: {d.device})")
+    p.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="torch CPU threads of this process (config default: torch's own, one per core)",
+    )
     p.add_argument(
         "--time-budget",
         type=float,

@@ -35,7 +35,17 @@ from titans.models.config import PRESETS, VARIANTS, TitansConfig, read_json_obje
 from titans.runtime.loading import DEFAULT_TOKENIZER
 from titans.runtime.sampling import SAMPLING
 from titans.training.fields import check_field_value, describe_fields, parse_field_text
-from titans.validation import check_bounds, field_help, option
+from titans.validation import check_bounds, did_you_mean, field_help, option
+
+# What --data and --tokenizer accept: the one text that `titans train --help` and `--list-fields` show.
+DATA_HELP = (
+    "text source: builtin:stdlib, builtin:prose, a file, folder, glob, .jsonl, hf:NAME[:CONFIG][:SPLIT], "
+    "fasta:PATH or fasta:builtin (DNA)"
+)
+TOKENIZER_HELP = "bytes, gpt2, mistral-32k, dna, or a tokenizer file (.json, .model, .tiktoken)"
+# Default sample prompts, the first one the tokenizer can encode: code for text tokenizers (the default
+# data is Python source), bases for the DNA alphabet.
+SAMPLE_PROMPTS = ("def ", "ACGT")
 
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -65,12 +75,8 @@ class TrainConfig:
         help="TitansConfig field overrides of the preset ({field: value}; --set model.<field>=...)",
     )
     # data
-    data: str = option(
-        "builtin:stdlib",
-        help="text source: builtin:stdlib, builtin:prose, a file, folder, glob, .jsonl, "
-        "hf:NAME[:CFG][:SPLIT]",
-    )
-    tokenizer: str = option(DEFAULT_TOKENIZER, help="bytes, gpt2, mistral-32k or a tokenizer file")
+    data: str = option("builtin:stdlib", help=DATA_HELP)
+    tokenizer: str = option(DEFAULT_TOKENIZER, help=TOKENIZER_HELP)
     text_field: str = option("text", help="the text field of .jsonl records and Hugging Face datasets")
     heldout_fraction: float = option(
         0.01, help="share of the documents held out for evaluation, in (0, 1)", above=0, below=1
@@ -157,7 +163,11 @@ class TrainConfig:
     sample_tokens: int = option(
         200, help="tokens of the sample printed at the end of training (0: none)", min=0
     )
-    sample_prompt: str = option("def ", help="prompt of that sample")
+    sample_prompt: str | None = option(
+        None,
+        help=f"prompt of that sample (null: the first of {list(SAMPLE_PROMPTS)} the tokenizer encodes); one "
+        "the tokenizer cannot encode is refused before training",
+    )
     sample_temperature: float = option(
         SAMPLING.temperature, help="sampling temperature of that sample (0: greedy)", min=0
     )
@@ -171,9 +181,13 @@ class TrainConfig:
         if self.preset not in PRESETS:
             raise ValueError(
                 f"TrainConfig.preset: unknown preset {self.preset!r}; choose from {sorted(PRESETS)}"
+                + did_you_mean(self.preset, PRESETS)
             )
         if self.variant not in VARIANTS:
-            raise ValueError(f"TrainConfig.variant must be one of {VARIANTS}, got {self.variant!r}")
+            raise ValueError(
+                f"TrainConfig.variant must be one of {VARIANTS}, got {self.variant!r}"
+                + did_you_mean(self.variant, VARIANTS)
+            )
         if not isinstance(self.model, dict):
             raise ValueError(
                 f"TrainConfig.model must be a dict of TitansConfig overrides, got {self.model!r}"
@@ -302,12 +316,18 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
         if key.startswith("model."):
             name = key[len("model.") :]
             if name not in model_fields:
-                raise ValueError(f"unknown override {key!r}: TitansConfig has no field {name!r}")
+                raise ValueError(
+                    f"unknown override {key!r}: TitansConfig has no field {name!r}"
+                    + did_you_mean(name, model_fields)
+                )
             out["model"][name] = value
         elif key in known:
             out[key] = value
         else:
-            raise ValueError(f"unknown override {key!r}; known fields: {sorted(known)} (or model.<field>)")
+            raise ValueError(
+                f"unknown override {key!r}{did_you_mean(key, known)} known fields: {sorted(known)} (or "
+                "model.<field>)"
+            )
     return out
 
 
@@ -335,6 +355,9 @@ def parse_set(items: list[str], *, model_only: bool = False) -> dict[str, Any]:
                     hint = "set the variant with --variant"
                 elif model_only and name.startswith("model.") and name[6:] in model_fields:
                     hint = f"write --set {name[6:]}=... here (no model. prefix)"
+                if hint == "no such TitansConfig field":
+                    prefix = "" if model_only else "model."
+                    hint += did_you_mean(key, [prefix + f for f in model_fields])
                 raise ValueError(
                     f"--set {key}: {hint} (`titans train --list-fields` lists the model.<field> ones)"
                 )
@@ -342,15 +365,37 @@ def parse_set(items: list[str], *, model_only: bool = False) -> dict[str, Any]:
         elif key in known:
             out[key] = parse_field_text(TrainConfig, key, raw, label=f"--set {key}")
         else:
+            hint = did_you_mean(key, known) or did_you_mean(key, model_fields).replace("'", "'model.", 1)
             raise ValueError(
-                f"--set {key}: no such TrainConfig field (`titans train --list-fields` lists them, and the "
-                "model.<field> ones)"
+                f"--set {key}: no such TrainConfig field{hint} (`titans train --list-fields` lists them, "
+                "and the model.<field> ones)"
             )
     return out
 
 
 # One line per field for `titans train --list-fields`.
 FIELD_HELP: dict[str, str] = field_help(TrainConfig)
+
+
+def sample_prompt_for(prompt: str | None, tokenizer: Any) -> str:
+    """The prompt of the end-of-training sample: `prompt` (TrainConfig.sample_prompt), checked against the
+    tokenizer, or for None the first of SAMPLE_PROMPTS the tokenizer can encode ('' when none: the sample
+    then starts from the first held-out token). `tokenizer`: a `titans.data.tokenizers.Tokenizer`."""
+    if prompt is None:
+        for candidate in SAMPLE_PROMPTS:
+            try:
+                if tokenizer.encode(candidate):
+                    return candidate
+            except ValueError:
+                continue
+        return ""
+    try:
+        tokenizer.encode(prompt)
+    except ValueError as e:
+        raise ValueError(
+            f"TrainConfig.sample_prompt {prompt!r} cannot be encoded by tokenizer {tokenizer.name!r}: {e}"
+        ) from None
+    return prompt
 
 
 def field_listing() -> str:

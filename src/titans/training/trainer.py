@@ -57,7 +57,7 @@ from titans.runtime.checkpoint import (
 )
 from titans.runtime.loading import TOKENIZER_DIR, keep_tokenizer_copy, load_weights, tokenizer_record
 from titans.training import distributed as D
-from titans.training.config import TrainConfig, model_mismatches
+from titans.training.config import TrainConfig, model_mismatches, sample_prompt_for
 from titans.training.cuda_graphs import GraphedMicroStep
 from titans.training.loop import TrainLoop, optimizer_step
 from titans.training.metrics import (
@@ -143,6 +143,8 @@ class Trainer:
         checkpoint = self._find_checkpoint(resume)
         torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
         self.tokenizer = load_tokenizer(cfg.tokenizer)
+        # a prompt the tokenizer cannot encode is refused now, not after the whole run
+        self.sample_prompt = sample_prompt_for(cfg.sample_prompt, self.tokenizer) if cfg.sample_tokens else ""
         with D.main_first(self.info):  # rank 0 tokenizes and writes the cache; the others read it
             streams = load_token_streams(
                 cfg.data,
@@ -570,7 +572,7 @@ class Trainer:
         if cfg.fsdp:
             print("(no sample under FSDP: the sharded model needs every rank to run it)")
             return None
-        ids = self.tokenizer.encode(cfg.sample_prompt) or [self.batches.tokens[0].item()]
+        ids = self.tokenizer.encode(self.sample_prompt) or [self.batches.tokens[0].item()]
         prompt = torch.tensor([ids], dtype=torch.long, device=self.device)
         generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         model = D.unwrap(self.engine)
@@ -585,7 +587,7 @@ class Trainer:
                 generator=generator,
             )
         model.train()
-        return cfg.sample_prompt + self.tokenizer.decode(out[0, prompt.shape[1] :].tolist())
+        return self.sample_prompt + self.tokenizer.decode(out[0, prompt.shape[1] :].tolist())
 
 
 def _check_split_lengths(n_train: int, n_heldout: int, cfg: TrainConfig) -> None:

@@ -1,0 +1,247 @@
+"""Every command speaks the same way: errors as one "titans X: error: ..." line (no traceback), "did you
+mean" for mistyped commands, options, fields, presets and variants, the files each command wrote listed at
+its end, plots whose labels say what they show, and a sample prompt the tokenizer can encode."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from titans.cli import build_parser
+from titans.cli import main as titans_main
+from titans.training.config import DATA_HELP, FIELD_HELP, TOKENIZER_HELP, TrainConfig, parse_set
+
+
+def error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err, err
+    return err.splitlines()[-1]
+
+
+# ---------------------------------------------------------------------------------- the error form
+def test_read_errors_take_the_command_form(tmp_path, capsys):
+    args = ["read", "--checkpoint", str(tmp_path / "ck"), "--save-state", str(tmp_path / "s.safetensors")]
+    assert titans_main([*args, "--input", str(tmp_path / "missing.txt")]) == 2
+    err = error_line(capsys)
+    assert err.startswith("titans read: error: ") and "missing.txt" in err
+
+
+def test_forecast_eval_without_a_model_names_the_folder(tmp_path, capsys):
+    assert titans_main(["forecast", "eval", "--run", str(tmp_path)]) == 2
+    err = error_line(capsys)
+    assert err.startswith("titans forecast eval: error: ") and "Errno" not in err
+    assert "model.pt" in err and "titans forecast train" in err
+
+
+def test_a_missing_file_reads_as_such(tmp_path, capsys):
+    """FileNotFoundError from deep inside a command reads as a sentence, not as Python's "[Errno 2]"."""
+    assert titans_main(["eval", "ppl", "--checkpoint", str(tmp_path / "nowhere")]) == 2
+    err = error_line(capsys)
+    assert err.startswith("titans eval ppl: error: ") and "Errno" not in err and "nowhere" in err
+
+
+# ---------------------------------------------------------------------------------- did you mean
+@pytest.mark.parametrize(
+    "argv, prog, want",
+    [
+        (["trian"], "titans", "did you mean 'train'?"),
+        (["forecast", "evl"], "titans forecast", "did you mean 'eval'?"),
+        (["train", "--treads", "1"], "titans train", "did you mean --threads?"),
+        (["forecast", "train", "--horizn", "3"], "titans forecast train", "did you mean --horizon?"),
+    ],
+)
+def test_argparse_errors_name_the_command_and_suggest(capsys, argv, prog, want):
+    with pytest.raises(SystemExit) as exit_info:
+        titans_main(argv)
+    assert exit_info.value.code == 2
+    err = error_line(capsys)
+    assert err.startswith(f"{prog}: error: ") and want in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["train", "--preset", "tiyn"], "did you mean 'tiny'?"),
+        (["train", "--variant", "mca"], "did you mean 'mac'?"),
+        (["train", "--set", "lrr=1"], "did you mean 'lr'?"),
+        (["train", "--set", "dpth=2"], "did you mean 'model.depth'?"),
+        (["train", "--set", "model.dpth=2"], "did you mean 'model.depth'?"),
+        (["eval", "niah", "--train-recipe", "--set", "memory_dpth=2"], "did you mean 'memory_depth'?"),
+        (["dna", "study", "--variants", "swa,lmn"], "did you mean 'lmm'?"),
+        (["forecast", "study", "--models", "linaer"], "did you mean 'linear'?"),
+        (["train", "--tokenizer", "byte", "--steps", "1"], "did you mean 'bytes'?"),
+        (["train", "--data", "builtin:stdlb", "--steps", "1"], "did you mean 'builtin:stdlib'?"),
+    ],
+)
+def test_unknown_names_get_the_closest_one(capsys, monkeypatch, tmp_path, argv, want):
+    monkeypatch.chdir(tmp_path)  # a command past the check would write runs/ here, not in the checkout
+    assert titans_main(argv) == 2
+    err = error_line(capsys)
+    assert err.startswith("titans ") and ": error: " in err and want in err, err
+
+
+def test_no_suggestion_for_a_name_unlike_any():
+    with pytest.raises(ValueError) as info:
+        parse_set(["zzzzqqq=1"])
+    assert "did you mean" not in str(info.value)
+
+
+# ---------------------------------------------------------------------------------- train's flags and help
+def test_threads_is_a_train_flag():
+    from titans.training.cli import overrides_from_args
+
+    args = build_parser().parse_args(["train", "--threads", "1"])
+    assert overrides_from_args(args)["threads"] == 1
+    cfg = TrainConfig.from_file(None, overrides_from_args(args))
+    assert cfg.threads == 1
+
+
+def _train_help(dest: str) -> str:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    return next(a.help for a in sub._actions if a.dest == dest)
+
+
+def test_help_and_list_fields_describe_data_and_tokenizer_alike(capsys):
+    assert titans_main(["train", "--list-fields"]) == 0
+    listing = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
+    for field, text in (("data", DATA_HELP), ("tokenizer", TOKENIZER_HELP)):
+        assert FIELD_HELP[field] == text
+        assert _train_help(field).startswith(text)
+        assert listing[field].endswith(text)
+    for word in ("fasta:PATH", "hf:NAME", ".jsonl"):
+        assert word in DATA_HELP
+    for word in ("bytes", "gpt2", "mistral-32k", "dna", ".json", ".model", ".tiktoken"):
+        assert word in TOKENIZER_HELP
+
+
+# ---------------------------------------------------------------------------------- the sample prompt
+def test_default_sample_prompt_follows_the_tokenizer():
+    from titans.data.dna import DNATokenizer
+    from titans.data.tokenizers import ByteTokenizer
+    from titans.training.config import sample_prompt_for
+
+    assert TrainConfig().sample_prompt is None
+    assert sample_prompt_for(None, ByteTokenizer()) == "def "
+    assert sample_prompt_for(None, DNATokenizer()) == "ACGT"
+    assert sample_prompt_for("gattaca", DNATokenizer()) == "gattaca"
+    with pytest.raises(ValueError, match=r"sample_prompt 'def '.*'dna'.*unknown letter 'd'"):
+        sample_prompt_for("def ", DNATokenizer())
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("token-cache")
+
+
+def _dna_run(run_dir, cache_dir) -> list[str]:
+    return ["train", "--data", "fasta:builtin", "--tokenizer", "dna", "--variant", "lmm", "--steps", "1",
+            "--seq-len", "32", "--batch-size", "2", "--run-dir", str(run_dir), "--no-progress",
+            "--device", "cpu", "--set", f"cache_dir={cache_dir}", "--set", "eval_windows=1",
+            "--set", "tensorboard=false", "--set", "plot=false", "--set", "sample_tokens=8",
+            "--set", "model.dim=32", "--set", "model.depth=1"]  # fmt: skip
+
+
+def test_dna_training_samples_from_a_dna_prompt(tmp_path, cache_dir, capsys):
+    """The documented DNA command ends with its sample and report (it used to stop at the sample, on the
+    default prompt "def ")."""
+    run_dir = tmp_path / "run"
+    assert titans_main(_dna_run(run_dir, cache_dir)) == 0
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["sample"].startswith("ACGT") and set(report["sample"]) <= set("ACGTN")
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_is_refused_before_training(tmp_path, cache_dir, capsys):
+    run_dir = tmp_path / "run"
+    assert titans_main([*_dna_run(run_dir, cache_dir), "--set", "sample_prompt=hello"]) == 2
+    err = error_line(capsys)
+    assert err.startswith("titans train: error: ") and "sample_prompt 'hello'" in err
+    assert not (run_dir / "report.json").exists() and not (run_dir / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------------------------- files and plots
+def test_dna_study_prints_a_table_and_its_files(tmp_path, capsys, monkeypatch):
+    import titans.dna.cli as dna_cli
+
+    row = {"parameters": 1234, "test_bits_per_base": 1.95, "train_curve_bits_per_base": [2.0, 1.9],
+           "test_accuracy": 0.61}  # fmt: skip
+    result = {
+        "reference": {"markov0_bits_per_base": 1.99, "markov2_bits_per_base": 1.96,
+                      "markov5_bits_per_base": 1.95, "gc_threshold_accuracy": 0.59, "majority_accuracy": 0.5},
+        "variants": {"swa": row},
+    }  # fmt: skip
+    monkeypatch.setattr(dna_cli, "run_study", lambda *a, **k: result)
+    out_dir = tmp_path / "out"
+    assert titans_main(["dna", "study", "--variants", "swa", "--out", str(out_dir), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "{" not in out  # a table, not a Python dict
+    lines = out.strip().splitlines()
+    assert lines[-1] == f"wrote {out_dir / 'dna.json'} and {out_dir / 'dna.png'}"
+    assert any(line.split()[:3] == ["swa", "1.9500", "0.6100"] for line in lines)
+    assert any(line.startswith("order-5 Markov") and "1.9500" in line for line in lines)
+    assert (out_dir / "dna.json").is_file() and (out_dir / "dna.png").is_file()
+
+
+def _labels(monkeypatch) -> list[list[tuple[str, str]]]:
+    """(x label, y label) of every axis of every figure saved from now on."""
+    import matplotlib.figure
+
+    saved: list[list[tuple[str, str]]] = []
+    savefig = matplotlib.figure.Figure.savefig
+
+    def recording(fig, *args, **kwargs):
+        saved.append([(ax.get_xlabel(), ax.get_ylabel()) for ax in fig.axes])
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", recording)
+    return saved
+
+
+def test_forecast_train_lists_its_files_and_labels_its_plot(tmp_path, capsys, monkeypatch):
+    from test_forecast import _write_csv
+
+    saved = _labels(monkeypatch)
+    path = _write_csv(tmp_path / "ecl.csv", 700, ["MT_001 (kW)", "MT_002 (kW)"])
+    out_dir = tmp_path / "run"
+    argv = ["forecast", "train", "--series", str(path), "--model", "linear", "--lookback", "32",
+            "--horizon", "8", "--steps", "2", "--out", str(out_dir), "--no-progress"]  # fmt: skip
+    assert titans_main(argv) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == f"wrote {out_dir / 'result.json'}, {out_dir / 'model.pt'} and {out_dir / 'forecast.png'}"
+    (axes,) = saved
+    assert all(x and y for x, y in axes)  # every axis has a title on both sides
+    assert [y for _, y in axes] == ["MT_001 (kW)", "MT_002 (kW)"]  # drawn in the series' units
+
+
+def test_forecast_plot_without_a_scaler_says_standardised(tmp_path, monkeypatch):
+    from test_forecast import _write_csv
+    from titans.data.series import read_series_csv, split_series
+    from titans.forecast.train import ForecastRun, plot_forecasts, train_forecaster
+
+    saved = _labels(monkeypatch)
+    split = split_series(read_series_csv(_write_csv(tmp_path / "s.csv", 400, ["GHI (W/m^2)"])), lookback=16)
+    res = train_forecaster(split, ForecastRun(model="linear", horizon=4, steps=1, eval_every=1))
+    windows = split.windows(4)[2]
+    plot_forecasts(tmp_path / "a.png", windows, {"linear": res.model}, "t", channels=split.series.channels)
+    plot_forecasts(
+        tmp_path / "b.png", windows, {"linear": res.model}, "t", channels=split.series.channels,
+        scaler=split.scaler,
+    )  # fmt: skip
+    assert saved[0][0][1] == "GHI (standardised)" and saved[1][0][1] == "GHI (W/m^2)"
+
+
+def test_generate_names_the_state_it_wrote(tmp_path, cache_dir, capsys):
+    from micro_train import micro_config
+    from titans.training.trainer import Trainer
+
+    run = tmp_path / "run"
+    Trainer(micro_config(run, cache_dir, steps=1, batch_size=2, eval_windows=1)).train()
+    capsys.readouterr()
+    state = tmp_path / "after.safetensors"
+    argv = ["generate", "--checkpoint", str(run), "--prompt", "The ", "--max-new-tokens", "3", "--device",
+            "cpu", "--save-state", str(state)]  # fmt: skip
+    assert titans_main(argv) == 0
+    captured = capsys.readouterr()
+    assert state.is_file() and f"wrote {state}" in captured.err and str(state) not in captured.out
