@@ -5,7 +5,7 @@ through its entry point, its rule parts refused without their maths.
 Every module under src/titans is read with `ast` (nothing is imported), top-level and function-local imports
 alike. Package order, lower first (a module may import its own level and lower ones, never a higher one):
 
-    ops, data, validation, deprecation, _fs < layers < models < runtime
+    ops, data, validation, _fs < layers < models < runtime
     < training, inference, hf, forecast, dna < evaluation < serving < cli, demo, __main__, lm_eval, titans
 
 `titans.runtime` holds what both training and inference need (the device, checkpoints, loading a trained
@@ -31,7 +31,6 @@ LEVELS = {
     "ops": 0,
     "data": 0,
     "validation": 0,
-    "deprecation": 0,
     "_fs": 0,  # file modes, used by data, models, training and inference
     "layers": 1,
     "models": 2,

@@ -202,7 +202,7 @@ def test_marked_residual_projections_are_those_of_the_name_rule(variant, options
     assert all(torch.equal(new[k], old[k]) for k in old)
 
 
-def test_stats_come_typed_and_the_memory_flag_is_deprecated():
+def test_stats_come_typed():
     model = tiny_model("mac")
     x = tokens(2, 13)
     with torch.no_grad():
@@ -215,24 +215,9 @@ def test_stats_come_typed_and_the_memory_flag_is_deprecated():
     mem = NeuralMemory(16, heads=2, chunk_size=4).double()
     y = torch.randn(2, 9, 16, dtype=torch.float64)
     got = mem.forward_with_stats(y)
-    with pytest.warns(DeprecationWarning, match="forward_with_stats"):
-        o, _, st = mem(y, return_stats=True)
-    assert torch.equal(got.output, o) and torch.equal(got.stats.theta, st.theta)
+    o, _ = mem(y)
+    assert torch.equal(got.output, o)
     assert got.stats.surprise.shape == (2, 2, 9)
-
-
-def test_references_moved_beside_their_kernels_still_import_from_the_old_place():
-    from titans.ops import attention, attention_ref, conv, conv_ref
-
-    for module, ref, name in (
-        (attention, attention_ref, "causal_attention_ref"),
-        (attention, attention_ref, "segment_attention_ref"),
-        (conv, conv_ref, "causal_conv_silu_ref"),
-    ):
-        with pytest.warns(DeprecationWarning, match=f"{ref.__name__}"):
-            assert getattr(module, name) is getattr(ref, name)
-    with pytest.raises(AttributeError, match="no_such_name"):
-        attention.no_such_name  # noqa: B018
 
 
 def test_state_and_streaming_names_import_from_every_documented_place():

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from titans.deprecation import warn_deprecated
 from titans.layers.norm import RMSNorm
 from titans.layers.residual import residual_output
 from titans.layers.state_tree import StateTree, register_state_type
@@ -472,22 +471,13 @@ class NeuralMemory(nn.Module):
         return self.to_out(y)
 
     # --------------------------------------------------------------------------------------- forward
-    def forward(self, x: Tensor, state: MemoryState | None = None, return_stats: bool = False):
+    def forward(self, x: Tensor, state: MemoryState | None = None) -> tuple[Tensor, MemoryState]:
         """Read and write the memory over x.
 
         x: (B, T, dim). Returns (y, state) with y: (B, T, dim). Passing the returned state to the next call
-        continues the sequences exactly. For the per-token stats as well, use `forward_with_stats`
-        (`return_stats=True`, which returns (y, state, MemoryStats), is deprecated).
+        continues the sequences exactly. For the per-token stats as well, use `forward_with_stats`.
         """
         out = self.forward_with_stats(x, state)
-        if return_stats:
-            # stacklevel: the caller of model(...), past nn.Module.__call__
-            warn_deprecated(
-                "NeuralMemory(x, state, return_stats=True) is deprecated: use "
-                "NeuralMemory.forward_with_stats(x, state), which returns a MemoryOutput",
-                stacklevel=4,
-            )
-            return out.output, out.state, out.stats
         return out.output, out.state
 
     def forward_with_stats(self, x: Tensor, state: MemoryState | None = None) -> MemoryOutput:

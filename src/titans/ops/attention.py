@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from titans.deprecation import moved_names
 from titans.validation import check_int
 
 __all__ = ["causal_attention", "segment_attention"]
@@ -357,8 +356,3 @@ def segment_attention(
     mask = torch.cat(masks, dim=1).expand(n_seg, c, -1)
     out = _sdpa_grouped(fold(q), torch.cat(keys, dim=2), torch.cat(values, dim=2), mask, scale)
     return out.reshape(b, h, n_seg * c, d)[:, :, lead : lead + tq]
-
-
-__getattr__ = moved_names(
-    __name__, dict.fromkeys(("causal_attention_ref", "segment_attention_ref"), "titans.ops.attention_ref")
-)

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from titans.deprecation import moved_names
 from titans.ops.cpu_kernels import kernels
 
 # On CPU, time rows per block of the fused passes: a block of (B, rows, C) holds about this many elements
@@ -213,6 +212,3 @@ def causal_conv_silu(
 
 
 __all__ = ["causal_conv_silu", "causal_depthwise_conv"]
-
-
-__getattr__ = moved_names(__name__, {"causal_conv_silu_ref": "titans.ops.conv_ref"})
