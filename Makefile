@@ -28,12 +28,12 @@ compare: setup
 
 test: setup
 	sh scripts/install_test_deps.sh
-	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m pytest -q -n 2 --durations=15
 
 lint: setup
-	$(PY) -m ruff check src tests benchmarks
-	$(PY) -m ruff format --check src tests benchmarks
+	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m ruff format --check src tests benchmarks examples
 
 # the 49 Paul Graham essays RULER uses, for `titans eval niah --haystack essays` (text files only)
 eval-essays: setup

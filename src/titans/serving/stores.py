@@ -33,7 +33,7 @@ import sqlite3
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -576,26 +576,54 @@ class RedisStore:
 
 
 # ------------------------------------------------------------------------------------------ URLs
+# ------------------------------------------------------------------------------------------ by URL
+# URL scheme -> a function (url, pool_size) -> SessionStore; `register_store` adds one, `open_store` reads
+STORES: dict[str, Callable[[str, int], SessionStore]] = {}
+
+
+def register_store(*schemes: str) -> Callable:
+    """Register an opener `(url, pool_size) -> SessionStore` for URLs that start with ``scheme://``; a
+    taken scheme is refused (docs/extending.md has a whole store)."""
+
+    def register(opener: Callable[[str, int], SessionStore]) -> Callable[[str, int], SessionStore]:
+        for scheme in schemes:
+            if scheme in STORES:
+                raise ValueError(f"store scheme {scheme!r} is taken by {STORES[scheme].__qualname__}")
+            STORES[scheme] = opener
+        return opener
+
+    return register
+
+
+@register_store("sqlite")
+def _open_sqlite(url: str, pool_size: int) -> SQLiteStore:
+    path = url[len("sqlite:///") :] if url.startswith("sqlite:///") else ""
+    if not path:
+        raise ValueError(f"--store {url!r}: expected sqlite:///PATH (sqlite:////abs/path), a file path")
+    return SQLiteStore(path, pool_size=pool_size)
+
+
+@register_store("redis", "rediss", "unix")
+def _open_redis(url: str, pool_size: int) -> RedisStore:
+    return RedisStore(url, pool_size=pool_size)
+
+
 def open_store(url: str, *, pool_size: int = DEFAULT_POOL_SIZE) -> SessionStore:
     """A store from its URL: ``sqlite:///PATH`` (``sqlite:////abs/path`` for an absolute path),
-    ``redis://[:password@]HOST:PORT/DB``, ``rediss://...`` (TLS), or ``unix:///path/redis.sock?db=N``;
-    at most `pool_size` connections."""
-    if url.startswith("sqlite:///"):
-        path = url[len("sqlite:///") :]
-        if not path:
-            raise ValueError(f"--store {url!r}: no file path after sqlite:///")
-        return SQLiteStore(path, pool_size=pool_size)
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisStore(url, pool_size=pool_size)
-    raise ValueError(
-        f"--store {url!r}: expected sqlite:///PATH, redis://HOST:PORT/DB, rediss://... or unix:///SOCKET"
-    )
+    ``redis://[:password@]HOST:PORT/DB``, ``rediss://...`` (TLS), ``unix:///path/redis.sock?db=N``, or the
+    scheme of a store added with `register_store`; at most `pool_size` connections."""
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme not in STORES:
+        known = ", ".join(f"{name}://" for name in STORES)
+        raise ValueError(f"--store: unknown store URL (expected one of {known})")
+    return STORES[scheme](url, pool_size)
 
 
 __all__ = [
     "DEFAULT_POOL_SIZE",
     "Record",
     "RedisStore",
+    "STORES",
     "SQLiteStore",
     "SessionExists",
     "SessionStore",
@@ -603,4 +631,5 @@ __all__ = [
     "VersionConflict",
     "checksum",
     "open_store",
+    "register_store",
 ]
