@@ -47,12 +47,13 @@ def free_port() -> int:
 
 
 def wait_healthy(url: str, timeout_s: float = 120.0, server: ProcessServer | None = None) -> None:
+    """Wait until the server at `url` is ready (/v1/ready: the model loaded and warmed up)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server is not None and not server.alive():
             raise RuntimeError(f"the server exited before it answered (its log: {server.log})")
         try:
-            if httpx.get(f"{url}/v1/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/v1/ready", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -70,7 +71,7 @@ class ThreadServer:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off")
+        config = uvicorn.Config(app, log_level="warning", lifespan="on")  # the lifespan warms the model up
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

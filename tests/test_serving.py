@@ -8,6 +8,7 @@ weights do not move. And every bad request gets its 4xx without changing the sto
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -286,7 +287,12 @@ def test_bad_requests_get_a_clear_4xx_and_change_nothing(served):
             "x: Extra",
         ),
         ("a wrong type", served.http.post(f"{url}/read", headers=A, json={"text": 3}), 422, "text:"),
-        ("empty text", served.http.post(f"{url}/read", headers=A, json={"text": ""}), 422, "no tokens"),
+        (
+            "empty text",
+            served.http.post(f"{url}/read", headers=A, json={"text": ""}),
+            422,
+            "text: String should have at least 1 character",
+        ),
         # a byte-level tokenizer and a model of 128 symbols: 'é' encodes to ids the model does not have
         (
             "ids out of range",
@@ -316,7 +322,7 @@ def test_bad_requests_get_a_clear_4xx_and_change_nothing(served):
             "max_new_tokens over the limit",
             served.http.post(f"{url}/generate", headers=A, json={"prompt": "a", "max_new_tokens": 41}),
             422,
-            "limit of 40",
+            "max_new_tokens: Input should be less than or equal to 40 (this server's limit, --max-new-tokens",
         ),
         (
             "bad sampling",
@@ -329,7 +335,7 @@ def test_bad_requests_get_a_clear_4xx_and_change_nothing(served):
         (
             "no such snapshot",
             served.http.post(f"{url}/rollback", headers=A, json={"snapshot": 3}),
-            422,
+            409,  # a valid request that the session's state cannot serve
             "no snapshot 3",
         ),
         (
@@ -346,11 +352,185 @@ def test_bad_requests_get_a_clear_4xx_and_change_nothing(served):
         ),
         ("not a session id", served.http.get(f"{served.url}/v1/sessions/..%2Fetc/stats", headers=A), 404, ""),
     ]
-    for what, r, status, words in cases:
+    for what, r, status, words in cases + edge_cases(served, url):
         assert r.status_code == status, (what, r.status_code, r.text)
-        assert words in r.json()["detail"], (what, r.text)
+        assert r.headers["content-type"] == "application/json", (what, r.headers)
+        assert set(r.json()) == {"detail"} and words in r.json()["detail"], (what, r.text)
     after = served.stats(sid)
     assert after["version"] == before["version"] and after["state_sha256"] == before["state_sha256"]
+
+
+def edge_cases(served: Served, url: str) -> list[tuple[str, httpx.Response, int, str]]:
+    """Bodies at the edge of what JSON and Unicode allow, and values at the edge of their types: each a
+    JSON 422 that names its problem."""
+    post = served.http.post
+    generate = f"{url}/generate"
+    surrogate = "not valid Unicode text: it holds a lone surrogate"
+    deep = b"[" * 1500 + b"]" * 1500  # within the body limit, past json's recursion limit
+    return [
+        # "\ud800" is valid JSON that decodes to a string UTF-8 cannot encode
+        (
+            "a lone surrogate (escape)",
+            post(f"{url}/read", headers=A, content=b'{"text": "a\\ud800"}'),
+            422,
+            surrogate,
+        ),
+        (
+            "a lone surrogate (bytes)",
+            post(f"{url}/read", headers=A, content=b'{"text": "a\xed\xa0\x80"}'),
+            422,
+            surrogate,
+        ),
+        (
+            "a lone surrogate in a prompt",
+            post(generate, headers=A, content=b'{"prompt": "a\\ud800", "max_new_tokens": 1}'),
+            422,
+            "prompt: " + surrogate,
+        ),
+        (
+            "not UTF-8",
+            post(f"{url}/read", headers=A, content=b'{"text": "a\xff"}'),
+            422,
+            "not UTF-8 JSON (byte 0xff",
+        ),
+        (
+            "deeply nested",
+            post(f"{url}/read", headers=A, content=b'{"text": ' + deep + b"}"),
+            422,
+            "nested too deeply",
+        ),
+        (
+            "NaN",
+            post(generate, headers=A, content=b'{"prompt": "a", "temperature": NaN}'),
+            422,
+            "temperature:",
+        ),
+        (
+            "Infinity",
+            post(generate, headers=A, content=b'{"prompt": "a", "temperature": Infinity}'),
+            422,
+            "temperature:",
+        ),
+        (
+            "temperature too high",
+            post(generate, headers=A, json={"prompt": "a", "temperature": 1e300}),
+            422,
+            "temperature:",
+        ),
+        (
+            "top_p below 0.001",
+            post(generate, headers=A, json={"prompt": "a", "top_p": 1e-300}),
+            422,
+            "top_p: Input should be greater than or equal to 0.001",
+        ),
+        # strict types: an integer field takes integers only
+        (
+            "an int as a string",
+            post(generate, headers=A, json={"prompt": "a", "max_new_tokens": "2"}),
+            422,
+            "max_new_tokens: Input should be a valid integer",
+        ),
+        (
+            "an int as a bool",
+            post(generate, headers=A, json={"prompt": "a", "max_new_tokens": True}),
+            422,
+            "max_new_tokens: Input should be a valid integer",
+        ),
+        (
+            "an int as a float",
+            post(generate, headers=A, json={"prompt": "a", "seed": 2.0}),
+            422,
+            "seed: Input should be a valid integer",
+        ),
+        (
+            "a bool as a string",
+            post(generate, headers=A, json={"prompt": "a", "greedy": "true"}),
+            422,
+            "greedy: Input should be a valid boolean",
+        ),
+        (
+            "a snapshot as a string",
+            post(f"{url}/rollback", headers=A, json={"snapshot": "1"}),
+            422,
+            "snapshot: Input should be a valid integer",
+        ),
+        (
+            "empty prompt",
+            post(generate, headers=A, json={"prompt": ""}),
+            422,
+            "prompt: String should have at least 1 character",
+        ),
+    ]
+
+
+def test_a_bad_request_keeps_the_connection(served):
+    """A refused request is answered in JSON on the same connection, which serves the next request."""
+    import http.client
+
+    conn = http.client.HTTPConnection(served.url.removeprefix("http://"), timeout=60)
+    try:
+        sid = served.new()
+        for body in (b'{"text": "\\ud800"}', b'{"text": "\xed\xa0\x80"}', b'{"text": "\xff"}', b"[" * 1500):
+            conn.request("POST", f"/v1/sessions/{sid}/read", body=body, headers=A)
+            sock = conn.sock
+            r = conn.getresponse()
+            assert r.status == 422 and "detail" in json.loads(r.read()), body[:20]
+            assert not r.will_close and conn.sock is sock  # kept alive
+        conn.request("GET", f"/v1/sessions/{sid}/stats", headers=A)
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["reads"] == 0 and conn.sock is sock
+    finally:
+        conn.close()
+
+
+@SQLITE_ONLY
+def test_tiny_sampling_values_stay_finite(served):
+    """A temperature under 0.001 samples greedily (logits / 1e-39 would overflow float32): the text is the
+    greedy one, whatever the seed."""
+    sid = served.new()
+    served.read(sid, DOC)
+    texts = []
+    for extra in ({"greedy": True}, {"temperature": 1e-39, "seed": 1}, {"temperature": 1e-300, "seed": 2}):
+        body = {"prompt": "Who chased the whale? ", "max_new_tokens": 8, "stop_at_eos": False, **extra}
+        r = served.post(f"/v1/sessions/{sid}/generate", json=body)
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["text"])
+        served.post(f"/v1/sessions/{sid}/rollback", json={"snapshot": 1})
+    assert texts[0] == texts[1] == texts[2] and len(texts[0]) == 8
+    # the smallest top_p allowed keeps the most likely token: greedy as well
+    body = {"prompt": "Who chased the whale? ", "max_new_tokens": 8, "stop_at_eos": False, "top_p": 0.001}
+    r = served.post(f"/v1/sessions/{sid}/generate", json={**body, "temperature": 1.0, "seed": 3})
+    assert r.status_code == 200 and r.json()["text"] == texts[0], r.text
+
+
+def test_a_non_ascii_key_is_refused_clearly(served, tmp_path):
+    from titans.serving.auth import load_api_keys
+
+    for key in ("clé".encode(), b"key\x01"):
+        r = served.http.post(f"{served.url}/v1/sessions", headers={"Authorization": b"Bearer " + key})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+        assert "keys are printable ASCII" in r.json()["detail"] and "cl" not in r.json()["detail"]
+    keys = tmp_path / "keys.txt"
+    keys.write_text("fine-key\n  \nclé\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="the key on line 3 .* holds a non-ASCII character") as e:
+        load_api_keys(keys)
+    assert "clé" not in str(e.value)
+
+
+def test_a_record_with_a_damaged_field_is_a_409(served):
+    """A stored version that is not an integer (a record another program wrote) is refused like other damage,
+    and DELETE still removes it."""
+    sid = served.new()
+    if isinstance(served.store, SQLiteStore):
+        served.store._run("UPDATE sessions SET version = 'x' WHERE id = ?", (sid,))
+    else:
+        served.store.client.hset(served.store.prefix + sid, "version", "x")
+    for method, path, body in [("post", "read", {"text": "more"}), ("get", "stats", None)]:
+        r = served.http.request(method, f"{served.url}/v1/sessions/{sid}/{path}", headers=A, json=body)
+        assert r.status_code == 409 and f"stored record of session {sid} is damaged" in r.json()["detail"], (
+            r.text
+        )
+    assert served.http.delete(f"{served.url}/v1/sessions/{sid}", headers=A).status_code == 200
 
 
 def test_a_corrupted_stored_state_is_refused_and_reported(served, caplog):

@@ -19,8 +19,9 @@ import torch
 from titans.inference.cli import load_model
 from titans.inference.session import DEFAULT_GUARD_MAX_RISE
 from titans.serving.auth import is_loopback, load_api_keys
+from titans.serving.errors import redact, redact_url
 from titans.serving.session import DEFAULT_MAX_SNAPSHOTS, Engine
-from titans.serving.stores import open_store
+from titans.serving.stores import StoreError, open_store
 from titans.training.distributed import resolve_device
 
 DEFAULT_STORE = "sqlite:///titans-sessions.db"
@@ -66,7 +67,10 @@ def build_app(args: argparse.Namespace):
     engine = Engine(
         model, tokenizer, max_snapshots=args.snapshots, probe=probe, guard_max_rise=args.guard_max_rise
     )
-    store = open_store(args.store)
+    try:
+        store = open_store(args.store)
+    except (StoreError, ValueError) as e:  # one line on stderr, without the URL's password
+        raise OSError(redact(str(e))) from None
     limits = Limits(
         max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_new_tokens=args.max_new_tokens
     )
@@ -85,7 +89,12 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn  # the optional `serve` extra, installed with fastapi
 
     log = logging.getLogger("titans.serving")
-    log.info("store %s (%d sessions); keys: %s", store.url, store.count(), args.api_keys or "none (no auth)")
+    log.info(
+        "store %s (%d sessions); keys: %s",
+        redact_url(store.url),
+        store.count(),
+        args.api_keys or "none (no auth)",
+    )
     try:
         uvicorn.run(
             app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10
