@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ pytest.importorskip("httpx", reason="the serve-test extra is not installed")
 import httpx  # noqa: E402
 import torch
 
-from serving_support import ThreadServer, make_checkpoint, start_redis, stop_redis  # noqa: E402
+from serving_support import ThreadServer, make_checkpoint, start_redis, stop_redis, wait_healthy  # noqa: E402
 from titans.inference.cli import load_model  # noqa: E402
 from titans.inference.session import MemorySession, SessionFormatError  # noqa: E402
 from titans.models.state import state_digest, state_tensors  # noqa: E402
@@ -577,10 +578,117 @@ def test_a_corrupted_stored_state_is_refused_and_reported(served, caplog):
 # ------------------------------------------------------------------------------------------ the rest
 @SQLITE_ONLY
 def test_the_api_is_described(served):
+    """The schema is the API: every status a route answers is declared with the one error body, and the
+    created session's id links to the routes that use it."""
     assert served.http.get(f"{served.url}/docs").status_code == 200
-    paths = served.http.get(f"{served.url}/openapi.json").json()["paths"]
-    for path in ("/v1/sessions", "/v1/sessions/{sid}/read", "/v1/sessions/{sid}/rollback"):
-        assert path in paths
+    schema = served.http.get(f"{served.url}/openapi.json").json()
+    paths = schema["paths"]
+    assert "HTTPValidationError" not in json.dumps(schema)  # 422 has the error body too
+    error = {"$ref": "#/components/schemas/ErrorBody"}
+    for path, methods in paths.items():
+        for method, op in methods.items():
+            declared = {int(s) for s in op["responses"] if s[0] in "45"}
+            want = {503} if path in ("/v1/ready",) else set() if path == "/v1/health" else {401, 422, 503}
+            if "{sid}" in path:
+                want |= {404} if method == "delete" else {404, 409}
+            assert want <= declared, (method, path, declared)
+            for status in declared:
+                body = op["responses"][str(status)]["content"]["application/json"]["schema"]
+                assert body == error, (method, path, status, body)
+    generate = paths["/v1/sessions/{sid}/generate"]["post"]["requestBody"]["content"]["application/json"]
+    body = schema["components"]["schemas"][generate["schema"]["$ref"].rsplit("/", 1)[1]]["properties"]
+    assert (
+        body["max_new_tokens"]["maximum"] == LIMITS.max_new_tokens
+        and body["top_p"]["anyOf"][0]["minimum"] == 1e-3
+    )
+    links = paths["/v1/sessions"]["post"]["responses"]["201"]["links"]
+    ops = {op["operationId"] for path in paths.values() for op in path.values()}
+    assert {link["operationId"] for link in links.values()} == ops - {"health", "ready", "create_session"}
+    assert all(link["parameters"] == {"sid": "$response.body#/id"} for link in links.values())
+
+
+@SQLITE_ONLY
+def test_health_and_ready_say_only_ok(served):
+    for path in ("/v1/health", "/v1/ready"):
+        r = served.http.get(f"{served.url}{path}")  # no key
+        assert r.status_code == 200 and r.json() == {"status": "ok"}, r.text
+
+
+def test_ready_waits_for_the_warm_up(engine, tmp_path, monkeypatch):
+    """/v1/health answers at once; /v1/ready and the session routes answer 503 until the model's warm-up
+    has run, and a failed warm-up leaves the server live but never ready."""
+    import threading
+
+    import titans.serving.app as app_module
+
+    release, ran = threading.Event(), []
+
+    def slow_warm_up(engine: Engine) -> None:
+        release.wait(30)
+        ran.append(True)
+
+    store = SQLiteStore(tmp_path / "sessions.db")
+    monkeypatch.setattr(app_module, "warm_up", slow_warm_up)
+    app = create_app(engine, store, key_hashes=None, limits=LIMITS, workers=1)
+    try:
+        with ThreadServer(app, wait_for="/v1/health") as server, httpx.Client(timeout=60) as http:
+            r = http.get(f"{server.url}/v1/ready")
+            assert r.status_code == 503 and "warming up" in r.json()["detail"], r.text
+            r = http.post(f"{server.url}/v1/sessions")
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            release.set()
+            wait_healthy(server.url, 30)
+            assert ran and http.post(f"{server.url}/v1/sessions").status_code == 201
+
+        def broken(engine: Engine) -> None:
+            raise RuntimeError(f"kernel build failed in {tmp_path}")
+
+        monkeypatch.setattr(app_module, "warm_up", broken)
+        app = create_app(engine, store, key_hashes=None, limits=LIMITS, workers=1)
+        with ThreadServer(app, wait_for="/v1/health") as server, httpx.Client(timeout=60) as http:
+            for _ in range(100):
+                r = http.get(f"{server.url}/v1/ready")
+                if "failed" in r.text:
+                    break
+                time.sleep(0.05)
+            assert r.status_code == 503 and "failed its warm-up" in r.json()["detail"], r.text
+            assert str(tmp_path) not in r.text
+            assert http.get(f"{server.url}/v1/health").json() == {"status": "ok"}
+    finally:
+        store.close()
+
+
+def test_a_store_error_answers_503_without_the_path(engine, tmp_path, caplog):
+    """A locked SQLite file (another program holds its write lock past the busy timeout): 503 naming the
+    store as unavailable, never its path; the path is in the server's log for the operator."""
+    import sqlite3
+
+    folder = tmp_path / "private-folder-name"
+    store = SQLiteStore(folder / "sessions.db", busy_timeout_s=0.2)
+    app = create_app(engine, store, key_hashes=None, limits=LIMITS, workers=1, model_name=str(tmp_path))
+    blocker = None
+    try:
+        with ThreadServer(app) as server, httpx.Client(timeout=60) as http:
+            sid = http.post(f"{server.url}/v1/sessions").json()["id"]
+            blocker = sqlite3.connect(folder / "sessions.db", isolation_level=None)
+            blocker.execute("BEGIN EXCLUSIVE")
+            with caplog.at_level(logging.ERROR, logger="titans.serving"):
+                for r in (
+                    http.post(f"{server.url}/v1/sessions/{sid}/read", json={"text": "abc"}),
+                    http.post(f"{server.url}/v1/sessions"),
+                ):
+                    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+                    assert r.json() == {
+                        "detail": "the session store is unavailable; nothing was changed, retry later"
+                    }
+            assert any("private-folder-name" in rec.getMessage() for rec in caplog.records)
+            blocker.execute("ROLLBACK")
+            assert http.post(f"{server.url}/v1/sessions/{sid}/read", json={"text": "abc"}).status_code == 200
+            assert str(tmp_path) not in http.get(f"{server.url}/v1/health").text
+    finally:
+        if blocker is not None:
+            blocker.close()
+        store.close()
 
 
 def test_stored_sessions_are_the_library_sessions_bytes(engine):
