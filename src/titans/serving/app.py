@@ -39,13 +39,14 @@ import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -82,8 +83,29 @@ MIN_TOP_P = 1e-3
 
 # ------------------------------------------------------------------------------------------ bodies
 class _Body(BaseModel):
-    # strict: an integer field refuses "2", 2.0 and true; no NaN or infinity (json reads them)
+    # strict: a string is not a number nor a boolean, a boolean not a number; no NaN or infinity (the json
+    # module reads them)
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _json_integer(value: Any) -> Any:
+    """An integer as JSON Schema has it: 2 or 2.0, not "2", true or 2.5 (those are refused by name)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return value
+
+
+def integer(**bounds: int) -> Any:
+    """An integer field type with `bounds` (ge, le, lt), as `_json_integer` reads it (the bounds come first,
+    so that the schema carries them)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_json_integer)]
+
+
+Positive = integer(ge=1)
+Count = integer(ge=0)
+Seed = integer(ge=0, lt=1 << 63)
 
 
 def _unicode_text(value: str) -> str:
@@ -109,23 +131,21 @@ class GenerateBody(_Body):
     prompt: str = Field(
         min_length=1, description="text read into the memory first, then continued (at least one character)"
     )
-    max_new_tokens: int = Field(
-        64, ge=0, description="tokens generated at most (the server's limit: maximum)"
-    )
+    max_new_tokens: Count = Field(64, description="tokens generated at most (the server's limit: maximum)")
     temperature: float = Field(
         _SAMPLING.sample_temperature,
         ge=0,
         le=MAX_TEMPERATURE,
         description=f"sampling temperature; 0, or anything below {MIN_TEMPERATURE}, samples greedily",
     )
-    top_k: int | None = Field(
-        _SAMPLING.sample_top_k, ge=1, description="sample from the k most likely tokens (null: all)"
+    top_k: Positive | None = Field(
+        _SAMPLING.sample_top_k, description="sample from the k most likely tokens (null: all)"
     )
     top_p: float | None = Field(
         None, ge=MIN_TOP_P, le=1, description="nucleus sampling threshold (null: off)"
     )
     greedy: bool = Field(False, description="always take the most likely token")
-    seed: int | None = Field(None, ge=0, lt=1 << 63, description="sampling seed (null: random)")
+    seed: Seed | None = Field(None, description="sampling seed (null: random)")
     stop_at_eos: bool = Field(True, description="stop at the tokenizer's end-of-text token")
 
     _check_prompt = field_validator("prompt")(_unicode_text)
@@ -137,11 +157,9 @@ def _generate_body(max_new_tokens: int) -> type[GenerateBody]:
         "GenerateBody",
         __base__=GenerateBody,
         max_new_tokens=(
-            int,
+            integer(ge=0, le=max_new_tokens),
             Field(
                 min(64, max_new_tokens),
-                ge=0,
-                le=max_new_tokens,
                 description="tokens generated at most (this server's --max-new-tokens is the maximum)",
             ),
         ),
@@ -149,7 +167,7 @@ def _generate_body(max_new_tokens: int) -> type[GenerateBody]:
 
 
 class RollbackBody(_Body):
-    snapshot: int = Field(ge=1, description="k from GET .../snapshots (1: the state before the last change)")
+    snapshot: Positive = Field(description="k from GET .../snapshots (1: the state before the last change)")
 
 
 # ------------------------------------------------------------------------------------------ answers
