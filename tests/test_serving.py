@@ -730,3 +730,22 @@ def test_the_server_refuses_to_start_without_keys_on_a_public_host(tmp_path):
     keys.write_text("\n \n")
     with pytest.raises(ValueError, match="holds no keys"):
         load_api_keys(keys)
+
+
+def test_store_urls_are_logged_without_their_password():
+    from titans.serving.errors import redact, redact_url
+
+    assert redact_url("redis://:hunter2@10.0.0.5:6379/0") == "redis://:***@10.0.0.5:6379/0"
+    assert redact_url("rediss://user:hunter2@host/1") == "rediss://user:***@host/1"
+    assert (
+        redact_url("unix:///run/redis.sock?db=0&password=hunter2")
+        == "unix:///run/redis.sock?db=0&password=***"
+    )
+    assert redact_url("redis://host:6379/0") == "redis://host:6379/0"  # nothing to hide
+    assert redact_url("sqlite:///sessions.db") == "sqlite:///sessions.db"
+    line = "cannot reach the session store unix://:hunter2@/tmp/r.sock?db=0: Error 111; redis://u:p@h/0"
+    assert (
+        redact(line)
+        == "cannot reach the session store unix://:***@/tmp/r.sock?db=0: Error 111; redis://u:***@h/0"
+    )
+    assert "hunter2" not in redact("rediss://h/0?db=1&Password=hunter2")

@@ -6,6 +6,8 @@
 - `titans.serving.stores`: `SQLiteStore`, `RedisStore`, `open_store(url)`: versioned records with
   compare-and-set writes.
 - `titans.serving.auth`: API keys as sha256 hashes.
+- `titans.serving.errors`: the one error body of every refused request, and `redact` (store URLs in log
+  lines without their password).
 - `titans.serving.app`: `create_app(engine, store, key_hashes=...)`, the FastAPI app (needs the `serve`
   extra, so it is not imported here).
 """
