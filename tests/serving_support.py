@@ -46,13 +46,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, timeout_s: float = 120.0, server: ProcessServer | None = None) -> None:
+def wait_healthy(
+    url: str, timeout_s: float = 120.0, server: ProcessServer | None = None, path: str = "/v1/ready"
+) -> None:
+    """Wait until the server at `url` answers 200 on `path` (/v1/ready: the model loaded and warmed up;
+    /v1/health: it serves HTTP)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server is not None and not server.alive():
             raise RuntimeError(f"the server exited before it answered (its log: {server.log})")
         try:
-            if httpx.get(f"{url}/v1/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -63,20 +67,20 @@ def wait_healthy(url: str, timeout_s: float = 120.0, server: ProcessServer | Non
 class ThreadServer:
     """`create_app` served by uvicorn in a thread of this process (its port bound before it starts)."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, wait_for: str = "/v1/ready") -> None:
         import uvicorn
 
-        self.app = app
+        self.app, self.wait_for = app, wait_for
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off")
+        config = uvicorn.Config(app, log_level="warning", lifespan="on")  # the lifespan warms the model up
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> ThreadServer:
         self.thread.start()
-        wait_healthy(self.url, 30)
+        wait_healthy(self.url, 30, path=self.wait_for)
         return self
 
     def __exit__(self, *exc) -> None:

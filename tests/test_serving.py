@@ -8,7 +8,9 @@ weights do not move. And every bad request gets its 4xx without changing the sto
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +22,7 @@ pytest.importorskip("httpx", reason="the serve-test extra is not installed")
 import httpx  # noqa: E402
 import torch
 
-from serving_support import ThreadServer, make_checkpoint, start_redis, stop_redis  # noqa: E402
+from serving_support import ThreadServer, make_checkpoint, start_redis, stop_redis, wait_healthy  # noqa: E402
 from titans.inference.session import MemorySession, SessionFormatError  # noqa: E402
 from titans.models.state import state_digest, state_tensors  # noqa: E402
 from titans.models.streaming import generate, prefill  # noqa: E402
@@ -286,7 +288,12 @@ def test_bad_requests_get_a_clear_4xx_and_change_nothing(served):
             "x: Extra",
         ),
         ("a wrong type", served.http.post(f"{url}/read", headers=A, json={"text": 3}), 422, "text:"),
-        ("empty text", served.http.post(f"{url}/read", headers=A, json={"text": ""}), 422, "no tokens"),
+        (
+            "empty text",
+            served.http.post(f"{url}/read", headers=A, json={"text": ""}),
+            422,
+            "text: String should have at least 1 character",
+        ),
         # a byte-level tokenizer and a model of 128 symbols: 'é' encodes to ids the model does not have
         (
             "ids out of range",
@@ -316,7 +323,7 @@ def test_bad_requests_get_a_clear_4xx_and_change_nothing(served):
             "max_new_tokens over the limit",
             served.http.post(f"{url}/generate", headers=A, json={"prompt": "a", "max_new_tokens": 41}),
             422,
-            "limit of 40",
+            "max_new_tokens: Input should be less than or equal to 40 (this server's limit, --max-new-tokens",
         ),
         (
             "bad sampling",
@@ -329,7 +336,7 @@ def test_bad_requests_get_a_clear_4xx_and_change_nothing(served):
         (
             "no such snapshot",
             served.http.post(f"{url}/rollback", headers=A, json={"snapshot": 3}),
-            422,
+            409,  # a valid request that the session's state cannot serve
             "no snapshot 3",
         ),
         (
@@ -346,11 +353,185 @@ def test_bad_requests_get_a_clear_4xx_and_change_nothing(served):
         ),
         ("not a session id", served.http.get(f"{served.url}/v1/sessions/..%2Fetc/stats", headers=A), 404, ""),
     ]
-    for what, r, status, words in cases:
+    for what, r, status, words in cases + edge_cases(served, url):
         assert r.status_code == status, (what, r.status_code, r.text)
-        assert words in r.json()["detail"], (what, r.text)
+        assert r.headers["content-type"] == "application/json", (what, r.headers)
+        assert set(r.json()) == {"detail"} and words in r.json()["detail"], (what, r.text)
     after = served.stats(sid)
     assert after["version"] == before["version"] and after["state_sha256"] == before["state_sha256"]
+
+
+def edge_cases(served: Served, url: str) -> list[tuple[str, httpx.Response, int, str]]:
+    """Bodies at the edge of what JSON and Unicode allow, and values at the edge of their types: each a
+    JSON 422 that names its problem."""
+    post = served.http.post
+    generate = f"{url}/generate"
+    surrogate = "not valid Unicode text: it holds a lone surrogate"
+    deep = b"[" * 1500 + b"]" * 1500  # within the body limit, past json's recursion limit
+    return [
+        # "\ud800" is valid JSON that decodes to a string UTF-8 cannot encode
+        (
+            "a lone surrogate (escape)",
+            post(f"{url}/read", headers=A, content=b'{"text": "a\\ud800"}'),
+            422,
+            surrogate,
+        ),
+        (
+            "a lone surrogate (bytes)",
+            post(f"{url}/read", headers=A, content=b'{"text": "a\xed\xa0\x80"}'),
+            422,
+            surrogate,
+        ),
+        (
+            "a lone surrogate in a prompt",
+            post(generate, headers=A, content=b'{"prompt": "a\\ud800", "max_new_tokens": 1}'),
+            422,
+            "prompt: " + surrogate,
+        ),
+        (
+            "not UTF-8",
+            post(f"{url}/read", headers=A, content=b'{"text": "a\xff"}'),
+            422,
+            "not UTF-8 JSON (byte 0xff",
+        ),
+        (
+            "deeply nested",
+            post(f"{url}/read", headers=A, content=b'{"text": ' + deep + b"}"),
+            422,
+            "nested too deeply",
+        ),
+        (
+            "NaN",
+            post(generate, headers=A, content=b'{"prompt": "a", "temperature": NaN}'),
+            422,
+            "temperature:",
+        ),
+        (
+            "Infinity",
+            post(generate, headers=A, content=b'{"prompt": "a", "temperature": Infinity}'),
+            422,
+            "temperature:",
+        ),
+        (
+            "temperature too high",
+            post(generate, headers=A, json={"prompt": "a", "temperature": 1e300}),
+            422,
+            "temperature:",
+        ),
+        (
+            "top_p below 0.001",
+            post(generate, headers=A, json={"prompt": "a", "top_p": 1e-300}),
+            422,
+            "top_p: Input should be greater than or equal to 0.001",
+        ),
+        # strict types: an integer field takes integers only
+        (
+            "an int as a string",
+            post(generate, headers=A, json={"prompt": "a", "max_new_tokens": "2"}),
+            422,
+            "max_new_tokens: Input should be a valid integer",
+        ),
+        (
+            "an int as a bool",
+            post(generate, headers=A, json={"prompt": "a", "max_new_tokens": True}),
+            422,
+            "max_new_tokens: Input should be a valid integer",
+        ),
+        (
+            "an int as a float",
+            post(generate, headers=A, json={"prompt": "a", "seed": 2.5}),
+            422,
+            "seed: Input should be a valid integer",
+        ),
+        (
+            "a bool as a string",
+            post(generate, headers=A, json={"prompt": "a", "greedy": "true"}),
+            422,
+            "greedy: Input should be a valid boolean",
+        ),
+        (
+            "a snapshot as a string",
+            post(f"{url}/rollback", headers=A, json={"snapshot": "1"}),
+            422,
+            "snapshot: Input should be a valid integer",
+        ),
+        (
+            "empty prompt",
+            post(generate, headers=A, json={"prompt": ""}),
+            422,
+            "prompt: String should have at least 1 character",
+        ),
+    ]
+
+
+def test_a_bad_request_keeps_the_connection(served):
+    """A refused request is answered in JSON on the same connection, which serves the next request."""
+    import http.client
+
+    conn = http.client.HTTPConnection(served.url.removeprefix("http://"), timeout=60)
+    try:
+        sid = served.new()
+        for body in (b'{"text": "\\ud800"}', b'{"text": "\xed\xa0\x80"}', b'{"text": "\xff"}', b"[" * 1500):
+            conn.request("POST", f"/v1/sessions/{sid}/read", body=body, headers=A)
+            sock = conn.sock
+            r = conn.getresponse()
+            assert r.status == 422 and "detail" in json.loads(r.read()), body[:20]
+            assert not r.will_close and conn.sock is sock  # kept alive
+        conn.request("GET", f"/v1/sessions/{sid}/stats", headers=A)
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["reads"] == 0 and conn.sock is sock
+    finally:
+        conn.close()
+
+
+@SQLITE_ONLY
+def test_tiny_sampling_values_stay_finite(served):
+    """A temperature under 0.001 samples greedily (logits / 1e-39 would overflow float32): the text is the
+    greedy one, whatever the seed."""
+    sid = served.new()
+    served.read(sid, DOC)
+    texts = []
+    for extra in ({"greedy": True}, {"temperature": 1e-39, "seed": 1}, {"temperature": 1e-300, "seed": 2}):
+        body = {"prompt": "Who chased the whale? ", "max_new_tokens": 8, "stop_at_eos": False, **extra}
+        r = served.post(f"/v1/sessions/{sid}/generate", json=body)
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["text"])
+        served.post(f"/v1/sessions/{sid}/rollback", json={"snapshot": 1})
+    assert texts[0] == texts[1] == texts[2] and len(texts[0]) == 8
+    # the smallest top_p allowed keeps the most likely token: greedy as well
+    body = {"prompt": "Who chased the whale? ", "max_new_tokens": 8, "stop_at_eos": False, "top_p": 0.001}
+    r = served.post(f"/v1/sessions/{sid}/generate", json={**body, "temperature": 1.0, "seed": 3})
+    assert r.status_code == 200 and r.json()["text"] == texts[0], r.text
+
+
+def test_a_non_ascii_key_is_refused_clearly(served, tmp_path):
+    from titans.serving.auth import load_api_keys
+
+    for key in ("clé".encode(), b"key\x01"):
+        r = served.http.post(f"{served.url}/v1/sessions", headers={"Authorization": b"Bearer " + key})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+        assert "keys are printable ASCII" in r.json()["detail"] and "cl" not in r.json()["detail"]
+    keys = tmp_path / "keys.txt"
+    keys.write_text("fine-key\n  \nclé\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="the key on line 3 .* holds a non-ASCII character") as e:
+        load_api_keys(keys)
+    assert "clé" not in str(e.value)
+
+
+def test_a_record_with_a_damaged_field_is_a_409(served):
+    """A stored version that is not an integer (a record another program wrote) is refused like other damage,
+    and DELETE still removes it."""
+    sid = served.new()
+    if isinstance(served.store, SQLiteStore):
+        served.store._run("UPDATE sessions SET version = 'x' WHERE id = ?", (sid,))
+    else:
+        served.store.client.hset(served.store.prefix + sid, "version", "x")
+    for method, path, body in [("post", "read", {"text": "more"}), ("get", "stats", None)]:
+        r = served.http.request(method, f"{served.url}/v1/sessions/{sid}/{path}", headers=A, json=body)
+        assert r.status_code == 409 and f"stored record of session {sid} is damaged" in r.json()["detail"], (
+            r.text
+        )
+    assert served.http.delete(f"{served.url}/v1/sessions/{sid}", headers=A).status_code == 200
 
 
 def test_a_corrupted_stored_state_is_refused_and_reported(served, caplog):
@@ -404,10 +585,129 @@ def test_a_corrupted_stored_state_is_refused_and_reported(served, caplog):
 # ------------------------------------------------------------------------------------------ the rest
 @SQLITE_ONLY
 def test_the_api_is_described(served):
+    """The schema is the API: every status a route answers is declared with the one error body, and the
+    created session's id links to the routes that use it."""
     assert served.http.get(f"{served.url}/docs").status_code == 200
-    paths = served.http.get(f"{served.url}/openapi.json").json()["paths"]
-    for path in ("/v1/sessions", "/v1/sessions/{sid}/read", "/v1/sessions/{sid}/rollback"):
-        assert path in paths
+    schema = served.http.get(f"{served.url}/openapi.json").json()
+    paths = schema["paths"]
+    assert "HTTPValidationError" not in json.dumps(schema)  # 422 has the error body too
+    error = {"$ref": "#/components/schemas/ErrorBody"}
+    for path, methods in paths.items():
+        for method, op in methods.items():
+            declared = {int(s) for s in op["responses"] if s[0] in "45"}
+            want = (
+                {503} if path in ("/v1/ready",) else set() if path == "/v1/health" else {401, 422, 429, 503}
+            )
+            if "{sid}" in path:
+                want |= {404} if method == "delete" else {404, 409}
+            if "requestBody" in op:  # a body too slow (408) or too large (413)
+                want |= {408, 413}
+            assert want <= declared, (method, path, declared)
+            for status in declared:
+                body = op["responses"][str(status)]["content"]["application/json"]["schema"]
+                assert body == error, (method, path, status, body)
+    generate = paths["/v1/sessions/{sid}/generate"]["post"]["requestBody"]["content"]["application/json"]
+    stream = paths["/v1/sessions/{sid}/generate/stream"]["post"]["requestBody"]["content"]["application/json"]
+    assert stream["schema"] == generate["schema"]  # the same body, with the server's limit
+    body = schema["components"]["schemas"][generate["schema"]["$ref"].rsplit("/", 1)[1]]["properties"]
+    assert (
+        body["max_new_tokens"]["maximum"] == LIMITS.max_new_tokens
+        and body["top_p"]["anyOf"][0]["minimum"] == 1e-3
+    )
+    links = paths["/v1/sessions"]["post"]["responses"]["201"]["links"]
+    ops = {op["operationId"] for path in paths.values() for op in path.values()}
+    # every route that takes a session id (import makes a session from bytes instead)
+    assert {link["operationId"] for link in links.values()} == ops - {
+        "health",
+        "ready",
+        "create_session",
+        "import_session",
+    }
+    assert all(link["parameters"] == {"sid": "$response.body#/id"} for link in links.values())
+
+
+@SQLITE_ONLY
+def test_health_and_ready_say_only_ok(served):
+    for path in ("/v1/health", "/v1/ready"):
+        r = served.http.get(f"{served.url}{path}")  # no key
+        assert r.status_code == 200 and r.json() == {"status": "ok"}, r.text
+
+
+def test_ready_waits_for_the_warm_up(engine, tmp_path, monkeypatch):
+    """/v1/health answers at once; /v1/ready and the session routes answer 503 until the model's warm-up
+    has run, and a failed warm-up leaves the server live but never ready."""
+    import threading
+
+    import titans.serving.app as app_module
+
+    release, ran = threading.Event(), []
+
+    def slow_warm_up(engine: Engine) -> None:
+        release.wait(30)
+        ran.append(True)
+
+    store = SQLiteStore(tmp_path / "sessions.db")
+    monkeypatch.setattr(app_module, "warm_up", slow_warm_up)
+    app = create_app(engine, store, key_hashes=None, limits=LIMITS, workers=1)
+    try:
+        with ThreadServer(app, wait_for="/v1/health") as server, httpx.Client(timeout=60) as http:
+            r = http.get(f"{server.url}/v1/ready")
+            assert r.status_code == 503 and "warming up" in r.json()["detail"], r.text
+            r = http.post(f"{server.url}/v1/sessions")
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            release.set()
+            wait_healthy(server.url, 30)
+            assert ran and http.post(f"{server.url}/v1/sessions").status_code == 201
+
+        def broken(engine: Engine) -> None:
+            raise RuntimeError(f"kernel build failed in {tmp_path}")
+
+        monkeypatch.setattr(app_module, "warm_up", broken)
+        app = create_app(engine, store, key_hashes=None, limits=LIMITS, workers=1)
+        with ThreadServer(app, wait_for="/v1/health") as server, httpx.Client(timeout=60) as http:
+            for _ in range(100):
+                r = http.get(f"{server.url}/v1/ready")
+                if "failed" in r.text:
+                    break
+                time.sleep(0.05)
+            assert r.status_code == 503 and "failed its warm-up" in r.json()["detail"], r.text
+            assert str(tmp_path) not in r.text
+            assert http.get(f"{server.url}/v1/health").json() == {"status": "ok"}
+    finally:
+        store.close()
+
+
+def test_a_store_error_answers_503_without_the_path(engine, tmp_path, caplog):
+    """A locked SQLite file (another program holds its write lock past the busy timeout): 503 naming the
+    store as unavailable, never its path; the path is in the server's log for the operator."""
+    import sqlite3
+
+    folder = tmp_path / "private-folder-name"
+    store = SQLiteStore(folder / "sessions.db", busy_timeout_s=0.2)
+    app = create_app(engine, store, key_hashes=None, limits=LIMITS, workers=1, model_name=str(tmp_path))
+    blocker = None
+    try:
+        with ThreadServer(app) as server, httpx.Client(timeout=60) as http:
+            sid = http.post(f"{server.url}/v1/sessions").json()["id"]
+            blocker = sqlite3.connect(folder / "sessions.db", isolation_level=None)
+            blocker.execute("BEGIN EXCLUSIVE")
+            with caplog.at_level(logging.ERROR, logger="titans.serving"):
+                for r in (
+                    http.post(f"{server.url}/v1/sessions/{sid}/read", json={"text": "abc"}),
+                    http.post(f"{server.url}/v1/sessions"),
+                ):
+                    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+                    assert r.json() == {
+                        "detail": "the session store is unavailable; nothing was changed, retry later"
+                    }
+            assert any("private-folder-name" in rec.getMessage() for rec in caplog.records)
+            blocker.execute("ROLLBACK")
+            assert http.post(f"{server.url}/v1/sessions/{sid}/read", json={"text": "abc"}).status_code == 200
+            assert str(tmp_path) not in http.get(f"{server.url}/v1/health").text
+    finally:
+        if blocker is not None:
+            blocker.close()
+        store.close()
 
 
 def test_stored_sessions_are_the_library_sessions_bytes(engine):
@@ -449,3 +749,22 @@ def test_the_server_refuses_to_start_without_keys_on_a_public_host(tmp_path):
     keys.write_text("\n \n")
     with pytest.raises(ValueError, match="holds no keys"):
         load_api_keys(keys)
+
+
+def test_store_urls_are_logged_without_their_password():
+    from titans.serving.errors import redact, redact_url
+
+    assert redact_url("redis://:hunter2@10.0.0.5:6379/0") == "redis://:***@10.0.0.5:6379/0"
+    assert redact_url("rediss://user:hunter2@host/1") == "rediss://user:***@host/1"
+    assert (
+        redact_url("unix:///run/redis.sock?db=0&password=hunter2")
+        == "unix:///run/redis.sock?db=0&password=***"
+    )
+    assert redact_url("redis://host:6379/0") == "redis://host:6379/0"  # nothing to hide
+    assert redact_url("sqlite:///sessions.db") == "sqlite:///sessions.db"
+    line = "cannot reach the session store unix://:hunter2@/tmp/r.sock?db=0: Error 111; redis://u:p@h/0"
+    assert (
+        redact(line)
+        == "cannot reach the session store unix://:***@/tmp/r.sock?db=0: Error 111; redis://u:***@h/0"
+    )
+    assert "hunter2" not in redact("rediss://h/0?db=1&Password=hunter2")

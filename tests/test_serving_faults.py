@@ -189,9 +189,53 @@ def test_two_server_processes_share_a_store_and_survive_a_sigkill(checkpoint, ke
 
 def test_store_urls_are_checked(tmp_path):
     assert isinstance(open_store(f"sqlite:///{tmp_path / 'x.db'}"), SQLiteStore)
-    with pytest.raises(ValueError, match="expected sqlite"):
+    with pytest.raises(ValueError, match="unknown store URL .expected one of sqlite://, redis://"):
         open_store("postgres://localhost/x")
     from titans.serving.stores import StoreError
 
     with pytest.raises(StoreError, match="cannot reach"):
         RedisStore(f"unix://{tmp_path / 'no.sock'}", timeout_s=2)
+
+
+def test_a_store_password_reaches_no_client_and_no_log(checkpoint, keys, tmp_path):
+    """`titans serve --store unix://:PASSWORD@/path/redis.sock`: the start-up log line shows the URL with
+    the password replaced; once Redis is gone, every request gets a 503 that holds neither the password
+    nor the socket's path, and the server's log (its errors included) never holds the password."""
+    redis_server, _ = start_redis(tmp_path)
+    password = "pw-Zq81-never-shown"
+    redis_server.config_set("requirepass", password)
+    url = f"unix://:{password}@{redis_server.socket_file}?db=0"
+    log = tmp_path / "server.log"
+    # a fresh interpreter (fork=False): its log is the whole output of `titans serve`
+    server = ProcessServer(checkpoint, url, log, "--api-keys", str(keys), "--log-level", "info", fork=False)
+    try:
+        server.start().wait()
+        health = httpx.get(f"{server.url}/v1/health", timeout=60)
+        assert health.json() == {"status": "ok"} and str(checkpoint) not in health.text
+        sid = httpx.post(f"{server.url}/v1/sessions", headers=AUTH, timeout=60).json()["id"]
+        stop_redis(redis_server)  # the store goes away under the running server
+        for method, path, body in [
+            ("get", f"/v1/sessions/{sid}/stats", None),
+            ("post", f"/v1/sessions/{sid}/read", {"text": "abc"}),
+            ("post", "/v1/sessions", None),
+        ]:
+            r = httpx.request(method, f"{server.url}{path}", headers=AUTH, json=body, timeout=120)
+            assert r.status_code == 503 and set(r.json()) == {"detail"}, r.text
+            assert password not in r.text and str(tmp_path) not in r.text and "redis.sock" not in r.text
+    finally:
+        server.stop()
+        stop_redis(redis_server)
+    text = log.read_text()
+    assert f"unix://:***@{redis_server.socket_file}" in text  # the start-up line, redacted
+    assert "store error" in text and password not in text
+
+
+def test_a_store_that_cannot_be_opened_is_named_without_its_password(checkpoint, capsys):
+    from titans.cli import main
+
+    password = "pw-Zq81-never-shown"
+    argv = ["serve", "--checkpoint", str(checkpoint), "--store", f"redis://:{password}@127.0.0.1:1/0"]
+    assert main([*argv, "--device", "cpu", "--log-level", "warning"]) == 2
+    err = capsys.readouterr().err
+    assert "titans serve: error: cannot reach the session store redis://:***@127.0.0.1:1/0" in err, err
+    assert password not in err

@@ -103,14 +103,14 @@ def test_a_fork_starts_from_the_parents_memory_and_goes_its_own_way(server, http
     assert stats(http, url, older)["state_sha256"] == before_last and stats(http, url, older)["reads"] == 1
     assert stats(http, url, parent) == parent_stats
 
-    # another key's session forks like a missing one; a snapshot it does not have is a 422
+    # another key's session forks like a missing one; a snapshot it does not have is a 409 (as for rollback)
     missing = "0" * 32
     foreign = http.post(f"{url}/v1/sessions/{parent}/fork", headers=B)
     absent = http.post(f"{url}/v1/sessions/{missing}/fork", headers=B)
     assert foreign.status_code == absent.status_code == 404
     assert foreign.json()["detail"] == absent.json()["detail"].replace(missing, parent)
     r = http.post(f"{url}/v1/sessions/{parent}/fork", headers=A, json={"snapshot": 9})
-    assert r.status_code == 422 and "snapshot 9" in r.json()["detail"]
+    assert r.status_code == 409 and "snapshot 9" in r.json()["detail"]
 
 
 def test_export_and_import_carry_a_session_bit_for_bit(server, http, engine):
@@ -183,3 +183,31 @@ def test_a_streamed_generation_sends_its_tokens_then_stores_the_memory(server, h
     assert r.status_code == 404 and "no session" in r.json()["detail"]
     r = http.post(f"{url}/v1/sessions/{sid}/generate/stream", headers=A, json={**body, "max_new_tokens": 99})
     assert r.status_code == 422 and "--max-new-tokens" in r.json()["detail"]
+
+
+def test_fork_and_stream_take_bodies_as_strict_as_the_other_routes(server, http):
+    """The fork body's snapshot is a JSON Schema integer of at least 1, and the stream takes generate's
+    body and sampling rules: a temperature too small to divide by samples greedily instead of failing."""
+    url = server.url
+    sid = new(http, url)
+    read(http, url, sid)
+    for bad in ({"snapshot": "1"}, {"snapshot": True}, {"snapshot": 1.5}, {"snapshot": 0}, {"other": 1}):
+        r = http.post(f"{url}/v1/sessions/{sid}/fork", headers=A, json=bad)
+        assert r.status_code == 422 and r.json()["detail"].startswith("malformed request: "), (bad, r.text)
+    r = http.post(f"{url}/v1/sessions/{sid}/fork", headers=A, json={"snapshot": 1.0})  # 1.0 is an integer
+    assert r.status_code == 201, r.text
+    twin = http.post(f"{url}/v1/sessions/{sid}/fork", headers=A).json()["id"]
+
+    body = {"prompt": "The sea", "max_new_tokens": 6, "stop_at_eos": False}
+    greedy = http.post(f"{url}/v1/sessions/{twin}/generate", headers=A, json={**body, "greedy": True})
+    assert greedy.status_code == 200, greedy.text
+    tiny = {**body, "temperature": 1e-39, "top_p": 1e-3}
+    with http.stream("POST", f"{url}/v1/sessions/{sid}/generate/stream", headers=A, json=tiny) as r:
+        assert r.status_code == 200, r.read()
+        r.read()
+    events = events_of(r)
+    assert events[-1][0] == "done" and events[-1][1]["text"] == greedy.json()["text"]
+    for bad in ({"prompt": "\ud800"}, {"prompt": ""}, {**body, "top_p": 1e-300}, {**body, "seed": "1"}):
+        content = json.dumps(bad)  # "\\ud800" escaped: a lone surrogate as JSON writes it
+        r = http.post(f"{url}/v1/sessions/{sid}/generate/stream", headers=A, content=content)
+        assert r.status_code == 422 and r.json()["detail"].startswith("malformed request: "), (bad, r.text)

@@ -8,6 +8,8 @@
 - `titans.serving.limits`: per-key quotas (sessions, stored bytes, requests at once), fair workers, idle
   session expiry, slow-client timeouts.
 - `titans.serving.auth`: API keys as sha256 hashes.
+- `titans.serving.errors`: the one error body of every refused request, and `redact` (store URLs in log
+  lines without their password).
 - `titans.serving.app`: `create_app(engine, store, key_hashes=...)`, the FastAPI app (needs the `serve`
   extra, so it is not imported here).
 """

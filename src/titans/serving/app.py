@@ -1,5 +1,6 @@
-"""The HTTP API (FastAPI): sessions created, fed, queried, frozen and rolled back, each persisted in the
-store before its request returns.
+"""The HTTP API (FastAPI): sessions created, fed, queried, frozen, rolled back, forked, exported and
+imported, each persisted in the store before its request returns; generation also streamed (server-sent
+events).
 
     app = create_app(engine, store, key_hashes=load_api_keys("keys.txt"))
     uvicorn.run(app, host="127.0.0.1", port=8000)
@@ -11,11 +12,19 @@ version; if another server sharing the store wrote in between, the change starts
 record (up to `conflict_retries` times, then 409). So an acknowledged change is applied exactly once
 and is in the store.
 
-Errors: every refused request gets a 4xx (or 503 when the store is unreachable) with ``{"detail": ...}``
-naming the problem: 401 no or unknown key, 404 unknown session or one of another key, 409 a stored state
-that cannot be read (damaged bytes, or a state of another model), 413 a body over the limit, 422 a
-malformed body, a text over the token limit, symbols the model cannot read, no such snapshot; 408 a body
-that did not arrive in time, 429 a per-key limit (`titans.serving.limits`, with Retry-After).
+Errors: every refused request gets a 4xx (or 503) whose body is `ErrorBody`, ``{"detail": ...}`` naming
+the problem, and every status a route can answer is declared in the OpenAPI schema with that body: 401
+no, unknown or non-ASCII key, 404 unknown session or one of another key, 409 a stored state that cannot
+be read (damaged bytes, or a state of another model) or no such snapshot, 413 a body over the limit, 422 a
+malformed body (not UTF-8 JSON, fields missing, of the wrong type or out of range, text that is not
+valid Unicode, over the token limit, symbols the model cannot read), 408 a body that did not arrive in
+time, 429 a per-key limit (`titans.serving.limits`, with Retry-After), 503 the store unreachable or the
+model not warmed up yet. No answer holds a store URL, a file path or an exception's text; the log holds
+them with passwords redacted.
+
+Readiness: `GET /v1/health` is liveness (ok while the process serves HTTP); `GET /v1/ready` is ok once
+the model has run a warm-up read and generation at start-up (its kernels built or loaded), and the
+session routes answer 503 until then.
 
 The sessions are `titans.inference.session.MemorySession`s, stored as their `to_bytes`.
 """
@@ -33,18 +42,21 @@ import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator
+from pydantic_core import PydanticCustomError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from titans.inference.session import MemorySession
 from titans.runtime.sampling import SAMPLING
-from titans.serving.auth import ANONYMOUS, bearer_key, hash_key
+from titans.serving.auth import ANONYMOUS, bearer_key, hash_key, key_problem
+from titans.serving.errors import ApiError, ErrorBody, error_responses, redact
 from titans.serving.limits import BodyTimeout, FairLimiter, KeyGate, Quotas, Sweeper, TooBusy, check_room
 from titans.serving.session import (
     Engine,
@@ -72,47 +84,164 @@ class Limits:
     max_import_bytes: int = 256 << 20  # a whole session's bytes (POST /v1/sessions/import)
 
 
+# Sampling stays finite: logits / temperature overflow float32 below about 1e-38, and a nucleus under
+# float32's smallest number keeps no token. Temperatures in (0, MIN_TEMPERATURE) sample greedily (as 0),
+# top_p is at least MIN_TOP_P (which keeps only the most likely token unless the distribution is flat).
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 100.0
+MIN_TOP_P = 1e-3
+
+
 # ------------------------------------------------------------------------------------------ bodies
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a string is not a number nor a boolean, a boolean not a number; no NaN or infinity (the json
+    # module reads them)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _json_integer(value: Any) -> Any:
+    """An integer as JSON Schema has it: 2 or 2.0, not "2", true or 2.5 (those are refused by name)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return value
+
+
+def integer(**bounds: int) -> Any:
+    """An integer field type with `bounds` (ge, le, lt), as `_json_integer` reads it (the bounds come first,
+    so that the schema carries them)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_json_integer)]
+
+
+Positive = integer(ge=1)
+Count = integer(ge=0)
+Seed = integer(ge=0, lt=1 << 63)
+
+
+def _unicode_text(value: str) -> str:
+    """Refuse a text that is not valid Unicode (a lone surrogate: JSON "\\ud800", or its UTF-8-like bytes
+    ED A0 80), naming where; the text itself is never echoed."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"not valid Unicode text: it holds a lone surrogate (U+{ord(value[e.start]):04X}) at character "
+            f"{e.start} (only valid as half of a pair)"
+        ) from None
+    return value
 
 
 class ReadBody(_Body):
-    text: str = Field(description="text the memory reads (learns)")
+    text: str = Field(min_length=1, description="text the memory reads (learns); at least one character")
+
+    _check_text = field_validator("text")(_unicode_text)
 
 
 class GenerateBody(_Body):
-    prompt: str = Field(description="text read into the memory first, then continued (at least one token)")
-    max_new_tokens: int = Field(64, ge=0, description="tokens generated at most")
-    temperature: float = Field(SAMPLING.temperature, ge=0, description="sampling temperature (0: greedy)")
-    top_k: int | None = Field(
-        SAMPLING.top_k, ge=1, description="sample from the k most likely tokens (null: all)"
+    prompt: str = Field(
+        min_length=1, description="text read into the memory first, then continued (at least one character)"
     )
-    top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling threshold (null: off)")
+    max_new_tokens: Count = Field(64, description="tokens generated at most (the server's limit: maximum)")
+    temperature: float = Field(
+        SAMPLING.temperature,
+        ge=0,
+        le=MAX_TEMPERATURE,
+        description=f"sampling temperature; 0, or anything below {MIN_TEMPERATURE}, samples greedily",
+    )
+    top_k: Positive | None = Field(
+        SAMPLING.top_k, description="sample from the k most likely tokens (null: all)"
+    )
+    top_p: float | None = Field(
+        None, ge=MIN_TOP_P, le=1, description="nucleus sampling threshold (null: off)"
+    )
     greedy: bool = Field(False, description="always take the most likely token")
-    seed: int | None = Field(None, ge=0, lt=1 << 63, description="sampling seed (null: random)")
+    seed: Seed | None = Field(None, description="sampling seed (null: random)")
     stop_at_eos: bool = Field(True, description="stop at the tokenizer's end-of-text token")
+
+    _check_prompt = field_validator("prompt")(_unicode_text)
+
+
+def _generate_body(max_new_tokens: int) -> type[GenerateBody]:
+    """GenerateBody with this server's limit on max_new_tokens in its schema (so the schema is the API)."""
+    return create_model(
+        "GenerateBody",
+        __base__=GenerateBody,
+        max_new_tokens=(
+            integer(ge=0, le=max_new_tokens),
+            Field(
+                min(64, max_new_tokens),
+                description="tokens generated at most (this server's --max-new-tokens is the maximum)",
+            ),
+        ),
+    )
 
 
 class RollbackBody(_Body):
-    snapshot: int = Field(ge=1, description="k from GET .../snapshots (1: the state before the last change)")
+    snapshot: Positive = Field(description="k from GET .../snapshots (1: the state before the last change)")
 
 
 class ForkBody(_Body):
-    snapshot: int | None = Field(
-        None, ge=1, description="fork from snapshot k of GET .../snapshots (null: from the current state)"
+    snapshot: Positive | None = Field(
+        None, description="fork from snapshot k of GET .../snapshots (null: from the current state)"
     )
 
 
+# ------------------------------------------------------------------------------------------ answers
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="allow")  # a newer server may say more
+
+
+class Status(BaseModel):
+    status: Literal["ok"]
+
+
+class Created(_Answer):
+    id: str = Field(description="the session's id (32 hex digits)")
+    version: int
+
+
+class Imported(Created):
+    position: int = Field(description="tokens the session's memory has read")
+    reads: int
+
+
+class Forked(Imported):
+    parent: str = Field(description="the id of the session it was forked from")
+
+
+class Deleted(_Answer):
+    id: str
+    deleted: bool
+
+
+class Changed(_Answer):
+    """What a change answers: the new version and the session's course (read, generate and the rest add
+    their own fields; docs/serving.md lists them)."""
+
+    id: str
+    version: int
+
+
+class Snapshots(_Answer):
+    id: str
+    version: int
+    snapshots: list[dict[str, Any]] = Field(description="newest first: k, position, reads, created")
+
+
 # ------------------------------------------------------------------------------------------ errors
-class ApiError(Exception):
-    def __init__(self, status: int, detail: str) -> None:
-        super().__init__(detail)
-        self.status, self.detail = status, detail
-
-
 def _not_found(sid: str) -> ApiError:
     return ApiError(404, f"no session {sid!r}")
+
+
+def _damaged_record(sid: str, reason: str) -> ApiError:
+    """The 409 of a record with a field that cannot be read (`reason`, logged only)."""
+    log.error("stored record of session %s is damaged: %s", sid, reason)
+    return ApiError(
+        409,
+        f"stored record of session {sid} is damaged (a field of it cannot be read); nothing was changed, "
+        f"and the store's other sessions are not affected. DELETE /v1/sessions/{sid} removes it",
+    )
 
 
 class BodyLimit:
@@ -217,12 +346,21 @@ class SessionService:
             raise _not_found(sid)
         # the owner first, alone: another key's session is as absent as a missing one, and answered as
         # fast (its state is never read)
-        stored_owner = self.store.owner(sid)
-        if stored_owner is None or not hmac.compare_digest(stored_owner, owner):
+        try:
+            stored_owner = self.store.owner(sid)
+            mine = stored_owner is not None and hmac.compare_digest(stored_owner, owner)
+        except (ValueError, TypeError):  # an owner field that is not ASCII text: no key's session
+            mine = False
+        if not mine:
             raise _not_found(sid)
-        record = self.store.get(sid)
+        try:
+            record = self.store.get(sid)
+        except (ValueError, TypeError) as e:  # a field of the record is not what it must be
+            raise _damaged_record(sid, redact(str(e))) from e
         if record is None or not hmac.compare_digest(record.owner, owner):
             raise _not_found(sid)
+        if record.version < 0:  # the stores' mark of a version they could not read (a version "x")
+            raise _damaged_record(sid, "its version is not an integer")
         if self.sweeper.expired(record.updated):  # idle past --session-ttl: gone, even before a sweep
             self.store.delete(sid, owner)
             raise _not_found(sid)
@@ -298,6 +436,13 @@ class SessionService:
         snapshots older than it); `sid` is not changed."""
         _, session = self.load(sid, owner)
         if snapshot is not None:
+            kept = len(session.snapshots)
+            if snapshot > kept:  # a valid request the session's state cannot serve, as for rollback
+                raise ApiError(
+                    409,
+                    f"no snapshot {snapshot}: session {sid} keeps {kept} snapshots (k counts back from 1, "
+                    "the state before the last change)",
+                )
             try:
                 session.rollback(snapshot)  # on this copy only: nothing of `sid` is written
             except ValueError as e:
@@ -359,15 +504,88 @@ def _owner_from(key_hashes: frozenset[str] | None) -> Callable[..., str]:
             return ANONYMOUS
         key = bearer_key(authorization)
         if key is None:
-            raise HTTPException(
+            raise ApiError(
                 401, "missing API key: send 'Authorization: Bearer KEY'", {"WWW-Authenticate": "Bearer"}
             )
+        problem = key_problem(key)
+        if problem is not None:
+            raise ApiError(401, f"the API key {problem}", {"WWW-Authenticate": "Bearer"})
         digest = hash_key(key)
         if digest not in key_hashes:
-            raise HTTPException(401, "unknown API key", {"WWW-Authenticate": "Bearer"})
+            raise ApiError(401, "unknown API key", {"WWW-Authenticate": "Bearer"})
         return digest
 
     return owner
+
+
+def warm_up(engine: Engine) -> None:
+    """A read and a one-token generation on a throwaway session: the model's kernels are built or loaded,
+    and its code paths run once, before the server says it is ready."""
+    ids = list(range(min(engine.vocab_size, 16)))
+    session = engine.new_session()
+    session.read(ids)
+    session.generate(ids[:1], 1, greedy=True)
+
+
+class Readiness:
+    """Whether the model has passed its warm-up ("warming", "ready" or "failed")."""
+
+    def __init__(self) -> None:
+        self.state = "warming"
+
+    def check(self) -> None:
+        """Raise the 503 that the session routes answer before the warm-up has passed."""
+        if self.state == "warming":
+            raise ApiError(503, "the model is warming up: retry once /v1/ready says ok", {"Retry-After": "1"})
+        if self.state == "failed":
+            raise ApiError(503, "the model failed its warm-up: this server cannot serve (see its log)")
+
+
+def _json_error(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(ErrorBody(detail=detail).model_dump(), status_code=status, headers=headers)
+
+
+def _validation_detail(exc: RequestValidationError, max_new_tokens: int) -> str:
+    problems = []
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            reason = (err.get("ctx") or {}).get("error", "")
+            at = err.get("loc", ("", "?"))[-1]
+            problems.append(f"the body is not valid JSON ({reason} at character {at})")
+            continue
+        # the message names the field and the rule, never the input (it may not even encode)
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        where = ".".join(loc) or "body"
+        msg = err.get("msg", "invalid")
+        if err.get("type") == "string_unicode":  # pydantic's words for a lone surrogate
+            msg = "not valid Unicode text: it holds a lone surrogate (only valid as half of a pair)"
+        if loc == ["max_new_tokens"] and err.get("type") == "less_than_equal":
+            msg += f" (this server's limit, --max-new-tokens {max_new_tokens})"
+        problems.append(f"{where}: {msg}")
+    return "malformed request: " + "; ".join(problems)
+
+
+def _body_problem(cause: BaseException | None) -> str:
+    """Why FastAPI could not parse a body (it answers those with a bare 400)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the body is not UTF-8 JSON (byte 0x{cause.object[cause.start]:02x} at byte {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "the body is not valid JSON (nested too deeply)"
+    return "the body could not be read as JSON"
+
+
+def sampling(body: GenerateBody) -> dict[str, Any]:
+    """The sampling arguments of `generate_json` for `body` (the same for a plain and a streamed
+    generation): a temperature below MIN_TEMPERATURE samples greedily, as 0 does."""
+    temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
+    return {
+        "temperature": temperature,
+        "top_k": body.top_k,
+        "top_p": body.top_p,
+        "greedy": body.greedy,
+        "seed": body.seed,
+        "stop_at_eos": body.stop_at_eos,
+    }
 
 
 def create_app(
@@ -379,59 +597,92 @@ def create_app(
     workers: int = 4,
     model_name: str = "",
     quotas: Quotas | None = None,
+    warm: bool = True,
 ) -> FastAPI:
     """The API over `engine` and `store`. key_hashes: sha256 hashes of the accepted keys (`load_api_keys`);
     None: no keys, every request is one anonymous owner. quotas: per-key limits, idle sessions' lifetime
-    and the slow-client timeout (`titans.serving.limits.Quotas`; default its defaults)."""
+    and the slow-client timeout (`titans.serving.limits.Quotas`; default its defaults). warm: run
+    `warm_up` when the app starts (its lifespan) before /v1/ready says ok; False: ready at once.
+    model_name is logged, never answered."""
     limits = limits or Limits()
     service = SessionService(engine, store, limits, workers, quotas)
+    readiness = Readiness()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(_warm())
+        try:
+            yield
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _warm() -> None:
+        if not warm:
+            readiness.state = "ready"
+            return
+        start = time.perf_counter()
+        try:
+            await service.run(lambda: warm_up(engine))
+        except Exception as e:  # any failure: the server stays alive (health) but never ready
+            readiness.state = "failed"
+            log.error("model %s failed its warm-up: %s", model_name, redact(repr(e)))
+            return
+        readiness.state = "ready"
+        log.info("model %s warmed up in %.1f s: ready", model_name, time.perf_counter() - start)
+
     app = FastAPI(
         title="titans memory server",
         version="1",
         description=(
             "Per-session Titans memories: each session is a model state that learns the text it reads. "
-            "Every route but /v1/health needs `Authorization: Bearer KEY` (when the server has keys); a "
-            "session belongs to the key that created it."
+            "Every route but /v1/health and /v1/ready needs `Authorization: Bearer KEY` (when the server "
+            'has keys); a session belongs to the key that created it. Every error answers `{"detail": '
+            '"..."}`, a sentence naming the problem.'
         ),
+        lifespan=lifespan,
     )
     app.state.service = service
+    app.state.readiness = readiness
     app.add_middleware(BodyTimeout, timeout_s=service.quotas.body_timeout_s)  # inside the body limit
     app.add_middleware(
         BodyLimit,
         max_bytes=limits.max_body_bytes,
         larger={"/v1/sessions/import": (limits.max_import_bytes, "--max-import-bytes")},
     )
-    owner_dep = Depends(_owner_from(key_hashes))
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+        return _json_error(exc.status, exc.detail, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # FastAPI's "There was an error parsing the body"
+            return _json_error(422, "malformed request: " + _body_problem(exc.__cause__))
+        return _json_error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
 
     @app.exception_handler(StoreError)
     async def _store_error(request: Request, exc: StoreError) -> JSONResponse:
-        log.error("store error: %s", exc)
-        return JSONResponse({"detail": f"the session store is unavailable: {exc}"}, status_code=503)
+        # the store's URL, password, file path and error text go to the log only
+        log.error("store error: %s", redact(str(exc)))
+        return _json_error(
+            503, "the session store is unavailable; nothing was changed, retry later", {"Retry-After": "1"}
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = []
-        for err in exc.errors():
-            if err.get("type") == "json_invalid":
-                reason = (err.get("ctx") or {}).get("error", "")
-                at = err.get("loc", ("", "?"))[-1]
-                problems.append(f"the body is not valid JSON ({reason} at character {at})")
-                continue
-            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-            problems.append(f"{where}: {err.get('msg', 'invalid')}")
-        return JSONResponse({"detail": "malformed request: " + "; ".join(problems)}, status_code=422)
+        return _json_error(422, _validation_detail(exc, limits.max_new_tokens))
 
-    # ---- per-key limits (titans.serving.limits): every route's work runs through `gated`
     @app.exception_handler(TooBusy)
     async def _too_busy(request: Request, exc: TooBusy) -> JSONResponse:
-        return JSONResponse(
-            {"detail": exc.detail}, status_code=429, headers={"Retry-After": str(exc.retry_after_s)}
-        )
+        return _json_error(429, exc.detail, {"Retry-After": str(exc.retry_after_s)})
 
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.error("internal error on %s %s: %s", request.method, request.url.path, redact(repr(exc)))
+        return _json_error(500, "internal error: the server's log has the details")
+
+    # ---- per-key limits (titans.serving.limits): every route's work runs through `gated`
     async def gated(owner: str, fn: Callable[[], T], sid: str | None = None) -> T:
         """`fn` in a worker thread, counted against the key's concurrent requests; serialised with the
         other requests to session `sid` when given."""
@@ -457,116 +708,272 @@ def create_app(
 
         return op
 
-    @app.get("/v1/health", summary="liveness (no key needed)")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model_name, "store": store.kind}
+    @app.get(
+        "/v1/health", summary="liveness: ok while the server answers (no key needed)", operation_id="health"
+    )
+    async def health() -> Status:
+        return Status(status="ok")
 
-    @app.post("/v1/sessions", status_code=201, summary="create a session -> {id}")
-    async def create(owner: str = owner_dep) -> dict[str, Any]:
-        return await gated(owner, lambda: service.create(owner))
+    @app.get(
+        "/v1/ready",
+        summary="readiness: ok once the model is loaded and warmed up, 503 before (no key needed)",
+        operation_id="ready",
+        responses=error_responses(503),
+    )
+    async def ready() -> Status:
+        readiness.check()
+        return Status(status="ok")
 
-    @app.delete("/v1/sessions/{sid}", summary="delete a session and its snapshots")
-    async def delete(sid: str, owner: str = owner_dep) -> dict[str, Any]:
-        return await locked(sid, owner, lambda: service.delete(sid, owner))
+    # ---------------------------------------------------------------------- sessions
+    def session_link(operation_id: str, description: str) -> dict[str, Any]:
+        return {
+            "operationId": operation_id,
+            "parameters": {"sid": "$response.body#/id"},
+            "description": description,
+        }
 
-    @app.post("/v1/sessions/{sid}/read", summary="the memory reads (learns) a text")
-    async def read(sid: str, body: ReadBody, owner: str = owner_dep) -> dict[str, Any]:
+    sessions = APIRouter(
+        prefix="/v1/sessions",
+        dependencies=[Depends(lambda: readiness.check())],
+        responses=error_responses(401, 429, 503),  # 429: every route counts against the key's limits
+    )
+    owner_dep = Depends(_owner_from(key_hashes))
+    generate_body = _generate_body(limits.max_new_tokens)
+    on_session = error_responses(404, 409, 422)  # 422: a path id that is not a session id is a 404 instead
+    with_body = error_responses(408, 413)  # a body that arrives too slowly, or one over the limit
+
+    @sessions.post(
+        "",
+        status_code=201,
+        summary="create a session -> {id}",
+        operation_id="create_session",
+        responses={
+            201: {
+                "description": "the new session",
+                "links": {
+                    "ReadSession": session_link("read_session", "the new session reads a text"),
+                    "GenerateInSession": session_link("generate_in_session", "the new session generates"),
+                    "SessionStats": session_link("session_stats", "the new session's counters"),
+                    "SessionSnapshots": session_link("session_snapshots", "the new session's snapshots"),
+                    "FreezeSession": session_link("freeze_session", "freeze the new session"),
+                    "UnfreezeSession": session_link("unfreeze_session", "unfreeze the new session"),
+                    "RollbackSession": session_link("rollback_session", "roll the new session back"),
+                    "DeleteSession": session_link("delete_session", "delete the new session"),
+                    "ForkSession": session_link("fork_session", "a new session from the new session"),
+                    "ExportSession": session_link("export_session", "the new session's bytes"),
+                    "StreamInSession": session_link(
+                        "stream_in_session", "the new session generates, streamed"
+                    ),
+                },
+            },
+            **error_responses(422),
+        },
+    )
+    async def create(owner: str = owner_dep) -> Created:
+        return Created(**await gated(owner, lambda: service.create(owner)))
+
+    # before DELETE /{sid}: the path /v1/sessions/import is the import route's (an OPTIONS or a wrong method
+    # there answers 405 with Allow: POST)
+    add_session_routes(sessions, service, owner_dep, gated, locked, guarded, generate_body)
+
+    @sessions.delete(
+        "/{sid}",
+        summary="delete a session and its snapshots",
+        operation_id="delete_session",
+        responses=error_responses(404, 422),
+    )
+    async def delete(sid: str, owner: str = owner_dep) -> Deleted:
+        return Deleted(**await locked(sid, owner, lambda: service.delete(sid, owner)))
+
+    @sessions.post(
+        "/{sid}/read",
+        summary="the memory reads (learns) a text",
+        operation_id="read_session",
+        responses={**on_session, **with_body},
+    )
+    async def read(sid: str, body: ReadBody, owner: str = owner_dep) -> Changed:
         def work() -> dict[str, Any]:
             ids = service.tokens(body.text, "text")
             return service.change(sid, owner, guarded(lambda s: read_json(s, ids)))
 
-        return await locked(sid, owner, work)
+        return Changed(**await locked(sid, owner, work))
 
-    @app.post("/v1/sessions/{sid}/generate", summary="read a prompt into the memory, then continue it")
-    async def generate(sid: str, body: GenerateBody, owner: str = owner_dep) -> dict[str, Any]:
-        if body.max_new_tokens > limits.max_new_tokens:
-            raise ApiError(
-                422,
-                f"max_new_tokens {body.max_new_tokens} is over this server's limit of "
-                f"{limits.max_new_tokens} (--max-new-tokens)",
-            )
-
+    async def generate(sid: str, body: GenerateBody, owner: str = owner_dep) -> Changed:
         def work() -> dict[str, Any]:
             ids = service.tokens(body.prompt, "prompt")
 
             def op(session: MemorySession) -> dict[str, Any]:
-                return generate_json(
-                    engine,
-                    session,
-                    ids,
-                    body.max_new_tokens,
-                    temperature=body.temperature,
-                    top_k=body.top_k,
-                    top_p=body.top_p,
-                    greedy=body.greedy,
-                    seed=body.seed,
-                    stop_at_eos=body.stop_at_eos,
-                )
+                return generate_json(engine, session, ids, body.max_new_tokens, **sampling(body))
 
             return service.change(sid, owner, guarded(op))
 
-        return await locked(sid, owner, work)
+        return Changed(**await locked(sid, owner, work))
 
-    @app.get("/v1/sessions/{sid}/stats", summary="counters, the guard's events, memory norms, a digest")
-    async def stats(sid: str, owner: str = owner_dep) -> dict[str, Any]:
+    # the body's class carries this server's max_new_tokens limit (in its schema too): annotated here, as
+    # the module's postponed annotations would name a local FastAPI cannot resolve
+    generate.__annotations__["body"] = generate_body
+    sessions.post(
+        "/{sid}/generate",
+        summary="read a prompt into the memory, then continue it",
+        operation_id="generate_in_session",
+        responses={**on_session, **with_body},
+    )(generate)
+
+    @sessions.get(
+        "/{sid}/stats",
+        summary="counters, the guard's events, memory norms, a digest",
+        operation_id="session_stats",
+        responses=on_session,
+    )
+    async def stats(sid: str, owner: str = owner_dep) -> Changed:
         def work() -> dict[str, Any]:
             record, session = service.load(sid, owner)
             return {"id": sid, "version": record.version, **stats_json(session)}
 
-        return await gated(owner, work)
+        return Changed(**await gated(owner, work))
 
-    @app.post("/v1/sessions/{sid}/freeze", summary="stop writing the memory (reads still work)")
-    async def freeze(sid: str, owner: str = owner_dep) -> dict[str, Any]:
+    @sessions.post(
+        "/{sid}/freeze",
+        summary="stop writing the memory (reads still work)",
+        operation_id="freeze_session",
+        responses=on_session,
+    )
+    async def freeze(sid: str, owner: str = owner_dep) -> Changed:
         def op(session: MemorySession) -> dict[str, Any]:
             session.freeze()
             return {"frozen": True}
 
-        return await locked(sid, owner, lambda: service.change(sid, owner, op))
+        return Changed(**await locked(sid, owner, lambda: service.change(sid, owner, op)))
 
-    @app.post("/v1/sessions/{sid}/unfreeze", summary="write the memory again")
-    async def unfreeze(sid: str, owner: str = owner_dep) -> dict[str, Any]:
+    @sessions.post(
+        "/{sid}/unfreeze",
+        summary="write the memory again",
+        operation_id="unfreeze_session",
+        responses=on_session,
+    )
+    async def unfreeze(sid: str, owner: str = owner_dep) -> Changed:
         def op(session: MemorySession) -> dict[str, Any]:
             session.unfreeze()
             return {"frozen": False}
 
-        return await locked(sid, owner, lambda: service.change(sid, owner, op))
+        return Changed(**await locked(sid, owner, lambda: service.change(sid, owner, op)))
 
-    @app.get("/v1/sessions/{sid}/snapshots", summary="the kept snapshots, newest first (k from 1)")
-    async def snapshots(sid: str, owner: str = owner_dep) -> dict[str, Any]:
+    @sessions.get(
+        "/{sid}/snapshots",
+        summary="the kept snapshots, newest first (k from 1)",
+        operation_id="session_snapshots",
+        responses=on_session,
+    )
+    async def snapshots(sid: str, owner: str = owner_dep) -> Snapshots:
         def work() -> dict[str, Any]:
             record, session = service.load(sid, owner)
             return {"id": sid, "version": record.version, "snapshots": snapshots_json(session)}
 
-        return await gated(owner, work)
+        return Snapshots(**await gated(owner, work))
 
-    @app.post("/v1/sessions/{sid}/rollback", summary="restore a snapshot, bit for bit")
-    async def rollback(sid: str, body: RollbackBody, owner: str = owner_dep) -> dict[str, Any]:
+    @sessions.post(
+        "/{sid}/rollback",
+        summary="restore a snapshot, bit for bit",
+        operation_id="rollback_session",
+        responses={**on_session, **with_body},
+    )
+    async def rollback(sid: str, body: RollbackBody, owner: str = owner_dep) -> Changed:
         def op(session: MemorySession) -> dict[str, Any]:
+            kept = len(session.snapshots)
+            if body.snapshot > kept:  # a valid request the session's state cannot serve
+                raise ApiError(
+                    409,
+                    f"no snapshot {body.snapshot}: session {sid} keeps {kept} snapshots (k counts back "
+                    "from 1, the state before the last change)",
+                )
             session.rollback(body.snapshot)
             return {"position": session.position, "reads": session.reads, "snapshots": len(session.snapshots)}
 
-        return await locked(sid, owner, lambda: service.change(sid, owner, guarded(op)))
+        return Changed(**await locked(sid, owner, lambda: service.change(sid, owner, guarded(op))))
 
-    add_session_routes(app, service, owner_dep, gated, locked, guarded)
+    app.include_router(sessions)
     return app
 
 
 # ------------------------------------------------------------------------------ fork, export, stream
-def add_session_routes(app: FastAPI, service: SessionService, owner_dep, gated, locked, guarded) -> None:
+def _event_schema(kind: str, data: dict[str, Any]) -> dict[str, Any]:
+    json_data = {"type": "string", "contentMediaType": "application/json", "contentSchema": data}
+    return {"properties": {"event": {"const": kind}, "data": json_data}}
+
+
+# One server-sent event of POST .../generate/stream (OpenAPI 3.1: the schema of a text/event-stream
+# describes each event, its `data` a JSON document of its own)
+_SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "required": ["event", "data"],
+    "oneOf": [
+        _event_schema(
+            "token",
+            {
+                "type": "object",
+                "required": ["id", "text"],
+                "properties": {
+                    "id": {"type": "integer", "description": "the token"},
+                    "text": {"type": "string", "description": "the text it adds (empty while incomplete)"},
+                },
+            },
+        ),
+        _event_schema("done", {"$ref": "#/components/schemas/Changed"}),
+        _event_schema(
+            "error",
+            {
+                "type": "object",
+                "required": ["status", "detail"],
+                "properties": {"status": {"type": "integer"}, "detail": {"type": "string"}},
+            },
+        ),
+    ],
+}
+
+
+def add_session_routes(
+    sessions: APIRouter,
+    service: SessionService,
+    owner_dep: Any,
+    gated: Callable[..., Any],
+    locked: Callable[..., Any],
+    guarded: Callable[..., Any],
+    generate_body: type[GenerateBody],
+) -> None:
     """Fork a session, export and import its bytes, and generate with the answer streamed (server-sent
-    events)."""
-    engine, limits = service.engine, service.limits
+    events), on the `sessions` router (its prefix /v1/sessions, its readiness check and its errors)."""
+    engine = service.engine
+    on_session = error_responses(404, 409, 422)
+    with_body = error_responses(408, 413)
+    streams: set[asyncio.Future] = set()  # streamed generations still running (held against collection)
 
-    @app.post("/v1/sessions/{sid}/fork", status_code=201, summary="a new session from this one's memory")
-    async def fork(sid: str, body: ForkBody | None = None, owner: str = owner_dep) -> dict[str, Any]:
+    @sessions.post(
+        "/{sid}/fork",
+        status_code=201,
+        summary="a new session from this one's memory (its current state or a snapshot)",
+        operation_id="fork_session",
+        responses={
+            201: {"model": Forked, "description": "the new session"},
+            **on_session,
+            **with_body,
+        },
+    )
+    async def fork(sid: str, body: ForkBody | None = None, owner: str = owner_dep) -> Forked:
         snapshot = body.snapshot if body is not None else None
-        return await locked(sid, owner, lambda: service.fork(sid, owner, snapshot))
+        return Forked(**await locked(sid, owner, lambda: service.fork(sid, owner, snapshot)))
 
-    @app.get(
-        "/v1/sessions/{sid}/export",
+    @sessions.get(
+        "/{sid}/export",
         summary="the session's bytes (MemorySession.to_bytes)",
+        operation_id="export_session",
         response_class=Response,
-        responses={200: {"content": {"application/octet-stream": {}}}},
+        responses={
+            200: {
+                "description": "the session's bytes, for POST /v1/sessions/import",
+                "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+            },
+            **on_session,
+        },
     )
     async def export(sid: str, owner: str = owner_dep) -> Response:
         data = await locked(sid, owner, lambda: service.export(sid, owner))
@@ -576,34 +983,30 @@ def add_session_routes(app: FastAPI, service: SessionService, owner_dep, gated, 
             headers={"Content-Disposition": f'attachment; filename="{sid}.session"'},
         )
 
-    @app.post(
-        "/v1/sessions/import",
+    @sessions.post(
+        "/import",
         status_code=201,
         summary="a new session from exported bytes (the body, application/octet-stream)",
+        operation_id="import_session",
         openapi_extra={
             "requestBody": {
                 "required": True,
+                "description": "bytes of GET /v1/sessions/{sid}/export (MemorySession.to_bytes) of a session "
+                "of this server's model; other bytes are a 422",
                 "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
             }
         },
+        responses={
+            201: {"model": Imported, "description": "the new session"},
+            **error_responses(422),
+            **with_body,
+        },
     )
-    async def import_session(request: Request, owner: str = owner_dep) -> dict[str, Any]:
+    async def import_session(request: Request, owner: str = owner_dep) -> Imported:
         data = await request.body()
-        return await gated(owner, lambda: service.import_(owner, data))
+        return Imported(**await gated(owner, lambda: service.import_(owner, data)))
 
-    @app.post(
-        "/v1/sessions/{sid}/generate/stream",
-        summary="generate, the tokens sent as server-sent events as they come; the memory written at the end",
-        response_class=StreamingResponse,
-        responses={200: {"content": {"text/event-stream": {}}}},
-    )
     async def generate_stream(sid: str, body: GenerateBody, owner: str = owner_dep) -> StreamingResponse:
-        if body.max_new_tokens > limits.max_new_tokens:
-            raise ApiError(
-                422,
-                f"max_new_tokens {body.max_new_tokens} is over this server's limit of "
-                f"{limits.max_new_tokens} (--max-new-tokens)",
-            )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -615,31 +1018,21 @@ def add_session_routes(app: FastAPI, service: SessionService, owner_dep, gated, 
 
             def op(session: MemorySession) -> dict[str, Any]:
                 return generate_json(
-                    engine,
-                    session,
-                    ids,
-                    body.max_new_tokens,
-                    temperature=body.temperature,
-                    top_k=body.top_k,
-                    top_p=body.top_p,
-                    greedy=body.greedy,
-                    seed=body.seed,
-                    stop_at_eos=body.stop_at_eos,
-                    on_token=on_token,
+                    engine, session, ids, body.max_new_tokens, **sampling(body), on_token=on_token
                 )
 
             return service.change(sid, owner, guarded(op))
 
         async def run() -> None:
             try:
-                events.put_nowait(("done", await locked(sid, owner, work)))
+                events.put_nowait(("done", Changed(**await locked(sid, owner, work)).model_dump()))
             except Exception as e:  # noqa: BLE001 - handed to the response: an error status or event
                 events.put_nowait(("error", e))
 
         # the whole generation and its write run on whether or not the client stays to the end
         task = asyncio.ensure_future(run())
-        app.state.streams = getattr(app.state, "streams", set()) | {task}
-        task.add_done_callback(lambda t: app.state.streams.discard(t))
+        streams.add(task)
+        task.add_done_callback(streams.discard)
         kind, first = await events.get()
         if kind == "error":
             raise first  # before any token: the answer is the error's own status
@@ -648,6 +1041,24 @@ def add_session_routes(app: FastAPI, service: SessionService, owner_dep, gated, 
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
+
+    # the body's class carries this server's max_new_tokens limit, as the plain generate's does
+    generate_stream.__annotations__["body"] = generate_body
+    sessions.post(
+        "/{sid}/generate/stream",
+        summary="generate, the tokens sent as server-sent events as they come; the memory written at the end",
+        operation_id="stream_in_session",
+        response_class=StreamingResponse,
+        responses={
+            200: {
+                "description": "events: token ({id, text}) as each comes, then done (the answer of "
+                "/generate, once the session is stored) or error ({status, detail})",
+                "content": {"text/event-stream": {"schema": _SSE_EVENT}},
+            },
+            **on_session,
+            **with_body,
+        },
+    )(generate_stream)
 
 
 async def _sse(engine: Engine, stop_at_eos: bool, first: tuple[str, Any], events: asyncio.Queue):
@@ -671,12 +1082,16 @@ async def _sse(engine: Engine, stop_at_eos: bool, first: tuple[str, Any], events
             yield _event("done", value)
             return
         else:
-            status, detail = (value.status, value.detail) if isinstance(value, ApiError) else (503, "")
-            if isinstance(value, StoreError):
-                detail = "the session store is unavailable"
-            elif not isinstance(value, ApiError):
-                status, detail = 500, "the generation failed"
-                log.error("streamed generation failed: %r", value)
+            if isinstance(value, ApiError):
+                status, detail = value.status, value.detail
+            elif isinstance(value, TooBusy):  # the key's stored bytes: the memory was not written
+                status, detail = 429, value.detail
+            elif isinstance(value, StoreError):
+                status, detail = 503, "the session store is unavailable; nothing was changed, retry later"
+                log.error("store error: %s", redact(str(value)))
+            else:
+                status, detail = 500, "internal error: the server's log has the details"
+                log.error("streamed generation failed: %s", redact(repr(value)))
             yield _event("error", {"status": status, "detail": detail})
             return
         item = await events.get()
@@ -690,10 +1105,16 @@ __all__ = [
     "ApiError",
     "BodyLimit",
     "ForkBody",
+    "Forked",
     "GenerateBody",
+    "Imported",
     "Limits",
+    "MIN_TEMPERATURE",
+    "MIN_TOP_P",
     "ReadBody",
     "RollbackBody",
     "add_session_routes",
     "create_app",
+    "sampling",
+    "warm_up",
 ]

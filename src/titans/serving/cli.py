@@ -21,8 +21,9 @@ from titans.runtime.device import resolve_device
 from titans.runtime.loading import load_trained
 from titans.serving import limits as d  # its defaults; it needs the serve extra only to serve
 from titans.serving.auth import is_loopback, load_api_keys
+from titans.serving.errors import redact, redact_url
 from titans.serving.session import DEFAULT_MAX_SNAPSHOTS, Engine
-from titans.serving.stores import open_store
+from titans.serving.stores import StoreError, open_store
 
 DEFAULT_STORE = "sqlite:///titans-sessions.db"
 
@@ -98,7 +99,10 @@ def build_app(args: argparse.Namespace):
     engine = Engine(
         model, tokenizer, max_snapshots=args.snapshots, probe=probe, guard_max_rise=args.guard_max_rise
     )
-    store = open_store(args.store, pool_size=args.store_pool)
+    try:
+        store = open_store(args.store, pool_size=args.store_pool)
+    except (StoreError, ValueError) as e:  # one line on stderr, without the URL's password
+        raise OSError(redact(str(e))) from None
     limits = Limits(
         max_body_bytes=args.max_body_bytes,
         max_tokens=args.max_tokens,
@@ -126,7 +130,12 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn  # the optional `serve` extra, installed with fastapi
 
     log = logging.getLogger("titans.serving")
-    log.info("store %s (%d sessions); keys: %s", store.url, store.count(), args.api_keys or "none (no auth)")
+    log.info(
+        "store %s (%d sessions); keys: %s",
+        redact_url(store.url),
+        store.count(),
+        args.api_keys or "none (no auth)",
+    )
     try:
         uvicorn.run(
             app,
