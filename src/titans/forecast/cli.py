@@ -125,7 +125,7 @@ def cmd_study(args) -> int:
                     f"{split.series.name} H={h} {m:14s} mse {r['test_mse']:.4f} mae {r['test_mae']:.4f} "
                     f"(best at step {r['best_step']} after {r['best_seconds']:.0f}s of "
                     f"{r['steps_done']} steps, {r['train_seconds']:.0f}s; "
-                    f"{r.get('stopped_by', 'all steps ran')})",
+                    f"{r.get('stopped_by', 'all steps ran' if r['parameters'] else 'not trained')})",
                     flush=True,
                 )
             plot_forecasts(
@@ -184,7 +184,7 @@ def _common(p, study: bool = False) -> None:
         "--time-budget",
         type=float,
         default=None,
-        help="seconds of training per model at most (default: none)",
+        help="wall seconds per model, validation included, at most (default: none)",
     )
     p.add_argument("--period", type=int, default=24, help="seasonal-naive period in steps (24: hourly data)")
     p.add_argument("--dim", type=int, default=32, help="Titans backbone width")
