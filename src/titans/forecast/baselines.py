@@ -87,6 +87,7 @@ class NeuralForecastAdapter(nn.Module):
         super().__init__()
         try:
             import neuralforecast.models as nf
+
             # its constructors announce the seed they set on every call
             logging.getLogger("lightning_fabric.utilities.seed").setLevel(logging.WARNING)
         except ImportError as e:
