@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-EXTRAS ?= dev,tokenizers,train,hf,domains,kernels,lmeval,serve,serve-test
+EXTRAS ?= dev,tokenizers,train,hf,domains,forecast,kernels,lmeval,serve,serve-test
 
 .PHONY: setup main test lint compare eval-essays
 $(VENV)/.installed: pyproject.toml

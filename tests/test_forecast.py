@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from titans.data.series import Series, load_series, read_series_csv, split_series
 from titans.forecast.model import FORECAST_MODELS, build_forecaster
@@ -24,6 +25,14 @@ def _write_csv(path, n: int, channels: list[str], freq: str = "h", date: str = "
         data[c] = np.round(np.sin(2 * np.pi * t / 24 + i) + 0.1 * rng.standard_normal(n) + i, 3)
     pd.DataFrame(data).to_csv(path, index=False)
     return path
+
+
+def _needs(name: str) -> None:
+    """Skip a test of an external baseline whose library is not installed."""
+    if name == "patchtst":
+        pytest.importorskip("transformers")
+    if name.startswith("nf-"):
+        pytest.importorskip("neuralforecast")
 
 
 ETT = ["HUFL", "HULL", "MUFL", "MULL", "LUFL", "LULL", "OT"]
@@ -75,6 +84,7 @@ def test_scaler_sees_training_data_only():
 
 @pytest.mark.parametrize("name", FORECAST_MODELS)
 def test_model_shapes_and_causality(name):
+    _needs(name)
     # awkward sizes: lookback 48, horizon 7, 5 channels
     torch.manual_seed(0)
     model = build_forecaster(name, lookback=48, horizon=7, channels=5, dim=16, depth=1, heads=2)
@@ -88,7 +98,7 @@ def test_model_shapes_and_causality(name):
     torch.testing.assert_close(model(future[:, :48]), y, rtol=0, atol=0)
     # ... and a change inside the lookback does change it
     inside = series.clone()
-    inside[:, 40, 2] += 3.0
+    inside[:, 30, 2] += 3.0  # a step seasonal-naive (period 24, horizon 7) repeats
     assert not torch.allclose(model(inside[:, :48]), y)
     with pytest.raises(ValueError, match=r"expected \(batch, 48, 5\)"):
         model(series[:, :47])
@@ -152,8 +162,14 @@ def test_train_eval_and_cli(tmp_path):
         "32",
         "--horizon",
         "8",
-        "--steps",
+        "--max-steps",
         "5",
+        "--val-every",
+        "2",
+        "--patience",
+        "1",
+        "--time-budget",
+        "60",
         "--out",
         str(out),
         "--no-progress",
@@ -161,6 +177,8 @@ def test_train_eval_and_cli(tmp_path):
     assert main(argv) == 0
     rec = json.loads((out / "result.json").read_text())
     assert rec["run"]["model"] == "linear" and (out / "forecast.png").stat().st_size > 0
+    assert rec["run"]["patience"] == 1 and rec["run"]["eval_every"] == 2 and rec["run"]["time_budget"] == 60
+    assert rec["run"]["steps"] == 5 and rec["steps_done"] <= 5 and rec["best_step"] <= rec["steps_done"]
     assert main(["forecast", "eval", "--run", str(out)]) == 0
 
 
@@ -170,3 +188,101 @@ def test_tmy3_from_pvlib():
     assert s.values.shape == (8760, 8) and np.isfinite(s.values).all()
     # Sand Point's pressure never changes in the file: dropped rather than standardised by a zero std
     assert "Pressure (mbar)" not in load_series("tmy3:sand-point").channels
+
+
+def test_external_baselines_receive_exactly_the_titans_windows(monkeypatch):
+    # Every model is wrapped so that it records its inputs; all of them must see the same training batches,
+    # the whole validation part and the whole test part, cut at the protocol's borders and standardised
+    # by the training part's statistics. The test part is shifted by 50: a scaler fitted on anything but
+    # the training part would give other values.
+    import titans.forecast.train as train_module
+
+    n, lookback, horizon, batch = 600, 32, 8, 16
+    values = np.random.default_rng(3).standard_normal((n, 3)).cumsum(0)
+    values[int(n * 0.8) :] += 50.0
+    sp = split_series(Series("w", values, ("a", "b", "c"), "memory"), lookback=lookback, protocol="ratio")
+    n_train, n_test = int(n * 0.7), int(n * 0.2)
+    mean, std = values[:n_train].mean(0), values[:n_train].std(0)
+
+    def windows(lo: int, hi: int) -> np.ndarray:  # every lookback window of values[lo:hi], by hand
+        part = (values[lo:hi] - mean) / std
+        return np.stack([part[i : i + lookback] for i in range(hi - lo - lookback - horizon + 1)])
+
+    expected_val = windows(n_train - lookback, n - n_test)
+    expected_test = windows(n - n_test - lookback, n)
+    draws = np.random.default_rng(0)  # the batch order of seed 0
+    train_windows = windows(0, n_train)
+    expected_train = [train_windows[draws.integers(0, len(train_windows), batch)] for _ in range(4)]
+
+    class Recorder(nn.Module):
+        def __init__(self, inner: nn.Module, log: list):
+            super().__init__()
+            self.inner, self.log = inner, log
+
+        def forward(self, x):
+            self.log.append((self.training, x.detach().clone().numpy()))
+            return self.inner(x)
+
+    seen: dict[str, list] = {}
+    build = train_module.build_forecaster
+    monkeypatch.setattr(
+        train_module,
+        "build_forecaster",
+        lambda name, **kw: Recorder(build(name, **kw), seen.setdefault(name, [])),
+    )
+    names = ("lmm", "linear", "patchtst", "nf-dlinear", "seasonal-naive")
+    for name in names:
+        _needs(name)
+    for name in names:
+        run = ForecastRun(
+            name, horizon=horizon, steps=4, batch_size=batch, eval_every=2, dim=16, depth=1, heads=2
+        )
+        train_forecaster(sp, run)
+    for name in names:
+        trained = [x for training, x in seen[name] if training]
+        # evaluation passes: one batch each here (fewer than 256 windows); val at 0, 2, 4, then the test
+        passes = [x for training, x in seen[name] if not training]
+        if name == "seasonal-naive":  # no parameters: not trained, validated once
+            assert trained == [] and len(passes) == 2
+        else:
+            assert len(trained) == 4 and len(passes) == 4
+            for got, want in zip(trained, expected_train):
+                np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        for got in passes[:-1]:
+            np.testing.assert_allclose(got, expected_val, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(passes[-1], expected_test, rtol=1e-6, atol=1e-6)
+        # identical, not merely close, to what the Titans model got
+        titans_trained = [x for training, x in seen["lmm"] if training]
+        titans_passes = [x for training, x in seen["lmm"] if not training]
+        for x0, x1 in [
+            *zip(titans_trained, trained),
+            (titans_passes[0], passes[0]),
+            (titans_passes[-1], passes[-1]),
+        ]:
+            np.testing.assert_array_equal(x0, x1)
+
+
+def test_early_stopping_budgets_and_the_best_weights():
+    values = np.random.default_rng(4).standard_normal((500, 2))
+    sp = split_series(Series("w", values, ("a", "b"), "memory"), lookback=24, protocol="ratio")
+    small = dict(horizon=6, dim=16, depth=1, heads=2, eval_every=1)
+    # lr 0: the validation loss never improves on the untrained model; patience 3 stops at step 3
+    res = train_forecaster(sp, ForecastRun("linear", steps=50, lr=0.0, patience=3, **small))
+    assert res.metrics["stopped_by"] == "early stopping" and res.metrics["steps_done"] == 3
+    assert res.metrics["best_step"] == 0 and not res.metrics["improving_at_end"]
+    # the weights returned are those of the best validation check
+    res = train_forecaster(sp, ForecastRun("linear", steps=20, lr=0.3, patience=2, **small))
+    val = sp.windows(6)[1]
+    assert evaluate(res.model, val)["mse"] == pytest.approx(res.metrics["val_mse"], rel=1e-9)
+    assert 0 <= res.metrics["best_step"] <= res.metrics["steps_done"] and res.metrics["best_seconds"] >= 0
+    # a time budget stops after the step it runs out in
+    res = train_forecaster(sp, ForecastRun("lmm", steps=50, time_budget=1e-9, **small))
+    assert res.metrics["stopped_by"] == "time budget" and res.metrics["steps_done"] == 1
+    # the same rules for the external baselines
+    _needs("patchtst")
+    res = train_forecaster(sp, ForecastRun("patchtst", steps=50, lr=0.0, patience=2, **small))
+    assert res.metrics["stopped_by"] == "early stopping" and res.metrics["steps_done"] == 2
+    with pytest.raises(ValueError, match="patience must be >= 1"):
+        ForecastRun("lmm", patience=0)
+    with pytest.raises(ValueError, match="period must be in 1..lookback"):
+        train_forecaster(sp, ForecastRun("seasonal-naive", period=30, **small))

@@ -89,6 +89,24 @@ def test_a_signal_stops_the_loop_after_the_step_with_a_checkpoint():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
+def test_an_evaluation_callback_stops_the_loop_with_request_stop():
+    saved: list[int] = []
+    evaluated: list[int] = []
+
+    def evaluate(step: int) -> None:
+        evaluated.append(step)
+        if step == 4:
+            loop.request_stop("early stopping")
+
+    _, loop = _linear_loop(eval_every=2, evaluate=evaluate, ckpt_every=100, checkpoint=saved.append)
+    done = loop.run()
+    assert done.stopped_by == "early stopping" and done.stopped_early
+    assert done.step == 4 and evaluated == [2, 4] and saved == [4] and len(done.step_losses) == 4
+    loop.total_steps = 8  # a later run starts without the old request
+    again = loop.run()
+    assert again.step == 8 and again.stopped_by is None and evaluated == [2, 4, 6]
+
+
 def test_the_loop_refuses_a_half_given_set_of_parts():
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

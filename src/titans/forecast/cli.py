@@ -55,6 +55,9 @@ def _run(args, model: str, horizon: int) -> ForecastRun:
         heads=args.heads,
         revin=not args.no_revin,
         seed=args.seed,
+        patience=args.patience,
+        time_budget=args.time_budget,
+        period=args.period,
     )
 
 
@@ -131,8 +134,10 @@ def cmd_study(args) -> int:
                 trained[m] = result.model
                 r = result.metrics
                 print(
-                    f"{split.series.name} H={h} {m:12s} mse {r['test_mse']:.4f} mae {r['test_mae']:.4f} "
-                    f"({r['train_seconds']:.0f}s)",
+                    f"{split.series.name} H={h} {m:14s} mse {r['test_mse']:.4f} mae {r['test_mae']:.4f} "
+                    f"(best at step {r['best_step']} after {r['best_seconds']:.0f}s of "
+                    f"{r['steps_done']} steps, {r['train_seconds']:.0f}s; "
+                    f"{r.get('stopped_by', 'all steps ran' if r['parameters'] else 'not trained')})",
                     flush=True,
                 )
             png = out / f"{split.series.name}-H{h}.png"
@@ -175,10 +180,30 @@ def _common(p, study: bool = False) -> None:
         help="split: 7:1:2 ratio, or ETT's 12/4/4 months (auto: from the file name)",
     )
     p.add_argument("--lookback", type=int, default=96, help="input steps")
-    p.add_argument("--steps", type=int, default=150, help="Adam steps")
+    p.add_argument("--steps", "--max-steps", dest="steps", type=int, default=150, help="Adam steps at most")
     p.add_argument("--batch-size", type=int, default=32, help="windows per step")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
-    p.add_argument("--eval-every", type=int, default=50, help="validate every this many steps (best kept)")
+    p.add_argument(
+        "--eval-every",
+        "--val-every",
+        dest="eval_every",
+        type=int,
+        default=50,
+        help="validate every this many steps (the best weights are restored at the end)",
+    )
+    p.add_argument(
+        "--patience",
+        type=int,
+        default=None,
+        help="early stopping: stop after this many validations without improvement (default: never)",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="wall seconds per model, validation included, at most (default: none)",
+    )
+    p.add_argument("--period", type=int, default=24, help="seasonal-naive period in steps (24: hourly data)")
     p.add_argument("--dim", type=int, default=32, help="Titans backbone width")
     p.add_argument("--depth", type=int, default=2, help="Titans backbone blocks")
     p.add_argument("--heads", type=int, default=4, help="attention / memory heads")

@@ -11,7 +11,10 @@
 - ``DLinear``: the linear baseline (Zeng et al., 2023): a moving-average trend / remainder split of the
   lookback and one linear map along time for each, shared by the channels.
 
-Neither model sees anything after its lookback: the input is the lookback window alone.
+The external baselines (PatchTST, neuralforecast's models, seasonal-naive) are in
+``titans.forecast.baselines``; ``build_forecaster`` builds any of them by name.
+
+No model sees anything after its lookback: the input is the lookback window alone.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from titans.forecast.baselines import EXTERNAL_BASELINES, build_baseline, check_window
 from titans.layers.norm import RMSNorm
 from titans.models.blocks import IdentityInitGate
 from titans.models.config import VARIANTS, TitansConfig
 from titans.models.variants import make_block
 
-FORECAST_MODELS = ("linear", *VARIANTS)
+FORECAST_MODELS = ("linear", *VARIANTS, *EXTERNAL_BASELINES)
 
 
 class RevIN(nn.Module):
@@ -49,11 +53,6 @@ class RevIN(nn.Module):
         return (y - self.bias) / (self.weight + self.eps * self.eps) * std + mean
 
 
-def _check_input(x: Tensor, lookback: int, channels: int, who: str) -> None:
-    if x.dim() != 3 or x.shape[1] != lookback or x.shape[2] != channels:
-        raise ValueError(f"{who}: expected (batch, {lookback}, {channels}), got {tuple(x.shape)}")
-
-
 class DLinear(nn.Module):
     """x (B, L, C) -> (B, H, C): trend (moving average, kernel ``kernel``) and remainder, one Linear(L, H)
     each, shared by the channels."""
@@ -65,7 +64,7 @@ class DLinear(nn.Module):
         self.seasonal = nn.Linear(lookback, horizon)
 
     def forward(self, x: Tensor) -> Tensor:
-        _check_input(x, self.lookback, self.channels, "DLinear")
+        check_window(x, self.lookback, self.channels, "DLinear")
         k = self.kernel
         xt = x.transpose(1, 2)  # (B, C, L)
         # replicate padding keeps the average length L and uses lookback values only
@@ -91,7 +90,7 @@ class TitansForecaster(nn.Module):
                 module.reset_parameters()
 
     def forward(self, x: Tensor) -> Tensor:
-        _check_input(x, self.lookback, self.channels, "TitansForecaster")
+        check_window(x, self.lookback, self.channels, "TitansForecaster")
         stats = None
         if self.revin is not None:
             x, stats = self.revin.normalize(x)
@@ -116,8 +115,12 @@ def build_forecaster(
     segment_len: int = 32,
     window: int = 32,
     revin: bool = True,
+    period: int = 24,
+    seed: int = 0,
 ) -> nn.Module:
-    """A forecaster by name: ``"linear"`` (DLinear) or a Titans variant (``FORECAST_MODELS``)."""
+    """A forecaster by name (``FORECAST_MODELS``): ``"linear"`` (DLinear), a Titans variant, or an external
+    baseline (``titans.forecast.baselines``: ``dim``/``depth``/``heads`` size PatchTST too, ``period`` is
+    the seasonal-naive period, ``seed`` neuralforecast's model seed)."""
     if model not in FORECAST_MODELS:
         raise ValueError(f"unknown forecasting model {model!r}; expected one of {', '.join(FORECAST_MODELS)}")
     if lookback < 1 or horizon < 1 or channels < 1:
@@ -126,6 +129,18 @@ def build_forecaster(
         )
     if model == "linear":
         return DLinear(lookback, horizon, channels)
+    if model in EXTERNAL_BASELINES:
+        return build_baseline(
+            model,
+            lookback=lookback,
+            horizon=horizon,
+            channels=channels,
+            dim=dim,
+            depth=depth,
+            heads=heads,
+            period=period,
+            seed=seed,
+        )
     cfg = TitansConfig(
         variant=model,
         vocab_size=1,

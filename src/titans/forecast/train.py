@@ -3,11 +3,17 @@
     result = train_forecaster(split, ForecastRun(model="lmm", horizon=96, steps=150))
     result.metrics      # {"test_mse", "test_mae", "val_mse", ...} on the standardised test part
 
-Training draws random windows of the training part (a seeded generator), minimises the MSE with Adam
-(gradient norm clipped to 1) on the package's training loop (``titans.training.loop.TrainLoop``: a NaN or
-inf loss stops it, naming the step), and keeps the weights of the best validation MSE (checked every
-``eval_every`` steps and at the end). Test
-metrics average over every test window (stride 1) and every predicted value, as the literature does.
+Training draws random windows of the training part (a seeded generator: every model of a study sees the
+same batches), minimises the MSE with Adam (gradient norm clipped to 1) on the package's training loop
+(``titans.training.loop.TrainLoop``: a NaN or inf loss stops it, naming the step). The same convergence
+rules hold for every model, Titans or baseline: the validation MSE is checked every ``eval_every`` steps
+and at the end; with ``patience`` training stops once that many checks in a row did not improve on the
+best (early stopping); ``steps`` and ``time_budget`` (seconds of training) cap the run; the weights of the
+best check are restored at the end. The metrics say at which step (``best_step``) and after how many
+seconds of training, validation excluded (``best_seconds``), the best weights were reached, and why
+training ended (``stopped_by``: early stopping, the time budget, a signal; absent when all ``steps`` ran).
+A model without parameters (seasonal-naive) is not trained. Test metrics average over every test window
+(stride 1) and every predicted value, as the literature does.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ from titans.training.loop import TrainLoop
 
 @dataclass
 class ForecastRun:
-    """One model at one horizon. ``dim``/``depth``/``heads`` size the Titans backbones (the linear model
-    has none); ``steps`` Adam steps of ``batch_size`` windows at learning rate ``lr``."""
+    """One model at one horizon. ``dim``/``depth``/``heads`` size the Titans backbones and PatchTST (the
+    linear models have none); at most ``steps`` Adam steps of ``batch_size`` windows at learning rate
+    ``lr``; ``patience`` validation checks without improvement stop training early (None: never);
+    ``time_budget`` seconds stop it too (None: no limit); ``period``: the seasonal-naive period."""
 
     model: str = "lmm"
     horizon: int = 96
@@ -43,13 +51,20 @@ class ForecastRun:
     heads: int = 4
     revin: bool = True
     seed: int = 0
+    patience: int | None = None
+    time_budget: float | None = None
+    period: int = 24
 
     def __post_init__(self) -> None:
         if self.model not in FORECAST_MODELS:
             raise ValueError(f"unknown forecasting model {self.model!r}; expected one of {FORECAST_MODELS}")
-        for name in ("horizon", "steps", "batch_size", "eval_every", "dim", "depth", "heads"):
+        for name in ("horizon", "steps", "batch_size", "eval_every", "dim", "depth", "heads", "period"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"ForecastRun.{name} must be >= 1, got {getattr(self, name)}")
+        if self.patience is not None and self.patience < 1:
+            raise ValueError(f"ForecastRun.patience must be >= 1 or None, got {self.patience}")
+        if self.time_budget is not None and not self.time_budget > 0:
+            raise ValueError(f"ForecastRun.time_budget must be > 0 seconds or None, got {self.time_budget}")
 
 
 @dataclass
@@ -106,44 +121,63 @@ def train_forecaster(
         depth=run.depth,
         heads=run.heads,
         revin=run.revin,
+        period=run.period,
+        seed=run.seed,
     )
-    opt = torch.optim.Adam(model.parameters(), lr=run.lr)
-    best = (math.inf, copy.deepcopy(model.state_dict()), 0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    t0 = time.perf_counter()
+    eval_s = 0.0  # validation time, kept out of best_seconds
+    best = (math.inf, copy.deepcopy(model.state_dict()), 0, 0.0)
+    since_best = 0
     losses: list[float] = []
-    evaluated = {0}
+    evaluated: set[int] = set()
+    loop: TrainLoop | None = None
 
-    def check(step: int) -> None:  # the validation MSE; keep the best weights
-        nonlocal best
+    def check(step: int) -> None:  # the validation MSE; keep the best weights; early stopping
+        nonlocal best, since_best, eval_s
+        t = time.perf_counter()
         evaluated.add(step)
         v = evaluate(model, val)["mse"]
         if v < best[0]:
-            best = (v, copy.deepcopy(model.state_dict()), step)
+            best, since_best = (v, copy.deepcopy(model.state_dict()), step, t - t0 - eval_s), 0
+        else:
+            since_best += 1
+        eval_s += time.perf_counter() - t
+        if loop is not None and run.patience is not None and since_best >= run.patience:
+            loop.request_stop("early stopping")
 
     def loss_fn(model: nn.Module, batch: tuple[np.ndarray, np.ndarray]) -> torch.Tensor:
         x, y = batch
         return nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y))
 
-    loop = TrainLoop(
-        model,
-        opt,
-        total_steps=run.steps,
-        batches=lambda step: train.batch(rng.integers(0, len(train), run.batch_size)),
-        loss_fn=loss_fn,
-        grad_clip=1.0,
-        eval_every=run.eval_every,
-        evaluate=check,
-        on_step=lambda step, loss, grad_norm, aux: losses.append(loss.item()),
-        handle_signals=handle_signals,
-        progress=progress,
-        progress_desc=f"{split.series.name} {run.model} H={run.horizon}",
-        progress_leave=False,
-        failure_hint=lambda: f"forecaster {run.model} at horizon {run.horizon} (try a lower lr)",
-    )
-    t0 = time.perf_counter()
-    done = loop.run()
-    if done.step not in evaluated:  # the last step (the loop evaluates the steps before it)
-        check(done.step)
-    train_s = time.perf_counter() - t0
+    stopped_by, steps_done = None, 0
+    if params:
+        check(0)  # the untrained model: the reference the first improvement is measured against
+        loop = TrainLoop(
+            model,
+            torch.optim.Adam(params, lr=run.lr),
+            total_steps=run.steps,
+            batches=lambda step: train.batch(rng.integers(0, len(train), run.batch_size)),
+            loss_fn=loss_fn,
+            grad_clip=1.0,
+            eval_every=run.eval_every,
+            evaluate=check,
+            on_step=lambda step, loss, grad_norm, aux: losses.append(loss.item()),
+            time_budget_s=run.time_budget,
+            handle_signals=handle_signals,
+            progress=progress,
+            progress_desc=f"{split.series.name} {run.model} H={run.horizon}",
+            progress_leave=False,
+            failure_hint=lambda: f"forecaster {run.model} at horizon {run.horizon} (try a lower lr)",
+        )
+        done = loop.run()
+        if done.step not in evaluated:  # the last step (the loop evaluates the steps before it)
+            check(done.step)
+        steps_done = done.step
+        stopped_by = done.stopped_by or ("time budget" if done.stopped_early else None)
+    else:
+        check(0)
+    train_s = time.perf_counter() - t0 - eval_s
     model.load_state_dict(best[1])
     m = evaluate(model, test)
     metrics = {
@@ -152,13 +186,15 @@ def train_forecaster(
         "test_windows": m["windows"],
         "val_mse": best[0],
         "best_step": best[2],
-        "final_train_loss": float(np.mean(losses[-10:])),
+        "best_seconds": best[3],
+        "steps_done": steps_done,
+        "improving_at_end": bool(params) and best[2] == steps_done,
+        "final_train_loss": float(np.mean(losses[-10:])) if losses else None,
         "train_seconds": train_s,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": sum(p.numel() for p in params),
     }
-    if done.stopped_by is not None:
-        metrics["stopped_by"] = done.stopped_by
-        metrics["steps_done"] = done.step
+    if stopped_by is not None:
+        metrics["stopped_by"] = stopped_by
     return ForecastResult(run, model, metrics)
 
 

@@ -22,7 +22,9 @@ What the loop does for all of them:
   is NaN or inf, logged to ``metrics`` (loss, lr, tokens and tokens/s when ``tokens_per_step`` is given,
   the gradient norm) and to the progress bar;
 - a time budget and SIGTERM / SIGINT (``titans.training.signals``): stop after the current step, the same
-  step on every rank, then write the checkpoint; ``LoopResult.stopped_by`` names the signal.
+  step on every rank, then write the checkpoint; ``LoopResult.stopped_by`` names the signal;
+- a stop requested by a callback (``loop.request_stop(reason)``, e.g. early stopping from ``evaluate``):
+  the same, after the current step; ``LoopResult.stopped_by`` is the reason.
 """
 
 from __future__ import annotations
@@ -153,6 +155,13 @@ class TrainLoop:
         self.device = device if device is not None else _device_of(model)
         self.step_losses = step_losses if step_losses is not None else []
         self.bar: Any = None
+        self.stop_reason: str | None = None
+
+    def request_stop(self, reason: str) -> None:
+        """Stop after the current step (call it from ``evaluate``, ``on_step`` or ``after_log``), as a time
+        budget does: the checkpoint is written and ``LoopResult.stopped_by`` is ``reason``. Under torchrun
+        every rank must request it at the same step (e.g. from a validation loss they share)."""
+        self.stop_reason = reason
 
     # ---------------------------------------------------------------------------------------- steps
     def default_step(self, step: int) -> tuple[Tensor, Tensor, dict[str, Any]]:
@@ -199,6 +208,7 @@ class TrainLoop:
         start_step = self.step
         first_loss = len(self.step_losses)
         lr = self.optimizer.param_groups[0]["lr"]
+        self.stop_reason = None
         try:
             while self.step < end:
                 t0 = time.perf_counter()
@@ -234,10 +244,13 @@ class TrainLoop:
                     over, signum = D.agree_to_stop(over, signals.signum, self.info)
                 else:
                     signum = signals.signum
-                if (over or signum) and self.step < end:
+                requested = self.stop_reason
+                if (over or signum or requested) and self.step < end:
                     stopped_early = True
                     if signum:
                         stopped_by = signal_name(signum)
+                    elif requested:
+                        stopped_by = requested
                     elif self.verbose:
                         self.write(f"time budget of {budget / 60:g} min reached at step {self.step}")
                     break
