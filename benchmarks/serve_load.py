@@ -95,7 +95,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> float:
-        """Start it; seconds until it answers."""
+        """Start it; seconds until it is ready to serve."""
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
@@ -106,8 +106,11 @@ class Server:
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited ({self.proc.returncode}); see {self.log}")
-            try:
-                if httpx.get(f"{self.url}/v1/health", timeout=2).status_code == 200:
+            try:  # ready: warmed up (a server without /v1/ready: alive)
+                status = httpx.get(f"{self.url}/v1/ready", timeout=2).status_code
+                if status == 404:
+                    status = httpx.get(f"{self.url}/v1/health", timeout=2).status_code
+                if status == 200:
                     return time.perf_counter() - t0
             except httpx.HTTPError:
                 pass
