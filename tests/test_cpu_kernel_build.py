@@ -60,6 +60,8 @@ if mode == "slow":
         time.sleep(600)
     ck.torch_build = hang
 print("ready", flush=True)
+if "elsewhere" in sys.argv[4:]:  # the same sources in another checkout, written later (a fresh clone)
+    ck.SOURCE_DIR = sources / "csrc"
 while not go.exists():
     time.sleep(0.01)
 if mode == "kernels":
@@ -233,8 +235,8 @@ def test_checkouts_with_the_same_sources_share_a_build(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_the_kernels_build_once_for_processes_started_together(compiler, tmp_path):
     """The real kernels, an empty extensions folder, 3 processes started together: one build, the same
-    library loaded by all and computing; a later process loads it without torch's build machinery and
-    leaves it untouched."""
+    library loaded by all and computing; later processes, from this checkout and from a copy of its
+    sources elsewhere, load it without torch's build machinery and leave it untouched."""
     root, go = tmp_path / "extensions", tmp_path / "go"
     procs = [start("kernels", go, tmp_path, root) for _ in range(3)]
     release(procs, go)
@@ -243,6 +245,10 @@ def test_the_kernels_build_once_for_processes_started_together(compiler, tmp_pat
     (seen,) = inodes(results)
     later = finish([start("kernels", go, tmp_path, root, "noload")], timeout=60)
     assert inodes(later) == {seen} and later[0][1] == ""
+    # a checkout elsewhere with the same sources (newer timestamps, other paths) loads the same build
+    shutil.copytree(cpu_kernels.SOURCE_DIR, tmp_path / "csrc")
+    elsewhere = finish([start("kernels", go, tmp_path, root, "noload", "elsewhere")], timeout=60)
+    assert inodes(elsewhere) == {seen} and elsewhere[0][1] == ""
 
 
 def test_titans_kernels_build_builds_ahead_of_time_and_says_where(tmp_path, monkeypatch, capsys):
