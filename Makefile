@@ -15,7 +15,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m titans.lm_eval --install-hook >/dev/null
 	touch $@
 
+# the fused CPU kernels, built once per source version (a minute; nothing when built; without a compiler
+# the torch-op paths run instead)
 setup: $(VENV)/.installed
+	-$(VENV)/bin/titans kernels build
 
 # the main job: a small MAC trained ~10 min on the Python stdlib source, then evaluated and sampled
 # (running it again resumes the same run, or re-reports a finished one)

@@ -6,9 +6,7 @@ import copy
 import math
 import os
 import shutil
-import signal
-import subprocess
-import sys
+import types
 from functools import partial
 from pathlib import Path
 
@@ -194,29 +192,31 @@ def test_cpu_kernels_build_where_a_compiler_is():
     if os.environ.get("TITANS_CPU_KERNELS") == "0" or not (shutil.which("c++") or shutil.which("g++")):
         pytest.skip("no C++ compiler (or kernels turned off): the torch-op path is used")
     assert cpu_kernels.kernels() is not None
-    # cached under this checkout's name, where another version's sources would not find it
+    # cached under the name of these sources, where another version's would not find it
     assert cpu_kernels.is_built(cpu_kernels.extension_name())
     assert not cpu_kernels.is_built(cpu_kernels.extension_name() + "0")
 
 
-def test_cpu_kernel_build_name_follows_sources_flags_cpu_and_torch(tmp_path, monkeypatch, capsys):
-    """The build's name is keyed by everything the build depends on, so checkouts with other sources keep
-    a build each in one extensions folder instead of rebuilding each other's (silently, ~40 s each)."""
+def test_cpu_kernel_build_name_follows_sources_flags_cpu_torch_and_compiler(tmp_path, monkeypatch, capsys):
+    """The build's name is keyed by everything the build depends on, so versions with other sources keep
+    a build each in one extensions folder instead of rebuilding each other's; a missing build is built
+    (saying so on stderr first), a finished one imported without torch's build machinery."""
     sources, flags = [b"int a;", b"int b;", b"int c;"], cpu_kernels.CFLAGS + cpu_kernels.LDFLAGS
-    key = cpu_kernels.build_key(sources, flags, "cpu0", "2.13.0")
-    assert key == cpu_kernels.build_key(list(sources), flags, "cpu0", "2.13.0")
+    args = ("cpu0", "2.13.0", "c++ 12", "abi0")
+    key = cpu_kernels.build_key(sources, flags, *args)
+    assert key == cpu_kernels.build_key(list(sources), flags, *args)
     others = [
-        cpu_kernels.build_key([b"int a;", b"int b;", b"int c; "], flags, "cpu0", "2.13.0"),
+        cpu_kernels.build_key([b"int a;", b"int b;", b"int c; "], flags, *args),
         # the same bytes, cut apart differently
-        cpu_kernels.build_key([b"int a;int b;", b"", b"int c;"], flags, "cpu0", "2.13.0"),
-        cpu_kernels.build_key(sources, flags[:-1], "cpu0", "2.13.0"),
-        cpu_kernels.build_key(sources, flags, "cpu1", "2.13.0"),
-        cpu_kernels.build_key(sources, flags, "cpu0", "2.14.0"),
-        # the same sources in another checkout: ninja's build file names them by path
-        cpu_kernels.build_key(sources, flags, "cpu0", "2.13.0", "/elsewhere/titans/ops/csrc"),
+        cpu_kernels.build_key([b"int a;int b;", b"", b"int c;"], flags, *args),
+        cpu_kernels.build_key(sources, flags[:-1], *args),
+        cpu_kernels.build_key(sources, flags, "cpu1", "2.13.0", "c++ 12", "abi0"),
+        cpu_kernels.build_key(sources, flags, "cpu0", "2.14.0", "c++ 12", "abi0"),
+        cpu_kernels.build_key(sources, flags, "cpu0", "2.13.0", "c++ 13", "abi0"),
+        cpu_kernels.build_key(sources, flags, "cpu0", "2.13.0", "c++ 12", "abi1"),
     ]
     assert len({key, *others}) == 1 + len(others)
-    # this checkout's name, and the name after one source file changes
+    # this version's name, and the name after one source file changes
     name = cpu_kernels.extension_name()
     edited = tmp_path / "csrc"
     shutil.copytree(cpu_kernels.SOURCE_DIR, edited)
@@ -224,27 +224,34 @@ def test_cpu_kernel_build_name_follows_sources_flags_cpu_and_torch(tmp_path, mon
     monkeypatch.setattr(cpu_kernels, "SOURCE_DIR", edited)
     other = cpu_kernels.extension_name()
     assert other != name and other.startswith("titans_cpu_kernels_")
-    # two versions in one extensions folder: each finds its own build, and only a missing one is built
-    # (saying so on stderr first); a stand-in for torch's build writes the library where torch would
+    # two versions in one extensions folder: each finds its own build, and only a missing one is built; a
+    # stand-in for torch's build writes an (empty) library where torch would, and one for the import
+    # takes its place
     root = tmp_path / "extensions"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
     monkeypatch.delenv("TITANS_CPU_KERNELS", raising=False)
-    built = []
+    built, imported = [], []
 
-    def fake_load(name, sources, build_directory, **kw):
+    def fake_build(ext, name, folder):
         built.append(name)
-        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+        (folder / f"{name}{cpu_kernels.LIB_SUFFIX}").write_bytes(b"")
+        return types.SimpleNamespace()
+
+    def fake_import(name, path):
+        imported.append(name)
         return name
 
-    monkeypatch.setattr("torch.utils.cpp_extension.load", fake_load)
+    monkeypatch.setattr(cpu_kernels, "torch_build", fake_build)
+    monkeypatch.setattr(cpu_kernels, "import_library", fake_import)
     capsys.readouterr()
-    assert cpu_kernels.kernels.__wrapped__() == other  # the edited sources: built
+    assert cpu_kernels.kernels.__wrapped__() is not None  # the edited sources: built
     monkeypatch.setattr(cpu_kernels, "SOURCE_DIR", Path(cpu_kernels.__file__).with_name("csrc"))
-    assert cpu_kernels.kernels.__wrapped__() == name  # this checkout's: built beside it
-    assert cpu_kernels.kernels.__wrapped__() == name  # found: loaded without a build message
-    assert capsys.readouterr().err.splitlines() == [cpu_kernels.BUILD_MESSAGE] * 2
-    assert built == [other, name, name]  # torch's load runs each time (it only loads a library it finds)
-    assert sorted(p.name for p in root.iterdir()) == sorted([name, other])
+    assert cpu_kernels.kernels.__wrapped__() is not None  # this version's: built beside it
+    assert cpu_kernels.kernels.__wrapped__() == name  # found: imported, no build, no message
+    messages = [line.split(" into ")[0] for line in capsys.readouterr().err.splitlines()]
+    assert messages == [cpu_kernels.BUILD_MESSAGE] * 2
+    assert built == [other, name] and imported == [name]
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == sorted([name, other])
     assert cpu_kernels.is_built(name, root) and cpu_kernels.is_built(other, root)
 
 
@@ -737,25 +744,3 @@ def test_frozen_memory_reads_the_state_weights():
     one_chunk.write, one_chunk.chunk_size = True, 64
     x = torch.randn(2, 40, 24, dtype=F64)
     torch.testing.assert_close(frozen(x)[0], one_chunk(x)[0], rtol=0, atol=1e-12)
-
-
-def test_a_kernel_build_killed_holding_torchs_lock_does_not_block_the_next(tmp_path):
-    """torch's build lock is a plain file: a builder killed while holding it leaves it behind, and torch's
-    `load` would then wait for it forever. A real process takes that lock and is SIGKILLed; taking
-    `build_lock` clears it, and torch's lock can be had again at once."""
-    pytest.importorskip("fcntl")
-    from torch.utils.file_baton import FileBaton
-
-    code = (
-        "import os, signal, sys\n"
-        "from torch.utils.file_baton import FileBaton\n"
-        "assert FileBaton(sys.argv[1]).try_acquire()\n"
-        "os.kill(os.getpid(), signal.SIGKILL)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "lock")], timeout=60)
-    assert proc.returncode == -signal.SIGKILL and (tmp_path / "lock").exists()
-    assert not FileBaton(str(tmp_path / "lock")).try_acquire()  # what torch's load would wait on
-    with cpu_kernels.build_lock(tmp_path):
-        baton = FileBaton(str(tmp_path / "lock"))
-        assert baton.try_acquire()
-        baton.release()

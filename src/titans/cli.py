@@ -1,4 +1,4 @@
-"""The `titans` command line: `titans train | eval ... | generate | read | inspect | serve | demo`.
+"""The `titans` command line: `titans train | eval ... | generate | read | inspect | serve | demo | kernels`.
 
 Each command lives in the module of the part of the library it drives and registers itself through
 `register(commands, evals)`; `commands` and `evals` are argparse sub-parser collections for top-level
@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "titans.forecast.cli",  # forecast train | eval | study
     "titans.dna.cli",  # dna study | classify
     "titans.serving.cli",  # serve
+    "titans.ops.cpu_kernels",  # kernels build: the fused CPU kernels, ahead of time
 )
 
 
