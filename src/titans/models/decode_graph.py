@@ -33,6 +33,8 @@ Full causal attention (the "transformer" variant) has a cache that grows with th
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,6 +66,7 @@ from titans.models.blocks import (
 from titans.models.state import TitansState
 
 MODES = ("eager", "compile", "cuda_graph")
+_NEEDS_STATE = "StaticDecoder: give the state after at least one token (prefill the prompt first)"
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -220,7 +223,9 @@ class _Memory(_Static):
 
     def completes(self, model_position: int) -> bool:
         """Whether the token at this model position completes one of the memory's chunks."""
-        return self.mem.write and (model_position + self.offset) % self.mem.chunk_size == self.mem.chunk_size - 1
+        return (
+            self.mem.write and (model_position + self.offset) % self.mem.chunk_size == self.mem.chunk_size - 1
+        )
 
     def step(self, x: Tensor, pos: Tensor, write: bool) -> Tensor:
         """x (B, 1, dim) -> y (B, 1, dim): read at the chunk-start weights; with `write`, the token completes
@@ -331,31 +336,67 @@ class StaticDecoder:
 
     state: the model's state after at least one token (e.g. from `prefill`); batch size B is fixed.
     mode: "eager", "compile" (`torch.compile(dynamic=False)`, CPU or CUDA) or "cuda_graph" (CUDA).
+    compile_backend: `torch.compile`'s backend ("inductor" generates fused code; "aot_eager" traces the
+        same graph without code generation, for a quick check of the tracing).
     `step(tokens (B, 1))` returns the next-token logits (B, vocab) and advances the state; `state()`
     returns it as a `TitansState` (copies), equal to what the eager steps would have returned.
     """
 
-    def __init__(self, model: nn.Module, state: TitansState, mode: str = "compile"):
+    def __init__(
+        self,
+        model: nn.Module,
+        state: TitansState,
+        mode: str = "compile",
+        *,
+        compile_backend: str = "inductor",
+    ):
         if mode not in MODES:
             raise ValueError(f"StaticDecoder: mode must be one of {MODES}, got {mode!r}")
         if not isinstance(state, TitansState) or state.position < 1:
-            raise ValueError("StaticDecoder: give the state after at least one token (prefill the prompt first)")
+            raise ValueError(
+                "StaticDecoder: give the state after at least one token (prefill the prompt first)"
+            )
         like = next(model.parameters())
         if mode == "cuda_graph" and like.device.type != "cuda":
-            raise ValueError(f"StaticDecoder: mode 'cuda_graph' needs a CUDA model, this one is on {like.device}")
+            raise ValueError(
+                f"StaticDecoder: mode 'cuda_graph' needs a CUDA model, this one is on {like.device}"
+            )
         model.check_state(state)
-        self.model, self.mode = model, mode
+        self.model, self.mode, self.compile_backend = model, mode, compile_backend
+        self.batch = _state_batch(state)
+        self.layers = [
+            _make_layer(b, s, self.batch, state.position, like) for b, s in zip(model.blocks, state.layers)
+        ]
         self.position = state.position
-        batch = _state_batch(state)
-        self.batch = batch
-        self.layers = [_make_layer(b, s, batch, state.position, like) for b, s in zip(model.blocks, state.layers)]
         self.pos = torch.tensor(state.position, dtype=torch.int64, device=like.device)
         self._steps: dict[tuple[bool, bool], Callable[[Tensor], Tensor]] = {}
         self._graphs: dict[tuple[bool, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
-        self._token = torch.zeros(batch, 1, dtype=torch.int64, device=like.device)
-        memories = [layer.memory for layer in self.layers if layer.memory is not None]
-        self._memories = memories
+        self._token = torch.zeros(self.batch, 1, dtype=torch.int64, device=like.device)
+        self._memories = [layer.memory for layer in self.layers if layer.memory is not None]
         self._segment = model.config.segment_len if any(layer.segment_weights for layer in self.layers) else 0
+
+    def load(self, state: TitansState) -> None:
+        """Continue from another state of the same model and batch size, written into the same buffers
+        (so the compiled steps and captured graphs stay valid)."""
+        if not isinstance(state, TitansState) or state.position < 1:
+            raise ValueError(
+                "StaticDecoder: give the state after at least one token (prefill the prompt first)"
+            )
+        other = StaticDecoder(self.model, state, mode="eager")
+        if other.batch != self.batch:
+            raise ValueError(
+                f"StaticDecoder.load: the state has batch {other.batch}, this decoder {self.batch}"
+            )
+        offsets = [m.offset for m in self._memories], [m.offset for m in other._memories]
+        if offsets[0] != offsets[1]:  # the offsets are constants of the steps
+            raise ValueError("StaticDecoder.load: the state's memory positions are offset differently")
+        for layer, new in zip(self.layers, other.layers):
+            for buf, src in zip(_layer_buffers(layer), _layer_buffers(new)):
+                buf.copy_(src)
+            if layer.memory is not None:
+                layer.memory.rows0 = new.memory.rows0
+        self.position = state.position
+        self.pos.fill_(state.position)
 
     def _phase(self) -> tuple[bool, bool]:
         """(the token completes a memory chunk, it completes a MAC segment), at the current position."""
@@ -380,7 +421,7 @@ class StaticDecoder:
                 return self._forward(tokens, *_phase)
 
             if self.mode == "compile":
-                fn = torch.compile(fn, dynamic=False)
+                fn = torch.compile(fn, dynamic=False, backend=self.compile_backend)
             self._steps[phase] = fn
         return fn
 
@@ -388,7 +429,9 @@ class StaticDecoder:
     def step(self, tokens: Tensor) -> Tensor:
         """tokens (B, 1) int64 -> logits of the next token (B, vocab); the state moves one token on."""
         if tokens.shape != (self.batch, 1):
-            raise ValueError(f"StaticDecoder.step: tokens must be ({self.batch}, 1), got {tuple(tokens.shape)}")
+            raise ValueError(
+                f"StaticDecoder.step: tokens must be ({self.batch}, 1), got {tuple(tokens.shape)}"
+            )
         phase = self._phase()
         if self.mode == "cuda_graph":
             logits = self._replay(phase, tokens)
@@ -449,6 +492,22 @@ class StaticDecoder:
         return TitansState(layers, p, self.model.config_dict)
 
 
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def decoder_for(model: nn.Module, state: TitansState, mode: str = "compile") -> StaticDecoder:
+    """A `StaticDecoder` of `model` loaded with `state`: one per (model, batch size, mode, thread), kept
+    with the model and reloaded on the next call, so its compiled steps (or CUDA graphs) are built once."""
+    key = (_state_batch(state), mode, threading.get_ident())
+    decoders = _CACHE.setdefault(model, {})
+    decoder = decoders.get(key)
+    if decoder is None:
+        decoder = decoders[key] = StaticDecoder(model, state, mode)
+    else:
+        decoder.load(state)
+    return decoder
+
+
 def _layer_buffers(layer: _Layer) -> list[Tensor]:
     out = [t for part in layer.parts() for t in part.buffers()]
     return out + list(layer.segment_weights or [])
@@ -463,4 +522,4 @@ def _state_batch(state: TitansState) -> int:
     return sizes.pop()
 
 
-__all__ = ["MODES", "StaticDecoder"]
+__all__ = ["MODES", "StaticDecoder", "decoder_for"]
