@@ -89,6 +89,7 @@ def test_static_step_persistent_to_memory():
     assert {layer.memory.offset for layer in decoder.layers} == {3}
 
 
+@pytest.mark.slow  # about a minute of tracing on a loaded 2-core CPU
 def test_compiled_step_traces_and_equals_eager():
     """torch.compile traces every phase's step (read, chunk write, segment end) into one graph each, and the
     traced step equals the eager step. aot_eager runs the traced graph without code generation (inductor's
@@ -141,3 +142,28 @@ def test_refusals():
     decoder = StaticDecoder(model, state, mode="eager")
     with pytest.raises(ValueError, match=r"tokens must be \(1, 1\)"):
         decoder.step(torch.zeros(2, 1, dtype=torch.long))
+
+
+def test_cli_generate_compile_flag(tmp_path, capsys):
+    """`titans generate --compile eager` prints what the eager steps print (20 tokens: writes included)."""
+    from tiny_lm import tiny_model
+
+    from titans.cli import main as titans_main
+    from titans.data.tokenizers import ByteTokenizer
+    from titans.training.checkpoint import save_checkpoint
+    from titans.training.config import TrainConfig
+    from titans.training.model_io import tokenizer_record
+
+    model = tiny_model("mac", dtype=torch.float32, vocab_size=256, segment_len=16, chunk_size=8)
+    config = {
+        "train": TrainConfig().to_dict(),
+        "model": model.config.to_dict(),
+        "tokenizer": tokenizer_record("bytes", ByteTokenizer()),
+    }
+    save_checkpoint(tmp_path / "run", 1, model_state=model.state_dict(), trainer_state={}, config=config)
+    args = ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "ab", "--max-new-tokens", "20"]
+    outs = []
+    for extra in ([], ["--compile", "eager"]):
+        assert titans_main([*args, "--greedy", "--no-stop", "--device", "cpu", *extra]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and len(outs[0]) > 2
