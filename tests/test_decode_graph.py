@@ -147,7 +147,6 @@ def test_refusals():
 def test_cli_generate_compile_flag(tmp_path, capsys):
     """`titans generate --compile eager` prints what the eager steps print (20 tokens: writes included)."""
     from tiny_lm import tiny_model
-
     from titans.cli import main as titans_main
     from titans.data.tokenizers import ByteTokenizer
     from titans.training.checkpoint import save_checkpoint
