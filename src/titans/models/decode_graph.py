@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 import threading
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,7 +65,6 @@ from titans.models.blocks import (
 from titans.models.state import TitansState
 
 MODES = ("eager", "compile", "cuda_graph")
-_NEEDS_STATE = "StaticDecoder: give the state after at least one token (prefill the prompt first)"
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -373,6 +371,8 @@ class StaticDecoder:
         self._graphs: dict[tuple[bool, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._token = torch.zeros(self.batch, 1, dtype=torch.int64, device=like.device)
         self._memories = [layer.memory for layer in self.layers if layer.memory is not None]
+        if len({m.offset for m in self._memories}) > 1:  # one chunk phase for the whole step
+            raise ValueError("StaticDecoder: the state's memories are at different positions")
         self._segment = model.config.segment_len if any(layer.segment_weights for layer in self.layers) else 0
 
     def load(self, state: TitansState) -> None:
@@ -492,14 +492,12 @@ class StaticDecoder:
         return TitansState(layers, p, self.model.config_dict)
 
 
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def decoder_for(model: nn.Module, state: TitansState, mode: str = "compile") -> StaticDecoder:
-    """A `StaticDecoder` of `model` loaded with `state`: one per (model, batch size, mode, thread), kept
-    with the model and reloaded on the next call, so its compiled steps (or CUDA graphs) are built once."""
-    key = (_state_batch(state), mode, threading.get_ident())
-    decoders = _CACHE.setdefault(model, {})
+    """A `StaticDecoder` of `model` loaded with `state`: one per (batch size, mode, device, dtype, thread),
+    kept on the model and reloaded on the next call, so its compiled steps (or CUDA graphs) are built once."""
+    like = next(model.parameters())
+    key = (_state_batch(state), mode, like.device, like.dtype, threading.get_ident())
+    decoders = model.__dict__.setdefault("_static_decoders", {})  # a plain attribute: not in the state dict
     decoder = decoders.get(key)
     if decoder is None:
         decoder = decoders[key] = StaticDecoder(model, state, mode)
