@@ -162,6 +162,7 @@ def run_generate(args: argparse.Namespace) -> int:
             state=state,
             return_state=bool(args.save_state),
             on_token=show,
+            compiled=args.compile or False,
         )
         if args.save_state:
             _, final_state = result
@@ -231,6 +232,13 @@ def register(commands, evals) -> None:
         "--top-p", type=float, default=None, help="sample from the most likely tokens up to this probability"
     )
     g.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    g.add_argument(
+        "--compile",
+        nargs="?",
+        const="compile",
+        choices=("compile", "cuda_graph", "eager"),
+        help="decode through fixed state buffers, each step compiled (torch.compile) or a CUDA graph",
+    )
     g.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same samples)")
     g.add_argument("--num-samples", type=int, default=1, help="samples, each from the same starting state")
     g.add_argument("--no-stop", action="store_true", help="do not stop at the tokenizer's end-of-text token")

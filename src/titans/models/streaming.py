@@ -219,6 +219,7 @@ def generate(
     piece_len: int | None = None,
     progress: bool = False,
     on_token: Callable[[Tensor], None] | None = None,
+    compiled: bool | str = False,
 ) -> Tensor | tuple[Tensor, TitansState]:
     """Continue each prompt row by up to `max_new_tokens` tokens.
 
@@ -232,6 +233,9 @@ def generate(
     return_state: also return the state after every returned token (prompt and generated), ready to
         continue; finished rows have consumed their padding stop tokens too.
     on_token: called with each new column (B,) as it is produced (streaming output).
+    compiled: decode through fixed state buffers (`titans.models.decode_graph.StaticDecoder`): True or
+        "compile" compiles each step with torch.compile, "cuda_graph" replays CUDA graphs, "eager" runs the
+        static step as it is; the same tokens as the default eager steps, up to float rounding.
     Returns out (B, T + n) with out[:, :T] == prompt, or (out, state).
     """
     if not isinstance(prompt, Tensor) or prompt.dim() != 2:
@@ -258,6 +262,11 @@ def generate(
             state = expand_state(state, batch)
 
     logits, state = prefill(model, prompt, state, piece_len=piece_len, progress=progress)
+    decoder = None
+    if compiled and max_new_tokens > int(not return_state):
+        from titans.models.decode_graph import decoder_for  # same layer; it imports the blocks
+
+        decoder = decoder_for(model, state, "compile" if compiled is True else compiled)
     columns = [prompt]
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     pad = torch.zeros(batch, dtype=torch.int64, device=device)
@@ -277,9 +286,14 @@ def generate(
             on_token(token)
         last = done or step == max_new_tokens - 1
         if not last or return_state:  # the last token is only fed when the caller wants the state after it
-            logits, state = decode_step(model, token[:, None], state)
+            if decoder is None:
+                logits, state = decode_step(model, token[:, None], state)
+            else:
+                logits = decoder.step(token[:, None])
         if done:
             break
+    if decoder is not None and return_state:
+        state = decoder.state()
     out = torch.cat(columns, dim=1)
     return (out, state) if return_state else out
 

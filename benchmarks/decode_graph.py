@@ -1,0 +1,116 @@
+"""Marginal decode cost of one token: the eager step (`TitansLM.forward` on one token) against the static
+decoder (`titans.models.decode_graph.StaticDecoder`: fixed state buffers, one step per chunk/segment
+phase) run eagerly and compiled with `torch.compile`, side by side in one process.
+
+A model (random weights, float32, `--preset`, `--variant`) reads a `--context` of random tokens, then each
+path decodes `--steps` greedy tokens from that same state, after `--warmup` untimed steps (which include
+the compilation: its time is reported separately). Reported per path: median and best-burst ms per token
+over whole chunk/segment cycles, the largest logit difference from the eager step, and with `--ops` the
+compute operators per step (`decode_ops.py`'s count: leaf ATen operators; inside a compiled step only
+those left outside its generated code).
+
+    python benchmarks/decode_graph.py [--variant mac] [--preset tiny] [--threads 2] [--steps 256]
+        [--paths eager,static,compiled] [--json decode_graph_tiny_mac_cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+
+import torch
+
+from bench_utils import Timer, machine_info, save_json, timing_summary
+from decode_ops import _count
+
+
+def run_path(model, path: str, logits, state, args, cycle: int) -> dict:
+    from titans.models.decode_graph import StaticDecoder
+
+    if path == "eager":
+        decoder = None
+
+        def step(token):
+            nonlocal state
+            out, state = model(token, state)
+            return out[:, -1]
+    else:
+        decoder = StaticDecoder(model, state, mode="eager" if path == "static" else "compile")
+        step = decoder.step
+    token = logits.argmax(-1, keepdim=True)
+    warmup = math.ceil(args.warmup / cycle) * cycle  # every phase's step compiled before timing
+    times, all_logits = [], []
+    with torch.no_grad(), Timer() as total:
+        for i in range(warmup + args.steps):
+            with Timer() as clock:
+                out = step(token)
+                token = out.argmax(-1, keepdim=True)
+            if i == warmup - 1:
+                compile_s = total.elapsed()
+            if i >= warmup:
+                times.append(clock.wall)
+                all_logits.append(out)
+    bursts = [times[i : i + cycle] for i in range(0, len(times), cycle)]
+    ops = []  # compute operators per step over one cycle (outside fused code: a compiled step's leftovers)
+    with torch.no_grad():
+        for _ in range(cycle if args.ops else 0):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                token = step(token).argmax(-1, keepdim=True)
+            ops.append(_count(prof, "cpu"))
+    return {
+        "path": path,
+        "ms_per_token": 1000 * statistics.median(times),
+        "ms_best_cycle": 1000 * min(statistics.median(b) for b in bursts),
+        "warmup_s": round(compile_s, 2),
+        "ops_per_step_median": statistics.median(ops) if ops else None,
+        "ops_per_step_max": max(ops) if ops else None,
+        "timing": timing_summary(times),
+        "logits": torch.stack(all_logits),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variant", default="mac")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--steps", type=int, default=256, help="timed steps (rounded up to whole cycles)")
+    p.add_argument("--warmup", type=int, default=8, help="untimed steps (rounded up to a whole cycle)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--paths", default="eager,static,compiled")
+    p.add_argument("--ops", action="store_true", help="also count operators per step (one cycle, profiled)")
+    p.add_argument("--json", default=None, help="write the results here (a path, or a name in results/)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    machine = machine_info()
+    from titans import TitansConfig, TitansLM
+
+    torch.manual_seed(0)
+    cfg = TitansConfig.preset(args.preset, variant=args.variant)
+    model = TitansLM(cfg).eval()
+    cycle = math.lcm(cfg.chunk_size, cfg.segment_len if args.variant == "mac" else 1)
+    args.steps = math.ceil(args.steps / cycle) * cycle
+    with torch.no_grad():
+        out, state = model(torch.randint(0, cfg.vocab_size, (1, args.context)), last_only=True)
+    rows = [run_path(model, path, out[:, -1], state, args, cycle) for path in args.paths.split(",")]
+    ref = rows[0]["logits"]
+    print(
+        f"{args.variant} {args.preset}, {args.threads} threads, context {args.context}, {args.steps} tokens"
+    )
+    print(f"{'path':<10}{'ms/token':>10}{'best cycle':>12}{'warmup s':>10}{'max |dlogit|':>14}{'speedup':>9}"
+          f"{'ops/step':>10}")  # fmt: skip
+    for r in rows:
+        diff = (r.pop("logits") - ref).abs().max().item()
+        r["max_logit_diff_vs_" + rows[0]["path"]] = diff
+        r["speedup"] = rows[0]["ms_per_token"] / r["ms_per_token"]
+        print(f"{r['path']:<10}{r['ms_per_token']:>10.3f}{r['ms_best_cycle']:>12.3f}{r['warmup_s']:>10.1f}"
+              f"{diff:>14.2e}{r['speedup']:>9.2f}{r['ops_per_step_median'] or '-':>10}")  # fmt: skip
+    if args.json:
+        result = {"benchmark": "decode_graph", "args": vars(args), "rows": rows}
+        print(f"wrote {save_json(args.json, result, machine)}")
+
+
+if __name__ == "__main__":
+    main()

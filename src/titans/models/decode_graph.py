@@ -1,0 +1,523 @@
+"""Decoding as a fixed graph: static state buffers and one step function per phase of the chunk/segment
+cycle, compiled with `torch.compile` (CPU or CUDA) or captured as CUDA graphs.
+
+    decoder = StaticDecoder(model, state, mode="compile")    # state: after prefill (position >= 1)
+    logits = decoder.step(tokens)                             # tokens (B, 1) -> next-token logits (B, vocab)
+    state = decoder.state()                                   # a TitansState, as the eager steps return
+
+The eager step (`TitansLM.forward` on one token) builds a new state per token: caches grow by
+concatenation, pending memory rows are re-sliced, and every shape depends on the position. Here every
+tensor of the state lives in a buffer of fixed shape that the step updates in place:
+
+- sliding-window attention: a ring of `window` key/value slots (slot = position mod window, the slots not
+  yet written masked out);
+- MAC segment attention: `segment_len` slots for the segment's keys/values and memory tokens, slot =
+  position mod segment_len, the later slots masked out (a new segment overwrites them);
+- the neural memory: its weights and momentum, the conv tail, and `chunk_size` pending rows of keys,
+  values and gates (after a windowed rule's history rows); the token at phase r of its chunk fills row r.
+
+The position is a device tensor that the step advances, so the only thing that differs from one token to
+the next is which phase it is: a token that completes a memory chunk also writes the chunk (and in MAC,
+one that completes a segment also moves the segment weights). So there are at most three distinct steps
+(read; read + write; read + write + new segment), each compiled (or captured) once and picked by the
+position on the host. Each step equals the eager step to float tolerance (`tests/test_decode_graph.py`):
+the same layers run, only the attention's key order and the matmul shapes differ.
+
+Modes: "eager" runs the static step as it is, "compile" through `torch.compile(dynamic=False)`,
+"cuda_graph" captures each phase's step as a CUDA graph and replays it (CUDA only; the static buffers and
+the in-place position make the step capturable: no host sync, no allocation that outlives it).
+
+Full causal attention (the "transformer" variant) has a cache that grows with the context: it is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from titans.layers.attention import (
+    AttentionState,
+    SegmentAttention,
+    SegmentAttentionState,
+    SelfAttention,
+    _l2_normalize,
+)
+from titans.layers.memory import MemoryState, NeuralMemory
+from titans.layers.rotary import RotaryEmbedding
+from titans.layers.state_tree import map_tensors
+from titans.models.blocks import (
+    AttentionBlock,
+    Block,
+    MACBlock,
+    MACState,
+    MAGBlock,
+    MAGState,
+    MALBlock,
+    MALState,
+    MemoryBlock,
+)
+from titans.models.state import TitansState
+
+MODES = ("eager", "compile", "cuda_graph")
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def _rotate(rotary: RotaryEmbedding, x: Tensor, positions: Tensor) -> Tensor:
+    """RoPE of x (B, H, T, D) at `positions` (T,) (a device tensor), with the angles computed as the
+    rotary's cache computes them (float64), so no table lookup depends on a host-side bound."""
+    if rotary.half == 0:
+        return x
+    cos, sin = rotary._angles_cos_sin(positions)
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    cos, sin, xf = cos.to(dtype), sin.to(dtype), x.to(dtype)
+    half = rotary.half
+    x1, x2, rest = xf[..., :half], xf[..., half : 2 * half], xf[..., 2 * half :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).to(x.dtype)
+
+
+def _queries(attn, x: Tensor, positions: Tensor) -> Tensor:
+    """`_ProjectedAttention._queries` at device positions: x (B, 1, dim) -> (B, H, 1, D)."""
+    q = attn.q_proj(x)
+    if attn.silu_qkv:
+        q = F.silu(q)
+    q = attn._split_heads(q)
+    if attn.qk_norm:
+        scale = math.sqrt(attn.head_dim) * attn.qk_log_scale.exp()
+        q = (_l2_normalize(q) * scale.view(-1, 1, 1)).to(q.dtype)
+    return _rotate(attn.rotary, q, positions)
+
+
+def _keys_values(attn, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """`_ProjectedAttention._keys_values` at device positions: x (B, 1, dim) -> k, v (B, H, 1, D)."""
+    k = attn._split_heads(attn._keys(x))
+    if attn.qk_norm:
+        k = _l2_normalize(k)
+    v = attn._split_heads(attn._values(x))
+    return _rotate(attn.rotary, k, positions), v
+
+
+def _attend(attn, q: Tensor, keys: list[Tensor], values: list[Tensor], masks: list[Tensor]) -> Tensor:
+    """Softmax attention of q (B, H, 1, D) over the concatenated keys/values (B, H, n_i, D) (persistent
+    ones (H, P, D) broadcast), each key kept where its mask (n_i,) is True. Returns (B, H, 1, D)."""
+    pk, pv = attn._persistent_kv()
+    b = q.shape[0]
+    if pk is not None:
+        keys = [pk.unsqueeze(0).expand(b, -1, -1, -1).to(q.dtype)] + keys
+        values = [pv.unsqueeze(0).expand(b, -1, -1, -1).to(q.dtype)] + values
+        masks = [masks[0].new_ones(pk.shape[1])] + masks
+    k, v, mask = torch.cat(keys, 2), torch.cat(values, 2), torch.cat(masks)
+    scale = attn._softmax_scale
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, -1), v.float()).to(q.dtype)
+
+
+# ------------------------------------------------------------------------------------- layer states
+class _Static:
+    """A layer's state in fixed buffers: `step` updates them in place, `export` returns the eager state."""
+
+    def buffers(self) -> list[Tensor]:
+        return [t for t in vars(self).values() if isinstance(t, Tensor)] + [
+            t for v in vars(self).values() if isinstance(v, list) for t in v if isinstance(t, Tensor)
+        ]
+
+
+class _WindowAttention(_Static):
+    """`SelfAttention` with a window w: a ring of w key/value slots, slot = position mod w."""
+
+    def __init__(self, attn: SelfAttention, state: AttentionState | None, batch: int, like: Tensor):
+        if attn.window is None:
+            raise ValueError(
+                "StaticDecoder: full causal attention (variant 'transformer') has a KV cache that grows "
+                "with the context; only windowed attention decodes with fixed buffers"
+            )
+        self.attn, w = attn, attn.window
+        shape = (batch, attn.heads, w, attn.head_dim)
+        self.k, self.v = like.new_zeros(shape), like.new_zeros(shape)
+        if state is not None and state.k.shape[2]:
+            n = state.k.shape[2]
+            slots = torch.arange(state.position - n, state.position, device=like.device) % w
+            self.k[:, :, slots] = state.k.to(like.dtype)
+            self.v[:, :, slots] = state.v.to(like.dtype)
+
+    def step(self, x: Tensor, pos: Tensor) -> Tensor:
+        attn, w = self.attn, self.attn.window
+        positions = pos.view(1)
+        q = _queries(attn, x, positions)
+        k, v = _keys_values(attn, x, positions)
+        slot = positions % w
+        self.k.index_copy_(2, slot, k)
+        self.v.index_copy_(2, slot, v)
+        mask = torch.arange(w, device=x.device) <= pos  # before the ring wraps, the later slots are empty
+        return attn._output(_attend(attn, q, [self.k], [self.v], [mask]), x)
+
+    def export(self, position: int) -> AttentionState:
+        n = min(position, self.attn.window - 1)
+        slots = torch.arange(position - n, position, device=self.k.device) % self.attn.window
+        return AttentionState(self.k[:, :, slots], self.v[:, :, slots], position)
+
+
+class _SegmentAttention(_Static):
+    """MAC's `SegmentAttention`: segment_len slots for the segment's keys/values and memory tokens."""
+
+    def __init__(self, attn: SegmentAttention, state: SegmentAttentionState | None, batch: int, like: Tensor):
+        self.attn, c = attn, attn.segment_len
+        shape = (batch, attn.heads, c, attn.head_dim)
+        self.k, self.v, self.ctx_k, self.ctx_v = (like.new_zeros(shape) for _ in range(4))
+        if state is not None:
+            n = state.k.shape[2]
+            for buf, src in ((self.k, state.k), (self.v, state.v), (self.ctx_k, state.ctx_k)):
+                buf[:, :, :n] = src.to(like.dtype)
+            self.ctx_v[:, :, :n] = state.ctx_v.to(like.dtype)
+
+    def step(self, x: Tensor, ctx: Tensor, pos: Tensor) -> Tensor:
+        attn, c = self.attn, self.attn.segment_len
+        local = pos.view(1) % c
+        q = _queries(attn, x, local)
+        k, v = _keys_values(attn, x, local)
+        ctx_k, ctx_v = _keys_values(attn, ctx, local)
+        for buf, new in ((self.k, k), (self.v, v), (self.ctx_k, ctx_k), (self.ctx_v, ctx_v)):
+            buf.index_copy_(2, local, new)
+        mask = torch.arange(c, device=x.device) <= local  # slots past the token: the last segment's
+        o = _attend(attn, q, [self.ctx_k, self.k], [self.ctx_v, self.v], [mask, mask])
+        return attn._output(o, x)
+
+    def export(self, position: int) -> SegmentAttentionState:
+        n = position % self.attn.segment_len
+        k, v, ck, cv = (t[:, :, :n].clone() for t in (self.k, self.v, self.ctx_k, self.ctx_v))
+        return SegmentAttentionState(k, v, ck, cv, position)
+
+
+class _Memory(_Static):
+    """`NeuralMemory`: weights, momentum, conv tail and the chunk's pending rows in fixed buffers.
+
+    `offset`: the memory's position minus the model's (MAG/MAL read persistent tokens first)."""
+
+    def __init__(self, mem: NeuralMemory, state: MemoryState, model_position: int):
+        self.mem = mem
+        self.offset = state.position - model_position
+        self.hist = mem._history
+        self.weights = [w.contiguous().clone() for w in state.weights]
+        self.momentum = [s.contiguous().clone() for s in state.momentum]
+        b, h, r, d = state.pending_k.shape
+        self.rows0 = r
+        rows = self.hist + mem.chunk_size
+        self.pk = state.pending_k.new_zeros(b, h, rows, d)
+        self.pv = state.pending_v.new_zeros(b, h, rows, d)
+        self.pg = state.pending_gates.new_zeros(b, h, rows, state.pending_gates.shape[-1])
+        self.pk[:, :, :r], self.pv[:, :, :r], self.pg[:, :, :r] = (
+            state.pending_k,
+            state.pending_v,
+            state.pending_gates,
+        )
+        self.tail = None if state.conv_tail is None else state.conv_tail.clone()
+
+    def completes(self, model_position: int) -> bool:
+        """Whether the token at this model position completes one of the memory's chunks."""
+        return (
+            self.mem.write and (model_position + self.offset) % self.mem.chunk_size == self.mem.chunk_size - 1
+        )
+
+    def step(self, x: Tensor, pos: Tensor, write: bool) -> Tensor:
+        """x (B, 1, dim) -> y (B, 1, dim): read at the chunk-start weights; with `write`, the token completes
+        its chunk and the chunk is written (as `NeuralMemory.scan` does when a call completes a chunk)."""
+        mem = self.mem
+        q, k, v, tail = mem.project(x, self.tail)
+        if tail is not None:
+            self.tail.copy_(tail)
+        y = mem.read(q, tuple(self.weights))
+        if mem.write:
+            slot = (pos.view(1) + self.offset) % mem.chunk_size + self.hist
+            self.pk.index_copy_(2, slot, k.to(self.pk.dtype))
+            self.pv.index_copy_(2, slot, v.to(self.pv.dtype))
+            self.pg.index_copy_(2, slot, mem.gates(x).to(self.pg.dtype))
+        if write:
+            held = MemoryState(tuple(self.weights), tuple(self.momentum), self.pk, self.pv, self.pg, None, 0)
+            _, weights, momentum, _ = mem._run_op(
+                self.pk, self.pk, self.pv, self.pg, held, mem.chunk_size, None, history=self.hist
+            )
+            for buf, new in zip(self.weights + self.momentum, weights + momentum):
+                buf.copy_(new)
+            if self.hist:  # a windowed rule's history: the chunk's last rows
+                c = mem.chunk_size
+                for buf in (self.pk, self.pv, self.pg):
+                    buf[:, :, : self.hist] = buf[:, :, c : c + self.hist].clone()
+        return mem.combine_heads(y, x)
+
+    def export(self, model_position: int) -> MemoryState:
+        position = model_position + self.offset
+        # a frozen memory's pending rows never change
+        keep = self.hist + position % self.mem.chunk_size if self.mem.write else self.rows0
+        return MemoryState(
+            tuple(w.clone() for w in self.weights),
+            tuple(s.clone() for s in self.momentum),
+            self.pk[:, :, :keep].clone(),
+            self.pv[:, :, :keep].clone(),
+            self.pg[:, :, :keep].clone(),
+            None if self.tail is None else self.tail.clone(),
+            position,
+        )
+
+
+@dataclass
+class _Layer:
+    """One block's static state: its kind and parts (the ones it has)."""
+
+    block: Block
+    attn: _WindowAttention | _SegmentAttention | None = None
+    memory: _Memory | None = None
+    segment_weights: list[Tensor] | None = None
+
+    def parts(self) -> list[_Static]:
+        return [p for p in (self.attn, self.memory) if p is not None]
+
+
+def _make_layer(block: Block, state, batch: int, position: int, like: Tensor) -> _Layer:
+    if isinstance(block, MACBlock):
+        if state is None:
+            mem_state = block.memory.initial_state(batch, like.device, like.dtype)
+            state = MACState(mem_state, mem_state.weights, None)
+        layer = _Layer(block, _SegmentAttention(block.attn, state.attention, batch, like))
+        layer.memory = _Memory(block.memory, state.memory, position)
+        layer.segment_weights = [w.contiguous().clone() for w in state.segment_weights]
+        return layer
+    if isinstance(block, (MAGBlock, MALBlock)):
+        if state is None or state.memory is None:
+            raise ValueError("StaticDecoder: start from the state after at least one token (prefill first)")
+        layer = _Layer(block, _WindowAttention(block.attn, state.attention, batch, like))
+        layer.memory = _Memory(block.memory, state.memory, position)
+        return layer
+    if isinstance(block, MemoryBlock):
+        if state is None:
+            state = block.memory.initial_state(batch, like.device, like.dtype)
+        return _Layer(block, memory=_Memory(block.memory, state, position))
+    if isinstance(block, AttentionBlock):
+        return _Layer(block, _WindowAttention(block.attn, state, batch, like))
+    raise TypeError(f"StaticDecoder: no static step for block {type(block).__name__}")
+
+
+def _block_step(layer: _Layer, x: Tensor, pos: Tensor, write: bool, new_segment: bool) -> Tensor:
+    """`Block.forward` on one token (B, 1, dim) through the layer's static state."""
+    block = layer.block
+    if isinstance(block, MALBlock):
+        x = x + layer.memory.step(block.norm_mem(x), pos, write)
+    u = block.norm_mix(x)
+    if isinstance(block, MACBlock):
+        h = block.retrieve(u, tuple(layer.segment_weights))
+        y = layer.attn.step(u, h, pos)
+        w = u + y if block.memory_residual else y
+        w = w if block.norm_memory_input is None else block.norm_memory_input(w)
+        h = block.combine(y, layer.memory.step(w, pos, write))
+        if new_segment:
+            for buf, new in zip(layer.segment_weights, layer.memory.weights):
+                buf.copy_(new)
+    elif isinstance(block, MAGBlock):
+        h = block.combine(layer.attn.step(u, pos), layer.memory.step(u, pos, write))
+    elif isinstance(block, MemoryBlock):
+        h = layer.memory.step(u, pos, write)
+    else:  # MAL's attention, or an attention block
+        h = layer.attn.step(u, pos)
+    x = x + h
+    return x + block.mlp(block.norm_mlp(x))
+
+
+# ------------------------------------------------------------------------------------------ decoder
+class StaticDecoder:
+    """Single-token decoding of `model` from `state` through fixed buffers (this module's docstring).
+
+    state: the model's state after at least one token (e.g. from `prefill`); batch size B is fixed.
+    mode: "eager", "compile" (`torch.compile(dynamic=False)`, CPU or CUDA) or "cuda_graph" (CUDA).
+    compile_backend: `torch.compile`'s backend ("inductor" generates fused code; "aot_eager" traces the
+        same graph without code generation, for a quick check of the tracing).
+    `step(tokens (B, 1))` returns the next-token logits (B, vocab) and advances the state; `state()`
+    returns it as a `TitansState` (copies), equal to what the eager steps would have returned.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        state: TitansState,
+        mode: str = "compile",
+        *,
+        compile_backend: str = "inductor",
+    ):
+        if mode not in MODES:
+            raise ValueError(f"StaticDecoder: mode must be one of {MODES}, got {mode!r}")
+        if not isinstance(state, TitansState) or state.position < 1:
+            raise ValueError(
+                "StaticDecoder: give the state after at least one token (prefill the prompt first)"
+            )
+        like = next(model.parameters())
+        if mode == "cuda_graph" and like.device.type != "cuda":
+            raise ValueError(
+                f"StaticDecoder: mode 'cuda_graph' needs a CUDA model, this one is on {like.device}"
+            )
+        model.check_state(state)
+        self.model, self.mode, self.compile_backend = model, mode, compile_backend
+        self.batch = _state_batch(state)
+        self.layers = [
+            _make_layer(b, s, self.batch, state.position, like) for b, s in zip(model.blocks, state.layers)
+        ]
+        self.position = state.position
+        self.pos = torch.tensor(state.position, dtype=torch.int64, device=like.device)
+        self._steps: dict[tuple[bool, bool], Callable[[Tensor], Tensor]] = {}
+        self._graphs: dict[tuple[bool, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._token = torch.zeros(self.batch, 1, dtype=torch.int64, device=like.device)
+        self._memories = [layer.memory for layer in self.layers if layer.memory is not None]
+        if len({m.offset for m in self._memories}) > 1:  # one chunk phase for the whole step
+            raise ValueError("StaticDecoder: the state's memories are at different positions")
+        self._segment = model.config.segment_len if any(layer.segment_weights for layer in self.layers) else 0
+
+    def load(self, state: TitansState) -> None:
+        """Continue from another state of the same model and batch size, written into the same buffers
+        (so the compiled steps and captured graphs stay valid)."""
+        if not isinstance(state, TitansState) or state.position < 1:
+            raise ValueError(
+                "StaticDecoder: give the state after at least one token (prefill the prompt first)"
+            )
+        other = StaticDecoder(self.model, state, mode="eager")
+        if other.batch != self.batch:
+            raise ValueError(
+                f"StaticDecoder.load: the state has batch {other.batch}, this decoder {self.batch}"
+            )
+        offsets = [m.offset for m in self._memories], [m.offset for m in other._memories]
+        if offsets[0] != offsets[1]:  # the offsets are constants of the steps
+            raise ValueError("StaticDecoder.load: the state's memory positions are offset differently")
+        for layer, new in zip(self.layers, other.layers):
+            for buf, src in zip(_layer_buffers(layer), _layer_buffers(new)):
+                buf.copy_(src)
+            if layer.memory is not None:
+                layer.memory.rows0 = new.memory.rows0
+        self.position = state.position
+        self.pos.fill_(state.position)
+
+    def _phase(self) -> tuple[bool, bool]:
+        """(the token completes a memory chunk, it completes a MAC segment), at the current position."""
+        write = any(m.completes(self.position) for m in self._memories)
+        seg = bool(self._segment) and self.position % self._segment == self._segment - 1
+        return write, seg
+
+    def _forward(self, tokens: Tensor, write: bool, new_segment: bool) -> Tensor:
+        """The step's math: tokens (B, 1) -> logits (B, vocab); buffers and position updated in place."""
+        model = self.model
+        x = model.embed(tokens)
+        for layer in self.layers:
+            x = _block_step(layer, x, self.pos, write, new_segment)
+        self.pos.add_(1)
+        return model.head(model.norm(x))[:, -1]
+
+    def _step_fn(self, phase: tuple[bool, bool]) -> Callable[[Tensor], Tensor]:
+        fn = self._steps.get(phase)
+        if fn is None:
+
+            def fn(tokens: Tensor, _phase=phase) -> Tensor:
+                return self._forward(tokens, *_phase)
+
+            if self.mode == "compile":
+                fn = torch.compile(fn, dynamic=False, backend=self.compile_backend)
+            self._steps[phase] = fn
+        return fn
+
+    @torch.no_grad()
+    def step(self, tokens: Tensor) -> Tensor:
+        """tokens (B, 1) int64 -> logits of the next token (B, vocab); the state moves one token on."""
+        if tokens.shape != (self.batch, 1):
+            raise ValueError(
+                f"StaticDecoder.step: tokens must be ({self.batch}, 1), got {tuple(tokens.shape)}"
+            )
+        phase = self._phase()
+        if self.mode == "cuda_graph":
+            logits = self._replay(phase, tokens)
+        else:
+            logits = self._step_fn(phase)(tokens.long())
+        self.position += 1
+        return logits
+
+    def _replay(self, phase: tuple[bool, bool], tokens: Tensor) -> Tensor:
+        """Run the phase's step as a captured CUDA graph (captured on first use)."""
+        graph = self._graphs.get(phase)
+        if graph is None:
+            graph = self._capture(phase)
+        self._token.copy_(tokens)
+        graph[0].replay()
+        return graph[1].clone()
+
+    def _capture(self, phase: tuple[bool, bool]) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        # warm-up runs (lazy inits, kernel selection) on a side stream change the buffers: restore them
+        buffers = [self.pos] + [t for layer in self.layers for t in _layer_buffers(layer)]
+        saved = [t.clone() for t in buffers]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(self._token, *phase)
+        torch.cuda.current_stream().wait_stream(stream)
+        for t, s in zip(buffers, saved):
+            t.copy_(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._forward(self._token, *phase)
+        self._graphs[phase] = (graph, out)
+        return graph, out
+
+    def state(self) -> TitansState:
+        """The state after every token stepped so far, as the eager steps build it (copies)."""
+        layers = []
+        p = self.position
+        for layer in self.layers:
+            block = layer.block
+            if isinstance(block, MACBlock):
+                layers.append(
+                    MACState(
+                        layer.memory.export(p),
+                        tuple(w.clone() for w in layer.segment_weights),
+                        layer.attn.export(p),
+                    )
+                )
+            elif isinstance(block, MAGBlock):
+                layers.append(MAGState(layer.attn.export(p), layer.memory.export(p)))
+            elif isinstance(block, MALBlock):
+                layers.append(MALState(layer.attn.export(p), layer.memory.export(p)))
+            elif isinstance(block, MemoryBlock):
+                layers.append(layer.memory.export(p))
+            else:
+                layers.append(layer.attn.export(p))
+        return TitansState(layers, p, self.model.config_dict)
+
+
+def decoder_for(model: nn.Module, state: TitansState, mode: str = "compile") -> StaticDecoder:
+    """A `StaticDecoder` of `model` loaded with `state`: one per (batch size, mode, device, dtype, thread),
+    kept on the model and reloaded on the next call, so its compiled steps (or CUDA graphs) are built once."""
+    like = next(model.parameters())
+    key = (_state_batch(state), mode, like.device, like.dtype, threading.get_ident())
+    decoders = model.__dict__.setdefault("_static_decoders", {})  # a plain attribute: not in the state dict
+    decoder = decoders.get(key)
+    if decoder is None:
+        decoder = decoders[key] = StaticDecoder(model, state, mode)
+    else:
+        decoder.load(state)
+    return decoder
+
+
+def _layer_buffers(layer: _Layer) -> list[Tensor]:
+    out = [t for part in layer.parts() for t in part.buffers()]
+    return out + list(layer.segment_weights or [])
+
+
+def _state_batch(state: TitansState) -> int:
+    sizes: set[int] = set()
+    for layer in state.layers:
+        map_tensors(layer, lambda t: sizes.add(t.shape[0]) or t)
+    if len(sizes) != 1:
+        raise ValueError(f"StaticDecoder: the state's tensors have batch sizes {sorted(sizes)}")
+    return sizes.pop()
+
+
+__all__ = ["MODES", "StaticDecoder", "decoder_for"]

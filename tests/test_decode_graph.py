@@ -1,0 +1,168 @@
+"""Decoding through fixed state buffers (`titans.models.decode_graph.StaticDecoder`) equals the eager
+single-token step: logits, greedy tokens and the state, over a prompt and more than two memory chunks (and
+one MAC segment boundary) of new tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from titans import TitansConfig, TitansLM
+from titans.models.decode_graph import StaticDecoder, decoder_for
+from titans.models.streaming import generate
+
+# chunk 4, segment and window 8: 13 new tokens after a 7-token prompt cross three chunk boundaries, a
+# segment boundary and the window's wrap-around
+SMALL = dict(
+    dim=32, heads=2, depth=2, chunk_size=4, segment_len=8, window=8, vocab_size=64, persistent_tokens=2
+)
+VARIANTS = ("mac", "mag", "mal", "lmm", "swa")
+
+
+def _model(variant: str, **overrides) -> TitansLM:
+    torch.manual_seed(0)
+    return TitansLM(TitansConfig.preset("tiny", variant=variant, **{**SMALL, **overrides})).eval()
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor of a state tree in field order (aliases repeated, unlike `map_tensors`)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    if dataclasses.is_dataclass(obj):
+        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
+    return []
+
+
+def _assert_states_close(got, want) -> None:
+    assert got.position == want.position
+    a, b = _tensors(got.layers), _tensors(want.layers)
+    assert [t.shape for t in a] == [t.shape for t in b]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def _compare(model: TitansLM, mode: str, steps: int = 13, **kwargs) -> StaticDecoder:
+    """Step the eager model and a StaticDecoder from the same prefilled state, greedily, comparing every
+    step's logits and state."""
+    prompt = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, state = model(prompt)
+        decoder = StaticDecoder(model, state, mode=mode, **kwargs)
+        logits = logits[:, -1]
+        for _ in range(steps):
+            token = logits.argmax(-1, keepdim=True)
+            want, state = model(token, state)
+            logits = want[:, -1]
+            got = decoder.step(token)
+            torch.testing.assert_close(got, logits, rtol=1e-5, atol=1e-5)
+            assert torch.equal(got.argmax(-1), logits.argmax(-1))
+            _assert_states_close(decoder.state(), state)
+    return decoder
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_static_step_equals_eager(variant):
+    _compare(_model(variant), "eager")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(memory_rule="atlas"),  # a windowed rule: history rows before the chunk's pending rows
+        dict(memory_write=False),  # a frozen memory: read, never written
+        dict(memory_max_norm=1.0, memory_forget_to="init"),
+        dict(memory_conv_kernel=0, memory_depth=1),
+    ],
+    ids=["atlas", "frozen", "max_norm_init", "no_conv_depth1"],
+)
+def test_static_step_memory_options(overrides):
+    _compare(_model("mag", **overrides), "eager")
+
+
+def test_static_step_persistent_to_memory():
+    """MAG's memory reads the persistent tokens first: its chunk phase is offset from the model's."""
+    decoder = _compare(_model("mal", persistent_to_memory=True, persistent_tokens=3), "eager")
+    assert {layer.memory.offset for layer in decoder.layers} == {3}
+
+
+@pytest.mark.slow  # about a minute of tracing on a loaded 2-core CPU
+def test_compiled_step_traces_and_equals_eager():
+    """torch.compile traces every phase's step (read, chunk write, segment end) into one graph each, and the
+    traced step equals the eager step. aot_eager runs the traced graph without code generation (inductor's
+    compile takes minutes on a small CPU; `benchmarks/decode_graph.py` runs it)."""
+    torch._dynamo.reset()
+    # 5 steps from position 7: a segment end (7), reads (8-10) and a chunk write (11)
+    decoder = _compare(_model("mac", depth=1), "compile", steps=5, compile_backend="aot_eager")
+    assert set(decoder._steps) == {(False, False), (True, False), (True, True)}
+
+
+def test_generate_compiled_equals_eager_and_reuses_decoder():
+    model = _model("mac")
+    prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2))
+    want, want_state = generate(model, prompt, 14, greedy=True, return_state=True)
+    got, got_state = generate(model, prompt, 14, greedy=True, return_state=True, compiled="eager")
+    assert torch.equal(got, want)
+    _assert_states_close(got_state, want_state)
+    first = decoder_for(model, got_state, "eager")
+    again = generate(model, got[:, :9], 10, greedy=True, compiled="eager")  # reloads the same decoder
+    assert torch.equal(again, generate(model, got[:, :9], 10, greedy=True))
+    assert decoder_for(model, got_state, "eager") is first
+
+
+def test_load_continues_from_another_state():
+    model = _model("mag")
+    with torch.no_grad():
+        _, a = model(torch.randint(0, 64, (1, 6)))
+        logits, b = model(torch.randint(0, 64, (1, 11)))
+        decoder = StaticDecoder(model, a, mode="eager")
+        decoder.load(b)
+        token = logits[:, -1:].argmax(-1)
+        want, b = model(token, b)
+        torch.testing.assert_close(decoder.step(token), want[:, -1], rtol=1e-5, atol=1e-5)
+        _assert_states_close(decoder.state(), b)
+
+
+def test_refusals():
+    with torch.no_grad():
+        _, state = _model("transformer")(torch.zeros(1, 3, dtype=torch.long))
+        with pytest.raises(ValueError, match="full causal attention"):
+            StaticDecoder(_model("transformer"), state, mode="eager")
+        model = _model("lmm")
+        _, state = model(torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        StaticDecoder(model, state, mode="graph")
+    with pytest.raises(ValueError, match="needs a CUDA model"):
+        StaticDecoder(model, state, mode="cuda_graph")
+    with pytest.raises(ValueError, match="at least one token"):
+        StaticDecoder(model, None, mode="eager")
+    decoder = StaticDecoder(model, state, mode="eager")
+    with pytest.raises(ValueError, match=r"tokens must be \(1, 1\)"):
+        decoder.step(torch.zeros(2, 1, dtype=torch.long))
+
+
+def test_cli_generate_compile_flag(tmp_path, capsys):
+    """`titans generate --compile eager` prints what the eager steps print (20 tokens: writes included)."""
+    from tiny_lm import tiny_model
+    from titans.cli import main as titans_main
+    from titans.data.tokenizers import ByteTokenizer
+    from titans.training.checkpoint import save_checkpoint
+    from titans.training.config import TrainConfig
+    from titans.training.model_io import tokenizer_record
+
+    model = tiny_model("mac", dtype=torch.float32, vocab_size=256, segment_len=16, chunk_size=8)
+    config = {
+        "train": TrainConfig().to_dict(),
+        "model": model.config.to_dict(),
+        "tokenizer": tokenizer_record("bytes", ByteTokenizer()),
+    }
+    save_checkpoint(tmp_path / "run", 1, model_state=model.state_dict(), trainer_state={}, config=config)
+    args = ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "ab", "--max-new-tokens", "20"]
+    outs = []
+    for extra in ([], ["--compile", "eager"]):
+        assert titans_main([*args, "--greedy", "--no-stop", "--device", "cpu", *extra]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and len(outs[0]) > 2
