@@ -149,9 +149,9 @@ def test_cli_generate_compile_flag(tmp_path, capsys):
     from tiny_lm import tiny_model
     from titans.cli import main as titans_main
     from titans.data.tokenizers import ByteTokenizer
-    from titans.training.checkpoint import save_checkpoint
+    from titans.runtime.checkpoint import save_checkpoint
+    from titans.runtime.loading import tokenizer_record
     from titans.training.config import TrainConfig
-    from titans.training.model_io import tokenizer_record
 
     model = tiny_model("mac", dtype=torch.float32, vocab_size=256, segment_len=16, chunk_size=8)
     config = {
