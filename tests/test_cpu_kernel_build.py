@@ -285,6 +285,7 @@ def test_titans_kernels_build_builds_ahead_of_time_and_says_where(tmp_path, monk
         monkeypatch.setattr(cpu_kernels, "torch_build", broken)
         assert main(["kernels", "build"]) == 2
         err = capsys.readouterr().err.splitlines()[-1]
-        assert err.startswith("titans kernels: error: the fused CPU kernels could not be built (RuntimeError")
+        want = "titans kernels build: error: the fused CPU kernels could not be built (RuntimeError"
+        assert err.startswith(want)
     finally:
         cpu_kernels.kernels.cache_clear()  # nothing fake stays cached for later tests

@@ -116,7 +116,9 @@ def integer(**bounds: int) -> Any:
 
 Positive = integer(ge=1)
 Count = integer(ge=0)
-Seed = integer(ge=0, lt=1 << 63)
+# at most 2^53 - 1: every integer up to it is exact as a JSON number (a double), so a client or a schema
+# validator that reads numbers as doubles compares a seed with the bound exactly
+Seed = integer(ge=0, le=(1 << 53) - 1)
 
 
 def _unicode_text(value: str) -> str:
