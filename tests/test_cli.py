@@ -280,18 +280,10 @@ def test_generate_streams_pieces_as_they_are_generated(monkeypatch):
 
 
 def test_cli_generate_prints_as_it_goes(tmp_path, capsys, monkeypatch):
-    from tiny_lm import tiny_model
-    from titans.data.tokenizers import ByteTokenizer
-    from titans.runtime.checkpoint import save_checkpoint
-    from titans.runtime.loading import tokenizer_record
+    from tiny_lm import save_tiny_run, tiny_model
 
     model = tiny_model("mac", dtype=torch.float32, vocab_size=256, segment_len=16, chunk_size=8)
-    config = {
-        "train": TrainConfig().to_dict(),
-        "model": model.config.to_dict(),
-        "tokenizer": tokenizer_record("bytes", ByteTokenizer()),
-    }
-    save_checkpoint(tmp_path / "run", 1, model_state=model.state_dict(), trainer_state={}, config=config)
+    save_tiny_run(tmp_path / "run", model)
     writes = []
     import sys
 

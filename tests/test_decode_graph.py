@@ -46,8 +46,9 @@ def _assert_states_close(got, want) -> None:
 
 
 def _compare(model: TitansLM, mode: str, steps: int = 13, **kwargs) -> StaticDecoder:
-    """Step the eager model and a StaticDecoder from the same prefilled state, greedily, comparing every
-    step's logits and state."""
+    """Step the eager model and a StaticDecoder from the same prefilled state, greedily, asserting at every
+    step that their logits, greedy tokens and states agree; returns the decoder after `steps` steps (from
+    a 7-token prompt)."""
     prompt = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits, state = model(prompt)
@@ -66,7 +67,8 @@ def _compare(model: TitansLM, mode: str, steps: int = 13, **kwargs) -> StaticDec
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_static_step_equals_eager(variant):
-    _compare(_model(variant), "eager")
+    decoder = _compare(_model(variant), "eager")  # asserts every step's logits and state
+    assert decoder.state().position == 7 + 13
 
 
 @pytest.mark.parametrize(
@@ -80,7 +82,8 @@ def test_static_step_equals_eager(variant):
     ids=["atlas", "frozen", "max_norm_init", "no_conv_depth1"],
 )
 def test_static_step_memory_options(overrides):
-    _compare(_model("mag", **overrides), "eager")
+    decoder = _compare(_model("mag", **overrides), "eager")  # asserts every step's logits and state
+    assert decoder.state().position == 7 + 13
 
 
 def test_static_step_persistent_to_memory():
@@ -146,20 +149,11 @@ def test_refusals():
 
 def test_cli_generate_compile_flag(tmp_path, capsys):
     """`titans generate --compile eager` prints what the eager steps print (20 tokens: writes included)."""
-    from tiny_lm import tiny_model
+    from tiny_lm import save_tiny_run, tiny_model
     from titans.cli import main as titans_main
-    from titans.data.tokenizers import ByteTokenizer
-    from titans.runtime.checkpoint import save_checkpoint
-    from titans.runtime.loading import tokenizer_record
-    from titans.training.config import TrainConfig
 
     model = tiny_model("mac", dtype=torch.float32, vocab_size=256, segment_len=16, chunk_size=8)
-    config = {
-        "train": TrainConfig().to_dict(),
-        "model": model.config.to_dict(),
-        "tokenizer": tokenizer_record("bytes", ByteTokenizer()),
-    }
-    save_checkpoint(tmp_path / "run", 1, model_state=model.state_dict(), trainer_state={}, config=config)
+    save_tiny_run(tmp_path / "run", model)
     args = ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "ab", "--max-new-tokens", "20"]
     outs = []
     for extra in ([], ["--compile", "eager"]):

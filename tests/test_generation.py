@@ -8,7 +8,7 @@ from functools import partial
 import pytest
 import torch
 
-from tiny_lm import random_tokens
+from tiny_lm import random_tokens, save_tiny_run
 from tiny_lm import tiny_model as shared_model
 from titans import VARIANTS
 from titans.inference import generate, load_state, prefill, sample_next
@@ -148,18 +148,8 @@ def test_generate_refuses_bad_arguments():
 @pytest.fixture
 def checkpoint(tmp_path):
     """A trainer-style checkpoint (see titans.runtime.loading) of a tiny byte-level model."""
-    from titans.data.tokenizers import ByteTokenizer
-    from titans.runtime.checkpoint import save_checkpoint
-    from titans.runtime.loading import tokenizer_record
-    from titans.training.config import TrainConfig
-
     model = tiny_model("mac", dtype=torch.float32, vocab_size=256, segment_len=16, chunk_size=8)
-    config = {
-        "train": TrainConfig().to_dict(),
-        "model": model.config.to_dict(),
-        "tokenizer": tokenizer_record("bytes", ByteTokenizer()),
-    }
-    save_checkpoint(tmp_path / "run", 1, model_state=model.state_dict(), trainer_state={}, config=config)
+    save_tiny_run(tmp_path / "run", model)
     return tmp_path / "run", model
 
 

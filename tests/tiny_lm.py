@@ -37,3 +37,20 @@ def tiny_model(
 
 def random_tokens(batch: int, length: int, seed: int = 1, *, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def save_tiny_run(run_dir, model: TitansLM):
+    """Save `model` as a trainer-style checkpoint of a byte-level run in `run_dir` (what `titans generate`,
+    `read` and `export-hf` load; see titans.runtime.loading); returns `run_dir`."""
+    from titans.data.tokenizers import ByteTokenizer
+    from titans.runtime.checkpoint import save_checkpoint
+    from titans.runtime.loading import tokenizer_record
+    from titans.training.config import TrainConfig
+
+    config = {
+        "train": TrainConfig().to_dict(),
+        "model": model.config.to_dict(),
+        "tokenizer": tokenizer_record("bytes", ByteTokenizer()),
+    }
+    save_checkpoint(run_dir, 1, model_state=model.state_dict(), trainer_state={}, config=config)
+    return run_dir
