@@ -103,6 +103,19 @@ def _scale_inputs(a: Tensor, d: Tensor) -> bool:
     return a.shape[-1] <= d.shape[-1]
 
 
+def _bmm_into(out: Tensor, b1: Tensor, b2: Tensor, accumulate: bool) -> None:
+    """out (+)= b1 @ b2 per batch, out (N, m, p) possibly a strided view (a slice of a state's rows).
+
+    CPU baddbmm_ into a view whose rows are not one contiguous batch falls back to one addmm per batch
+    (about 6x slower at the memory's sizes); a contiguous product added or copied in is not."""
+    if out.is_contiguous() or out.device.type != "cpu":
+        out.baddbmm_(b1, b2, beta=1 if accumulate else 0)
+    elif accumulate:
+        out.add_(torch.bmm(b1, b2))
+    else:
+        out.copy_(torch.bmm(b1, b2))
+
+
 def _weighted_sums(a: Tensor, d: Tensor, coef: Tensor, out: Tensor, accumulate: bool) -> None:
     """out (N, 2, d_in, d_out) (+)= U. Scaling the inputs, U is ONE matmul, [c_W a | c_S a]^T d: its
     (2 d_in, d_out) result is the state's layout; scaling the errors, one matmul per half, a^T (c_s d)."""
@@ -112,7 +125,7 @@ def _weighted_sums(a: Tensor, d: Tensor, coef: Tensor, out: Tensor, accumulate: 
         return
     scaled = d.unsqueeze(-2) * coef  # (N, n, 2, d_out)
     for half in range(2):
-        out[:, half].baddbmm_(a.transpose(1, 2), scaled[:, :, half], beta=beta)
+        _bmm_into(out[:, half], a.transpose(1, 2), scaled[:, :, half], accumulate)
 
 
 def _weighted_sums_backward(
@@ -384,9 +397,9 @@ class _ChunkStep(torch.autograd.Function):
                 if g_states[i] is None:  # no gradient arrived for X': W's is the terms below alone, S's 0
                     g_states[i] = ctx.grad_slot[0].take(ctx.grad_slot[1], i, states[i])
                     g_states[i][:, 1].zero_()
-                    g_states[i][:, 0].baddbmm_(lhs.transpose(1, 2), rhs, beta=0)
+                    _bmm_into(g_states[i][:, 0], lhs.transpose(1, 2), rhs, accumulate=False)
                 else:
-                    g_states[i][:, 0].baddbmm_(lhs.transpose(1, 2), rhs)
+                    _bmm_into(g_states[i][:, 0], lhs.transpose(1, 2), rhs, accumulate=True)
             g_h = torch.bmm(g_z, ws[i].transpose(1, 2))
             g_h[:, :n] += g_a[i]
             if i > 0:
