@@ -59,6 +59,32 @@ def test_causal_attention_matches_reference(window, seq_len, n_persistent):
             )
 
 
+@pytest.mark.parametrize("window", [1, 5, None])
+@pytest.mark.parametrize("scale", [None, 0.7])
+def test_causal_attention_persistent_queries_match_reference(window, scale):
+    """persistent_q scores the persistent keys, q the sequence's: fast paths == the dense reference
+    (which scores each key group by its own queries), for a parallel pass and for a cache."""
+    b, h, d, p = 2, 3, 7, 4
+    k, v = _randn(b, h, 41, d, seed=1), _randn(b, h, 41, d, seed=2)
+    pk, pv = _randn(h, p, d, seed=3), _randn(h, p, d, seed=4)
+    for tq in (41, 17, 1):
+        q, qp = _randn(b, h, tq, d, seed=5), _randn(b, h, tq, d, seed=6)
+        kw = dict(window=window, persistent_k=pk, persistent_v=pv, scale=scale)
+        expected = causal_attention_ref(q, k, v, persistent_q=qp, **kw)
+        for block in (None, 1, 6, 64):
+            got = causal_attention(q, k, v, persistent_q=qp, block_size=block, **kw)
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+        # the persistent queries change the result (the test would pass if they were ignored otherwise)
+        assert not torch.allclose(causal_attention(q, k, v, **kw), expected)
+        # with no persistent keys, persistent_q has nothing to score
+        plain = causal_attention(q, k, v, window=window, scale=scale)
+        torch.testing.assert_close(
+            causal_attention(q, k, v, window=window, scale=scale, persistent_q=qp), plain
+        )
+    with pytest.raises(ValueError, match="persistent_q must be q's shape"):
+        causal_attention(q, k, v, window=window, persistent_k=pk, persistent_v=pv, persistent_q=qp[:, :, :0])
+
+
 def test_causal_attention_batched_persistent_and_custom_scale():
     b, h, t, p, d = 3, 2, 29, 5, 6
     q, k, v = _randn(b, h, t, d), _randn(b, h, t, d), _randn(b, h, t, d)
@@ -307,6 +333,47 @@ def test_self_attention_streaming_equals_parallel(window, persistent, gate):
         torch.testing.assert_close(torch.cat(outs, dim=1), y_full, rtol=1e-10, atol=1e-10)
         assert state.position == state_full.position == t
         torch.testing.assert_close(state.k, state_full.k)
+
+
+def test_self_attention_persistent_rope_none_is_shift_invariant():
+    """With persistent_rope="none" the output at a token depends only on the last `window` tokens, not
+    on where they sit in the stream; "absolute" (queries rotated at their absolute position scoring
+    unrotated persistent keys) depends on the position, which is what degraded models past their training
+    length."""
+    torch.manual_seed(0)
+    window, n = 5, 300
+    x = _randn(2, n, 12, seed=7)
+    shift = 211  # the same tokens, scored from position 0 and from position 211
+    for rope, invariant in (("none", True), ("absolute", False)):
+        torch.manual_seed(0)
+        layer = SelfAttention(12, 3, 4, window=window, persistent_tokens=3, persistent_rope=rope).double()
+        with torch.no_grad():
+            layer.persistent.mul_(4.0)  # sharp scores for the persistent keys, as a trained layer has
+            full, _ = layer(x)
+            late, _ = layer(x[:, shift:])
+        gap = (full[:, shift + window :] - late[:, window:]).abs().max().item()
+        # RoPE's tables are float32: relative positions agree to float32 rounding, not float64's
+        assert (gap < 1e-5) if invariant else (gap > 1e-2), (rope, gap)
+    with pytest.raises(ValueError, match="persistent_rope must be one of"):
+        SelfAttention(12, 3, 4, window=window, persistent_tokens=3, persistent_rope="relative")
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_self_attention_persistent_rope_none_streams_and_is_causal(window):
+    layer = SelfAttention(12, 3, 4, window=window, persistent_tokens=2, persistent_rope="none").double()
+    x = _randn(2, 29, 12, seed=8)
+    y_full, _ = layer(x)
+    state, outs, i = None, [], 0
+    for n in (1, 7, 3, 11, 7):
+        y, state = layer(x[:, i : i + n], state)
+        outs.append(y)
+        i += n
+    torch.testing.assert_close(torch.cat(outs, dim=1), y_full, rtol=1e-10, atol=1e-10)
+    x2 = x.clone()
+    x2[:, 15:] += 1.0
+    y2, _ = layer(x2)
+    torch.testing.assert_close(y2[:, :15], y_full[:, :15], rtol=0, atol=0)
+    assert not torch.allclose(y2[:, 15:], y_full[:, 15:])
 
 
 @pytest.mark.parametrize(("segment_len", "persistent"), [(1, 0), (5, 2), (16, 3)])

@@ -86,6 +86,13 @@ def test_static_step_memory_options(overrides):
     assert decoder.state().position == 7 + 13
 
 
+@pytest.mark.parametrize("variant", ["swa", "mag", "mal"])
+def test_static_step_persistent_rope_none(variant):
+    """Queries score the persistent tokens unrotated: the static step follows the eager layer."""
+    decoder = _compare(_model(variant, persistent_rope="none"), "eager")
+    assert decoder.state().position == 7 + 13
+
+
 def test_static_step_persistent_to_memory():
     """MAG's memory reads the persistent tokens first: its chunk phase is offset from the model's."""
     decoder = _compare(_model("mal", persistent_to_memory=True, persistent_tokens=3), "eager")

@@ -22,7 +22,10 @@ from titans.ops.attention import causal_attention, segment_attention
 from titans.ops.norms import l2_normalize
 from titans.validation import check_int
 
-__all__ = ["AttentionState", "SegmentAttention", "SegmentAttentionState", "SelfAttention"]
+__all__ = ["PERSISTENT_ROPE", "AttentionState", "SegmentAttention", "SegmentAttentionState", "SelfAttention"]
+
+# how a query scores the persistent keys (SelfAttention's persistent_rope)
+PERSISTENT_ROPE = ("absolute", "none")
 
 
 @register_state_type
@@ -77,6 +80,8 @@ def _take_last(t: Tensor, n: int) -> Tensor:
 
 class _ProjectedAttention(nn.Module):
     """Shared parts: q/k/v/o projections, SiLU + l2 norm + RoPE on heads, persistent tokens, output."""
+
+    persistent_rope = "absolute"  # how queries score the persistent keys (`SelfAttention` has the option)
 
     def __init__(
         self,
@@ -141,8 +146,8 @@ class _ProjectedAttention(nn.Module):
         v = self.v_proj(x)
         return F.silu(v) if self.silu_qkv else v
 
-    def _queries(self, x: Tensor, positions: Tensor, max_position: int) -> Tensor:
-        """(B, T, dim) -> (B, H, T, D): projected, activated, normalised, scaled and rotated queries."""
+    def _query_heads(self, x: Tensor) -> Tensor:
+        """(B, T, dim) -> (B, H, T, D): projected, activated, normalised and scaled queries, not rotated."""
         q = self.q_proj(x)
         if self.silu_qkv:
             q = F.silu(q)
@@ -150,7 +155,11 @@ class _ProjectedAttention(nn.Module):
         if self.qk_norm:
             scale = math.sqrt(self.head_dim) * self.qk_log_scale.exp()
             q = (_l2_normalize(q) * scale.view(-1, 1, 1)).to(q.dtype)
-        return self.rotary(q, positions, max_position)
+        return q
+
+    def _queries(self, x: Tensor, positions: Tensor, max_position: int) -> Tensor:
+        """(B, T, dim) -> (B, H, T, D): `_query_heads` rotated at ``positions``."""
+        return self.rotary(self._query_heads(x), positions, max_position)
 
     def _keys_values(self, x: Tensor, positions: Tensor, max_position: int) -> tuple[Tensor, Tensor]:
         """(B, T, dim) -> k, v: (B, H, T, D), k rotated."""
@@ -207,6 +216,12 @@ class SelfAttention(_ProjectedAttention):
     applied to q and k at absolute positions. ``persistent_tokens`` learned vectors (P, dim) go through the
     same k/v projections (no RoPE) and are visible to every query.
 
+    ``persistent_rope``: how a query scores the persistent keys. "absolute": the query rotated at its
+    absolute position, as it scores the sequence's keys; the persistent keys have no rotation, so a
+    query's scores for them change with its position, and a model trained on short windows meets
+    unseen ones past its training length. "none": the unrotated query, so those scores are the same at
+    every position and the layer's output depends only on the last ``window`` tokens.
+
     ``forward(x, state)`` with x: (B, T, dim) returns y: (B, T, dim) and the new state; feeding a sequence
     in pieces, threading the state, gives the outputs of one call on the whole sequence.
     """
@@ -224,6 +239,7 @@ class SelfAttention(_ProjectedAttention):
         silu_qkv: bool = True,
         output_gate: bool = False,
         block_size: int | None = None,
+        persistent_rope: str = "absolute",
     ):
         super().__init__(
             dim,
@@ -237,13 +253,17 @@ class SelfAttention(_ProjectedAttention):
         )
         check_int("window", window, none_ok=True)
         check_int("block_size", block_size, none_ok=True)
+        if persistent_rope not in PERSISTENT_ROPE:
+            raise ValueError(f"persistent_rope must be one of {PERSISTENT_ROPE}, got {persistent_rope!r}")
         self.window = window
         self.block_size = block_size
+        self.persistent_rope = persistent_rope
 
     def extra_repr(self) -> str:
         return (
             f"dim={self.dim}, heads={self.heads}, head_dim={self.head_dim}, window={self.window}, "
             f"persistent_tokens={self.persistent_tokens}, qk_norm={self.qk_norm}, silu_qkv={self.silu_qkv}"
+            + ("" if self.persistent_rope == "absolute" else f", persistent_rope={self.persistent_rope}")
         )
 
     def _cache_len(self, position: int) -> int:
@@ -255,7 +275,8 @@ class SelfAttention(_ProjectedAttention):
         b, t_len, _ = x.shape
         start = _check_position(state)
         positions = torch.arange(start, start + t_len, device=x.device)
-        q = self._queries(x, positions, start + t_len)
+        q_heads = self._query_heads(x)
+        q = self.rotary(q_heads, positions, start + t_len)
         k, v = self._keys_values(x, positions, start + t_len)
         if state is not None:
             n = self._cache_len(start)
@@ -276,6 +297,7 @@ class SelfAttention(_ProjectedAttention):
                 persistent_v=pv,
                 block_size=self.block_size,
                 scale=self._softmax_scale,
+                persistent_q=q_heads if self.persistent_rope == "none" and pk is not None else None,
             )
             y = self._output(o, x)
         keep = self._cache_len(start + t_len)

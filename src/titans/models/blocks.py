@@ -41,6 +41,7 @@ def make_attention(cfg: TitansConfig, window: int | None, persistent: bool = Tru
         rope_base=cfg.rope_base,
         qk_norm=cfg.qk_norm,
         output_gate=cfg.attn_output_gate,
+        persistent_rope=cfg.persistent_rope,
     )
 
 

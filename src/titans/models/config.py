@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from titans.layers.attention import PERSISTENT_ROPE
 from titans.models.variants import VARIANT_SPECS, Variant
 from titans.ops.memory import resolve_rule
 from titans.validation import check_bounds, did_you_mean, field_help, option
@@ -191,6 +192,16 @@ class TitansConfig:
     mal_attn_persistent: bool = option(
         True, help="MAL: the sliding-window attention attends to the persistent tokens"
     )
+    # persistent_rope: how the sliding-window / full attention's queries score the persistent tokens,
+    # which have no position: "absolute", rotated at the query's absolute position as for the sequence's
+    # keys (the scores then change with position, past the training length too), or "none", unrotated
+    # (the same scores at every position). MAC's segment attention uses segment-local positions and is
+    # not affected (docs/long_context.md, "Persistent tokens and position")
+    persistent_rope: str = option(
+        "absolute",
+        help="how attention queries score the persistent tokens: absolute (rotated at the query's "
+        "position) or none (unrotated: the same at every position)",
+    )
     # attention and the rest
     qk_norm: bool = option(True, help="RMS-normalise queries and keys")
     rope_base: float = option(10000.0, help="rotary position embedding base")
@@ -220,6 +231,10 @@ class TitansConfig:
             bad = [i for i in self.memory_layers if not 0 <= i < self.depth]
             if bad:
                 raise ValueError(f"TitansConfig.memory_layers {bad} out of range for depth={self.depth}")
+        if self.persistent_rope not in PERSISTENT_ROPE:
+            raise ValueError(
+                f"TitansConfig.persistent_rope must be one of {PERSISTENT_ROPE}, got {self.persistent_rope!r}"
+            )
         if self.mac_gate not in MAC_GATES:
             raise ValueError(f"TitansConfig.mac_gate must be one of {MAC_GATES}, got {self.mac_gate!r}")
         for name in (

@@ -38,7 +38,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from titans.layers.attention import (
@@ -81,16 +80,11 @@ def _rotate(rotary: RotaryEmbedding, x: Tensor, positions: Tensor) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).to(x.dtype)
 
 
-def _queries(attn, x: Tensor, positions: Tensor) -> Tensor:
-    """`_ProjectedAttention._queries` at device positions: x (B, 1, dim) -> (B, H, 1, D)."""
-    q = attn.q_proj(x)
-    if attn.silu_qkv:
-        q = F.silu(q)
-    q = attn._split_heads(q)
-    if attn.qk_norm:
-        scale = math.sqrt(attn.head_dim) * attn.qk_log_scale.exp()
-        q = (_l2_normalize(q) * scale.view(-1, 1, 1)).to(q.dtype)
-    return _rotate(attn.rotary, q, positions)
+def _queries(attn, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """`_ProjectedAttention._queries` at device positions: x (B, 1, dim) -> the rotated queries and the
+    unrotated ones, (B, H, 1, D) each."""
+    q = attn._query_heads(x)
+    return _rotate(attn.rotary, q, positions), q
 
 
 def _keys_values(attn, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -102,19 +96,24 @@ def _keys_values(attn, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
     return _rotate(attn.rotary, k, positions), v
 
 
-def _attend(attn, q: Tensor, keys: list[Tensor], values: list[Tensor], masks: list[Tensor]) -> Tensor:
+def _attend(
+    attn, q: Tensor, keys: list[Tensor], values: list[Tensor], masks: list[Tensor], q_persistent: Tensor
+) -> Tensor:
     """Softmax attention of q (B, H, 1, D) over the concatenated keys/values (B, H, n_i, D) (persistent
-    ones (H, P, D) broadcast), each key kept where its mask (n_i,) is True. Returns (B, H, 1, D)."""
+    ones (H, P, D) broadcast, scored by ``q_persistent`` where the layer's `persistent_rope` is "none"),
+    each key kept where its mask (n_i,) is True. Returns (B, H, 1, D)."""
     pk, pv = attn._persistent_kv()
     b = q.shape[0]
-    if pk is not None:
-        keys = [pk.unsqueeze(0).expand(b, -1, -1, -1).to(q.dtype)] + keys
-        values = [pv.unsqueeze(0).expand(b, -1, -1, -1).to(q.dtype)] + values
-        masks = [masks[0].new_ones(pk.shape[1])] + masks
-    k, v, mask = torch.cat(keys, 2), torch.cat(values, 2), torch.cat(masks)
     scale = attn._softmax_scale
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    k, v, mask = torch.cat(keys, 2), torch.cat(values, 2), torch.cat(masks)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if pk is not None:
+        by = q_persistent if attn.persistent_rope == "none" else q
+        p_scores = torch.matmul(by.float(), pk.float().unsqueeze(0).transpose(-1, -2)) * scale
+        scores = torch.cat([p_scores, scores], dim=-1)
+        v = torch.cat([pv.unsqueeze(0).expand(b, -1, -1, -1).to(v.dtype), v], dim=2)
+        mask = torch.cat([mask.new_ones(pk.shape[1]), mask])
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, -1), v.float()).to(q.dtype)
 
@@ -150,13 +149,13 @@ class _WindowAttention(_Static):
     def step(self, x: Tensor, pos: Tensor) -> Tensor:
         attn, w = self.attn, self.attn.window
         positions = pos.view(1)
-        q = _queries(attn, x, positions)
+        q, q_heads = _queries(attn, x, positions)
         k, v = _keys_values(attn, x, positions)
         slot = positions % w
         self.k.index_copy_(2, slot, k)
         self.v.index_copy_(2, slot, v)
         mask = torch.arange(w, device=x.device) <= pos  # before the ring wraps, the later slots are empty
-        return attn._output(_attend(attn, q, [self.k], [self.v], [mask]), x)
+        return attn._output(_attend(attn, q, [self.k], [self.v], [mask], q_heads), x)
 
     def export(self, position: int) -> AttentionState:
         n = min(position, self.attn.window - 1)
@@ -180,13 +179,13 @@ class _SegmentAttention(_Static):
     def step(self, x: Tensor, ctx: Tensor, pos: Tensor) -> Tensor:
         attn, c = self.attn, self.attn.segment_len
         local = pos.view(1) % c
-        q = _queries(attn, x, local)
+        q, q_heads = _queries(attn, x, local)
         k, v = _keys_values(attn, x, local)
         ctx_k, ctx_v = _keys_values(attn, ctx, local)
         for buf, new in ((self.k, k), (self.v, v), (self.ctx_k, ctx_k), (self.ctx_v, ctx_v)):
             buf.index_copy_(2, local, new)
         mask = torch.arange(c, device=x.device) <= local  # slots past the token: the last segment's
-        o = _attend(attn, q, [self.ctx_k, self.k], [self.ctx_v, self.v], [mask, mask])
+        o = _attend(attn, q, [self.ctx_k, self.k], [self.ctx_v, self.v], [mask, mask], q_heads)
         return attn._output(o, x)
 
     def export(self, position: int) -> SegmentAttentionState:

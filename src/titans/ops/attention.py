@@ -18,6 +18,8 @@ textbook softmax; they exist to be obviously right, and the tests compare these 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -142,6 +144,7 @@ def causal_attention(
     persistent_v: Tensor | None = None,
     block_size: int | None = None,
     scale: float | None = None,
+    persistent_q: Tensor | None = None,
 ) -> Tensor:
     """Causal (optionally sliding-window) softmax attention with optional persistent keys.
 
@@ -156,6 +159,10 @@ def causal_attention(
             Tq == Tk and no block_size is one fused ``is_causal`` SDPA call (flash kernels, O(T) memory);
             otherwise it loops over query blocks (default 512), O(block x Tk) memory per step.
         scale: softmax scale; default 1/sqrt(D).
+        persistent_q: (B, H, Tq, D) queries that score the persistent keys in place of q (the rest of the
+            keys are scored by q). With q rotated by RoPE at absolute positions and the persistent keys
+            unrotated, q . p changes with the query's position; the unrotated queries here keep those
+            scores the same at every position. None: q scores every key.
 
     Returns:
         (B, H, Tq, D).
@@ -167,6 +174,20 @@ def causal_attention(
     tq, tk = q.shape[2], k.shape[2]
     if tq == 0:
         return q.clone()
+    if persistent_q is not None:
+        if persistent_q.shape != q.shape or persistent_q.dtype != q.dtype:
+            raise ValueError(
+                f"persistent_q must be q's shape {tuple(q.shape)} and dtype {q.dtype}, got "
+                f"{tuple(persistent_q.shape)} {persistent_q.dtype}"
+            )
+        if persistent is not None:
+            # Two score blocks in one softmax as one dot product over doubled channels: [q | q_p] against
+            # [k | 0] for the sequence's keys and [0 | p] for the persistent ones.
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            pk, pv = persistent
+            q = torch.cat([q, persistent_q], dim=-1)
+            k = torch.cat([k, torch.zeros_like(k)], dim=-1)
+            persistent = (torch.cat([torch.zeros_like(pk), pk], dim=-1), pv)
     if window is not None and window < tk:
         return _sliding_window_attention(q, k, v, window, persistent, block_size, scale)
     # The window reaches back past the first key for every query: this is full causal attention.
@@ -181,7 +202,7 @@ def _full_causal_attention(
     block_size: int | None,
     scale: float | None,
 ) -> Tensor:
-    b, h, tq, d = q.shape
+    b, h, tq, d = q.shape  # d: the scores' channels (v's, or twice them with persistent_q)
     tk = k.shape[2]
     p = 0 if persistent is None else persistent[0].shape[2]
     if tq == tk and block_size is None:
@@ -225,7 +246,8 @@ def _sliding_window_attention(
     block_size: int | None,
     scale: float | None,
 ) -> Tensor:
-    b, h, tq, d = q.shape
+    b, h, tq, d = q.shape  # d: the scores' channels (v's, or twice them with persistent_q)
+    dv = v.shape[-1]
     tk = k.shape[2]
     offset = tk - tq
     block = min(tq, block_size or min(max(window, 64), 1024))  # a block longer than Tq is only padding
@@ -260,7 +282,7 @@ def _sliding_window_attention(
     if persistent is not None:
         p = persistent[0].shape[2]
         pk = persistent[0][:, :, None].expand(b, h, n_blocks, p, d)
-        pv = persistent[1][:, :, None].expand(b, h, n_blocks, p, d)
+        pv = persistent[1][:, :, None].expand(b, h, n_blocks, p, dv)
         k_blocks = torch.cat([pk, k_blocks], dim=3)
         v_blocks = torch.cat([pv, v_blocks], dim=3)
         mask = torch.cat([mask.new_ones(n_blocks, block, p), mask], dim=2)
@@ -269,7 +291,7 @@ def _sliding_window_attention(
     q_blocks = q.reshape(b * h, n_blocks, block, d)
     k_blocks, v_blocks = k_blocks.flatten(0, 1), v_blocks.flatten(0, 1)  # views where possible
     out = _sdpa_grouped(q_blocks, k_blocks, v_blocks, mask, scale)
-    return out.reshape(b, h, n_blocks * block, d)[:, :, :tq]
+    return out.reshape(b, h, n_blocks * block, dv)[:, :, :tq]
 
 
 # ----------------------------------------------------------------------------------------------------

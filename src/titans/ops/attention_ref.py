@@ -15,11 +15,16 @@ import torch
 from torch import Tensor
 
 
-def _softmax_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], masks: list[Tensor], scale):
-    """softmax(q k^T * scale, masked) v over the key groups side by side; masks (Tq, Tk_i) bool."""
+def _softmax_attention(
+    q: Tensor, keys: list[Tensor], values: list[Tensor], masks: list[Tensor], scale, queries=None
+):
+    """softmax(q k^T * scale, masked) v over the key groups side by side; masks (Tq, Tk_i) bool.
+    ``queries``: one query tensor per key group (default: q for every group)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    k, v, visible = torch.cat(keys, dim=2), torch.cat(values, dim=2), torch.cat(masks, dim=1)
-    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    queries = [q] * len(keys) if queries is None else queries
+    v, visible = torch.cat(values, dim=2), torch.cat(masks, dim=1)
+    scores = torch.cat([torch.einsum("bhqd,bhkd->bhqk", qi, ki) for qi, ki in zip(queries, keys)], dim=3)
+    scores = scores * scale
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("bhqk,bhkd->bhqd", scores.softmax(dim=-1), v)
 
@@ -47,9 +52,11 @@ def causal_attention_ref(
     persistent_v: Tensor | None = None,
     block_size: int | None = None,
     scale: float | None = None,
+    persistent_q: Tensor | None = None,
 ) -> Tensor:
     """Dense reference for `causal_attention` (``block_size`` is ignored): query i sees key j iff
-    j <= i and (no window, or j > i - window), and every persistent key."""
+    j <= i and (no window, or j > i - window), and every persistent key (scored by ``persistent_q``
+    where given, else by q)."""
     tq, tk = q.shape[2], k.shape[2]
     i = torch.arange(tk - tq, tk, device=q.device)[:, None]  # absolute query positions
     j = torch.arange(tk, device=q.device)[None, :]
@@ -57,7 +64,10 @@ def causal_attention_ref(
     if window is not None:
         visible &= j > i - window
     keys, values, masks = _with_persistent(q, [k], [v], [visible], persistent_k, persistent_v)
-    return _softmax_attention(q, keys, values, masks, scale)
+    queries = None
+    if persistent_q is not None and len(keys) == 2:
+        queries = [persistent_q, q]
+    return _softmax_attention(q, keys, values, masks, scale, queries)
 
 
 def segment_attention_ref(
