@@ -107,8 +107,8 @@ def _coef_grads(theta, t1, eb, g_gam, g_bet, rj, CHUNK: tl.constexpr, BC: tl.con
     part = (g_gam * theta)[None, :] * t1
     after = rm[:, None] > rj[None, :]
     g_le = tl.sum(tl.where(after, tl.cumsum(part, 0, reverse=True), 0.0), 1)
-    rows = tl.sum(part, 1)
-    g_lk = tl.sum(tl.where(rm[None, :] < rm[:, None], rows[None, :], 0.0), 1)
+    row_sums = tl.sum(part, 1)
+    g_lk = tl.sum(tl.where(rm[None, :] < rm[:, None], row_sums[None, :], 0.0), 1)
     # beta_j = theta_j E_b / E_j holds log_eta_l for j < l < CHUNK
     g_le += tl.sum(tl.where(after & (rm[:, None] < CHUNK), (g_bet * theta * eb)[None, :], 0.0), 1)
     return g_theta, g_le, g_lk
@@ -264,7 +264,7 @@ def memory_chunks_bwd(
     GQ,  # (N, T, D) float32 out
     GK,
     GV,
-    GTH,  # (N, T) float32 out, contiguous: dL/dtheta (left as it is for the trailing partial chunk)
+    GTH,  # (N, T) float32 out, contiguous: dL/dtheta (the trailing partial chunk's left as given: zeros)
     GLE,  # dL/dlog(eta)
     GLK,  # dL/dlog(1 - alpha)
     T,
