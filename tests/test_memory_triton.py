@@ -16,12 +16,14 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+import titans.ops.memory  # noqa: E402
 from test_memory import random_problem  # noqa: E402
 from titans import NeuralMemory, TitansConfig  # noqa: E402
-from titans.ops.memory import (
-    neural_memory_chunked,  # noqa: E402
-    neural_memory_ref,  # noqa: E402
-    neural_memory_triton,  # noqa: E402
+from titans.ops.memory import (  # noqa: E402
+    neural_memory,
+    neural_memory_chunked,
+    neural_memory_ref,
+    neural_memory_triton,
 )
 from titans.ops.memory import triton_chunk as memory_triton  # noqa: E402
 
@@ -322,3 +324,80 @@ def test_layer_under_bf16_autocast_matches_torch_backend():
         runs.append((y.float().detach(), mem.init_weights[0].grad))
     assert_close(runs[0][0], runs[1][0], 1e-3, "y")
     assert_close(runs[0][1], runs[1][1], 1e-3, "grad")
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "depth, shape, options, rows",
+    [
+        # chunks of 5 (padded to 16) over 13 tokens, d = 5, B * H = 3
+        (1, (1, 3, 13, 5), {"chunk_size": 5, "surprise_clip": 0.4}, 32),
+        # chunks of 20 (padded to 32) taken 16 rows at a time by the backward kernel, d = 3
+        (2, (2, 1, 45, 3), {"chunk_size": 20, "activation": "gelu", "residual": True}, 16),
+    ],
+)
+def test_kernels_compute_the_coefficients_from_the_gates(depth, shape, options, rows, monkeypatch):
+    """The kernels take the raw per-token gates (the strided views of one (B, H, T, 3) tensor, as
+    `neural_memory` passes them) and compute gamma, beta and the chunk mix themselves: no torch coefficient
+    code runs, and the outputs, states and the gradient of every input, the gates tensor's above all, match
+    the float64 reference to 2e-5 of each one's own largest entry. Per token a zero write rate, strong
+    forgetting and momentum near off are mixed in."""
+    monkeypatch.setattr(memory_triton, "BACKWARD_ROWS", rows)
+    monkeypatch.setattr(memory_triton, "chunk_mix", lambda *a: pytest.fail("torch coefficients computed"))
+    args, w, s = random_problem(*shape, depth, seed=11)
+    q, k, v, theta, log_eta, log_keep = args
+    theta[..., ::4] = 0.0
+    log_keep[..., 1::5] = -12.0
+    log_eta[..., 2::3] = -30.0
+    gates = torch.stack([theta, log_eta, log_keep], -1)
+    kw = {**options}
+
+    def triton_op(q, k, v, gates, w, s, **kw):
+        return neural_memory(q, k, v, gates, w, s, backend="triton", **kw)
+
+    def reference(q, k, v, gates, w, s, **kw):
+        return neural_memory(q, k, v, gates, w, s, backend="reference", **kw)
+
+    outs, grads = _loss_and_grads(triton_op, (q, k, v, gates), w, s, kw, torch.float32)
+    ref_outs, ref_grads = _loss_and_grads(reference, (q, k, v, gates), w, s, kw, F64)
+    names = ["y"] + [f"w{i}" for i in range(depth)] + [f"s{i}" for i in range(depth)] + ["norm"]
+    names += ["grad q", "grad k", "grad v", "grad gates"]
+    names += [f"grad w{i}" for i in range(depth)] + [f"grad s{i}" for i in range(depth)]
+    for name, a, b in zip(names, outs + grads, ref_outs + ref_grads):
+        err = (a - b).abs().max() / b.abs().max()
+        assert err <= 2e-5, f"{name}: max diff {err.item():.2e} of its largest entry"
+    # each gate's gradient on its own (theta's, eta's, alpha's), each with entries far from zero
+    for i, gate in enumerate(("theta", "log_eta", "log_keep")):
+        a, b = grads[3][..., i], ref_grads[3][..., i]
+        assert b.abs().max() > 1e-3, gate
+        err = (a - b).abs().max() / b.abs().max()
+        assert err <= 2e-5, f"grad {gate}: max diff {err.item():.2e} of its largest entry"
+
+
+@pytest.mark.parametrize("depth", [3, 4])
+def test_depth_3_and_4_refused_by_name_and_auto_runs_torch(depth, monkeypatch, caplog):
+    """The kernels cover memory depth 1 and 2 (each layer's state is held in registers): depth 3 and 4 are
+    refused naming the depth and the covered ones, by the op, by the layer when it is built (before any
+    input) and by the config; backend="auto" runs them on the torch loop, saying why, even where the kernels
+    could run (the device check passed, as on CUDA)."""
+    args, w, s = random_problem(1, 2, 9, 4, depth, dtype=torch.float32)
+    q, k, v, *gate_list = args
+    gates = torch.stack(gate_list, -1)
+    refused = rf"memory depth {depth} is not covered by the kernels \(they cover depth 1 and 2\)"
+    with pytest.raises(ValueError, match=refused):
+        neural_memory(q, k, v, gates, w, s, chunk_size=4, backend="triton")
+    with pytest.raises(ValueError, match=rf"NeuralMemory\(backend='triton'\): {refused}"):
+        NeuralMemory(12, heads=3, head_dim=4, depth=depth, backend="triton")
+    with pytest.raises(ValueError, match=rf"covers memory_depth 1 and 2, got memory_depth={depth}"):
+        TitansConfig(memory_backend="triton", memory_depth=depth)
+    from titans.layers import memory as layer
+
+    monkeypatch.setattr(titans.ops.memory, "device_reason", lambda device: None)
+    monkeypatch.setattr(layer, "_logged_choices", set())
+    x = torch.randn(1, 9, 12)
+    with caplog.at_level(logging.DEBUG, logger="titans.layers.memory"):
+        y, state = _memory(backend="auto", depth=depth)(x)
+    said = [r.getMessage() for r in caplog.records if "backend='auto'" in r.getMessage()]
+    assert len(said) == 1 and "torch" in said[0] and f"memory depth {depth}" in said[0], said
+    y_torch, state_torch = _memory(backend="torch", depth=depth)(x)
+    assert torch.equal(y, y_torch) and torch.equal(state.weights[-1], state_torch.weights[-1])

@@ -602,7 +602,12 @@ class NeuralMemory(nn.Module):
 
     def _triton_config_reason(self) -> str | None:
         """Why the Triton kernels cannot run this memory's options (None where they can): they run the
-        default "titans" rule without a surprise threshold or a weight bound only."""
+        default "titans" rule without a surprise threshold or a weight bound only, of depth 1 or 2 and
+        width <= 256."""
+        hidden = self.init_weights[0].shape[-1]
+        reason = triton_reason(self.depth, self.head_dim, hidden, self.activation)
+        if reason is not None:
+            return reason
         if not self.rule.is_titans:
             return f"rule={self.rule.to_config()!r} is not covered by the kernels (only rule='titans')"
         if self.surprise_threshold is not None:

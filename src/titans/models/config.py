@@ -9,7 +9,7 @@ from typing import Any
 
 from titans.layers.attention import PERSISTENT_ROPE
 from titans.models.variants import VARIANT_SPECS, Variant
-from titans.ops.memory import resolve_rule
+from titans.ops.memory import TRITON_DEPTHS, resolve_rule
 from titans.validation import check_bounds, did_you_mean, field_help, option
 
 VARIANTS = tuple(VARIANT_SPECS)
@@ -274,6 +274,12 @@ class TitansConfig:
                 raise ValueError(
                     f"TitansConfig.memory_backend='triton' runs memory_rule='titans' only, got memory_rule="
                     f"{self.memory_rule!r}: use memory_backend='auto' or 'torch'"
+                )
+            if self.memory_depth not in TRITON_DEPTHS:
+                covers = " and ".join(map(str, TRITON_DEPTHS))
+                raise ValueError(
+                    f"TitansConfig.memory_backend='triton' covers memory_depth {covers}, got memory_depth="
+                    f"{self.memory_depth}: use memory_backend='auto' or 'torch'"
                 )
             for name in ("memory_surprise_threshold", *TITANS_RULE_ONLY):
                 val = getattr(self, name)

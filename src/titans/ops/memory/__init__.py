@@ -64,16 +64,20 @@ from titans.ops.memory.rules import (
     resolve_rule,
 )
 from titans.ops.memory.rules_ref import memory_rule_ref
+from titans.ops.memory.triton_chunk import DEPTHS as TRITON_DEPTHS
 from titans.ops.memory.triton_chunk import covered, device_reason, neural_memory_triton
 
 BACKENDS = ("torch", "triton", "reference")
 
 
 def triton_reason(
-    depth: int, head_dim: int, hidden: int, activation: str, device: torch.device
+    depth: int, head_dim: int, hidden: int, activation: str, device: torch.device | None = None
 ) -> str | None:
-    """None where the Triton path can run a memory of this shape on `device`, else why not."""
-    return covered(depth, head_dim, hidden, activation) or device_reason(device)
+    """None where the Triton path can run a memory of this shape (on `device`, if given), else why not."""
+    reason = covered(depth, head_dim, hidden, activation)
+    if reason is None and device is not None:
+        reason = device_reason(device)
+    return reason
 
 
 def neural_memory(
@@ -105,8 +109,9 @@ def neural_memory(
     weights, momentum: per memory layer (B, H, d_in, d_out); for a rule with a retention map, the
         pre-retention state A (the memory reads W = g(A)).
     rule: a preset name, a parts dict or a `MemoryRule` (None: "titans").
-    backend: "torch" (the chunked torch path), "triton" (the Triton kernels: the "titans" rule without a
-        surprise threshold, weight bound or anchor) or "reference" (the per-token loop, for tests).
+    backend: "torch" (the chunked torch path), "triton" (the Triton kernels: the "titans" rule of depth 1
+        or 2 without a surprise threshold, weight bound or anchor) or "reference" (the per-token loop, for
+        tests).
     checkpoint_every: activation checkpointing of the chunk loop (`neural_memory_chunked`); same outputs
         and gradients. The reference keeps every step.
     surprise_threshold, max_norm, anchor: as `neural_memory_chunked`'s; max_norm and anchor with the
@@ -155,6 +160,7 @@ __all__ = [
     "OPTIMIZERS",
     "RETENTIONS",
     "RULE_PRESETS",
+    "TRITON_DEPTHS",
     "Bias",
     "DecayRetention",
     "GateSpec",

@@ -2,22 +2,26 @@
 `titans.ops.memory.chunk.neural_memory_chunked` (same arguments, same returns).
 
 Forward: ONE kernel launch per call (`triton_kernels.memory_chunks_fwd`): a program per sequence
-(batch x head) runs every chunk with the state on chip and writes the reads, the surprise norms, the final
-state and, when gradients are recorded, the state at the start of every chunk (or of every
-`checkpoint_every`-th chunk). A call shorter than a chunk (decoding one token at a time) is the same single
-launch: a read, plus the write when the pending tokens complete a chunk.
+(batch x head) runs every chunk with the state on chip, the chunk's write coefficients computed from the
+raw per-token gates in the kernel, and writes the reads, the surprise norms, the final state and, when
+gradients are recorded, the state at the start of every chunk (or of every `checkpoint_every`-th chunk).
+Around it runs one torch op per memory layer (stacking W and S), none per chunk. A call shorter than a
+chunk (decoding one token at a time) is the same single launch: a read, plus the write when the pending
+tokens complete a chunk.
 
 Backward: ONE launch too (`memory_chunks_bwd`): the chunks in reverse, each chunk's forward recomputed
-from its saved start state and backpropagated, the state gradient carried on chip. Two cases go through
-the torch chunk step instead (`titans.ops.memory.chunk.run_chunks`, recomputed per group of chunks from the
-saved states and backpropagated: the same gradients at the torch path's speed): `checkpoint_every` (only every
-n-th state is kept), and a shape whose backward kernel needs more shared memory than the GPU has (found at
-its first backward, then remembered).
+from its saved start state and backpropagated, the state gradient carried on chip, the gates' gradients
+computed in the kernel (no autograd graph through the coefficients). Two cases go through the torch chunk
+step instead (`titans.ops.memory.chunk.run_chunks`, recomputed per group of chunks from the saved states,
+the coefficients by `chunk_mix`, and backpropagated: the same gradients at the torch path's speed):
+`checkpoint_every` (only every n-th state is kept), and a shape whose backward kernel needs more shared
+memory than the GPU has (found at its first backward, then remembered).
 
-Covered (`covered()`): depth 1 and 2, silu / gelu / relu, residual or not, clipping on or off, per-token
-gates with momentum or forgetting switched off, any chunk size, trailing partial chunks, a state in and
-out, float32 / float16 / bfloat16 q, k, v with a float32 (or wider) state: the kernel computes in float32.
-Head dims and hidden width up to 256 (the state of one sequence lives in registers).
+Covered (`covered()`): depth 1 and 2 (`DEPTHS`; a deeper memory is refused by name), silu / gelu / relu,
+residual or not, clipping on or off, per-token gates with momentum or forgetting switched off, any chunk
+size, trailing partial chunks, a state in and out, float32 / float16 / bfloat16 q, k, v with a float32 (or
+wider) state: the kernel computes in float32. Head dims and hidden width up to 256 (the state of one
+sequence lives in registers).
 
 Triton is imported only when a kernel first runs, so `TRITON_INTERPRET=1` (Triton's CPU interpreter, how
 the tests run the kernels without a GPU) can be set by then.
@@ -48,6 +52,9 @@ FUSED_BACKWARD = True
 # rows of a chunk the backward kernel takes at a time (a power of two >= 16)
 BACKWARD_ROWS = int(os.environ.get("TITANS_MEMORY_TRITON_ROWS", 32))
 MAX_WIDTH = 256  # widest head dim / hidden width the kernel keeps on chip
+# memory depths the kernels run: each layer's [W; S] is its own pair of register tensors, and a third
+# 128 x 128 layer would not fit one program's registers beside the others
+DEPTHS = (1, 2)
 _ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
 
 
@@ -71,13 +78,14 @@ def _kernels():
 
 def covered(depth: int, head_dim: int, hidden: int, activation: str) -> str | None:
     """None where the kernels cover a memory of this shape, else the reason they do not."""
-    if depth not in (1, 2):
-        return f"depth {depth} (the kernels cover depth 1 and 2)"
+    if depth not in DEPTHS:
+        covers = " and ".join(map(str, DEPTHS))
+        return f"memory depth {depth} is not covered by the kernels (they cover depth {covers})"
     if activation not in _ACT_CODES:
-        return f"activation {activation!r}"
+        return f"activation {activation!r} is not covered by the kernels ({', '.join(_ACT_CODES)})"
     widest = head_dim if depth == 1 else max(head_dim, hidden)
     if widest > MAX_WIDTH:
-        return f"width {widest} (the kernels keep a state of width <= {MAX_WIDTH} on chip)"
+        return f"width {widest} is not covered by the kernels (they keep widths <= {MAX_WIDTH} on chip)"
     return None
 
 
@@ -125,14 +133,14 @@ def _shape_key(config, q: Tensor, states) -> tuple:
     return (q.device.type, q.shape[-1], tuple(tuple(x.shape[-2:]) for x in states), *config[:2], config[3])
 
 
-def _launch(config, q, k, v, gamma, beta, mix, states, save_every: int, save_tail: bool):
-    """Run the forward kernel. q, k, v (N, T, d); gamma, beta (N, n_full, b); mix (N, n_full, 2, 2);
-    states: per layer (N, 2, d_in, d_out). Returns y (N, T, d), norm (N, T), the new states (like
+def _launch(config, q, k, v, gates, states, save_every: int, save_tail: bool):
+    """Run the forward kernel. q, k, v (N, T, d); gates: theta, log_eta, log_keep (N, T) with the same
+    strides; states: per layer (N, 2, d_in, d_out). Returns y (N, T, d), norm (N, T), the new states (like
     `states`) and per layer the saved chunk-start states (N, n_saved, 2, d_in, d_out): of every
     `save_every`-th complete chunk (none if 0), and with `save_tail` of the trailing partial chunk too."""
     activation, residual, clip, b = config
     n_seq, seq, dim = q.shape
-    n_full = gamma.shape[1]
+    n_full = seq // b
     depth = len(states)
     hidden = states[0].shape[-1]
     dtype, device = states[0].dtype, q.device
@@ -145,19 +153,13 @@ def _launch(config, q, k, v, gamma, beta, mix, states, save_every: int, save_tai
     norm = torch.empty(n_seq, seq, dtype=dtype, device=device)
     new_states = [torch.empty_like(x) for x in states]
     saved = [x.new_empty(n_seq, n_saved, *x.shape[1:]) for x in states]
-    dummy = torch.zeros(1, dtype=torch.float32, device=device)
-    if n_full:
-        gamma, beta, mix = (x.contiguous() for x in (gamma, beta, mix))
-    else:  # nothing to write: the kernel never reads them
-        gamma = beta = mix = dummy
+    dummy = norm  # for the pointers the kernel never touches (no second layer, no saves): no allocation
     second = (states[1], new_states[1], saved[1]) if depth == 2 else (dummy, dummy, dummy)
     _kernels().memory_chunks_fwd[(n_seq,)](
         q,
         k,
         v,
-        gamma,
-        beta,
-        mix,
+        *gates,
         states[0],
         second[0],
         new_states[0],
@@ -167,6 +169,7 @@ def _launch(config, q, k, v, gamma, beta, mix, states, save_every: int, save_tai
         y,
         norm,
         seq,
+        *gates[0].stride(),
         n_full,
         n_chunks,
         n_saved,
@@ -194,22 +197,22 @@ class _TritonChunks(torch.autograd.Function):
     """The whole sequence: kernel forward, chunk-by-chunk recomputing backward (module docstring).
 
     config: (activation, residual, clip, chunk_size, group), group = chunks per saved state. q, k, v
-    (N, T, d); gamma, beta (N, n_full, b); mix (N, n_full, 2, 2); states (N, 2, d_in, d_out) per layer.
+    (N, T, d); theta, log_eta, log_keep (N, T) with the same strides (the kernels compute the chunks'
+    coefficients from them); states (N, 2, d_in, d_out) per layer.
     Returns y (N, T, d), the surprise norms (N, T) and the states after the last complete chunk.
     """
 
     @staticmethod
-    def forward(ctx, config, q, k, v, gamma, beta, mix, *states):
+    def forward(ctx, config, q, k, v, theta, log_eta, log_keep, *states):
         group = config[4]
         grad = any(ctx.needs_input_grad[1:])
         # every chunk's start state kept: the backward kernel runs (where it fits on the device)
         fused = group == 1 and FUSED_BACKWARD and _shape_key(config, q, states) not in _UNFIT
-        y, norm, new_states, saved = _launch(
-            config[:4], q, k, v, gamma, beta, mix, states, group if grad else 0, fused
-        )
+        gates = (theta, log_eta, log_keep)
+        y, norm, new_states, saved = _launch(config[:4], q, k, v, gates, states, group if grad else 0, fused)
         ctx.config, ctx.depth, ctx.fused = config, len(states), fused
         if grad:
-            ctx.save_for_backward(q, k, v, gamma, beta, mix, *new_states, *saved)
+            ctx.save_for_backward(q, k, v, *gates, *new_states, *saved)
         return (y, norm, *new_states)
 
     @staticmethod
@@ -224,19 +227,22 @@ class _TritonChunks(torch.autograd.Function):
                 _UNFIT.add(_shape_key(ctx.config, ctx.saved_tensors[0], ctx.saved_tensors[6 : 6 + ctx.depth]))
         activation, residual, clip, b, group = ctx.config
         depth = ctx.depth
-        q, k, v, gamma, beta, mix, *rest = ctx.saved_tensors
-        final, saved = rest[:depth], rest[depth:]
-        saved = [x[:, : gamma.shape[1]] for x in saved]  # the fused backward's also holds the tail's
+        q, k, v, *gates = ctx.saved_tensors[:6]
+        final, saved = ctx.saved_tensors[6 : 6 + depth], ctx.saved_tensors[6 + depth :]
         needs = ctx.needs_input_grad[1:]
         dtype = final[0].dtype
         n_seq, seq, dim = q.shape
-        n_full = gamma.shape[1]
+        n_full = seq // b
+        saved = [x[:, :n_full] for x in saved]  # the fused backward's also holds the tail's
         length = n_full * b
         g_states = [torch.zeros_like(x) if g is None else g.to(dtype) for x, g in zip(final, g_final)]
         g_qkv = [
             torch.zeros(n_seq, seq, dim, dtype=dtype, device=q.device) if need else None for need in needs[:3]
         ]
-        g_coefs = [torch.zeros_like(x) if need else None for x, need in zip((gamma, beta, mix), needs[3:6])]
+        g_gates = [
+            torch.zeros(x.shape, dtype=dtype, device=x.device) if need else None
+            for x, need in zip(gates, needs[3:6])
+        ]
 
         def leaf(x: Tensor, need: bool) -> Tensor:
             return x.detach().to(dtype).requires_grad_(need)
@@ -277,33 +283,32 @@ class _TritonChunks(torch.autograd.Function):
             rows = slice(c0 * b, c1 * b)
             with torch.enable_grad():
                 pieces = [leaf(x[:, rows], need) for x, need in zip((q, k, v), needs[:3])]
-                coefs = [leaf(x[:, c0:c1], need) for x, need in zip((gamma, beta, mix), needs[3:6])]
+                gate_rows = [leaf(x[:, rows], need) for x, need in zip(gates, needs[3:6])]
+                coefs = chunk_mix(*(x.unsqueeze(0) for x in gate_rows), b, dtype)
                 starts = [x[:, i].detach().requires_grad_(True) for x in saved]
                 outs = run_chunks(activation, residual, clip, None, b, None, *pieces, *coefs, None, *starts)
                 grads = grad_into(
                     outs,
                     (g_y[:, rows].to(dtype), g_norm[:, rows].to(dtype), *g_states),
-                    [*pieces, *coefs, *starts],
-                    [None if g is None else g[:, rows] for g in g_qkv]
-                    + [None if g is None else g[:, c0:c1] for g in g_coefs]
-                    + [None] * depth,
+                    [*pieces, *gate_rows, *starts],
+                    [None if g is None else g[:, rows] for g in (*g_qkv, *g_gates)] + [None] * depth,
                 )
             g_states = [torch.zeros_like(s) if g is None else g for s, g in zip(starts, grads[6:])]
 
-        g_qkv = [None if g is None else g.to(x.dtype) for g, x in zip(g_qkv, (q, k, v))]
+        g_in = [None if g is None else g.to(x.dtype) for g, x in zip((*g_qkv, *g_gates), (q, k, v, *gates))]
         g_init = [g if need else None for g, need in zip(g_states, needs[6:])]
-        return (None, *g_qkv, *g_coefs, *g_init)
+        return (None, *g_in, *g_init)
 
 
 def _fused_backward(ctx, g_y, g_norm, *g_final):
     """`_TritonChunks.backward` by the backward kernel (every chunk's start state saved)."""
     activation, residual, clip, b, _ = ctx.config
     depth = ctx.depth
-    q, k, v, gamma, beta, mix, *rest = ctx.saved_tensors
-    final, saved = rest[:depth], rest[depth:]
+    q, k, v, *gates = ctx.saved_tensors[:6]
+    final, saved = ctx.saved_tensors[6 : 6 + depth], ctx.saved_tensors[6 + depth :]
     needs = ctx.needs_input_grad[1:]
     n_seq, seq, dim = q.shape
-    n_full, hidden = gamma.shape[1], final[0].shape[-1]
+    n_full, hidden = seq // b, final[0].shape[-1]
     device = q.device
     f32 = torch.float32
     g_states = [
@@ -313,21 +318,14 @@ def _fused_backward(ctx, g_y, g_norm, *g_final):
     g_y = torch.zeros(n_seq, seq, dim, dtype=f32, device=device) if g_y is None else g_y.contiguous()
     g_norm = torch.zeros(n_seq, seq, dtype=f32, device=device) if g_norm is None else g_norm.contiguous()
     g_q, g_k, g_v = (torch.empty(n_seq, seq, dim, dtype=f32, device=device) for _ in range(3))
-    g_gamma = torch.empty(n_seq, max(n_full, 1), b, dtype=f32, device=device)
-    g_beta = torch.empty_like(g_gamma)
-    g_mix = torch.empty(n_seq, max(n_full, 1), 2, 2, dtype=f32, device=device)
-    dummy = torch.zeros(1, dtype=f32, device=device)
-    if n_full:
-        gamma, beta, mix = (x.contiguous() for x in (gamma, beta, mix))
-    else:
-        gamma = beta = mix = dummy
+    # the trailing partial chunk's gates write nothing: their gradients stay 0
+    g_gates = torch.zeros(3, n_seq, seq, dtype=f32, device=device)
+    dummy = g_gates  # for the second layer's pointers at depth 1 (never touched)
     _kernels().memory_chunks_bwd[(n_seq,)](
         q,
         k,
         v,
-        gamma,
-        beta,
-        mix,
+        *gates,
         saved[0],
         saved[1] if depth == 2 else dummy,
         g_y,
@@ -337,10 +335,9 @@ def _fused_backward(ctx, g_y, g_norm, *g_final):
         g_q,
         g_k,
         g_v,
-        g_gamma,
-        g_beta,
-        g_mix,
+        *g_gates,
         seq,
+        *gates[0].stride(),
         n_full,
         -(-seq // b),
         float(clip) if clip is not None else 0.0,
@@ -360,12 +357,9 @@ def _fused_backward(ctx, g_y, g_norm, *g_final):
         num_stages=_NUM_STAGES,
     )
     g_qkv = [g.to(x.dtype) if need else None for g, x, need in zip((g_q, g_k, g_v), (q, k, v), needs[:3])]
-    g_coefs = [
-        g[:, :n_full].to(x.dtype) if need else None
-        for g, x, need in zip((g_gamma, g_beta, g_mix), (ctx.saved_tensors[3:6]), needs[3:6])
-    ]
+    g_gates = [g.to(x.dtype) if need else None for g, x, need in zip(g_gates, gates, needs[3:6])]
     g_init = [g.to(x.dtype) if need else None for g, x, need in zip(g_states, final, needs[6:])]
-    return (None, *g_qkv, *g_coefs, *g_init)
+    return (None, *g_qkv, *g_gates, *g_init)
 
 
 def neural_memory_triton(
@@ -392,21 +386,20 @@ def neural_memory_triton(
     depth = len(weights)
     reason = covered(depth, q.shape[-1], weights[0].shape[-1], activation) or device_reason(q.device)
     if reason is not None:
-        raise ValueError(f"neural_memory_triton: not covered: {reason}")
+        raise ValueError(f"neural_memory_triton: {reason}")
     with torch.autocast(q.device.type, enabled=False):
         batch, heads, seq, dim = q.shape
         b = chunk_size
         n_full = seq // b
-        n_seq, dtype = batch * heads, weights[0].dtype
-        if n_full:
-            gamma, beta, mix = chunk_mix(theta, log_eta, log_keep, b, dtype)
-        else:
-            gamma = beta = q.new_zeros(n_seq, 0, b, dtype=dtype)
-            mix = q.new_zeros(n_seq, 0, 2, 2, dtype=dtype)
+        n_seq = batch * heads
+        # the raw per-token gates go in (views where they can be): the kernels compute the coefficients
+        gates = [x.reshape(n_seq, seq) for x in (theta, log_eta, log_keep)]
+        if len({x.stride() for x in gates}) > 1:
+            gates = [x.contiguous() for x in gates]
         states = stack_states(weights, momentum)
         flat = (x.reshape(n_seq, seq, dim) for x in (q, k, v))
         group = checkpoint_every if checkpoint_every and torch.is_grad_enabled() else 1
         config = (activation, residual, surprise_clip, b, min(group, max(n_full, 1)))
-        y, norm, *states = _TritonChunks.apply(config, *flat, gamma, beta, mix, *states)
+        y, norm, *states = _TritonChunks.apply(config, *flat, *gates, *states)
     weights, momentum = unstack_states(states, batch, heads)
     return y.view(batch, heads, seq, dim), weights, momentum, norm.view(batch, heads, seq)

@@ -11,9 +11,13 @@ and errors delta_l per layer), the surprise norms and the closed-form write
     W' = A W + c S + sum_j (-gamma_j s_j) a_j^T delta_j      S' = E S + sum_j (-beta_j s_j) a_j^T delta_j
 
 (s_j the clip scale) as one (d_in, chunk) x (chunk, d_out) `tl.dot` per layer and half. The maths is that
-of `titans.ops.memory.chunk._chunk_forward`; the scalar coefficients (gamma, beta, A, c, E) come in computed.
-A trailing partial chunk is read (and its surprise reported) with a write that leaves the state as it is
-(coefficients 0, mix the identity): no branch in the loop.
+of `titans.ops.memory.chunk._chunk_forward`. The scalar coefficients (gamma, beta, A, c, E) are computed
+here too, per chunk, from the raw per-token gates theta, log(eta), log(1 - alpha) (`_coef_terms`, the
+maths of `titans.ops.memory.common.chunk_coefficients`), and the backward kernel returns the gates'
+gradients (`_coef_grads`). A trailing partial chunk is read (and its surprise reported) with a write that
+leaves the state as it is (coefficients 0, mix the identity): no branch in the loop.
+
+Depth 1 and 2 only: each layer's [W; S] is a pair of named register tensors (`DEPTH` a constexpr).
 
 Block sizes are powers of two >= 16 (`tl.dot`'s minimum); head dims, hidden width and chunk are padded
 to them with masked loads (zeros), which the maths keeps at zero: act(0) = 0 for silu / gelu / relu, and a
@@ -66,13 +70,58 @@ def _act_second(x, ACT: tl.constexpr):
 
 
 @triton.jit
+def _coef_terms(TH, LE, LK, st, c, n_full, rj, CHUNK: tl.constexpr, BC: tl.constexpr):
+    """Chunk c's write coefficients from its per-token gates (the maths of
+    `titans.ops.memory.common.chunk_coefficients`), at the chunk's rows rj (R,).
+
+    TH, LE, LK: this sequence's theta, log(eta), log(1 - alpha), token stride `st`. Returns theta_j (R,);
+    T1 (BC, R) = [j <= m] (A_b / A_m) (E_m / E_j), so gamma_j = theta_j sum_m T1[m, j]; eb_j = E_b / E_j
+    (R,), so beta_j = theta_j eb_j; T0 (BC,) = (A_b / A_m) (E_m / E_0), so c = sum_m T0[m]; log A_b and
+    log E_b. An incomplete chunk (c >= n_full) gets theta 0, T0 0 and log A_b = log E_b = 0: the write is
+    the identity. Every exponent is a masked sum of log-gates (<= 0), never a difference of cumulative
+    sums, so -inf gates (momentum or forgetting off) give exp(-inf) = 0, never inf - inf."""
+    rm = tl.arange(0, BC)
+    mm = (rm < CHUNK) & ((rm * 0 + c) < n_full)
+    le = tl.load(LE + (c * CHUNK + rm) * st, mask=mm, other=0.0).to(tl.float32)
+    lk = tl.load(LK + (c * CHUNK + rm) * st, mask=mm, other=0.0).to(tl.float32)
+    mj = (rj < CHUNK) & ((rj * 0 + c) < n_full)
+    theta = tl.load(TH + (c * CHUNK + rj) * st, mask=mj, other=0.0).to(tl.float32)
+    # log A_b / A_m = sum_{l > m} log_keep_l
+    la = tl.sum(tl.where(rm[None, :] > rm[:, None], lk[None, :], 0.0), 1)
+    # log E_m / E_j = sum_{j < l <= m} log_eta_l (m >= j)
+    seg = tl.cumsum(tl.where(rm[:, None] > rj[None, :], le[:, None], 0.0), 0)
+    lower = (rm[:, None] >= rj[None, :]) & (rm[:, None] < CHUNK)
+    t1 = tl.where(lower, tl.exp(la[:, None] + seg), 0.0)
+    eb = tl.exp(tl.sum(tl.where(rm[:, None] == CHUNK - 1, seg, 0.0), 0))
+    t0 = tl.where(mm, tl.exp(la + tl.cumsum(le, 0)), 0.0)
+    return theta, t1, eb, t0, tl.sum(lk, 0), tl.sum(le, 0)
+
+
+@triton.jit
+def _coef_grads(theta, t1, eb, g_gam, g_bet, rj, CHUNK: tl.constexpr, BC: tl.constexpr):
+    """`_coef_terms` backward for rows rj: from dL/dgamma_j and dL/dbeta_j (R,), dL/dtheta_j (R,) and
+    these rows' parts of dL/dlog_eta and dL/dlog_keep over the chunk's tokens (BC,)."""
+    rm = tl.arange(0, BC)
+    g_theta = g_gam * tl.sum(t1, 0) + g_bet * eb
+    # gamma_j = theta_j sum_m T1[m, j]: T1[m, j] holds log_eta_l for j < l <= m, log_keep_l for l > m
+    part = (g_gam * theta)[None, :] * t1
+    after = rm[:, None] > rj[None, :]
+    g_le = tl.sum(tl.where(after, tl.cumsum(part, 0, reverse=True), 0.0), 1)
+    row_sums = tl.sum(part, 1)
+    g_lk = tl.sum(tl.where(rm[None, :] < rm[:, None], row_sums[None, :], 0.0), 1)
+    # beta_j = theta_j E_b / E_j holds log_eta_l for j < l < CHUNK
+    g_le += tl.sum(tl.where(after & (rm[:, None] < CHUNK), (g_bet * theta * eb)[None, :], 0.0), 1)
+    return g_theta, g_le, g_lk
+
+
+@triton.jit
 def memory_chunks_fwd(
     Q,  # (N, T, D) any float dtype
     K,
     V,
-    GAMMA,  # (N, n_full, CHUNK) write coefficients of W
-    BETA,  # (N, n_full, CHUNK) of S
-    MIX,  # (N, n_full, 4): A, c, 0, E
+    TH,  # (N, T) per-token gates: theta, strides (g_sn, g_st)
+    LE,  # (N, T) log(eta), the same strides
+    LK,  # (N, T) log(1 - alpha), the same strides
     ST1,  # (N, 2, D, H1): layer 1's [W; S] in
     ST2,  # (N, 2, H1, D): layer 2's (depth 2; else unused)
     OUT1,  # like ST1: the state after the last complete chunk
@@ -82,6 +131,8 @@ def memory_chunks_fwd(
     Y,  # (N, T, D) the reads
     NORM,  # (N, T) the surprise norms
     T,
+    g_sn,
+    g_st,
     n_full,
     n_chunks,
     n_saved,
@@ -125,8 +176,6 @@ def memory_chunks_fwd(
         k = tl.load(K + off, mask=mrd, other=0.0).to(tl.float32)
         q = tl.load(Q + off, mask=mrd, other=0.0).to(tl.float32)
         v = tl.load(V + off, mask=mrd, other=0.0).to(tl.float32)
-        # "this chunk is complete" as a tensor (the interpreter refuses a scalar bool in a mask)
-        full = (rc * 0 + c) < n_full
         if SAVE_EVERY > 0:
             keep = ((off1 * 0 + c) < save_until) & (c % SAVE_EVERY == 0)
             base = (pid * n_saved + c // SAVE_EVERY) * 2 * size1
@@ -166,19 +215,16 @@ def memory_chunks_fwd(
             scale = tl.minimum(clip / tl.maximum(norm, 1e-12), 1.0)
         else:
             scale = tl.full([BC], 1.0, tl.float32)
-        coef = (pid * n_full + c) * CHUNK + rc
-        gam = tl.load(GAMMA + coef, mask=mr & full, other=0.0).to(tl.float32)
-        bet = tl.load(BETA + coef, mask=mr & full, other=0.0).to(tl.float32)
-        c_w = -gam * scale
-        c_s = -bet * scale
-        # mix = [A, c, 0, E], the identity [1, 0, 0, 1] for the partial chunk
-        r4 = tl.arange(0, 4)
-        identity = tl.where((r4 == 0) | (r4 == 3), 1.0, 0.0)
-        mix = tl.load(MIX + (pid * n_full + c) * 4 + r4, mask=(r4 * 0 + c) < n_full, other=identity)
-        mix = mix.to(tl.float32)
-        a = tl.sum(tl.where(r4 == 0, mix, 0.0), 0)
-        carry = tl.sum(tl.where(r4 == 1, mix, 0.0), 0)
-        decay_s = tl.sum(tl.where(r4 == 3, mix, 0.0), 0)
+        # the coefficients from the chunk's gates (the identity write for the partial chunk)
+        gates = pid * g_sn
+        theta, t1, eb, t0, log_a, log_e = _coef_terms(
+            TH + gates, LE + gates, LK + gates, g_st, c, n_full, rc, CHUNK, BC
+        )
+        c_w = -theta * tl.sum(t1, 0) * scale
+        c_s = -theta * eb * scale
+        a = tl.exp(log_a)
+        carry = tl.sum(t0, 0)
+        decay_s = tl.exp(log_e)
         if DEPTH == 1:
             u_w = tl.dot(tl.trans(k * c_w[:, None]), d_out, input_precision=PREC)
             u_s = tl.dot(tl.trans(k * c_s[:, None]), d_out, input_precision=PREC)
@@ -206,9 +252,9 @@ def memory_chunks_bwd(
     Q,  # (N, T, D) as in the forward
     K,
     V,
-    GAMMA,  # (N, n_full, CHUNK)
-    BETA,
-    MIX,  # (N, n_full, 4)
+    TH,  # (N, T) per-token gates, strides (g_sn, g_st)
+    LE,
+    LK,
     SAVE1,  # (N, n_chunks, 2, D, H1): every chunk's start state (the forward's, save_until = n_chunks)
     SAVE2,
     GY,  # (N, T, D) dL/dy
@@ -218,10 +264,12 @@ def memory_chunks_bwd(
     GQ,  # (N, T, D) float32 out
     GK,
     GV,
-    GGAMMA,  # (N, n_full, CHUNK) float32 out
-    GBETA,
-    GMIX,  # (N, n_full, 4) float32 out
+    GTH,  # (N, T) float32 out, contiguous: dL/dtheta (the trailing partial chunk's left as given: zeros)
+    GLE,  # dL/dlog(eta)
+    GLK,  # dL/dlog(1 - alpha)
     T,
+    g_sn,
+    g_st,
     n_full,
     n_chunks,
     clip,
@@ -258,8 +306,8 @@ def memory_chunks_bwd(
         m2 = mh[:, None] & md[None, :]
         g_w2 = tl.load(G2 + pid * 2 * size1 + off2, mask=m2, other=0.0).to(tl.float32)
         g_s2 = tl.load(G2 + pid * 2 * size1 + size1 + off2, mask=m2, other=0.0).to(tl.float32)
-    r4 = tl.arange(0, 4)
-    identity = tl.where((r4 == 0) | (r4 == 3), 1.0, 0.0)
+    rm = tl.arange(0, BC)
+    gates = pid * g_sn
 
     for i in range(0, n_chunks):
         c = n_chunks - 1 - i
@@ -269,13 +317,15 @@ def memory_chunks_bwd(
         if DEPTH == 2:
             w2 = tl.load(SAVE2 + base + off2, mask=m2, other=0.0).to(tl.float32)
             s2 = tl.load(SAVE2 + base + size1 + off2, mask=m2, other=0.0).to(tl.float32)
-        full4 = (r4 * 0 + c) < n_full
-        mix = tl.load(MIX + (pid * n_full + c) * 4 + r4, mask=full4, other=identity).to(tl.float32)
-        a = tl.sum(tl.where(r4 == 0, mix, 0.0), 0)
-        carry = tl.sum(tl.where(r4 == 1, mix, 0.0), 0)
-        decay_s = tl.sum(tl.where(r4 == 3, mix, 0.0), 0)
+        _, _, _, t0, log_a, log_e = _coef_terms(
+            TH + gates, LE + gates, LK + gates, g_st, c, n_full, rm, CHUNK, BC
+        )
+        a = tl.exp(log_a)
+        carry = tl.sum(t0, 0)
+        decay_s = tl.exp(log_e)
 
-        # 1. X' = mix @ X + U: the mix's gradient, and the state gradient passed through the mix
+        # 1. X' = mix @ X + U, mix = [[A, c], [0, E]]: the mix's gradient, and the state gradient passed
+        # through the mix
         g_a = tl.sum(tl.sum(g_w1 * w1, 1), 0)
         g_carry = tl.sum(tl.sum(g_w1 * s1, 1), 0)
         g_decay = tl.sum(tl.sum(g_s1 * s1, 1), 0)
@@ -283,10 +333,11 @@ def memory_chunks_bwd(
             g_a += tl.sum(tl.sum(g_w2 * w2, 1), 0)
             g_carry += tl.sum(tl.sum(g_w2 * s2, 1), 0)
             g_decay += tl.sum(tl.sum(g_s2 * s2, 1), 0)
-        g_mix = (
-            tl.where(r4 == 0, g_a, 0.0) + tl.where(r4 == 1, g_carry, 0.0) + tl.where(r4 == 3, g_decay, 0.0)
-        )
-        tl.store(GMIX + (pid * n_full + c) * 4 + r4, g_mix, mask=full4)
+        # A = exp(sum log_keep), E = exp(sum log_eta), c = sum_m T0[m] (`_coef_terms`)
+        in_chunk = rm < CHUNK
+        g_le = tl.where(in_chunk, g_decay * decay_s + g_carry * tl.cumsum(t0, 0, reverse=True), 0.0)
+        g_lk = tl.where(in_chunk, g_a * a, 0.0)
+        g_lk += g_carry * tl.sum(tl.where(rm[None, :] < rm[:, None], t0[None, :], 0.0), 1)
 
         # the state gradient before this chunk's write: through the mix here, the writes' terms below
         n_w1 = a * g_w1
@@ -306,10 +357,11 @@ def memory_chunks_bwd(
             v = tl.load(V + off, mask=mrd, other=0.0).to(tl.float32)
             gy = tl.load(GY + off, mask=mrd, other=0.0).to(tl.float32)
             g_norm = tl.load(GNORM + pid * T + rows, mask=mr, other=0.0).to(tl.float32)
-            full = (rc * 0 + c) < n_full
-            coef = (pid * n_full + c) * CHUNK + rc
-            gam = tl.load(GAMMA + coef, mask=mr & full, other=0.0).to(tl.float32)
-            bet = tl.load(BETA + coef, mask=mr & full, other=0.0).to(tl.float32)
+            theta, t1, eb, _, _, _ = _coef_terms(
+                TH + gates, LE + gates, LK + gates, g_st, c, n_full, rc, CHUNK, BC
+            )
+            gam = theta * tl.sum(t1, 0)
+            bet = theta * eb
             # the chunk's forward, recomputed
             zk = tl.dot(k, w1, input_precision=PREC)
             if DEPTH == 1:
@@ -367,9 +419,14 @@ def memory_chunks_bwd(
                 g_hk = tl.dot(c_w[:, None] * d_out, tl.trans(g_w2), input_precision=PREC)
                 g_hk += tl.dot(c_s[:, None] * d_out, tl.trans(g_s2), input_precision=PREC)
 
-            # 3. c = -(gamma, beta) * scale
-            tl.store(GGAMMA + coef, -g_cw * scale, mask=mr & full)
-            tl.store(GBETA + coef, -g_cs * scale, mask=mr & full)
+            # 3. c = -(gamma, beta) * scale, and gamma, beta from the gates
+            g_theta, g_le_rows, g_lk_rows = _coef_grads(
+                theta, t1, eb, -g_cw * scale, -g_cs * scale, rc, CHUNK, BC
+            )
+            g_le += g_le_rows
+            g_lk += g_lk_rows
+            full = (rc * 0 + c) < n_full
+            tl.store(GTH + pid * T + rows, g_theta, mask=mr & full)
             g_n = g_norm
             if CLIP:
                 active = (ratio <= 1.0) & (norm >= 1e-12)
@@ -425,6 +482,10 @@ def memory_chunks_bwd(
         if DEPTH == 2:
             g_w2 = n_w2
             g_s2 = n_s2
+        tokens = c * CHUNK + rm
+        done = in_chunk & ((rm * 0 + c) < n_full)
+        tl.store(GLE + pid * T + tokens, g_le, mask=done)
+        tl.store(GLK + pid * T + tokens, g_lk, mask=done)
 
     tl.store(G1 + pid * 2 * size1 + off1, g_w1, mask=m1)
     tl.store(G1 + pid * 2 * size1 + size1 + off1, g_s1, mask=m1)
