@@ -69,7 +69,7 @@ from titans.serving.session import (
     snapshots_json,
     stats_json,
 )
-from titans.serving.stores import Record, SessionExists, SessionStore, StoreError, VersionConflict
+from titans.serving.stores import Record, SessionExists, SessionStore, StoreError, VersionConflict, open_store
 from titans.serving.workers import ProcessPool, WorkerDied
 
 log = logging.getLogger("titans.serving")
@@ -600,9 +600,7 @@ class _ChildSetup:
 def _child_service(setup: _ChildSetup) -> SessionService:
     """A worker process's service: the engine, warmed up; its own store connections (two: one job at a
     time, and the owner check beside it)."""
-    import torch
-
-    from titans.serving.stores import open_store
+    import torch  # the worker's own torch settings (the app itself never calls torch)
 
     logging.basicConfig(level=setup.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(setup.torch_threads)
