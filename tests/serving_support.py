@@ -67,10 +67,10 @@ def wait_healthy(
 class ThreadServer:
     """`create_app` served by uvicorn in a thread of this process (its port bound before it starts)."""
 
-    def __init__(self, app, wait_for: str = "/v1/ready") -> None:
+    def __init__(self, app, wait_for: str = "/v1/ready", timeout_s: float = 30.0) -> None:
         import uvicorn
 
-        self.app, self.wait_for = app, wait_for
+        self.app, self.wait_for, self.timeout_s = app, wait_for, timeout_s
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -80,7 +80,7 @@ class ThreadServer:
 
     def __enter__(self) -> ThreadServer:
         self.thread.start()
-        wait_healthy(self.url, 30, path=self.wait_for)
+        wait_healthy(self.url, self.timeout_s, path=self.wait_for)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -123,7 +123,7 @@ class ProcessServer:
     def start(self) -> ProcessServer:
         if self.fork:
             self.proc = multiprocessing.get_context("fork").Process(
-                target=_serve, args=(self.argv, str(self.log)), daemon=True
+                target=_serve, args=(self.argv, str(self.log)), daemon=False
             )
             self.proc.start()
             return self

@@ -18,6 +18,7 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed")
 pytest.importorskip("httpx", reason="the serve-test extra is not installed")
 
 import httpx  # noqa: E402
+import psutil  # noqa: E402
 
 from serving_support import ProcessServer, make_checkpoint, start_redis, stop_redis  # noqa: E402
 from titans.serving.stores import RedisStore, SQLiteStore, VersionConflict, open_store  # noqa: E402
@@ -136,8 +137,12 @@ def load_until_killed(victim: ProcessServer, n_sessions: int) -> tuple[dict, dic
     deadline = time.monotonic() + 60
     while min(acked.values()) < 1 and time.monotonic() < deadline and not errors:
         time.sleep(0.02)
+    workers = psutil.Process(victim.proc.pid).children()  # its worker processes (and multiprocessing's)
+    assert workers
     victim.kill()  # SIGKILL: no shutdown, requests cut off mid-way
     stop.set()
+    _, left = psutil.wait_procs(workers, timeout=30)
+    assert not left, left  # they end with it: none goes on writing to the store
     for t in threads:
         t.join(60)
     assert not errors, errors
@@ -185,6 +190,46 @@ def test_two_server_processes_share_a_store_and_survive_a_sigkill(checkpoint, ke
     finally:
         for s in pair:
             s.stop()
+
+
+def test_a_worker_process_that_dies_is_replaced(checkpoint, keys, tmp_path):
+    """`titans serve` on a CPU runs the model work in worker processes: one killed, the request that meets
+    the loss gets a 503 with Retry-After (nothing in it but a sentence), new workers start, and the
+    session holds exactly the reads that got a 200."""
+    server = ProcessServer(
+        checkpoint, f"sqlite:///{tmp_path / 's.db'}", tmp_path / "server.log", "--api-keys", str(keys)
+    )
+    try:
+        server.start().wait()
+
+        def workers() -> list[psutil.Process]:
+            children = psutil.Process(server.proc.pid).children()
+            return [p for p in children if "resource_tracker" not in " ".join(p.cmdline())]
+
+        sid = httpx.post(f"{server.url}/v1/sessions", headers=AUTH, timeout=60).json()["id"]
+        url = f"{server.url}/v1/sessions/{sid}/read"
+        assert httpx.post(url, headers=AUTH, json={"text": "first"}, timeout=60).status_code == 200
+        before = workers()
+        assert len(before) == 2  # --workers 2
+        before[0].kill()
+        psutil.wait_procs([before[0]], timeout=30)
+        statuses = []
+        deadline = time.monotonic() + 120
+        while (not statuses or statuses[-1] != 200) and time.monotonic() < deadline:
+            r = httpx.post(url, headers=AUTH, json={"text": "again"}, timeout=120)
+            statuses.append(r.status_code)
+            if r.status_code == 503:
+                assert r.headers["retry-after"] == "1" and r.json() == {
+                    "detail": "a worker of the server stopped while serving this request; retry"
+                }
+        assert statuses[0] == 503 and statuses[-1] == 200, statuses
+        assert set(statuses) == {200, 503}
+        stats = httpx.get(f"{server.url}/v1/sessions/{sid}/stats", headers=AUTH, timeout=60).json()
+        assert stats["reads"] == 2  # the first and the last read: the refused ones changed nothing
+        after = workers()
+        assert 1 <= len(after) <= 2 and not {p.pid for p in after} & {p.pid for p in before}
+    finally:
+        server.stop()
 
 
 def test_store_urls_are_checked(tmp_path):

@@ -152,6 +152,114 @@ def test_the_owner_is_checked_before_the_state_is_loaded(engine, store, monkeypa
         assert loads == [sid]
 
 
+def test_a_foreign_and_a_missing_id_answer_in_the_same_time(tmp_path):
+    """Another key's session answers as fast as a missing id, with a large record (the tiny preset, 8
+    snapshots: megabytes) that a load would take many milliseconds to read, check and decode. Interleaved
+    requests; the medians of the two differ by less than a quarter of what loading the record costs (the
+    owner's own stats request, which loads it, against a missing id)."""
+    import statistics
+
+    import torch
+
+    from titans.data.tokenizers import ByteTokenizer
+    from titans.models.config import TitansConfig
+    from titans.models.lm import TitansLM
+
+    torch.manual_seed(0)
+    big = Engine(TitansLM(TitansConfig.preset("tiny", vocab_size=128)), ByteTokenizer(), max_snapshots=8)
+    store = SQLiteStore(tmp_path / "sessions.db", pool_size=4)
+    server = ThreadServer(create_app(big, store, key_hashes=KEYS, workers=2))
+    with server, httpx.Client(timeout=60) as http:
+        sid = new(http, server.url, A)
+        for i in range(9):
+            assert read(http, server.url, sid, f"line {i} of the story.").status_code == 200
+        size = len(store.get(sid).data)
+        assert size > 2_000_000, size
+        missing = "f" * 32
+
+        def timed(headers, session: str) -> float:
+            t0 = time.perf_counter()
+            r = http.get(f"{server.url}/v1/sessions/{session}/stats", headers=headers)
+            elapsed = time.perf_counter() - t0
+            assert r.status_code == (200 if headers is A else 404)
+            return elapsed
+
+        for _ in range(5):  # connections and code paths warm
+            timed(B, sid), timed(B, missing), timed(A, sid)
+        foreign, absent, own = [], [], []
+        for i in range(60):  # interleaved, the order alternating: the machine's load falls on both alike
+            pair = [(foreign, B, sid), (absent, B, missing)]
+            for times, headers, session in pair if i % 2 else pair[::-1]:
+                times.append(timed(headers, session))
+            if i % 4 == 0:
+                own.append(timed(A, sid))
+    store.close()
+    f, m, o = (statistics.median(x) for x in (foreign, absent, own))
+    assert o - m > 0.003, (f, m, o)  # loading the record is measurable: the test can tell
+    assert abs(f - m) < 0.25 * (o - m), (
+        f"foreign {f * 1e3:.2f} ms, missing {m * 1e3:.2f} ms, own {o * 1e3:.2f} ms"
+    )
+
+
+def test_an_engine_that_has_served_pickles_for_worker_processes(engine):
+    """Worker processes get the engine pickled: a model that has run (its cached config view built) pickles
+    and comes back with the same weights and the same answers."""
+    import pickle
+
+    from titans.models.state import state_digest
+
+    session = engine.new_session()
+    session.read(engine.encode(TEXT))
+    twin = pickle.loads(pickle.dumps(engine))
+    again = twin.new_session()
+    again.read(twin.encode(TEXT))
+    assert state_digest(again.state) == state_digest(session.state)
+
+
+def test_a_burst_of_maximum_reads_does_not_starve_another_key(engine, tmp_path):
+    """Key A sends 6 reads of the server's maximum size at once on 2 workers (model work in worker
+    processes, as `titans serve` runs on a CPU); key B then asks for its session's stats. B is served as
+    soon as a worker frees up, not after A's burst: at most 3 of A's reads finish before B's answer (in
+    arrival order it would be 5)."""
+    from titans.serving.app import Limits
+
+    store = SQLiteStore(tmp_path / "sessions.db", pool_size=4)
+    limits = Limits(max_tokens=1024)
+    app = create_app(engine, store, key_hashes=KEYS, limits=limits, workers=2, worker_processes=True)
+    longest = (TEXT * 20)[:1024]
+    with ThreadServer(app, timeout_s=180) as server, httpx.Client(timeout=60) as http:
+        mine = [new(http, server.url, A) for _ in range(6)]
+        theirs = new(http, server.url, B)
+
+        async def burst() -> list[str]:
+            done: list[str] = []
+            async with httpx.AsyncClient(timeout=300) as client:
+
+                async def a_read(sid: str) -> None:
+                    url = f"{server.url}/v1/sessions/{sid}/read"
+                    r = await client.post(url, headers=A, json={"text": longest})
+                    assert r.status_code == 200, r.text
+                    assert r.json()["position"] == 1024  # the maximum: one token more is refused
+                    done.append("a")
+
+                async def b_stats() -> None:
+                    await asyncio.sleep(0.3)  # A's 6 are all in: 2 running, 4 waiting
+                    r = await client.get(f"{server.url}/v1/sessions/{theirs}/stats", headers=B)
+                    assert r.status_code == 200, r.text
+                    done.append("b")
+
+                await asyncio.gather(*(a_read(sid) for sid in mine), b_stats())
+            return done
+
+        order = asyncio.run(burst())
+        too_long = http.post(
+            f"{server.url}/v1/sessions/{mine[0]}/read", headers=A, json={"text": longest + "x"}
+        )
+        assert too_long.status_code == 422
+    store.close()
+    assert order.count("a") == 6 and order.index("b") <= 3, order
+
+
 # ------------------------------------------------------------------------------------------ record writes
 def written(store) -> int:
     """Bytes written to the store so far: SQLite's write-ahead log frames (each a page), or the bytes the

@@ -128,6 +128,14 @@ class TitansLM(nn.Module):
             self._config_dict = MappingProxyType(self.config.to_dict())
         return self._config_dict
 
+    def __getstate__(self) -> dict:
+        """Pickled (or deep-copied) without the `config_dict` view, which does not pickle and is rebuilt
+        when next read: a model that has run pickles as a fresh one does (the server's worker processes get
+        the model so)."""
+        state = dict(super().__getstate__())
+        state.pop("_config_dict", None)
+        return state
+
     def check_state(self, state: TitansState, batch_size: int | None = None) -> None:
         """Refuse a state from a model with another configuration, naming the fields that differ, or (given
         `batch_size`) one for another number of sequences."""

@@ -6,7 +6,8 @@ events).
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Consistency: requests to one session are serialised in this process (an asyncio lock per session id),
-different sessions run in parallel (the model work runs in a pool of `workers` threads). Each change
+different sessions run in parallel (the model work runs on `workers` threads, or `workers` processes:
+`titans.serving.workers`, each with a copy of the engine; the locks, limits and turns stay here). Each change
 reads the record, applies the operation and writes it back with compare-and-set on the record's
 version; if another server sharing the store wrote in between, the change starts again from the newer
 record (up to `conflict_retries` times, then 409). So an acknowledged change is applied exactly once
@@ -32,9 +33,11 @@ The sessions are `titans.inference.session.MemorySession`s, stored as their `to_
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
+import pickle
 import random
 import re
 import time
@@ -66,7 +69,8 @@ from titans.serving.session import (
     snapshots_json,
     stats_json,
 )
-from titans.serving.stores import Record, SessionExists, SessionStore, StoreError, VersionConflict
+from titans.serving.stores import Record, SessionExists, SessionStore, StoreError, VersionConflict, open_store
+from titans.serving.workers import ProcessPool, WorkerDied
 
 log = logging.getLogger("titans.serving")
 T = TypeVar("T")
@@ -338,9 +342,36 @@ class SessionService:
         per_key = self.quotas.workers_per_key or max(1, workers // 2)
         self.fair = FairLimiter(workers, per_key)
         self.sweeper = Sweeper(store, self.quotas.session_ttl_s)
+        self.processes: ProcessPool | None = None  # `use_processes`: the named operations run there
+
+    def use_processes(self, n: int, torch_threads: int) -> None:
+        """Run the named operations (`call`) in `n` worker processes, each with a copy of the engine and its
+        own connections to the store (opened from its URL); streamed generations stay in this process."""
+        payload = _ChildSetup(
+            pickle.dumps(self.engine),
+            self.store.url,
+            self.limits,
+            self.quotas,
+            torch_threads,
+            log.getEffectiveLevel(),
+        )
+        self.processes = ProcessPool(n, _child_service, payload)
 
     async def run(self, fn: Callable[[], T]) -> T:
         return await anyio.to_thread.run_sync(fn, limiter=self.limiter)
+
+    async def call(self, name: str, *args: Any) -> Any:
+        """The operation `name` (a method of this class) with `args`: in a worker process when the service
+        has them, else in a worker thread."""
+        if self.processes is None:
+            return await self.run(functools.partial(getattr(self, name), *args))
+        try:
+            return await self.processes.call(name, *args)
+        except WorkerDied as e:
+            log.error("%s", e)
+            raise ApiError(
+                503, "a worker of the server stopped while serving this request; retry", {"Retry-After": "1"}
+            ) from None
 
     # -------------------------------------------------------------- loading
     def _record(self, sid: str, owner: str) -> Record:
@@ -373,7 +404,7 @@ class SessionService:
             reason = "its bytes do not match their checksum"
         else:
             try:
-                return self.engine.load(record.data)
+                return self.engine.load(record.data, verified=True)  # intact: its sha256 matched
             except ValueError as e:  # SessionFormatError (damaged bytes), or a state of another model
                 reason = str(e)
         log.error(
@@ -478,6 +509,53 @@ class SessionService:
         log.info("session %s deleted", sid)
         return {"id": sid, "deleted": True}
 
+    # -------------------------------------------------------------- the routes' operations, by name
+    def read(self, sid: str, owner: str, text: str) -> dict[str, Any]:
+        ids = self.tokens(text, "text")
+        return self.change(sid, owner, _guarded(functools.partial(read_json, ids=ids)))
+
+    def generate(
+        self, sid: str, owner: str, prompt: str, max_new_tokens: int, sampling: dict
+    ) -> dict[str, Any]:
+        ids = self.tokens(prompt, "prompt")
+
+        def op(session: MemorySession) -> dict[str, Any]:
+            return generate_json(self.engine, session, ids, max_new_tokens, **sampling)
+
+        return self.change(sid, owner, _guarded(op))
+
+    def stats(self, sid: str, owner: str) -> dict[str, Any]:
+        record, session = self.load(sid, owner)
+        return {"id": sid, "version": record.version, **stats_json(session)}
+
+    def snapshots(self, sid: str, owner: str) -> dict[str, Any]:
+        record, session = self.load(sid, owner)
+        return {"id": sid, "version": record.version, "snapshots": snapshots_json(session)}
+
+    def freeze(self, sid: str, owner: str, frozen: bool) -> dict[str, Any]:
+        def op(session: MemorySession) -> dict[str, Any]:
+            if frozen:
+                session.freeze()
+            else:
+                session.unfreeze()
+            return {"frozen": frozen}
+
+        return self.change(sid, owner, op)
+
+    def rollback(self, sid: str, owner: str, k: int) -> dict[str, Any]:
+        def op(session: MemorySession) -> dict[str, Any]:
+            kept = len(session.snapshots)
+            if k > kept:  # a valid request the session's state cannot serve
+                raise ApiError(
+                    409,
+                    f"no snapshot {k}: session {sid} keeps {kept} snapshots (k counts back from 1, the "
+                    "state before the last change)",
+                )
+            session.rollback(k)
+            return {"position": session.position, "reads": session.reads, "snapshots": len(session.snapshots)}
+
+        return self.change(sid, owner, _guarded(op))
+
     def tokens(self, text: str, what: str) -> list[int]:
         ids = self.engine.encode(text)
         if len(ids) > self.limits.max_tokens:
@@ -495,9 +573,50 @@ class SessionService:
         return ids
 
 
+def _guarded(fn: Callable[[MemorySession], dict[str, Any]]) -> Callable[[MemorySession], dict[str, Any]]:
+    """Session errors that are the request's fault as 422."""
+
+    def op(session: MemorySession) -> dict[str, Any]:
+        try:
+            return fn(session)
+        except (ValueError, FloatingPointError) as e:  # FloatingPointError: a write the guard undid
+            raise ApiError(422, str(e)) from e
+
+    return op
+
+
+@dataclass(frozen=True)
+class _ChildSetup:
+    """What a worker process builds its `SessionService` from (pickled)."""
+
+    engine: bytes  # the pickled Engine
+    store_url: str
+    limits: Limits
+    quotas: Quotas
+    torch_threads: int
+    log_level: int  # the server's: its worker logs what it would
+
+
+def _child_service(setup: _ChildSetup) -> SessionService:
+    """A worker process's service: the engine, warmed up; its own store connections (two: one job at a
+    time, and the owner check beside it)."""
+    import torch  # the worker's own torch settings (the app itself never calls torch)
+
+    logging.basicConfig(level=setup.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(setup.torch_threads)
+    engine: Engine = pickle.loads(setup.engine)
+    warm_up(engine)
+    return SessionService(engine, open_store(setup.store_url, pool_size=2), setup.limits, 1, setup.quotas)
+
+
 def _stored_size(parts: list[bytes]) -> int:
-    """Bytes `parts` take in a store that keeps each distinct part once."""
-    return sum({bytes(p): len(p) for p in parts}.values())
+    """Bytes `parts` take in a store that keeps each distinct part once. Equal parts are found by comparing
+    bytes of equal length (distinct states differ within their first bytes), not by hashing every byte."""
+    distinct: list[bytes] = []
+    for part in parts:
+        if not any(len(seen) == len(part) and seen == part for seen in distinct):
+            distinct.append(part)
+    return sum(len(part) for part in distinct)
 
 
 def _owner_from(key_hashes: frozenset[str] | None) -> Callable[..., str]:
@@ -600,14 +719,20 @@ def create_app(
     model_name: str = "",
     quotas: Quotas | None = None,
     warm: bool = True,
+    worker_processes: bool = False,
+    torch_threads: int = 1,
 ) -> FastAPI:
     """The API over `engine` and `store`. key_hashes: sha256 hashes of the accepted keys (`load_api_keys`);
     None: no keys, every request is one anonymous owner. quotas: per-key limits, idle sessions' lifetime
     and the slow-client timeout (`titans.serving.limits.Quotas`; default its defaults). warm: run
     `warm_up` when the app starts (its lifespan) before /v1/ready says ok; False: ready at once.
-    model_name is logged, never answered."""
+    worker_processes: the model work runs in `workers` processes (`SessionService.use_processes`, each
+    with `torch_threads` torch threads; the store must open from its URL), else in `workers` threads of
+    this one. model_name is logged, never answered."""
     limits = limits or Limits()
     service = SessionService(engine, store, limits, workers, quotas)
+    if worker_processes:
+        service.use_processes(workers, torch_threads)
     readiness = Readiness()
 
     @asynccontextmanager
@@ -618,6 +743,8 @@ def create_app(
         finally:
             if not task.done():
                 task.cancel()
+            if service.processes is not None:
+                service.processes.close()
 
     async def _warm() -> None:
         if not warm:
@@ -626,6 +753,8 @@ def create_app(
         start = time.perf_counter()
         try:
             await service.run(lambda: warm_up(engine))
+            if service.processes is not None:  # each warms up as it starts
+                await service.processes.start()
         except Exception as e:  # any failure: the server stays alive (health) but never ready
             readiness.state = "failed"
             log.error("model %s failed its warm-up: %s", model_name, redact(repr(e)))
@@ -685,30 +814,26 @@ def create_app(
         return _json_error(500, "internal error: the server's log has the details")
 
     # ---- per-key limits (titans.serving.limits): every route's work runs through `gated`
-    async def gated(owner: str, fn: Callable[[], T], sid: str | None = None) -> T:
-        """`fn` in a worker thread, counted against the key's concurrent requests; serialised with the
-        other requests to session `sid` when given."""
+    async def gated(owner: str, job: Callable[[], T] | tuple, sid: str | None = None) -> T:
+        """`job` counted against the key's concurrent requests, serialised with the other requests to
+        session `sid` when given: a function run in a worker thread, or (name, *args), the service's
+        operation `name` (`SessionService.call`: in a worker process when it has them)."""
         service.sweeper.maybe_sweep()
+
+        async def execute() -> T:
+            return await (service.call(*job) if isinstance(job, tuple) else service.run(job))
+
         async with service.gate.hold(owner):
             if sid is None:
                 async with service.fair.slot(owner):
-                    return await service.run(fn)
+                    return await execute()
             async with service.locks.hold(sid), service.fair.slot(owner):
-                return await service.run(fn)
+                return await execute()
 
-    async def locked(sid: str, owner: str, fn: Callable[[], T]) -> T:
-        return await gated(owner, fn, sid)
+    async def locked(sid: str, owner: str, job: Callable[[], T] | tuple) -> T:
+        return await gated(owner, job, sid)
 
-    def guarded(fn: Callable[[MemorySession], dict[str, Any]]) -> Callable[[MemorySession], dict[str, Any]]:
-        """Session errors that are the request's fault as 422."""
-
-        def op(session: MemorySession) -> dict[str, Any]:
-            try:
-                return fn(session)
-            except (ValueError, FloatingPointError) as e:  # FloatingPointError: a write the guard undid
-                raise ApiError(422, str(e)) from e
-
-        return op
+    guarded = _guarded
 
     @app.get(
         "/v1/health", summary="liveness: ok while the server answers (no key needed)", operation_id="health"
@@ -772,7 +897,7 @@ def create_app(
         },
     )
     async def create(owner: str = owner_dep) -> Created:
-        return Created(**await gated(owner, lambda: service.create(owner)))
+        return Created(**await gated(owner, ("create", owner)))
 
     # before DELETE /{sid}: the path /v1/sessions/import is the import route's (an OPTIONS or a wrong method
     # there answers 405 with Allow: POST)
@@ -785,7 +910,7 @@ def create_app(
         responses=error_responses(404, 422),
     )
     async def delete(sid: str, owner: str = owner_dep) -> Deleted:
-        return Deleted(**await locked(sid, owner, lambda: service.delete(sid, owner)))
+        return Deleted(**await locked(sid, owner, ("delete", sid, owner)))
 
     @sessions.post(
         "/{sid}/read",
@@ -794,22 +919,11 @@ def create_app(
         responses={**on_session, **with_body},
     )
     async def read(sid: str, body: ReadBody, owner: str = owner_dep) -> Changed:
-        def work() -> dict[str, Any]:
-            ids = service.tokens(body.text, "text")
-            return service.change(sid, owner, guarded(lambda s: read_json(s, ids)))
-
-        return Changed(**await locked(sid, owner, work))
+        return Changed(**await locked(sid, owner, ("read", sid, owner, body.text)))
 
     async def generate(sid: str, body: GenerateBody, owner: str = owner_dep) -> Changed:
-        def work() -> dict[str, Any]:
-            ids = service.tokens(body.prompt, "prompt")
-
-            def op(session: MemorySession) -> dict[str, Any]:
-                return generate_json(engine, session, ids, body.max_new_tokens, **sampling(body))
-
-            return service.change(sid, owner, guarded(op))
-
-        return Changed(**await locked(sid, owner, work))
+        job = ("generate", sid, owner, body.prompt, body.max_new_tokens, sampling(body))
+        return Changed(**await locked(sid, owner, job))
 
     # the body's class carries this server's max_new_tokens limit (in its schema too): annotated here, as
     # the module's postponed annotations would name a local FastAPI cannot resolve
@@ -828,11 +942,7 @@ def create_app(
         responses=on_session,
     )
     async def stats(sid: str, owner: str = owner_dep) -> Changed:
-        def work() -> dict[str, Any]:
-            record, session = service.load(sid, owner)
-            return {"id": sid, "version": record.version, **stats_json(session)}
-
-        return Changed(**await gated(owner, work))
+        return Changed(**await gated(owner, ("stats", sid, owner)))
 
     @sessions.post(
         "/{sid}/freeze",
@@ -841,11 +951,7 @@ def create_app(
         responses=on_session,
     )
     async def freeze(sid: str, owner: str = owner_dep) -> Changed:
-        def op(session: MemorySession) -> dict[str, Any]:
-            session.freeze()
-            return {"frozen": True}
-
-        return Changed(**await locked(sid, owner, lambda: service.change(sid, owner, op)))
+        return Changed(**await locked(sid, owner, ("freeze", sid, owner, True)))
 
     @sessions.post(
         "/{sid}/unfreeze",
@@ -854,11 +960,7 @@ def create_app(
         responses=on_session,
     )
     async def unfreeze(sid: str, owner: str = owner_dep) -> Changed:
-        def op(session: MemorySession) -> dict[str, Any]:
-            session.unfreeze()
-            return {"frozen": False}
-
-        return Changed(**await locked(sid, owner, lambda: service.change(sid, owner, op)))
+        return Changed(**await locked(sid, owner, ("freeze", sid, owner, False)))
 
     @sessions.get(
         "/{sid}/snapshots",
@@ -867,11 +969,7 @@ def create_app(
         responses=on_session,
     )
     async def snapshots(sid: str, owner: str = owner_dep) -> Snapshots:
-        def work() -> dict[str, Any]:
-            record, session = service.load(sid, owner)
-            return {"id": sid, "version": record.version, "snapshots": snapshots_json(session)}
-
-        return Snapshots(**await gated(owner, work))
+        return Snapshots(**await gated(owner, ("snapshots", sid, owner)))
 
     @sessions.post(
         "/{sid}/rollback",
@@ -880,18 +978,7 @@ def create_app(
         responses={**on_session, **with_body},
     )
     async def rollback(sid: str, body: RollbackBody, owner: str = owner_dep) -> Changed:
-        def op(session: MemorySession) -> dict[str, Any]:
-            kept = len(session.snapshots)
-            if body.snapshot > kept:  # a valid request the session's state cannot serve
-                raise ApiError(
-                    409,
-                    f"no snapshot {body.snapshot}: session {sid} keeps {kept} snapshots (k counts back "
-                    "from 1, the state before the last change)",
-                )
-            session.rollback(body.snapshot)
-            return {"position": session.position, "reads": session.reads, "snapshots": len(session.snapshots)}
-
-        return Changed(**await locked(sid, owner, lambda: service.change(sid, owner, guarded(op))))
+        return Changed(**await locked(sid, owner, ("rollback", sid, owner, body.snapshot)))
 
     app.include_router(sessions)
     return app
@@ -962,7 +1049,7 @@ def add_session_routes(
     )
     async def fork(sid: str, body: ForkBody | None = None, owner: str = owner_dep) -> Forked:
         snapshot = body.snapshot if body is not None else None
-        return Forked(**await locked(sid, owner, lambda: service.fork(sid, owner, snapshot)))
+        return Forked(**await locked(sid, owner, ("fork", sid, owner, snapshot)))
 
     @sessions.get(
         "/{sid}/export",
@@ -978,7 +1065,7 @@ def add_session_routes(
         },
     )
     async def export(sid: str, owner: str = owner_dep) -> Response:
-        data = await locked(sid, owner, lambda: service.export(sid, owner))
+        data = await locked(sid, owner, ("export", sid, owner))
         return Response(
             data,
             media_type="application/octet-stream",
@@ -1006,7 +1093,7 @@ def add_session_routes(
     )
     async def import_session(request: Request, owner: str = owner_dep) -> Imported:
         data = await request.body()
-        return Imported(**await gated(owner, lambda: service.import_(owner, data)))
+        return Imported(**await gated(owner, ("import_", owner, data)))
 
     async def generate_stream(sid: str, body: GenerateBody, owner: str = owner_dep) -> StreamingResponse:
         loop = asyncio.get_running_loop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -39,7 +40,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
         )
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    for name in ("max_body_bytes", "max_tokens", "workers", "torch_threads"):
+    if args.workers < 0:
+        raise ValueError(f"--workers must be >= 0 (0: one per CPU core), got {args.workers}")
+    for name in ("max_body_bytes", "max_tokens", "torch_threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("max_new_tokens", "snapshots"):
@@ -109,16 +112,38 @@ def build_app(args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens,
         max_import_bytes=args.max_import_bytes,
     )
+    workers = args.workers or cpu_cores()
     app = create_app(
         engine,
         store,
         key_hashes=keys,
         limits=limits,
-        workers=args.workers,
+        workers=workers,
         model_name=str(args.checkpoint),
         quotas=quotas_from(args),
+        worker_processes=worker_processes(args.worker_processes, device, store),
+        torch_threads=args.torch_threads,
     )
     return app, store
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def worker_processes(choice: str, device: torch.device, store) -> bool:
+    """Whether the model work runs in worker processes (--worker-processes): auto, on a CPU with a store
+    that opens from its URL (SQLite, Redis), in a process that may start others (not a daemonic one)."""
+    if choice != "auto":
+        return choice == "yes"
+    import multiprocessing
+
+    daemonic = multiprocessing.current_process().daemon
+    return device.type == "cpu" and store.kind in ("sqlite", "redis") and not daemonic
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -243,7 +268,19 @@ def register(commands, evals) -> None:
         default=DEFAULT_GUARD_MAX_RISE,
         help="the guard's limit on the probe loss's rise, a share (0.05: 5%%)",
     )
-    p.add_argument("--workers", type=int, default=4, help="threads running model work (sessions in parallel)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="model work running at once (sessions in parallel); 0: one per CPU core",
+    )
+    p.add_argument(
+        "--worker-processes",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="run the model work in --workers processes, each with its own copy of the model (yes), or in "
+        "threads of the server's process (no); auto: processes on a CPU with a SQLite or Redis store",
+    )
     add_limit_args(p)
     p.add_argument(
         "--torch-threads", type=int, default=1, help="torch intra-op threads (torch.set_num_threads)"

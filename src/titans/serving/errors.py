@@ -27,6 +27,9 @@ class ApiError(Exception):
         super().__init__(detail)
         self.status, self.detail, self.headers = status, detail, headers
 
+    def __reduce__(self):  # pickled whole: it crosses from a worker process (titans.serving.workers)
+        return type(self), (self.status, self.detail, self.headers)
+
 
 # What each status means on this API (the OpenAPI descriptions of the error answers).
 STATUS_MEANINGS: dict[int, str] = {

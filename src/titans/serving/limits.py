@@ -78,6 +78,9 @@ class TooBusy(Exception):
         super().__init__(detail)
         self.detail, self.retry_after_s = detail, max(1, int(retry_after_s))
 
+    def __reduce__(self):  # pickled whole: it crosses from a worker process (titans.serving.workers)
+        return type(self), (self.detail, self.retry_after_s)
+
 
 def check_room(quotas: Quotas, usage: tuple[int, int], *, new_sessions: int = 0, new_bytes: int = 0) -> None:
     """Refuse (TooBusy) a change that would take a key with `usage` (sessions, bytes) past its quotas."""

@@ -80,10 +80,10 @@ class Engine:
             self.model, snapshots=self.max_snapshots, probe=self.probe, guard_max_rise=self.guard_max_rise
         )
 
-    def load(self, data: bytes) -> MemorySession:
+    def load(self, data: bytes, *, verified: bool = False) -> MemorySession:
         """The session of `data` (`MemorySession.to_bytes`). Damaged bytes raise SessionFormatError, a
-        session of another model ValueError."""
-        return MemorySession.from_bytes(self.model, data)
+        session of another model ValueError. verified: `data` matched a store's checksum already."""
+        return MemorySession.from_bytes(self.model, data, verified=verified)
 
 
 # ------------------------------------------------------------------------------------------ parts

@@ -1,0 +1,108 @@
+"""Model work in worker processes: each holds its own copy of the model and its own store connections, so
+requests of different sessions run on separate cores (threads of one process share one interpreter lock,
+and a small model's forward is mostly Python between short torch ops: on 2 threads it ran no faster than
+on 1).
+
+    pool = ProcessPool(2, build, payload)    # build(payload) -> the object whose methods the jobs call
+    await pool.start()                       # every process started and built (warmed up), or an error
+    result = await pool.call("read", sid, owner, text)  # target.read(sid, owner, text) in a process
+    pool.close()
+
+The caller decides what runs when (locks, fairness): `call` only hands a job to a free process, so at
+most `n` jobs should be in flight. Arguments, results and exceptions cross as pickles; an exception
+raised by the job is raised by `call`. A process that dies (killed, out of memory) fails the jobs it
+held with `WorkerDied`, and the pool is rebuilt for the next job. The processes end with this one, even
+when it is killed with SIGKILL (Linux: the parent-death signal).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import multiprocessing
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+_TARGET: Any = None  # in a worker process: what `build` made
+
+
+class WorkerDied(RuntimeError):
+    """A worker process ended while it held a job (the job may or may not have been applied)."""
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies (a server killed with SIGKILL must not leave
+    workers behind that still write to the store after a new server started)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+def _init(build: Callable[[Any], Any], payload: Any) -> None:
+    global _TARGET
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops its workers
+    _TARGET = build(payload)
+
+
+def _run(name: str, args: tuple) -> Any:
+    return getattr(_TARGET, name)(*args)
+
+
+def _ready() -> bool:
+    return _TARGET is not None
+
+
+class ProcessPool:
+    """`n` worker processes (spawned: a fresh interpreter each), each running build(payload) once at start;
+    `build` and `payload` must pickle (a module-level function, plain data or picklable objects)."""
+
+    def __init__(self, n: int, build: Callable[[Any], Any], payload: Any) -> None:
+        if n < 1:
+            raise ValueError(f"ProcessPool: n must be >= 1, got {n}")
+        self.n, self._build, self._payload = n, build, payload
+        self._lock = threading.Lock()
+        self._executor = self._new()
+
+    def _new(self) -> concurrent.futures.ProcessPoolExecutor:
+        return concurrent.futures.ProcessPoolExecutor(
+            self.n,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init,
+            initargs=(self._build, self._payload),
+        )
+
+    async def start(self) -> None:
+        """Start every process (n jobs at once: a process each) and wait until each has built its target."""
+        await asyncio.gather(*(self._submit(_ready) for _ in range(self.n)))
+
+    async def call(self, name: str, *args: Any) -> Any:
+        """target.name(*args) in a free process."""
+        return await self._submit(_run, name, args)
+
+    async def _submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+        with self._lock:
+            executor = self._executor
+        try:
+            return await asyncio.wrap_future(executor.submit(fn, *args))
+        except BrokenProcessPool as e:
+            with self._lock:
+                if self._executor is executor:  # the first job to see it rebuilds the pool
+                    executor.shutdown(wait=False, cancel_futures=True)
+                    self._executor = self._new()
+            raise WorkerDied("a worker process of the server ended while it served this request") from e
+
+    def close(self) -> None:
+        with self._lock:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = ["ProcessPool", "WorkerDied"]
