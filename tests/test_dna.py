@@ -259,3 +259,28 @@ def test_dna_study_seeds_option_is_checked(tmp_path, capsys):
     for bad in ("0,x", "1,1"):
         assert main(["dna", "study", "--seeds", bad, "--out", str(tmp_path), "--no-progress"]) == 2
         assert "--seeds: expected" in capsys.readouterr().err
+
+
+def test_dna_study_resume_keeps_finished_seeds(tmp_path, capsys):
+    from titans.cli import main
+
+    rng = np.random.default_rng(2)
+    fasta = tmp_path / "g.fa"
+    fasta.write_text("".join(f">r{i}\n{''.join(rng.choice(list('ACGT'), 80))}\n" for i in range(40)))
+    out = tmp_path / "out"
+    tiny = (
+        "--variants swa --pretrain-steps 2 --finetune-steps 4 --val-every 2 --eval-windows 4 --window-len 24"
+    )
+    tiny += (
+        f" --seq-len 32 --dim 16 --depth 1 --heads 2 --window 16 --no-progress --fasta {fasta} --out {out}"
+    )
+    assert main(["dna", "study", *tiny.split(), "--seeds", "0"]) == 0
+    first = json.loads((out / "dna.json").read_text())["runs"][0]
+    assert main(["dna", "study", *tiny.split(), "--seeds", "0,1", "--resume"]) == 0
+    doc = json.loads((out / "dna.json").read_text())
+    assert doc["seeds"] == [0, 1] and doc["runs"][0] == first and doc["runs"][1]["budget"]["seed"] == 1
+    assert "seed 0: kept from" in capsys.readouterr().out
+    # another budget: nothing is kept
+    assert main(["dna", "study", *tiny.split(), "--seeds", "0", "--resume", "--finetune-lr", "1e-3"]) == 0
+    assert "kept from" not in capsys.readouterr().out
+    assert json.loads((out / "dna.json").read_text())["runs"][0]["budget"]["finetune_lr"] == 1e-3

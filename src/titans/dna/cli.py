@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +56,26 @@ def _seeds(spec: str | None, seed: int) -> list[int]:
     return seeds
 
 
+def _finished_runs(path: Path, budget: DNABudget, fasta: str, variants: list[str], scratch: bool) -> dict:
+    """seed -> run of an earlier ``dna.json`` at ``path`` made with the same data, variants and budget but
+    the seed (and with classifiers from scratch when ``scratch``); {} when there is none."""
+    if not path.is_file():
+        return {}
+    doc = json.loads(path.read_text())
+    same = {k: v for k, v in asdict(budget).items() if k != "seed"}
+    kept = {}
+    for run in doc.get("runs", []):
+        rows = run.get("variants", {})
+        if (
+            doc.get("fasta") == fasta
+            and list(rows) == variants
+            and {k: v for k, v in run["budget"].items() if k != "seed"} == same
+            and all(("scratch" in row) == scratch for row in rows.values())
+        ):
+            kept[run["budget"]["seed"]] = run
+    return kept
+
+
 def cmd_study(args) -> int:
     torch.set_num_threads(args.threads)
     variants = [v for v in args.variants.split(",") if v]
@@ -69,23 +89,33 @@ def cmd_study(args) -> int:
     builtin = f"builtin (titans/data/genomes/{dm3_sample_path().name})"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    fasta = builtin if args.fasta == "builtin" else args.fasta
+    done = (
+        _finished_runs(out / "dna.json", _budget(args), fasta, variants, not args.no_scratch)
+        if args.resume
+        else {}
+    )
     runs: list[dict] = []
     for seed in seeds:
-        budget = _budget(args)
-        budget.seed = seed
-        runs.append(
-            run_study(
-                records,
-                variants,
-                budget,
-                progress=not args.no_progress,
-                log=lambda m, seed=seed: print(f"seed {seed}: {m}", flush=True),
-                scratch=not args.no_scratch,
+        if seed in done:
+            print(f"seed {seed}: kept from {out / 'dna.json'} (--resume)", flush=True)
+            runs.append(done[seed])
+        else:
+            budget = _budget(args)
+            budget.seed = seed
+            runs.append(
+                run_study(
+                    records,
+                    variants,
+                    budget,
+                    progress=not args.no_progress,
+                    log=lambda m, seed=seed: print(f"seed {seed}: {m}", flush=True),
+                    scratch=not args.no_scratch,
+                )
             )
-        )
         doc = {
             "command": "titans " + " ".join(sys.argv[1:]),
-            "fasta": builtin if args.fasta == "builtin" else args.fasta,
+            "fasta": fasta,
             "seeds": seeds[: len(runs)],
             "summary": summarise_seeds(runs),
             "runs": runs,
@@ -255,6 +285,11 @@ def register(commands, evals) -> None:
         "--no-scratch",
         action="store_true",
         help="no classifiers trained from scratch",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the seeds of --out's dna.json made with the same data, variants and budget",
     )
     _budget_options(p)
     _convergence_options(p)
