@@ -1,5 +1,6 @@
 """DNA: the tokenizer round trip, FASTA reading (plain, gzip, bad letters), the fasta: source through the
-trainer, the proximal/distal task, GenomicsBenchmarks-format labelled sequences, the classifier."""
+trainer, the proximal/distal task, GenomicsBenchmarks-format labelled sequences, the classifier, its
+training under the convergence rules, the study's record split, from-scratch classifiers and seeds."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from titans.data.dna import DNATokenizer, dm3_sample_path, load_labelled_sequences, read_fasta
+from titans.data.dna import DNATokenizer, FastaRecord, dm3_sample_path, load_labelled_sequences, read_fasta
 from titans.data.sources import load_source
 from titans.data.tokenizers import load_tokenizer
 from titans.dna.model import SequenceClassifier, dna_config, lm_bits_per_base
-from titans.dna.tasks import markov_bits_per_base, proximal_distal, split_records
+from titans.dna.study import DNABudget, finetune, fresh_lm, mean_loss, run_study, summarise_seeds
+from titans.dna.tasks import ClassificationSet, markov_bits_per_base, proximal_distal, split_records
 from titans.models.lm import TitansLM
 
 FASTA = """>chr1 first record
@@ -176,3 +178,109 @@ def test_dna_classify_cli(tmp_path):
         "--no-progress",
     ]
     assert main(argv) == 0
+
+
+def _tiny_budget(**kw) -> DNABudget:
+    return DNABudget(
+        **{
+            "pretrain_steps": 2,
+            "finetune_steps": 40,
+            "batch_size": 4,
+            "seq_len": 32,
+            "window_len": 24,
+            "dim": 16,
+            "depth": 1,
+            "heads": 2,
+            "window": 16,
+            "eval_windows": 4,
+            **kw,
+        }
+    )
+
+
+def test_finetune_early_stopping_restores_the_best_weights():
+    # a task no model can learn (random labels): validation loss stops improving, patience ends training
+    # early, and the classifier returned holds the weights of the best check, not the last step's
+    rng = np.random.default_rng(0)
+    train = ClassificationSet(rng.integers(3, 7, (64, 24)), rng.integers(0, 2, 64))
+    val = ClassificationSet(rng.integers(3, 7, (20, 24)), rng.integers(0, 2, 20))
+    budget = _tiny_budget(finetune_lr=1e-2, val_every=3, patience=2)
+    clf, rec = finetune(fresh_lm("swa", budget), train, budget, val=val)
+    assert rec["stopped_by"] == "early stopping" and rec["steps_done"] < 40
+    assert rec["steps_done"] == rec["best_step"] + 2 * 3  # two checks without improvement after the best
+    assert mean_loss(clf, val) == pytest.approx(rec["val_loss"], rel=1e-6)
+    assert min(v for _, v in rec["val_curve"]) == rec["val_loss"] and rec["val_curve"][0][0] == 0
+    # without a validation set the rules cannot apply: refused rather than silently ignored
+    with pytest.raises(ValueError, match="patience and time_budget need a validation set"):
+        finetune(fresh_lm("swa", budget), train, budget)
+    clf, rec = finetune(
+        fresh_lm("swa", _tiny_budget(finetune_steps=3)), train, _tiny_budget(finetune_steps=3)
+    )
+    assert rec["steps_done"] == 3 and "best_step" not in rec
+
+
+def test_study_splits_records_three_ways_and_trains_from_scratch_beside():
+    rng = np.random.default_rng(1)
+    records = [FastaRecord(f"r{i}", "".join(rng.choice(list("ACGT"), 80))) for i in range(40)]
+    budget = _tiny_budget(finetune_steps=4, val_every=2, patience=3)
+    res = run_study(records, ["swa"], budget, log=lambda m: None)
+    # 40 records: 8 test (every fifth), of the other 32 every eighth is validation (4), 28 train
+    assert res["records"] == {"train": 28, "val": 4, "test": 8}
+    assert res["classification"] == {"train": 56, "val": 8, "test": 16, "test_positive_fraction": 0.5}
+    row = res["variants"]["swa"]
+    assert 0 <= row["scratch_test_accuracy"] <= 1 and row["scratch"]["steps_done"] <= 4
+    assert row["finetune"]["best_step"] <= row["finetune"]["steps_done"] <= 4
+    # the from-scratch model starts from the untrained LM pre-training starts from: same weights
+    a, b = fresh_lm("swa", budget).state_dict(), fresh_lm("swa", budget).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert (
+        "scratch"
+        not in run_study(records, ["swa"], budget, log=lambda m: None, scratch=False)["variants"]["swa"]
+    )
+
+
+def test_summary_over_seeds():
+    runs = [
+        {"variants": {"lmm": {"parameters": 5, "test_bits_per_base": b, "test_accuracy": a}}}
+        for b, a in ((1.9, 0.6), (2.0, 0.7), (2.1, 0.8))
+    ]
+    s = summarise_seeds(runs)["lmm"]
+    assert s["seeds"] == 3 and "scratch_test_accuracy" not in s
+    assert s["test_accuracy"]["mean"] == pytest.approx(0.7) and s["test_accuracy"]["std"] == pytest.approx(
+        0.1
+    )
+    assert s["test_bits_per_base"]["sem"] == pytest.approx(0.1 / 3**0.5)
+    assert summarise_seeds(runs[:1])["lmm"]["test_accuracy"]["std"] == 0.0
+
+
+def test_dna_study_seeds_option_is_checked(tmp_path, capsys):
+    from titans.cli import main
+
+    for bad in ("0,x", "1,1"):
+        assert main(["dna", "study", "--seeds", bad, "--out", str(tmp_path), "--no-progress"]) == 2
+        assert "--seeds: expected" in capsys.readouterr().err
+
+
+def test_dna_study_resume_keeps_finished_seeds(tmp_path, capsys):
+    from titans.cli import main
+
+    rng = np.random.default_rng(2)
+    fasta = tmp_path / "g.fa"
+    fasta.write_text("".join(f">r{i}\n{''.join(rng.choice(list('ACGT'), 80))}\n" for i in range(40)))
+    out = tmp_path / "out"
+    tiny = (
+        "--variants swa --pretrain-steps 2 --finetune-steps 4 --val-every 2 --eval-windows 4 --window-len 24"
+    )
+    tiny += (
+        f" --seq-len 32 --dim 16 --depth 1 --heads 2 --window 16 --no-progress --fasta {fasta} --out {out}"
+    )
+    assert main(["dna", "study", *tiny.split(), "--seeds", "0"]) == 0
+    first = json.loads((out / "dna.json").read_text())["runs"][0]
+    assert main(["dna", "study", *tiny.split(), "--seeds", "0,1", "--resume"]) == 0
+    doc = json.loads((out / "dna.json").read_text())
+    assert doc["seeds"] == [0, 1] and doc["runs"][0] == first and doc["runs"][1]["budget"]["seed"] == 1
+    assert "seed 0: kept from" in capsys.readouterr().out
+    # another budget: nothing is kept
+    assert main(["dna", "study", *tiny.split(), "--seeds", "0", "--resume", "--finetune-lr", "1e-3"]) == 0
+    assert "kept from" not in capsys.readouterr().out
+    assert json.loads((out / "dna.json").read_text())["runs"][0]["budget"]["finetune_lr"] == 1e-3

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from titans.data.series import Series, load_series, read_series_csv, split_series
+from titans.data.series import BUNDLED_SERIES, Series, load_series, read_series_csv, split_series
 from titans.forecast.model import FORECAST_MODELS, build_forecaster
 from titans.forecast.train import ForecastRun, evaluate, train_forecaster
 
@@ -190,6 +190,29 @@ def test_tmy3_from_pvlib():
     assert "Pressure (mbar)" not in load_series("tmy3:sand-point").channels
 
 
+def test_every_bundled_series_loads_and_splits():
+    # the real files inside the installed pvlib: shape, channels, units and the 7:1:2 split at horizon 720
+    pytest.importorskip("pvlib")
+    assert BUNDLED_SERIES == ("tmy3:greensboro", "tmy3:sand-point", "tmy2:miami", "soiling:imperial-county")
+    for spec in BUNDLED_SERIES:
+        s = load_series(spec)
+        assert len(s.values) == 8760 and np.isfinite(s.values).all(), spec
+        assert (s.values.std(axis=0) > 0).all(), spec  # no constant channel
+        train, val, test = split_series(s, lookback=96).windows(720)
+        assert (len(train), len(val), len(test)) == (5317, 157, 1033), spec
+    miami = load_series("tmy2:miami")
+    assert miami.channels == load_series("tmy3:greensboro").channels
+    t = dict(zip(miami.channels, miami.values.T))
+    # the file's tenths of a degree / of a m/s are converted: Miami's air is 3-34 C, its wind under 14 m/s
+    assert t["Dry-bulb (C)"].min() >= 3 and t["Dry-bulb (C)"].max() <= 34 and t["Wspd (m/s)"].max() < 14
+    assert t["Dew-point (C)"].max() < t["Dry-bulb (C)"].max() and 1000 < t["Pressure (mbar)"].mean() < 1030
+    soil = load_series("soiling:imperial-county")
+    assert soil.channels == ("rain (mm)", "PM2.5 (g/m^3)", "PM10 (g/m^3)")
+    assert int((soil.values[:, 0] > 0).sum()) == 80 and soil.values[:, 1].mean() < soil.values[:, 2].mean()
+    with pytest.raises(ValueError, match="unknown tmy2 site 'paris'; expected one of miami"):
+        load_series("tmy2:paris")
+
+
 def test_external_baselines_receive_exactly_the_titans_windows(monkeypatch):
     # Every model is wrapped so that it records its inputs; all of them must see the same training batches,
     # the whole validation part and the whole test part, cut at the protocol's borders and standardised
@@ -230,7 +253,7 @@ def test_external_baselines_receive_exactly_the_titans_windows(monkeypatch):
         "build_forecaster",
         lambda name, **kw: Recorder(build(name, **kw), seen.setdefault(name, [])),
     )
-    names = ("lmm", "linear", "patchtst", "nf-dlinear", "seasonal-naive")
+    names = ("lmm", "linear", "patchtst", "nf-dlinear", "nf-nlinear", "nf-nhits", "seasonal-naive")
     for name in names:
         _needs(name)
     for name in names:

@@ -14,6 +14,15 @@ Series specs understood by ``load_series``:
   package ``pvlib`` (``pvlib/data/723170TYA.CSV``, ``703165TY.csv``; US public-domain data of NREL's
   National Solar Radiation Database). Read from the installed package, nothing is copied. Each TMY month
   comes from a different real year, so the series has a seam at every month boundary.
+- ``tmy2:miami``: the older TMY2 format of the same data base (``pvlib/data/12839.tm2``, Miami, FL, WBAN
+  12839; 8,760 hourly steps, the same 8 channels in the same units as TMY3: the file's tenths of a degree
+  and of a metre per second are converted).
+- ``soiling:imperial-county``: hourly rain (mm; Imperial County, CA, TMY3) with PM2.5 and PM10
+  concentrations (g/m^3; US EPA) for 2015 (``pvlib/data/soiling_hsu_example_inputs.csv``; 8,760 steps, 3
+  channels), pvlib's example input of its soiling model.
+
+``BUNDLED_SERIES`` lists every bundled spec. Every other file in pvlib's data folder is not a time series
+(module and inverter libraries, a solar spectrum, gridded climatologies).
 
 The protocol of the long-horizon literature (Informer / Autoformer / DLinear code): ``"ett-hour"`` and
 ``"ett-minute"`` split 12/4/4 months (of 30 days) of hourly / 15-minute data into train/val/test; ``"ratio"``
@@ -23,7 +32,7 @@ before their border so that their first window predicts the first step after it.
 fitted on the training part only; metrics are on the standardised values.
 
 Public API (names are stable): ``Series``, ``SeriesSplit``, ``StandardScaler``, ``ForecastWindows``,
-``load_series``, ``read_series_csv``, ``split_series``, ``TMY3_SITES``, ``PROTOCOLS``.
+``load_series``, ``read_series_csv``, ``split_series``, ``TMY3_SITES``, ``BUNDLED_SERIES``, ``PROTOCOLS``.
 """
 
 from __future__ import annotations
@@ -50,6 +59,26 @@ TMY3_COLUMNS = (
     "RHum (%)",
     "Pressure (mbar)",
     "Wspd (m/s)",
+)
+# TMY2 column -> (TMY3 channel name, factor to TMY3's units)
+TMY2_COLUMNS = {
+    "GHI": ("GHI (W/m^2)", 1.0),
+    "DNI": ("DNI (W/m^2)", 1.0),
+    "DHI": ("DHI (W/m^2)", 1.0),
+    "DryBulb": ("Dry-bulb (C)", 0.1),
+    "DewPoint": ("Dew-point (C)", 0.1),
+    "RHum": ("RHum (%)", 1.0),
+    "Pressure": ("Pressure (mbar)", 1.0),
+    "Wspd": ("Wspd (m/s)", 0.1),
+}
+TMY2_SITES = {"miami": ("12839.tm2", "Miami, FL (WBAN 12839)")}
+SOILING_SITES = {"imperial-county": ("soiling_hsu_example_inputs.csv", "Imperial County, CA (2015)")}
+SOILING_COLUMNS = {"rain": "rain (mm)", "PM2_5": "PM2.5 (g/m^3)", "PM10": "PM10 (g/m^3)"}
+# every series spec that reads a file shipped inside an installed package
+BUNDLED_SERIES = (
+    *(f"tmy3:{k}" for k in ("greensboro", "sand-point")),
+    *(f"tmy2:{k}" for k in TMY2_SITES),
+    *(f"soiling:{k}" for k in SOILING_SITES),
 )
 
 
@@ -112,29 +141,61 @@ def read_series_csv(
     return Series(Path(spec).stem, numeric.to_numpy(np.float64), tuple(chosen), spec)
 
 
-def read_tmy3(site: str) -> Series:
-    """Hourly TMY3 weather of one site (``TMY3_SITES``) from the installed ``pvlib`` package."""
-    if site not in TMY3_SITES:
-        raise ValueError(f"unknown TMY3 site {site!r}; expected one of {', '.join(TMY3_SITES)}")
-    file, where = TMY3_SITES[site]
+def _pvlib_file(kind: str, sites: dict, site: str) -> tuple[str, str]:
+    """(path of the site's file in the installed pvlib's data folder, the site's description)."""
+    if site not in sites:
+        raise ValueError(f"unknown {kind} site {site!r}; expected one of {', '.join(sites)}")
+    file, where = sites[site]
     try:
         path = resources.files("pvlib") / "data" / file
     except ModuleNotFoundError as e:
         raise ModuleNotFoundError(
-            "the tmy3: series are read from the PyPI package pvlib: pip install 'titans[domains]'"
+            f"the {kind}: series are read from the PyPI package pvlib: pip install 'titans[domains]'"
         ) from e
+    return str(path), where
+
+
+def read_tmy3(site: str) -> Series:
+    """Hourly TMY3 weather of one site (``TMY3_SITES``) from the installed ``pvlib`` package."""
+    path, where = _pvlib_file("tmy3", TMY3_SITES, site)
     import pandas as pd
 
-    frame = pd.read_csv(str(path), header=1)  # line 1: site metadata; line 2: the header
+    frame = pd.read_csv(path, header=1)  # line 1: site metadata; line 2: the header
     # a channel that never changes carries no signal (Sand Point's pressure is one filled-in value)
     kept = [c for c in TMY3_COLUMNS if frame[c].nunique() > 1]
     return Series(f"tmy3-{site}", frame[kept].to_numpy(np.float64), tuple(kept), where)
 
 
+def read_tmy2(site: str) -> Series:
+    """Hourly TMY2 weather of one site (``TMY2_SITES``) from pvlib's data folder, in TMY3's channels and
+    units."""
+    path, where = _pvlib_file("tmy2", TMY2_SITES, site)
+    from pvlib.iotools import read_tmy2 as pvlib_read_tmy2
+
+    frame, _ = pvlib_read_tmy2(path)
+    values = np.stack([frame[c].to_numpy(np.float64) * f for c, (_, f) in TMY2_COLUMNS.items()], axis=1)
+    return Series(f"tmy2-{site}", values, tuple(name for name, _ in TMY2_COLUMNS.values()), where)
+
+
+def read_soiling(site: str) -> Series:
+    """Hourly rain, PM2.5 and PM10 of one site (``SOILING_SITES``) from pvlib's data folder."""
+    path, where = _pvlib_file("soiling", SOILING_SITES, site)
+    import pandas as pd
+
+    frame = pd.read_csv(path)
+    values = frame[list(SOILING_COLUMNS)].to_numpy(np.float64)
+    return Series(f"soiling-{site}", values, tuple(SOILING_COLUMNS.values()), where)
+
+
+_BUNDLED_READERS = {"tmy3": read_tmy3, "tmy2": read_tmy2, "soiling": read_soiling}
+
+
 def load_series(spec: str, *, date_column: str | None = None, columns: list[str] | None = None) -> Series:
-    """``tmy3:SITE`` or a CSV path / URL (see the module docstring)."""
-    if spec.startswith("tmy3:"):
-        return read_tmy3(spec.split(":", 1)[1])
+    """A bundled series (``BUNDLED_SERIES``: ``tmy3:SITE``, ``tmy2:SITE``, ``soiling:SITE``) or a CSV path /
+    URL (see the module docstring)."""
+    kind, _, site = spec.partition(":")
+    if kind in _BUNDLED_READERS:
+        return _BUNDLED_READERS[kind](site)
     return read_series_csv(spec, date_column=date_column, columns=columns)
 
 
@@ -252,6 +313,7 @@ def split_series(series: Series, lookback: int = 96, protocol: str = "auto") -> 
 
 
 __all__ = [
+    "BUNDLED_SERIES",
     "PROTOCOLS",
     "TMY3_SITES",
     "ForecastWindows",
@@ -260,6 +322,8 @@ __all__ = [
     "StandardScaler",
     "load_series",
     "read_series_csv",
+    "read_soiling",
+    "read_tmy2",
     "read_tmy3",
     "split_series",
 ]

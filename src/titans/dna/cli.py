@@ -2,8 +2,9 @@
 `titans train --data fasta:PATH --tokenizer dna` (bits per byte there are bits per base).
 
 - ``study``: variants pre-trained at equal budget on a FASTA file (default: the built-in Drosophila sample),
-  bits per base on held-out records, then fine-tuned on the proximal / distal task; ``dna.json`` and
-  ``dna.png`` into ``--out``.
+  bits per base on held-out records, then fine-tuned on the proximal / distal task beside the same
+  classifier trained from scratch, for each of ``--seeds``; ``dna.json`` (every seed's run and the mean
+  and spread over the seeds, rewritten after each seed) and ``dna.png`` into ``--out``.
 - ``classify``: labelled sequences (GenomicsBenchmarks from the hub, ``hf:NAME[:CONFIG][:SPLIT]``, or a CSV
   / JSONL with ``seq`` and ``label`` columns): optionally pre-train on a FASTA file, fine-tune, report test
   accuracy as JSON.
@@ -13,18 +14,25 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from titans.data.dna import DNATokenizer, dm3_sample_path, load_labelled_sequences, read_fasta
-from titans.dna.model import dna_config
-from titans.dna.study import DNABudget, accuracy, finetune, plot_study, pretrain, run_study
+from titans.dna.study import (
+    DNABudget,
+    accuracy,
+    finetune,
+    fresh_lm,
+    plot_study,
+    pretrain,
+    run_study,
+    summarise_seeds,
+)
 from titans.dna.tasks import ClassificationSet, encode_records
 from titans.models.config import VARIANTS
-from titans.models.lm import TitansLM
 from titans.validation import did_you_mean
 
 
@@ -36,6 +44,38 @@ def _fasta(spec: str) -> Path:
     return dm3_sample_path() if spec == "builtin" else Path(spec)
 
 
+def _seeds(spec: str | None, seed: int) -> list[int]:
+    if spec is None:
+        return [seed]
+    try:
+        seeds = [int(v) for v in spec.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds: expected comma-separated integers, got {spec!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds: expected distinct integers, got {spec!r}")
+    return seeds
+
+
+def _finished_runs(path: Path, budget: DNABudget, fasta: str, variants: list[str], scratch: bool) -> dict:
+    """seed -> run of an earlier ``dna.json`` at ``path`` made with the same data, variants and budget but
+    the seed (and with classifiers from scratch when ``scratch``); {} when there is none."""
+    if not path.is_file():
+        return {}
+    doc = json.loads(path.read_text())
+    same = {k: v for k, v in asdict(budget).items() if k != "seed"}
+    kept = {}
+    for run in doc.get("runs", []):
+        rows = run.get("variants", {})
+        if (
+            doc.get("fasta") == fasta
+            and list(rows) == variants
+            and {k: v for k, v in run["budget"].items() if k != "seed"} == same
+            and all(("scratch" in row) == scratch for row in rows.values())
+        ):
+            kept[run["budget"]["seed"]] = run
+    return kept
+
+
 def cmd_study(args) -> int:
     torch.set_num_threads(args.threads)
     variants = [v for v in args.variants.split(",") if v]
@@ -44,34 +84,76 @@ def cmd_study(args) -> int:
         raise ValueError(
             f"unknown variant(s) {bad}; expected from {', '.join(VARIANTS)}" + did_you_mean(bad[0], VARIANTS)
         )
+    seeds = _seeds(args.seeds, args.seed)
     records = read_fasta(_fasta(args.fasta))
-    result = run_study(
-        records, variants, _budget(args), progress=not args.no_progress, log=lambda m: print(m, flush=True)
-    )
     builtin = f"builtin (titans/data/genomes/{dm3_sample_path().name})"
-    fasta = builtin if args.fasta == "builtin" else args.fasta
-    result = {"command": "titans " + " ".join(sys.argv[1:]), "fasta": fasta, **result}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "dna.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot_study(result, out / "dna.png")
-    print(study_table(result))
+    fasta = builtin if args.fasta == "builtin" else args.fasta
+    done = (
+        _finished_runs(out / "dna.json", _budget(args), fasta, variants, not args.no_scratch)
+        if args.resume
+        else {}
+    )
+    runs: list[dict] = []
+    for seed in seeds:
+        if seed in done:
+            print(f"seed {seed}: kept from {out / 'dna.json'} (--resume)", flush=True)
+            runs.append(done[seed])
+        else:
+            budget = _budget(args)
+            budget.seed = seed
+            runs.append(
+                run_study(
+                    records,
+                    variants,
+                    budget,
+                    progress=not args.no_progress,
+                    log=lambda m, seed=seed: print(f"seed {seed}: {m}", flush=True),
+                    scratch=not args.no_scratch,
+                )
+            )
+        doc = {
+            "command": "titans " + " ".join(sys.argv[1:]),
+            "fasta": fasta,
+            "seeds": seeds[: len(runs)],
+            "summary": summarise_seeds(runs),
+            "runs": runs,
+        }
+        (out / "dna.json").write_text(json.dumps(doc, indent=2) + "\n")  # after each seed: nothing lost
+    plot_study(doc, out / "dna.png")
+    print(study_table(doc))
     print(f"wrote {out / 'dna.json'} and {out / 'dna.png'}")
     return 0
 
 
-def study_table(result: dict) -> str:
-    """The study's numbers as a table: one row per variant, then the reference baselines."""
-    rows = [("model", "test bits/base", "test accuracy", "parameters")]
-    for name, row in result["variants"].items():
-        bits, acc = f"{row['test_bits_per_base']:.4f}", f"{row['test_accuracy']:.4f}"
-        rows.append((name, bits, acc, f"{row['parameters']:,}"))
-    ref = result["reference"]
+def study_table(doc: dict) -> str:
+    """The study's numbers as a table: one row per variant (mean +- standard deviation over the seeds),
+    then the reference baselines (of the first seed's split: the same for every seed)."""
+    rows = [("model", "test bits/base", "test accuracy", "from scratch", "parameters")]
+
+    def cell(row: dict, key: str) -> str:
+        if key not in row:
+            return "-"
+        m = row[key]
+        return f"{m['mean']:.4f}" + (f" +- {m['std']:.4f}" if row["seeds"] > 1 else "")
+
+    for name, row in doc["summary"].items():
+        rows.append(
+            (
+                name,
+                cell(row, "test_bits_per_base"),
+                cell(row, "test_accuracy"),
+                cell(row, "scratch_test_accuracy"),
+                f"{row['parameters']:,}",
+            )
+        )
+    ref = doc["runs"][0]["reference"]
     for k in (0, 2, 5):
-        rows.append((f"order-{k} Markov", f"{ref[f'markov{k}_bits_per_base']:.4f}", "", ""))
-    rows.append(("GC threshold", "", f"{ref['gc_threshold_accuracy']:.4f}", ""))
-    rows.append(("majority class", "", f"{ref['majority_accuracy']:.4f}", ""))
-    width = [max(len(r[i]) for r in rows) for i in range(4)]
+        rows.append((f"order-{k} Markov", f"{ref[f'markov{k}_bits_per_base']:.4f}", "", "", ""))
+    rows.append(("GC threshold", "", f"{ref['gc_threshold_accuracy']:.4f}", "", ""))
+    rows.append(("majority class", "", f"{ref['majority_accuracy']:.4f}", "", ""))
+    width = [max(len(r[i]) for r in rows) for i in range(5)]
     return "\n".join(
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, width))).rstrip()
         for r in rows
@@ -104,9 +186,8 @@ def cmd_classify(args) -> int:
             progress=not args.no_progress,
         )
     else:
-        torch.manual_seed(budget.seed)
-        lm = TitansLM(dna_config(args.variant, budget.dim, budget.depth, budget.heads, budget.window))
-    clf = finetune(lm, train, budget, progress=not args.no_progress)
+        lm = fresh_lm(args.variant, budget)
+    clf, _ = finetune(lm, train, budget, progress=not args.no_progress)
     print(
         json.dumps(
             {
@@ -127,7 +208,12 @@ def _budget_options(p) -> None:
         "--pretrain-steps", dest="pretrain_steps", type=int, default=d.pretrain_steps, help="LM steps"
     )
     p.add_argument(
-        "--finetune-steps", dest="finetune_steps", type=int, default=d.finetune_steps, help="classifier steps"
+        "--finetune-steps",
+        "--max-finetune-steps",
+        dest="finetune_steps",
+        type=int,
+        default=d.finetune_steps,
+        help="classifier steps (at most, with --patience / --time-budget)",
     )
     p.add_argument(
         "--batch-size", dest="batch_size", type=int, default=d.batch_size, help="sequences per step"
@@ -160,6 +246,30 @@ def _budget_options(p) -> None:
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
 
 
+def _convergence_options(p) -> None:
+    d = DNABudget()
+    p.add_argument(
+        "--val-every",
+        dest="val_every",
+        type=int,
+        default=d.val_every,
+        help="classifier training: validate every this many steps (the best weights are restored)",
+    )
+    p.add_argument(
+        "--patience",
+        type=int,
+        default=d.patience,
+        help="classifier training: stop after this many validations without improvement (default: never)",
+    )
+    p.add_argument(
+        "--time-budget",
+        dest="time_budget",
+        type=float,
+        default=d.time_budget,
+        help="classifier training: wall seconds per model, validation included, at most (default: none)",
+    )
+
+
 def register(commands, evals) -> None:
     dna = commands.add_parser("dna", help="DNA: LM pre-training + classification study, classification")
     sub = dna.add_subparsers(dest="dna_command", metavar="SUBCOMMAND")
@@ -170,7 +280,19 @@ def register(commands, evals) -> None:
     )
     p.add_argument("--variants", default="lmm,transformer,swa", help="comma-separated model variants")
     p.add_argument("--out", default="results/dna", help="output folder")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds, one run each (default: --seed)")
+    p.add_argument(
+        "--no-scratch",
+        action="store_true",
+        help="no classifiers trained from scratch",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the seeds of --out's dna.json made with the same data, variants and budget",
+    )
     _budget_options(p)
+    _convergence_options(p)
     p.set_defaults(func=cmd_study)
     p = sub.add_parser("classify", help="fine-tune on labelled sequences (GenomicsBenchmarks format)")
     p.add_argument("--train", required=True, help="hf:NAME[:CONFIG][:SPLIT], or a CSV / JSONL (seq, label)")
@@ -181,7 +303,7 @@ def register(commands, evals) -> None:
     )
     p.add_argument("--pretrain-fasta", default=None, help="pre-train the LM on this FASTA first (or builtin)")
     _budget_options(p)
-    p.set_defaults(func=cmd_classify)
+    p.set_defaults(func=cmd_classify, val_every=DNABudget.val_every, patience=None, time_budget=None)
 
 
 __all__ = ["register"]

@@ -1,10 +1,17 @@
 """DNA study: pre-train nucleotide LMs of several variants at equal budget, measure bits per base on held-out
 records, then fine-tune each as a classifier (``SequenceClassifier``) on the proximal / distal task and
-measure test accuracy (``titans.dna.tasks``). Order-k Markov chains and a GC-content threshold are the
-reference points that need no network.
+measure test accuracy (``titans.dna.tasks``); beside each, the same classifier trained from scratch (no
+pre-training) under the same rules. Order-k Markov chains and a GC-content threshold are the reference
+points that need no network.
 
-Both trainings run on the package's training loop (``titans.training.loop.TrainLoop``): AdamW without
-weight decay, the gradient norm clipped to 1, a NaN or inf loss stopped with an error naming the step.
+Records are split three ways: every fifth record is a test record; of the rest, every eighth is a
+validation record, held out of pre-training and fine-tuning alike, whose proximal / distal windows decide
+early stopping. Both trainings run on the package's training loop (``titans.training.loop.TrainLoop``):
+AdamW without weight decay, the gradient norm clipped to 1, a NaN or inf loss stopped with an error naming
+the step. Classifier training follows the convergence rules of forecasting
+(``titans.training.early_stopping``): the validation cross-entropy every ``val_every`` steps, early stopping
+after ``patience`` checks without improvement, ``finetune_steps`` and ``time_budget`` seconds at most, the
+best weights restored.
 """
 
 from __future__ import annotations
@@ -29,7 +36,10 @@ from titans.dna.tasks import (
     split_records,
 )
 from titans.models.lm import TitansLM
+from titans.training.early_stopping import EarlyStopping
 from titans.training.loop import TrainLoop
+
+VAL_EVERY_RECORD = 8  # of the training records, every eighth is a validation record
 
 
 @dataclass
@@ -49,6 +59,9 @@ class DNABudget:
     window: int = 64
     seed: int = 0
     eval_windows: int = 256  # held-out LM windows measured (evenly spaced over the test records)
+    val_every: int = 20  # classifier training: validation every this many steps (with a validation set)
+    patience: int | None = None  # classifier training: early stopping after this many checks (None: never)
+    time_budget: float | None = None  # classifier training: wall seconds at most (None: no limit)
 
 
 def pretrain(
@@ -62,9 +75,8 @@ def pretrain(
     """A nucleotide LM trained for ``budget.pretrain_steps`` steps of random windows; (model, per-step
     training bits per base). ``handle_signals``: a SIGTERM / SIGINT stops it after the current step (fewer
     losses); without it a signal has its usual effect (KeyboardInterrupt)."""
-    torch.manual_seed(budget.seed)
+    lm = fresh_lm(variant, budget)
     rng = np.random.default_rng(budget.seed)
-    lm = TitansLM(dna_config(variant, budget.dim, budget.depth, budget.heads, budget.window))
     opt = torch.optim.AdamW(lm.parameters(), lr=budget.lr, weight_decay=0.0)
     losses: list[float] = []
 
@@ -99,16 +111,33 @@ def accuracy(model: nn.Module, data: ClassificationSet, batch_size: int = 64) ->
     return right / len(data.y)
 
 
+@torch.no_grad()
+def mean_loss(model: nn.Module, data: ClassificationSet, batch_size: int = 64) -> float:
+    """Mean cross-entropy of ``model`` over ``data``."""
+    model.eval()
+    total = 0.0
+    for i in range(0, len(data.y), batch_size):
+        logits = model(torch.from_numpy(data.x[i : i + batch_size]))
+        y = torch.from_numpy(data.y[i : i + batch_size])
+        total += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
+    return total / len(data.y)
+
+
 def finetune(
     lm: TitansLM,
     train: ClassificationSet,
     budget: DNABudget,
     progress: bool = False,
     *,
+    val: ClassificationSet | None = None,
     handle_signals: bool = False,
-) -> SequenceClassifier:
-    """All of ``lm`` plus a new pooled head, trained on ``train`` for ``budget.finetune_steps`` steps
-    (``handle_signals``: a SIGTERM / SIGINT stops it after the current step)."""
+) -> tuple[SequenceClassifier, dict]:
+    """All of ``lm`` plus a new pooled head, trained on ``train`` for at most ``budget.finetune_steps``
+    steps; with ``val``, under the convergence rules (module docstring: the best weights by validation
+    loss are returned). ``handle_signals``: a SIGTERM / SIGINT stops it after the current step.
+    Returns (classifier, record: best_step, best_seconds, steps_done, stopped_by, val_loss, ...)."""
+    if val is None and (budget.patience is not None or budget.time_budget is not None):
+        raise ValueError("finetune: patience and time_budget need a validation set (val)")
     torch.manual_seed(budget.seed)
     rng = np.random.default_rng(budget.seed + 1)
     clf = SequenceClassifier(lm, num_classes=int(train.y.max()) + 1)
@@ -118,20 +147,52 @@ def finetune(
         idx = rng.integers(0, len(train.y), budget.batch_size)
         return torch.from_numpy(train.x[idx]), torch.from_numpy(train.y[idx])
 
-    TrainLoop(
+    stopper = EarlyStopping(clf, lambda: mean_loss(clf, val), budget.patience) if val is not None else None
+    if stopper is not None:
+        stopper.check(0)
+    loop = TrainLoop(
         clf,
         opt,
         total_steps=budget.finetune_steps,
         batches=batch,
         loss_fn=lambda model, b: nn.functional.cross_entropy(model(b[0]), b[1]),
         grad_clip=1.0,
+        eval_every=budget.val_every if stopper is not None else None,
+        evaluate=stopper.check if stopper is not None else None,
+        time_budget_s=budget.time_budget,
         handle_signals=handle_signals,
         progress=progress,
         progress_desc=f"finetune {lm.config.variant}",
         progress_leave=False,
         failure_hint=lambda: f"fine-tuning {lm.config.variant} (try a lower finetune_lr)",
-    ).run()
-    return clf
+    )
+    t0 = time.perf_counter()
+    if stopper is None:
+        done = loop.run()
+        return clf, {"steps_done": done.step, "train_seconds": time.perf_counter() - t0}
+    stopper.loop = loop
+    done = loop.run()
+    stopped_by = stopper.finish(done)
+    record = {
+        "best_step": stopper.best_step,
+        "best_seconds": stopper.best_seconds,
+        "steps_done": done.step,
+        "improving_at_end": stopper.best_step == done.step,
+        "val_loss": stopper.best,
+        "val_accuracy": accuracy(clf, val),
+        "train_seconds": stopper.train_seconds,
+        "val_curve": stopper.history,
+    }
+    if stopped_by is not None:
+        record["stopped_by"] = stopped_by
+    return clf, record
+
+
+def fresh_lm(variant: str, budget: DNABudget) -> TitansLM:
+    """An untrained nucleotide LM of ``variant`` at ``budget``'s size (the from-scratch classifier's
+    backbone), seeded as pre-training seeds its own."""
+    torch.manual_seed(budget.seed)
+    return TitansLM(dna_config(variant, budget.dim, budget.depth, budget.heads, budget.window))
 
 
 def gc_threshold_accuracy(train: ClassificationSet, test: ClassificationSet) -> float:
@@ -152,24 +213,34 @@ def gc_threshold_accuracy(train: ClassificationSet, test: ClassificationSet) -> 
 
 
 def run_study(
-    records: list[FastaRecord], variants: list[str], budget: DNABudget, progress: bool = False, log=print
+    records: list[FastaRecord],
+    variants: list[str],
+    budget: DNABudget,
+    progress: bool = False,
+    log=print,
+    *,
+    scratch: bool = True,
 ) -> dict:
-    """Every variant pre-trained and fine-tuned at ``budget``; the JSON-ready results."""
+    """Every variant pre-trained and fine-tuned at ``budget`` and (``scratch``) trained from scratch as a
+    classifier under the same rules; the JSON-ready results."""
     train_recs, test_recs = split_records(records)
+    train_recs, val_recs = split_records(train_recs, VAL_EVERY_RECORD)
     train_seqs, test_seqs = encode_records(train_recs), encode_records(test_recs)
     test_windows = lm_windows(test_seqs, budget.seq_len)
     if len(test_windows) > budget.eval_windows:  # evenly spaced, so every part of the test records counts
         test_windows = test_windows[np.linspace(0, len(test_windows) - 1, budget.eval_windows).astype(int)]
-    cls_train, cls_test = (
+    cls_train, cls_val, cls_test = (
         proximal_distal(train_recs, budget.window_len),
+        proximal_distal(val_recs, budget.window_len),
         proximal_distal(test_recs, budget.window_len),
     )
     out: dict = {
         "budget": asdict(budget),
-        "records": {"train": len(train_recs), "test": len(test_recs)},
+        "records": {"train": len(train_recs), "val": len(val_recs), "test": len(test_recs)},
         "lm_test_windows": int(len(test_windows)),
         "classification": {
             "train": int(len(cls_train.y)),
+            "val": int(len(cls_val.y)),
             "test": int(len(cls_test.y)),
             "test_positive_fraction": float(cls_test.y.mean()),
         },
@@ -189,7 +260,7 @@ def run_study(
         lm, losses = pretrain(variant, train_seqs, budget, progress)
         bpb = lm_bits_per_base(lm, test_windows)
         t1 = time.perf_counter()
-        clf = finetune(lm, cls_train, budget, progress)
+        clf, tuned = finetune(lm, cls_train, budget, progress, val=cls_val)
         acc = accuracy(clf, cls_test)
         row = {
             "parameters": sum(p.numel() for p in lm.parameters()),
@@ -201,22 +272,54 @@ def run_study(
             "test_accuracy": acc,
             "pretrain_seconds": t1 - t0,
             "finetune_seconds": time.perf_counter() - t1,
+            "finetune": tuned,
         }
-        out["variants"][variant] = row
-        log(
-            f"{variant:12s} bits/base {bpb:.4f}  accuracy {acc:.4f}  ({row['pretrain_seconds']:.0f}s + "
-            f"{row['finetune_seconds']:.0f}s)"
+        line = (
+            f"{variant:12s} bits/base {bpb:.4f}  accuracy {acc:.4f} (best step {tuned.get('best_step')})  "
+            f"({row['pretrain_seconds']:.0f}s + {row['finetune_seconds']:.0f}s)"
         )
+        if scratch:
+            clf, fresh = finetune(fresh_lm(variant, budget), cls_train, budget, progress, val=cls_val)
+            row["scratch_test_accuracy"] = accuracy(clf, cls_test)
+            row["scratch"] = fresh
+            line += (
+                f"; from scratch {row['scratch_test_accuracy']:.4f} (best step {fresh.get('best_step')}, "
+                f"{fresh['train_seconds']:.0f}s)"
+            )
+        out["variants"][variant] = row
+        log(line)
     return out
 
 
-def plot_study(result: dict, path) -> None:
-    """Pre-training curves (bits per base) and test accuracy per variant, with the reference lines."""
+def summarise_seeds(runs: list[dict]) -> dict:
+    """Per variant, over the seeds' ``run_study`` results: mean, sample standard deviation (``std``, 0 for
+    one seed), standard error of the mean (``sem``) and the values of each measure."""
+    summary: dict = {}
+    for variant in runs[0]["variants"]:
+        rows = [r["variants"][variant] for r in runs if variant in r["variants"]]
+        summary[variant] = {"parameters": rows[0]["parameters"], "seeds": len(rows)}
+        for key in ("test_bits_per_base", "test_accuracy", "scratch_test_accuracy"):
+            values = [row[key] for row in rows if key in row]
+            if values:
+                std = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+                summary[variant][key] = {
+                    "mean": float(np.mean(values)),
+                    "std": std,
+                    "sem": std / math.sqrt(len(values)),
+                    "values": values,
+                }
+    return summary
+
+
+def plot_study(doc: dict, path) -> None:
+    """Pre-training curves (bits per base) of the first seed and the test accuracy per variant (mean over
+    the seeds, the bars one standard deviation), fine-tuned and from scratch, with the reference lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    result, summary = doc["runs"][0], doc["summary"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     for name, row in result["variants"].items():
         curve = row["train_curve_bits_per_base"]
@@ -233,8 +336,22 @@ def plot_study(result: dict, path) -> None:
     a.set_xlabel("pre-training step")
     a.set_ylabel("train bits per base")
     a.legend(fontsize=7)
-    names = list(result["variants"])
-    b.bar(names, [result["variants"][n]["test_accuracy"] for n in names], color="tab:blue")
+    names = list(summary)
+    x = np.arange(len(names))
+    for shift, key, label, color in (
+        (-0.2, "test_accuracy", "pre-trained", "tab:blue"),
+        (0.2, "scratch_test_accuracy", "from scratch", "tab:orange"),
+    ):
+        if all(key in summary[n] for n in names):
+            b.bar(
+                x + shift,
+                [summary[n][key]["mean"] for n in names],
+                0.4,
+                yerr=[summary[n][key]["std"] for n in names],
+                color=color,
+                label=label,
+            )
+    b.set_xticks(x, names)
     b.axhline(ref["gc_threshold_accuracy"], color="grey", ls="--", lw=1, label="GC threshold")
     b.axhline(ref["majority_accuracy"], color="grey", ls=":", lw=1, label="majority")
     b.set_ylim(0.4, 1.0)
@@ -247,11 +364,15 @@ def plot_study(result: dict, path) -> None:
 
 
 __all__ = [
+    "VAL_EVERY_RECORD",
     "DNABudget",
     "accuracy",
     "finetune",
+    "fresh_lm",
+    "mean_loss",
     "gc_threshold_accuracy",
     "plot_study",
     "pretrain",
     "run_study",
+    "summarise_seeds",
 ]

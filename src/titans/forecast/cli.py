@@ -169,8 +169,8 @@ def _common(p, study: bool = False) -> None:
     p.add_argument(
         "--series",
         default="tmy3:greensboro",
-        help="tmy3:greensboro, tmy3:sand-point, or an ETT/ECL/Traffic/Weather CSV path or URL"
-        + (" (comma-separated for several)" if study else ""),
+        help="a bundled series (tmy3:greensboro, tmy3:sand-point, tmy2:miami, soiling:imperial-county) or "
+        "an ETT/ECL/Traffic/Weather CSV path or URL" + (" (comma-separated for several)" if study else ""),
     )
     p.add_argument("--date-column", default=None, help="the CSV's date column (default: the first column)")
     p.add_argument(

@@ -18,10 +18,7 @@ A model without parameters (seasonal-naive) is not trained. Test metrics average
 
 from __future__ import annotations
 
-import copy
-import math
 import re
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -30,6 +27,7 @@ from torch import nn
 
 from titans.data.series import ForecastWindows, SeriesSplit, StandardScaler
 from titans.forecast.model import FORECAST_MODELS, build_forecaster
+from titans.training.early_stopping import EarlyStopping
 from titans.training.loop import TrainLoop
 
 
@@ -125,35 +123,17 @@ def train_forecaster(
         seed=run.seed,
     )
     params = [p for p in model.parameters() if p.requires_grad]
-    t0 = time.perf_counter()
-    eval_s = 0.0  # validation time, kept out of best_seconds
-    best = (math.inf, copy.deepcopy(model.state_dict()), 0, 0.0)
-    since_best = 0
+    stopper = EarlyStopping(model, lambda: evaluate(model, val)["mse"], run.patience)
     losses: list[float] = []
-    evaluated: set[int] = set()
-    loop: TrainLoop | None = None
-
-    def check(step: int) -> None:  # the validation MSE; keep the best weights; early stopping
-        nonlocal best, since_best, eval_s
-        t = time.perf_counter()
-        evaluated.add(step)
-        v = evaluate(model, val)["mse"]
-        if v < best[0]:
-            best, since_best = (v, copy.deepcopy(model.state_dict()), step, t - t0 - eval_s), 0
-        else:
-            since_best += 1
-        eval_s += time.perf_counter() - t
-        if loop is not None and run.patience is not None and since_best >= run.patience:
-            loop.request_stop("early stopping")
 
     def loss_fn(model: nn.Module, batch: tuple[np.ndarray, np.ndarray]) -> torch.Tensor:
         x, y = batch
         return nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y))
 
     stopped_by, steps_done = None, 0
+    stopper.check(0)  # the untrained model: the reference the first improvement is measured against
     if params:
-        check(0)  # the untrained model: the reference the first improvement is measured against
-        loop = TrainLoop(
+        stopper.loop = TrainLoop(
             model,
             torch.optim.Adam(params, lr=run.lr),
             total_steps=run.steps,
@@ -161,7 +141,7 @@ def train_forecaster(
             loss_fn=loss_fn,
             grad_clip=1.0,
             eval_every=run.eval_every,
-            evaluate=check,
+            evaluate=stopper.check,
             on_step=lambda step, loss, grad_norm, aux: losses.append(loss.item()),
             time_budget_s=run.time_budget,
             handle_signals=handle_signals,
@@ -170,25 +150,21 @@ def train_forecaster(
             progress_leave=False,
             failure_hint=lambda: f"forecaster {run.model} at horizon {run.horizon} (try a lower lr)",
         )
-        done = loop.run()
-        if done.step not in evaluated:  # the last step (the loop evaluates the steps before it)
-            check(done.step)
+        done = stopper.loop.run()
+        stopped_by = stopper.finish(done)
         steps_done = done.step
-        stopped_by = done.stopped_by or ("time budget" if done.stopped_early else None)
-    else:
-        check(0)
-    train_s = time.perf_counter() - t0 - eval_s
-    model.load_state_dict(best[1])
+    train_s = stopper.train_seconds
+    model.load_state_dict(stopper.best_state)
     m = evaluate(model, test)
     metrics = {
         "test_mse": m["mse"],
         "test_mae": m["mae"],
         "test_windows": m["windows"],
-        "val_mse": best[0],
-        "best_step": best[2],
-        "best_seconds": best[3],
+        "val_mse": stopper.best,
+        "best_step": stopper.best_step,
+        "best_seconds": stopper.best_seconds,
         "steps_done": steps_done,
-        "improving_at_end": bool(params) and best[2] == steps_done,
+        "improving_at_end": bool(params) and stopper.best_step == steps_done,
         "final_train_loss": float(np.mean(losses[-10:])) if losses else None,
         "train_seconds": train_s,
         "parameters": sum(p.numel() for p in params),
