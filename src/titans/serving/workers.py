@@ -46,19 +46,34 @@ def _die_with_parent() -> None:
             pass
 
 
+_BUILD: tuple[Callable[[Any], Any], Any] | None = None  # in a worker process: build and its payload
+
+
 def _init(build: Callable[[Any], Any], payload: Any) -> None:
-    global _TARGET
+    global _BUILD
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops its workers
-    _TARGET = build(payload)
+    _BUILD = (build, payload)
+
+
+def _target() -> Any:
+    """What `build` makes, built on the first job (and again after a failed build: a store that was
+    unreachable may be back). Building in a job rather than in the pool's initializer sends a failure back
+    to the caller as the job's exception, where the server redacts and answers it; an initializer's
+    failure would be printed as a traceback (store URL and all) and break the pool."""
+    global _TARGET
+    if _TARGET is None:
+        build, payload = _BUILD
+        _TARGET = build(payload)
+    return _TARGET
 
 
 def _run(name: str, args: tuple) -> Any:
-    return getattr(_TARGET, name)(*args)
+    return getattr(_target(), name)(*args)
 
 
 def _ready() -> bool:
-    return _TARGET is not None
+    return _target() is not None
 
 
 class ProcessPool:
