@@ -97,7 +97,12 @@ def build_app(args: argparse.Namespace):
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"--guard-probe {args.guard_probe}: cannot read it as UTF-8 text ({e})") from e
     engine = Engine(
-        model, tokenizer, max_snapshots=args.snapshots, probe=probe, guard_max_rise=args.guard_max_rise
+        model,
+        tokenizer,
+        max_snapshots=args.snapshots,
+        probe=probe,
+        guard_max_rise=args.guard_max_rise,
+        decode_graph=args.decode_graph,
     )
     try:
         store = open_store(args.store, pool_size=args.store_pool)
@@ -244,6 +249,14 @@ def register(commands, evals) -> None:
         help="the guard's limit on the probe loss's rise, a share (0.05: 5%%)",
     )
     p.add_argument("--workers", type=int, default=4, help="threads running model work (sessions in parallel)")
+    p.add_argument(
+        "--decode-graph",
+        nargs="?",
+        const="compile",
+        choices=("compile", "cuda_graph", "eager"),
+        help="generate through fixed state buffers, each step compiled (torch.compile, the default) or a "
+        "CUDA graph; compiled during the warm-up, before /v1/ready says ok",
+    )
     add_limit_args(p)
     p.add_argument(
         "--torch-threads", type=int, default=1, help="torch intra-op threads (torch.set_num_threads)"
