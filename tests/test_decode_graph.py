@@ -102,6 +102,9 @@ def test_compiled_step_traces_and_equals_eager():
     # 5 steps from position 7: a segment end (7), reads (8-10) and a chunk write (11)
     decoder = _compare(_model("mac", depth=1), "compile", steps=5, compile_backend="aot_eager")
     assert set(decoder._steps) == {(False, False), (True, False), (True, True)}
+    # a code object per phase: torch.compile's cache limit (8 per code) is the phase's alone
+    codes = decoder.model._static_decoders.codes
+    assert len(codes) == 3 and len({c.co_name for c in codes.values()}) == 3
 
 
 def test_generate_compiled_equals_eager_and_reuses_decoder():

@@ -27,6 +27,10 @@ Modes: "eager" runs the static step as it is, "compile" through `torch.compile(d
 "cuda_graph" captures each phase's step as a CUDA graph and replays it (CUDA only; the static buffers and
 the in-place position make the step capturable: no host sync, no allocation that outlives it).
 
+Decoders are pooled on their model (`checkout`): `generate` (and so the server) takes one, loads a state
+into its buffers and gives it back; the compiled code is shared by a model's decoders (the transformers
+wrapper keeps one decoder per batch size and mode, held by its live cache).
+
 Full causal attention (the "transformer" variant) has a cache that grows with the context: it is refused.
 """
 
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import math
 import threading
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -348,6 +353,7 @@ class StaticDecoder:
         mode: str = "compile",
         *,
         compile_backend: str = "inductor",
+        compile_options: dict | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"StaticDecoder: mode must be one of {MODES}, got {mode!r}")
@@ -362,6 +368,7 @@ class StaticDecoder:
             )
         model.check_state(state)
         self.model, self.mode, self.compile_backend = model, mode, compile_backend
+        self.compile_options = compile_options
         self.batch = _state_batch(state)
         self.layers = [
             _make_layer(b, s, self.batch, state.position, like) for b, s in zip(model.blocks, state.layers)
@@ -424,7 +431,16 @@ class StaticDecoder:
                 return self._forward(tokens, *_phase)
 
             if self.mode == "compile":
-                fn = torch.compile(fn, dynamic=False, backend=self.compile_backend)
+                # torch.compile keeps its cache, and its limit of 8 entries, per code object: each phase of
+                # each model gets a code of its own (shared by the model's decoders), so phases, models and
+                # thread counts never crowd a model's steps out into eager fallbacks
+                key = (phase, self.compile_backend, repr(self.compile_options))
+                codes = _pool(self.model).codes
+                code = codes.setdefault(key, fn.__code__.replace(co_name=f"decode_step_{len(codes)}"))
+                fn = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+                fn = torch.compile(
+                    fn, dynamic=False, backend=self.compile_backend, options=self.compile_options
+                )
             self._steps[phase] = fn
         return fn
 
@@ -512,9 +528,14 @@ _pool_lock = threading.Lock()
 
 
 class DecoderPool(dict):
-    """Decoders kept on a model (a plain attribute, not in its state dict). A copy or a pickle of the model
-    gets an empty pool: a decoder holds its model's blocks and steps compiled for them (a deep-copied one
-    would step the original), and its buffers are no part of the model."""
+    """Decoders kept on a model (a plain attribute, not in its state dict): free lists by key, and `codes`,
+    the code object of each compiled phase. A copy or a pickle of the model gets an empty pool: a decoder
+    holds its model's blocks and steps compiled for them (a deep-copied one would step the original), and
+    its buffers are no part of the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.codes: dict[tuple, types.CodeType] = {}
 
     def __deepcopy__(self, memo) -> DecoderPool:
         return DecoderPool()
@@ -534,8 +555,8 @@ def checkout(model: nn.Module, state: TitansState, mode: str = "compile") -> Ite
     decoder compiles nothing; a CUDA graph is captured per decoder."""
     like = next(model.parameters())
     key = (_state_batch(state), mode, like.device, like.dtype)
-    with _pool_lock:  # a plain attribute: not in the state dict
-        free = model.__dict__.setdefault("_static_decoders", DecoderPool()).setdefault(key, [])
+    with _pool_lock:
+        free = _pool(model).setdefault(key, [])
         decoder = free.pop() if free else None
     if decoder is None:
         decoder = StaticDecoder(model, state, mode)
@@ -546,6 +567,10 @@ def checkout(model: nn.Module, state: TitansState, mode: str = "compile") -> Ite
     finally:
         with _pool_lock:
             free.append(decoder)
+
+
+def _pool(model: nn.Module) -> DecoderPool:
+    return model.__dict__.setdefault("_static_decoders", DecoderPool())  # a plain attribute
 
 
 def decode_cycle(model: nn.Module) -> int:
