@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from titans import TitansConfig, TitansLM
-from titans.models.decode_graph import StaticDecoder, decoder_for
+from titans.inference.session import frozen_twin
+from titans.models.decode_graph import StaticDecoder, checkout, decode_cycle
 from titans.models.streaming import generate
 
 # chunk 4, segment and window 8: 13 new tokens after a 7-token prompt cross three chunk boundaries, a
@@ -108,6 +109,9 @@ def test_compiled_step_traces_and_equals_eager():
     # 5 steps from position 7: a segment end (7), reads (8-10) and a chunk write (11)
     decoder = _compare(_model("mac", depth=1), "compile", steps=5, compile_backend="aot_eager")
     assert set(decoder._steps) == {(False, False), (True, False), (True, True)}
+    # a code object per phase: torch.compile's cache limit (8 per code) is the phase's alone
+    codes = decoder.model._static_decoders.codes
+    assert len(codes) == 3 and len({c.co_name for c in codes.values()}) == 3
 
 
 def test_generate_compiled_equals_eager_and_reuses_decoder():
@@ -117,10 +121,34 @@ def test_generate_compiled_equals_eager_and_reuses_decoder():
     got, got_state = generate(model, prompt, 14, greedy=True, return_state=True, compiled="eager")
     assert torch.equal(got, want)
     _assert_states_close(got_state, want_state)
-    first = decoder_for(model, got_state, "eager")
+    (free,) = model._static_decoders.values()
+    (first,) = free  # given back
     again = generate(model, got[:, :9], 10, greedy=True, compiled="eager")  # reloads the same decoder
     assert torch.equal(again, generate(model, got[:, :9], 10, greedy=True))
-    assert decoder_for(model, got_state, "eager") is first
+    assert free == [first]
+    with checkout(model, got_state, "eager") as a, checkout(model, want_state, "eager") as b:
+        assert a is first and b is not first  # taken: a second caller gets buffers of its own
+    assert len(free) == 2
+    assert frozen_twin(model)._static_decoders == {}  # a deep copy's decoders would step the original
+
+
+def test_decode_cycle():
+    assert decode_cycle(_model("mac")) == 8  # chunk 4, segment 8
+    assert decode_cycle(_model("mag", chunk_size=3)) == 3
+    assert decode_cycle(_model("swa")) == 1
+
+
+def test_generate_compiled_refuses_a_non_finite_memory():
+    """The static steps skip the eager memory's per-token finiteness check: generate checks the decoder's
+    memory once at the end, and refuses as the eager step does (a server's guard reads "non-finite")."""
+    model = _model("mag")
+    prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        _, state = model(prompt)
+    state.layers[0].memory.weights[0][0, 0, 0, 0] = float("nan")
+    for compiled in (False, "eager"):
+        with pytest.raises(ValueError, match="non-finite"):
+            generate(model, prompt[:, :1], 6, greedy=True, state=state, compiled=compiled)
 
 
 def test_load_continues_from_another_state():

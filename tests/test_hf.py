@@ -15,6 +15,7 @@ from tiny_lm import random_tokens  # noqa: E402
 from tiny_lm import tiny_model as shared_model  # noqa: E402
 from titans import VARIANTS  # noqa: E402
 from titans.hf import TitansCache, TitansForCausalLM, TitansHFConfig  # noqa: E402
+from titans.hf.modeling import _OUTPUT_CACHE  # noqa: E402
 from titans.inference import generate, prefill  # noqa: E402
 
 VOCAB = 41
@@ -279,3 +280,55 @@ def test_export_hf_command_writes_a_folder_pipeline_loads(tmp_path, capsys):
     assert got == "The " + tok.decode(generate(model, ids, 12, greedy=True)[0, ids.shape[1] :].tolist())
     assert main(["export-hf", "--checkpoint", str(run), "--out", str(out)]) == 2  # not over a folder
     assert "--overwrite" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- decoding as a fixed graph
+@pytest.mark.parametrize("variant", ["mac", "mag", "lmm"])
+def test_decode_graph_generate_equals_eager(variant):
+    """config.decode_graph: generate() steps the static decoder (its version counts the steps) and gives
+    the eager wrapper's greedy tokens, with every step's logits equal to float tolerance; 19 new tokens
+    from 11 cross memory chunks (4), MAC segments (8) and windows (6)."""
+    model = tiny_model(variant)
+    hf = TitansForCausalLM.from_titans(model).eval()
+    prompt = tokens(2, 11)
+    kwargs = dict(max_new_tokens=19, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    want = hf.generate(prompt, **kwargs)
+    hf.config.decode_graph = "eager"  # the static step as it is; "compile" runs the same step compiled
+    got = hf.generate(prompt, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.equal(got.sequences, generate(model, prompt, 19, greedy=True))
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), rtol=1e-5, atol=1e-5)
+    (decoder,) = hf._decoders.values()
+    assert decoder.version == 18 and decoder.position == 11 + 18  # the last token is never fed
+
+
+def _cache(out) -> TitansCache:
+    return getattr(out, _OUTPUT_CACHE)
+
+
+def test_decode_graph_live_cache():
+    """A live cache copies its state out when read; once a later forward moved the buffers on, the cache
+    it came from refuses to be read; a cache whose decoder is taken by another state keeps its state."""
+    model = tiny_model("mac")
+    hf = TitansForCausalLM.from_titans(model).eval()
+    hf.config.decode_graph = "eager"
+    prompt, a, b = tokens(1, 9), tokens(1, 1, seed=2), tokens(1, 1, seed=3)
+    with torch.no_grad():
+        cache = _cache(hf(prompt))
+        _, want1 = model(a, cache.state)
+        one = _cache(hf(a, past_key_values=cache))
+        assert one.is_live() and one.get_seq_length() == 10
+        _, want2 = model(b, want1)
+        two = _cache(hf(b, past_key_values=one))
+        with pytest.raises(RuntimeError, match="moved on in place"):
+            one.state  # noqa: B018
+        assert not torch.equal(two.state.layers[0].memory.pending_k, want1.layers[0].memory.pending_k)
+        torch.testing.assert_close(two.state.layers[0].memory.pending_k, want2.layers[0].memory.pending_k)
+        three = _cache(hf(a, past_key_values=two))  # `two` copied its state out when read: kept
+        torch.testing.assert_close(two.state.layers[0].memory.pending_k, want2.layers[0].memory.pending_k)
+        other = _cache(hf(a, past_key_values=cache))  # loads the decoder with another state
+        assert three.state.position == 12 and other.state.position == 10
+        torch.testing.assert_close(other.state.layers[0].memory.pending_k, want1.layers[0].memory.pending_k)
+        hf.config.decode_graph = "graph"
+        with pytest.raises(ValueError, match="decode_graph must be None or one of"):
+            hf(a, past_key_values=cache)

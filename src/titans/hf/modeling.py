@@ -6,6 +6,15 @@ can also come from outside: `past_key_values=TitansCache(load_state("doc.safeten
 a document read earlier; `input_ids` then holds only the new tokens (the cache counts as "seen" only the
 tokens it consumed since it was wrapped, which is the convention `generate()` slices inputs by).
 
+Decoding as a fixed graph (opt-in): with `config.decode_graph` set to "compile", "cuda_graph" or "eager"
+(`titans.models.decode_graph.StaticDecoder`'s modes), a forward of one token per row from a state, with no
+gradient and no labels (what `generate()` runs after the prompt), steps a static decoder whose buffers
+hold the state, instead of calling the model. The cache it returns is live: its state stays in the
+decoder's buffers and is copied out only when read (`cache.state`); the next forward from it steps the
+buffers in place, after which the cache it came from holds no state (reading it raises; the eager path
+keeps every cache valid). The logits equal the eager forward's to float rounding, not bit for bit: hence
+opt-in. Prompts (more than one token) run eagerly.
+
 Not supported (refused with a clear error): padded batches (an attention mask with zeros: Titans states
 are per-row streams), `inputs_embeds`.
 """
@@ -13,14 +22,17 @@ are per-row streams), `inputs_embeds`.
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from titans.hf.configuration import TitansHFConfig
+from titans.models.decode_graph import MODES, DecoderPool, StaticDecoder
 from titans.models.lm import TitansLM
 from titans.models.state import TitansState, expand_state, select_rows, state_batch_size
 
@@ -55,6 +67,8 @@ class TitansCache:
     """`past_key_values` for transformers: a `TitansState` and the position it had when wrapped.
 
     get_seq_length(): tokens consumed since wrapping (what `generate()` expects `input_ids` to repeat).
+    A live cache (`config.decode_graph`, see the module docstring) holds its state in a `StaticDecoder`'s
+    buffers; `state` copies it out.
     """
 
     is_compileable = False
@@ -66,13 +80,44 @@ class TitansCache:
     def __init__(self, state: TitansState | None = None, base_position: int | None = None):
         if state is not None and not isinstance(state, TitansState):
             raise TypeError(f"TitansCache: expected a TitansState, got {type(state).__name__}")
-        self.state = state
+        self._state = state
+        self.position = 0 if state is None else state.position
         if base_position is None:
-            base_position = state.position if state is not None else 0
+            base_position = self.position
         self.base_position = base_position
+        self._decoder: StaticDecoder | None = None  # live: the state is in this decoder's buffers
+        self._version = -1  # the decoder's version that holds this cache's state
+
+    @classmethod
+    def live(cls, decoder: StaticDecoder, base_position: int) -> TitansCache:
+        """The cache whose state is `decoder`'s current buffers; the decoder remembers it as their holder."""
+        cache = cls(None, base_position)
+        cache.position, cache._decoder, cache._version = decoder.position, decoder, decoder.version
+        decoder.holder = weakref.ref(cache)
+        return cache
+
+    def is_live(self) -> bool:
+        """Whether the state is the decoder's current buffers (the next step may move them on in place)."""
+        return self._decoder is not None and self._decoder.version == self._version
+
+    @property
+    def state(self) -> TitansState | None:
+        if self._state is None and self._decoder is not None:
+            if not self.is_live():
+                raise RuntimeError(
+                    "TitansCache: this cache's state was moved on in place by the static decoder "
+                    "(config.decode_graph); continue from the cache the later forward returned"
+                )
+            self._state = self._decoder.state()  # a copy, valid after the buffers move on
+        return self._state
+
+    @state.setter
+    def state(self, state: TitansState | None) -> None:
+        self._state, self._decoder = state, None
+        self.position = 0 if state is None else state.position
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.state is None else self.state.position - self.base_position
+        return self.position - self.base_position
 
     def advanced(self, state: TitansState) -> TitansCache:
         """The cache after a forward pass produced `state` (same base)."""
@@ -84,7 +129,7 @@ class TitansCache:
             self.state = select_rows(self.state, beam_idx)
 
     def __repr__(self) -> str:
-        pos = None if self.state is None else self.state.position
+        pos = None if self._state is None and self._decoder is None else self.position
         return f"TitansCache(position={pos}, base_position={self.base_position})"
 
 
@@ -187,6 +232,25 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
                 f"{type(past_key_values).__name__}"
             )
         cache = past_key_values or TitansCache()
+        use_cache = True if use_cache is None else use_cache
+        mode = getattr(self.config, "decode_graph", None)
+        if mode is not None and mode not in MODES:
+            raise ValueError(
+                f"TitansForCausalLM: config.decode_graph must be None or one of {MODES}, got {mode!r}"
+            )
+        if (
+            mode is not None
+            and input_ids.shape[1] == 1
+            and cache.position >= 1
+            and labels is None
+            and use_cache
+            and not torch.is_grad_enabled()
+        ):
+            logits, decoder = self._static_step(input_ids, cache, mode)
+            logits, new_cache = logits[:, None], TitansCache.live(decoder, cache.base_position)
+            if return_dict is False:
+                return (logits, new_cache)
+            return CausalLMOutputWithPast(logits=logits, **{_OUTPUT_CACHE: new_cache})
         state = cache.state
         if state is not None and input_ids.shape[0] > 1 and state_batch_size(state) == 1:
             state = expand_state(state, input_ids.shape[0])  # one read document, many rows
@@ -198,12 +262,32 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
                 labels[:, 1:].reshape(-1).to(logits.device),
                 ignore_index=-100,
             )
-        use_cache = True if use_cache is None else use_cache
         new_cache = cache.advanced(new_state) if use_cache else None
         if return_dict is False:
             out = (logits, new_cache) if new_cache is not None else (logits,)
             return (loss, *out) if loss is not None else out
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{_OUTPUT_CACHE: new_cache})
+
+    def _static_step(self, input_ids: Tensor, cache: TitansCache, mode: str) -> tuple[Tensor, StaticDecoder]:
+        """input_ids (B, 1) from `cache` through the static decoder of (B, mode) -> (logits (B, vocab), the
+        decoder). A live cache steps its decoder in place; any other state is loaded into the decoder (its
+        current holder, if any, first copies its state out, so it stays valid)."""
+        decoders = self.__dict__.setdefault("_decoders", DecoderPool())
+        like = next(self.model.parameters())
+        key = (input_ids.shape[0], mode, like.device, like.dtype)
+        decoder = decoders.get(key)
+        if decoder is None or not (cache._decoder is decoder and cache.is_live()):
+            state = cache.state
+            if input_ids.shape[0] > 1 and state_batch_size(state) == 1:
+                state = expand_state(state, input_ids.shape[0])  # one read document, many rows
+            if decoder is None:
+                decoder = decoders[key] = StaticDecoder(self.model, state, mode)
+            else:
+                holder = decoder.holder() if getattr(decoder, "holder", None) else None
+                if holder is not None and holder.is_live():
+                    _ = holder.state  # copied out before the buffers take another state
+                decoder.load(state)
+        return decoder.step(input_ids), decoder
 
 
 def register() -> None:

@@ -27,6 +27,10 @@ Modes: "eager" runs the static step as it is, "compile" through `torch.compile(d
 "cuda_graph" captures each phase's step as a CUDA graph and replays it (CUDA only; the static buffers and
 the in-place position make the step capturable: no host sync, no allocation that outlives it).
 
+Decoders are pooled on their model (`checkout`): `generate` (and so the server) takes one, loads a state
+into its buffers and gives it back; the compiled code is shared by a model's decoders (the transformers
+wrapper keeps one decoder per batch size and mode, held by its live cache).
+
 Full causal attention (the "transformer" variant) has a cache that grows with the context: it is refused.
 """
 
@@ -34,7 +38,9 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -346,6 +352,7 @@ class StaticDecoder:
         mode: str = "compile",
         *,
         compile_backend: str = "inductor",
+        compile_options: dict | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"StaticDecoder: mode must be one of {MODES}, got {mode!r}")
@@ -360,11 +367,13 @@ class StaticDecoder:
             )
         model.check_state(state)
         self.model, self.mode, self.compile_backend = model, mode, compile_backend
+        self.compile_options = compile_options
         self.batch = _state_batch(state)
         self.layers = [
             _make_layer(b, s, self.batch, state.position, like) for b, s in zip(model.blocks, state.layers)
         ]
         self.position = state.position
+        self.version = 0  # moves on with every step and load: a holder of an older version holds no state
         self.pos = torch.tensor(state.position, dtype=torch.int64, device=like.device)
         self._steps: dict[tuple[bool, bool], Callable[[Tensor], Tensor]] = {}
         self._graphs: dict[tuple[bool, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
@@ -395,6 +404,7 @@ class StaticDecoder:
             if layer.memory is not None:
                 layer.memory.rows0 = new.memory.rows0
         self.position = state.position
+        self.version += 1
         self.pos.fill_(state.position)
 
     def _phase(self) -> tuple[bool, bool]:
@@ -420,7 +430,16 @@ class StaticDecoder:
                 return self._forward(tokens, *_phase)
 
             if self.mode == "compile":
-                fn = torch.compile(fn, dynamic=False, backend=self.compile_backend)
+                # torch.compile keeps its cache, and its limit of 8 entries, per code object: each phase of
+                # each model gets a code of its own (shared by the model's decoders), so phases, models and
+                # thread counts never crowd a model's steps out into eager fallbacks
+                key = (phase, self.compile_backend, repr(self.compile_options))
+                codes = _pool(self.model).codes
+                code = codes.setdefault(key, fn.__code__.replace(co_name=f"decode_step_{len(codes)}"))
+                fn = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+                fn = torch.compile(
+                    fn, dynamic=False, backend=self.compile_backend, options=self.compile_options
+                )
             self._steps[phase] = fn
         return fn
 
@@ -437,7 +456,19 @@ class StaticDecoder:
         else:
             logits = self._step_fn(phase)(tokens.long())
         self.position += 1
+        self.version += 1
         return logits
+
+    def check_finite(self) -> None:
+        """Refuse a state that holds a NaN or inf (ValueError, worded as `NeuralMemory`'s own check): the
+        steps skip the eager layers' per-call check (a host sync per token), so a caller checks once at the
+        end of a run of steps."""
+        checked = [w for m in self._memories if m.mem.check_finite for w in m.weights]
+        if not all(bool(torch.isfinite(w).all()) for w in checked):
+            raise ValueError(
+                "StaticDecoder: the memory's weights hold a non-finite value: it would turn every later "
+                "output non-finite (inside a model, it usually means the parameters have diverged)"
+            )
 
     def _replay(self, phase: tuple[bool, bool], tokens: Tensor) -> Tensor:
         """Run the phase's step as a captured CUDA graph (captured on first use)."""
@@ -473,13 +504,14 @@ class StaticDecoder:
         for layer in self.layers:
             block = layer.block
             if isinstance(block, MACBlock):
-                layers.append(
-                    MACState(
-                        layer.memory.export(p),
-                        tuple(w.clone() for w in layer.segment_weights),
-                        layer.attn.export(p),
-                    )
+                memory = layer.memory.export(p)
+                # unchanged since the segment began (a frozen memory, no write yet): the eager state holds
+                # the memory's weights themselves, one tensor saved once
+                seg = tuple(
+                    w if torch.equal(s, w) else s.clone()
+                    for s, w in zip(layer.segment_weights, memory.weights)
                 )
+                layers.append(MACState(memory, seg, layer.attn.export(p)))
             elif isinstance(block, MAGBlock):
                 layers.append(MAGState(layer.attn.export(p), layer.memory.export(p)))
             elif isinstance(block, MALBlock):
@@ -491,18 +523,62 @@ class StaticDecoder:
         return TitansState(layers, p, self.model.config_dict)
 
 
-def decoder_for(model: nn.Module, state: TitansState, mode: str = "compile") -> StaticDecoder:
-    """A `StaticDecoder` of `model` loaded with `state`: one per (batch size, mode, device, dtype, thread),
-    kept on the model and reloaded on the next call, so its compiled steps (or CUDA graphs) are built once."""
+_pool_lock = threading.Lock()
+
+
+class DecoderPool(dict):
+    """Decoders kept on a model (a plain attribute, not in its state dict): free lists by key, and `codes`,
+    the code object of each compiled phase. A copy or a pickle of the model gets an empty pool: a decoder
+    holds its model's blocks and steps compiled for them (a deep-copied one would step the original), and
+    its buffers are no part of the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.codes: dict[tuple, types.CodeType] = {}
+
+    def __deepcopy__(self, memo) -> DecoderPool:
+        return DecoderPool()
+
+    def __reduce__(self):
+        return (DecoderPool, ())
+
+
+@contextmanager
+def checkout(model: nn.Module, state: TitansState, mode: str = "compile") -> Iterator[StaticDecoder]:
+    """A `StaticDecoder` of `model` loaded with `state`, the caller's alone until the block ends.
+
+    Decoders are kept on the model, a free list per (batch size, mode, device, dtype): a block takes one
+    (or builds one when all are taken: concurrent callers, e.g. a server's worker threads, each get their
+    own buffers) and gives it back at its end. The compiled steps are shared by every decoder of a model
+    (torch.compile's cache is per code, its guards pass for any decoder of the same shapes), so a new
+    decoder compiles nothing; a CUDA graph is captured per decoder."""
     like = next(model.parameters())
-    key = (_state_batch(state), mode, like.device, like.dtype, threading.get_ident())
-    decoders = model.__dict__.setdefault("_static_decoders", {})  # a plain attribute: not in the state dict
-    decoder = decoders.get(key)
+    key = (_state_batch(state), mode, like.device, like.dtype)
+    with _pool_lock:
+        free = _pool(model).setdefault(key, [])
+        decoder = free.pop() if free else None
     if decoder is None:
-        decoder = decoders[key] = StaticDecoder(model, state, mode)
+        decoder = StaticDecoder(model, state, mode)
     else:
         decoder.load(state)
-    return decoder
+    try:
+        yield decoder
+    finally:
+        with _pool_lock:
+            free.append(decoder)
+
+
+def _pool(model: nn.Module) -> DecoderPool:
+    return model.__dict__.setdefault("_static_decoders", DecoderPool())  # a plain attribute
+
+
+def decode_cycle(model: nn.Module) -> int:
+    """Tokens after which the phases repeat (the lcm of the memories' chunk sizes and, in MAC, the
+    segment length): decoding this many consecutive tokens runs every step the decoder has."""
+    sizes = [m.chunk_size for m in model.modules() if isinstance(m, NeuralMemory)]
+    if any(isinstance(b, MACBlock) for b in model.blocks):
+        sizes.append(model.config.segment_len)
+    return math.lcm(*sizes) if sizes else 1
 
 
 def _layer_buffers(layer: _Layer) -> list[Tensor]:
@@ -519,4 +595,4 @@ def _state_batch(state: TitansState) -> int:
     return sizes.pop()
 
 
-__all__ = ["MODES", "StaticDecoder", "decoder_for"]
+__all__ = ["MODES", "DecoderPool", "StaticDecoder", "checkout", "decode_cycle"]

@@ -202,6 +202,38 @@ def _stop_tensor(stop_tokens: int | Iterable[int] | None, vocab: int, device) ->
     return torch.tensor(ids, dtype=torch.int64, device=device) if ids else None
 
 
+def _sample_loop(
+    model, prompt, logits, max_new_tokens, stops, on_token, return_state, sampling, *, state, decoder=None
+) -> tuple[list[Tensor], TitansState | None]:
+    """`generate`'s loop: sample, feed back (eagerly, or through `decoder`); returns (columns, state), the
+    state the eager steps' (a decoder's stays in its buffers)."""
+    batch, device = prompt.shape[0], prompt.device
+    columns = [prompt]
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    pad = torch.zeros(batch, dtype=torch.int64, device=device)
+    for step in range(max_new_tokens):
+        token = sample_next(logits, **sampling)
+        done = False
+        if stops is not None:
+            token = torch.where(finished, pad, token)
+            newly = torch.isin(token, stops) & ~finished
+            pad = torch.where(newly, token, pad)
+            finished |= newly
+            done = bool(finished.all())
+        columns.append(token[:, None])
+        if on_token is not None:
+            on_token(token)
+        last = done or step == max_new_tokens - 1
+        if not last or return_state:  # the last token is only fed when the caller wants the state after it
+            if decoder is None:
+                logits, state = decode_step(model, token[:, None], state)
+            else:
+                logits = decoder.step(token[:, None])
+        if done:
+            break
+    return columns, state
+
+
 @torch.no_grad()
 def generate(
     model: TitansLM,
@@ -262,38 +294,18 @@ def generate(
             state = expand_state(state, batch)
 
     logits, state = prefill(model, prompt, state, piece_len=piece_len, progress=progress)
-    decoder = None
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, greedy=greedy)
+    loop = (model, prompt, logits, max_new_tokens, stops, on_token, return_state, sampling)
     if compiled and max_new_tokens > int(not return_state):
-        from titans.models.decode_graph import decoder_for  # same layer; it imports the blocks
+        from titans.models.decode_graph import checkout  # same layer; it imports the blocks
 
-        decoder = decoder_for(model, state, "compile" if compiled is True else compiled)
-    columns = [prompt]
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    pad = torch.zeros(batch, dtype=torch.int64, device=device)
-    for step in range(max_new_tokens):
-        token = sample_next(
-            logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, greedy=greedy
-        )
-        done = False
-        if stops is not None:
-            token = torch.where(finished, pad, token)
-            newly = torch.isin(token, stops) & ~finished
-            pad = torch.where(newly, token, pad)
-            finished |= newly
-            done = bool(finished.all())
-        columns.append(token[:, None])
-        if on_token is not None:
-            on_token(token)
-        last = done or step == max_new_tokens - 1
-        if not last or return_state:  # the last token is only fed when the caller wants the state after it
-            if decoder is None:
-                logits, state = decode_step(model, token[:, None], state)
-            else:
-                logits = decoder.step(token[:, None])
-        if done:
-            break
-    if decoder is not None and return_state:
-        state = decoder.state()
+        with checkout(model, state, "compile" if compiled is True else compiled) as decoder:
+            columns, _ = _sample_loop(*loop, state=None, decoder=decoder)
+            decoder.check_finite()  # the steps skip the eager memory's per-token check
+            if return_state:
+                state = decoder.state()
+    else:
+        columns, state = _sample_loop(*loop, state=state)
     out = torch.cat(columns, dim=1)
     return (out, state) if return_state else out
 

@@ -206,7 +206,8 @@ def causal_conv_silu(
     if split is not None and x.shape[2] % (split[0] * split[1]):
         raise ValueError(f"causal_conv_silu: split={split} does not divide the {x.shape[2]} channels")
     tail = tail.to(x.dtype)
-    if x.device.type == "cpu" and kernels() is not None:
+    # under torch.compile the pybind kernel would break the graph; the torch ops fuse there instead
+    if x.device.type == "cpu" and not torch.compiler.is_compiling() and kernels() is not None:
         return _CausalConvSiLUKernel.apply(x.contiguous(), tail.contiguous(), weight, bias, split)
     return _CausalConvSiLU.apply(x, tail, weight, bias, split)
 

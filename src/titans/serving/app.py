@@ -57,6 +57,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from titans.inference.session import MemorySession
+from titans.models.decode_graph import decode_cycle
 from titans.runtime.sampling import SAMPLING
 from titans.serving.auth import ANONYMOUS, bearer_key, hash_key, key_problem
 from titans.serving.errors import ApiError, ErrorBody, error_responses, redact
@@ -641,11 +642,19 @@ def _owner_from(key_hashes: frozenset[str] | None) -> Callable[..., str]:
 
 def warm_up(engine: Engine) -> None:
     """A read and a one-token generation on a throwaway session: the model's kernels are built or loaded,
-    and its code paths run once, before the server says it is ready."""
+    and its code paths run once, before the server says it is ready. With `engine.decode_graph`, a whole
+    cycle of the chunk/segment phases is generated, writing and frozen: every step a request can run is
+    compiled (or captured) now."""
     ids = list(range(min(engine.vocab_size, 16)))
     session = engine.new_session()
     session.read(ids)
-    session.generate(ids[:1], 1, greedy=True)
+    if not engine.decode_graph:
+        session.generate(ids[:1], 1, greedy=True)
+        return
+    n = decode_cycle(engine.model) + 1
+    for _ in range(2):  # the memory written, then read-only (a frozen session's model)
+        session.generate(ids[:1], n, greedy=True, compiled=engine.decode_graph)
+        session.freeze()
 
 
 class Readiness:

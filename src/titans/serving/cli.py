@@ -100,7 +100,12 @@ def build_app(args: argparse.Namespace):
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"--guard-probe {args.guard_probe}: cannot read it as UTF-8 text ({e})") from e
     engine = Engine(
-        model, tokenizer, max_snapshots=args.snapshots, probe=probe, guard_max_rise=args.guard_max_rise
+        model,
+        tokenizer,
+        max_snapshots=args.snapshots,
+        probe=probe,
+        guard_max_rise=args.guard_max_rise,
+        decode_graph=args.decode_graph,
     )
     try:
         store = open_store(args.store, pool_size=args.store_pool)
@@ -280,6 +285,14 @@ def register(commands, evals) -> None:
         default="auto",
         help="run the model work in --workers processes, each with its own copy of the model (yes), or in "
         "threads of the server's process (no); auto: processes on a CPU with a SQLite or Redis store",
+    )
+    p.add_argument(
+        "--decode-graph",
+        nargs="?",
+        const="compile",
+        choices=("compile", "cuda_graph", "eager"),
+        help="generate through fixed state buffers, each step compiled (torch.compile, the default) or a "
+        "CUDA graph; compiled during the warm-up, before /v1/ready says ok",
     )
     add_limit_args(p)
     p.add_argument(

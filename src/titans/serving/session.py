@@ -25,6 +25,7 @@ import torch
 from titans.data.tokenizers import Tokenizer
 from titans.inference.session import DEFAULT_GUARD_MAX_RISE, SESSION_MAGIC, MemorySession
 from titans.layers.memory import MemoryStats
+from titans.models.decode_graph import MODES, StaticDecoder
 from titans.models.lm import TitansLM
 from titans.models.monitor import find_memory_state, total_weight_norm
 from titans.models.state import TitansState, state_digest
@@ -37,7 +38,9 @@ class Engine:
     sessions get (a session keeps the settings it was created with).
 
     max_snapshots: snapshots kept per session. probe: a fixed text that turns on every new session's guard
-    (see `MemorySession`), with guard_max_rise.
+    (see `MemorySession`), with guard_max_rise. decode_graph: generations decode through fixed state
+    buffers (`titans.models.decode_graph`; a mode: "compile", "cuda_graph" or "eager"), None: the eager
+    step; a model it cannot decode (full attention) or a CUDA graph off CUDA is refused here.
     """
 
     def __init__(
@@ -48,10 +51,18 @@ class Engine:
         max_snapshots: int = DEFAULT_MAX_SNAPSHOTS,
         probe: str | None = None,
         guard_max_rise: float = DEFAULT_GUARD_MAX_RISE,
+        decode_graph: str | None = None,
     ) -> None:
         if max_snapshots < 0:
             raise ValueError(f"max_snapshots must be >= 0, got {max_snapshots}")
         self.model = model.eval()
+        if decode_graph is not None:
+            if decode_graph not in MODES:
+                raise ValueError(f"decode_graph must be None or one of {MODES}, got {decode_graph!r}")
+            token = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
+            with torch.no_grad():  # builds buffers, compiles nothing: the model's refusals come now
+                StaticDecoder(model, model(token)[1], decode_graph)
+        self.decode_graph = decode_graph
         self.tokenizer = tokenizer
         self.max_snapshots = max_snapshots
         self.guard_max_rise = guard_max_rise
@@ -201,6 +212,7 @@ def generate_json(
         generator=generator,
         stop_tokens=eos,
         on_token=None if on_token is None else (lambda column: on_token(int(column[0]))),
+        compiled=engine.decode_graph or False,
     )
     new = out[0, len(ids) :].tolist()
     text = engine.tokenizer.decode(new[:-1] if eos is not None and new and new[-1] == eos else new)

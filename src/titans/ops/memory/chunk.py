@@ -72,8 +72,11 @@ def _chunk_forward(
 
 
 def _state_kernels(t: Tensor):
-    """The fused state-update kernels where they apply to `t` (CPU, float32/64), else None."""
-    return kernels() if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) else None
+    """The fused state-update kernels where they apply to `t` (CPU, float32/64, outside torch.compile: a
+    pybind kernel would break the graph, where the torch ops fuse), else None."""
+    if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64):
+        return None
+    return None if torch.compiler.is_compiling() else kernels()
 
 
 def _state_update(x: Tensor, mix: Tensor, a: Tensor, d: Tensor, coef: Tensor, out: Tensor | None) -> Tensor:
