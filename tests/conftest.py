@@ -1,9 +1,14 @@
 """Test-suite settings: one intra-op thread per pytest worker (the suite runs with -n 2 on 2 cores;
 more threads than cores makes OpenMP spin-waits dominate the many tiny ops these tests run). Without a GPU,
 Triton kernels run in Triton's interpreter: the setting must be in place before any module imports triton
-(it is read when a kernel is defined), and which test module does so first depends on the test order."""
+(it is read when a kernel is defined), and which test module does so first depends on the test order.
+
+A shell starts a background job (`make test &`, `nohup`) with SIGINT ignored, and a process keeps an
+ignored signal ignored; the tests that send SIGINT to a training loop or a command expect Python's own
+handler, so it is put back here: the suite's result does not depend on how it was started."""
 
 import os
+import signal
 
 import torch
 
@@ -12,3 +17,6 @@ if not torch.cuda.is_available():
 
 torch.set_flush_denormal(True)  # as the `titans` commands do (see titans/cli.py)
 torch.set_num_threads(1)
+
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
