@@ -3,9 +3,10 @@ more threads than cores makes OpenMP spin-waits dominate the many tiny ops these
 Triton kernels run in Triton's interpreter: the setting must be in place before any module imports triton
 (it is read when a kernel is defined), and which test module does so first depends on the test order.
 
-A shell starts a background job (`make test &`, `nohup`) with SIGINT ignored, and a process keeps an
-ignored signal ignored; the tests that send SIGINT to a training loop or a command expect Python's own
-handler, so it is put back here: the suite's result does not depend on how it was started."""
+A shell without job control starts a background job (`make test &`, `nohup`, some CI runners) with SIGINT
+ignored, and a process and the commands it starts keep an ignored signal ignored: the tests that send
+SIGINT to a training loop or to a `titans` command they start would then test nothing. Python's own
+handler is put back here, so the suite's result does not depend on how it was started."""
 
 import os
 import signal

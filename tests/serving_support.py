@@ -24,20 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def make_checkpoint(path: Path, vocab_size: int = 128) -> Path:
     """A tiny MAC model with a byte tokenizer, saved as a run folder. A vocabulary under 256 makes the
     byte tokenizer produce ids the model cannot embed (any non-ASCII character)."""
-    from tiny_lm import tiny_model
-    from titans.data.tokenizers import ByteTokenizer
-    from titans.runtime.checkpoint import save_checkpoint
-    from titans.runtime.loading import tokenizer_record
-    from titans.training.config import TrainConfig
+    from tiny_lm import save_tiny_run, tiny_model
 
     model = tiny_model("mac", dtype=torch.float32, vocab_size=vocab_size, segment_len=16, chunk_size=8)
-    config = {
-        "train": TrainConfig().to_dict(),
-        "model": model.config.to_dict(),
-        "tokenizer": tokenizer_record("bytes", ByteTokenizer()),
-    }
-    save_checkpoint(path, 1, model_state=model.state_dict(), trainer_state={}, config=config)
-    return path
+    return save_tiny_run(path, model)
 
 
 def free_port() -> int:

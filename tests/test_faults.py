@@ -42,18 +42,6 @@ ENV = {
 TITANS = [sys.executable, "-m", "titans"]
 
 
-@pytest.fixture(autouse=True)
-def sigint_delivered():
-    """A shell without job control starts a background job (`make test &`, some CI runners) with SIGINT
-    ignored, and a child inherits that: `titans train` then rightly keeps ignoring it, and the SIGINT
-    tests would test nothing. Give this process, and so the runs it starts, SIGINT as a terminal has it."""
-    before = signal.getsignal(signal.SIGINT)
-    if before == signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, before)
-
-
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> Path:
     from titans.ops.cpu_kernels import kernels
