@@ -429,3 +429,11 @@ def test_seed_aggregate_counts_best_and_within_one_se_and_refuses_mixed_studies(
         aggregate_studies([doc(1, seeds[0]), doc(1, seeds[1])])
     with pytest.raises(ValueError, match="no study JSONs"):
         aggregate_studies([])
+    broken = doc(2, seeds[2])
+    del broken["runs"][1]["test_mae"]
+    with pytest.raises(ValueError, match="run 1 lacks test_mae"):
+        aggregate_studies([doc(0, seeds[0]), broken], names=["a.json", "b.json"])
+    twice = doc(2, seeds[2])
+    twice["runs"].append(twice["runs"][0])
+    with pytest.raises(ValueError, match="a at horizon 96 appears twice"):
+        aggregate_studies([twice])

@@ -40,6 +40,27 @@ def _stats(values: list[float]) -> dict:
     }
 
 
+def _check(doc: object, where: str) -> None:
+    """Refuse, naming the input, what is not a study JSON or lacks a field the aggregate reads."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list) or not doc["runs"]:
+        raise ValueError(f"{where}: not a `titans forecast study` JSON (no 'runs')")
+    keys = set()
+    for i, r in enumerate(doc["runs"]):
+        run = r.get("run") if isinstance(r, dict) else None
+        missing = [
+            k for k in ("series", "lookback", "test_mse", "test_mae", "parameters") if k not in (r or {})
+        ]
+        missing += [
+            f"run.{k}" for k in ("model", "horizon", "seed") if not isinstance(run, dict) or k not in run
+        ]
+        if missing:
+            raise ValueError(f"{where}: run {i} lacks {', '.join(missing)}")
+        key = (r["series"], r["lookback"], run["horizon"], run["model"])
+        if key in keys:
+            raise ValueError(f"{where}: {key[3]} at horizon {key[2]} appears twice")
+        keys.add(key)
+
+
 def _seed_of(doc: dict, where: str) -> int:
     seeds = {r["run"]["seed"] for r in doc["runs"]}
     if len(seeds) != 1:
@@ -55,8 +76,7 @@ def aggregate_studies(docs: list[dict], names: list[str] | None = None) -> dict:
         raise ValueError("no study JSONs to aggregate")
     names = names or [f"study {i}" for i in range(len(docs))]
     for doc, where in zip(docs, names):
-        if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list) or not doc["runs"]:
-            raise ValueError(f"{where}: not a `titans forecast study` JSON (no 'runs')")
+        _check(doc, where)
     seeds = [_seed_of(d, w) for d, w in zip(docs, names)]
     dup = sorted({s for s in seeds if seeds.count(s) > 1})
     if dup:
