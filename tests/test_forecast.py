@@ -309,3 +309,131 @@ def test_early_stopping_budgets_and_the_best_weights():
         ForecastRun("lmm", patience=0)
     with pytest.raises(ValueError, match="period must be in 1..lookback"):
         train_forecaster(sp, ForecastRun("seasonal-naive", period=30, **small))
+
+
+def test_study_over_seeds_aggregates_as_numpy_does(tmp_path):
+    from titans.cli import main
+
+    path = _write_csv(tmp_path / "ecl.csv", 400, ["MT_001", "MT_002"])
+    out = tmp_path / "study"
+    argv = ["forecast", "study", "--series", str(path), "--models", "seasonal-naive,linear,lmm"]
+    argv += ["--horizons", "7,5", "--lookback", "24", "--max-steps", "3", "--val-every", "2", "--dim", "8"]
+    argv += ["--depth", "1", "--heads", "2", "--no-progress", "--out", str(out)]
+    assert main([*argv, "--seeds", "5,0,3"]) == 0
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["seed0", "seed3", "seed5"]
+    per_seed = {s: json.loads((out / f"seed{s}" / "ecl.json").read_text()) for s in (0, 3, 5)}
+    for s, doc in per_seed.items():
+        assert {r["run"]["seed"] for r in doc["runs"]} == {s} and doc["budget"]["seed"] == s
+    agg = json.loads((out / "ecl-seeds.json").read_text())
+    assert agg["seeds"] == [0, 3, 5] and (out / "ecl-seeds.png").stat().st_size > 0
+    assert len(agg["rows"]) == 6  # 2 horizons x 3 models
+    for row in agg["rows"]:
+        for m in ("mse", "mae"):
+            v = np.array(
+                [
+                    next(
+                        r[f"test_{m}"]
+                        for r in per_seed[s]["runs"]
+                        if (r["run"]["model"], r["run"]["horizon"]) == (row["model"], row["horizon"])
+                    )
+                    for s in (0, 3, 5)
+                ]
+            )
+            assert row[m]["values"] == pytest.approx(v.tolist(), rel=0, abs=0)
+            assert row[m]["mean"] == pytest.approx(v.mean(), rel=1e-12)
+            assert row[m]["std"] == pytest.approx(v.std(ddof=1), rel=1e-12, abs=1e-15)
+            assert row[m]["se"] == pytest.approx(v.std(ddof=1) / np.sqrt(3), rel=1e-12, abs=1e-15)
+            assert (row[m]["min"], row[m]["max"]) == (v.min(), v.max())
+        if row["model"] == "linear":  # the seeds were honoured: different initial weights, different results
+            assert row["mse"]["std"] > 0 and len(row["best_step"]["values"]) == 3
+        if row["model"] == "seasonal-naive":  # nothing to seed
+            assert row["mse"]["std"] == pytest.approx(0, abs=1e-12) and "best_step" not in row
+    # `aggregate` over the per-seed folders gives the same aggregate, however the inputs are ordered
+    again = tmp_path / "again"
+    assert (
+        main(
+            ["forecast", "aggregate", str(out / "seed3"), str(out / "seed5"), str(out / "seed0")]
+            + ["--out", str(again)]
+        )
+        == 0
+    )
+    agg2 = json.loads((again / "ecl-seeds.json").read_text())
+    assert agg2["rows"] == agg["rows"] and agg2["counts"] == agg["counts"]
+    # the same seed twice, or --seed with --seeds, is refused
+    assert main(["forecast", "aggregate", str(out / "seed3"), str(out / "seed3"), "--out", str(again)]) == 2
+    assert main([*argv, "--seeds", "1,1"]) == 2 and main([*argv, "--seeds", "1,2", "--seed", "4"]) == 2
+
+
+def test_seed_aggregate_counts_best_and_within_one_se_and_refuses_mixed_studies():
+    from titans.forecast.seeds import aggregate_studies
+
+    def doc(seed: int, mse: dict, lr: float = 1e-3, lookback: int = 96) -> dict:
+        runs = [
+            {
+                "series": "s",
+                "lookback": lookback,
+                "run": {"model": m, "horizon": h, "seed": seed},
+                "test_mse": v,
+                "test_mae": v / 2,
+                "parameters": 0 if m == "naive" else 10,
+                "best_step": 25 * (seed + 1),
+                "best_seconds": 1.5 * (seed + 1),
+            }
+            for (m, h), v in mse.items()
+        ]
+        return {"series": "s", "budget": {"lr": lr, "seed": seed}, "runs": runs}
+
+    # H 96: a 0.50 +- se 0.0577 (std 0.1), b 0.52 (within), c 0.60 (not); H 720: c best, a and b far off
+    seeds = {
+        0: {
+            ("a", 96): 0.4,
+            ("b", 96): 0.52,
+            ("c", 96): 0.6,
+            ("a", 720): 0.9,
+            ("b", 720): 0.9,
+            ("c", 720): 0.7,
+        },
+        1: {
+            ("a", 96): 0.5,
+            ("b", 96): 0.52,
+            ("c", 96): 0.6,
+            ("a", 720): 0.9,
+            ("b", 720): 0.9,
+            ("c", 720): 0.7,
+        },
+        2: {
+            ("a", 96): 0.6,
+            ("b", 96): 0.52,
+            ("c", 96): 0.6,
+            ("a", 720): 0.9,
+            ("b", 720): 0.9,
+            ("c", 720): 0.7,
+        },
+    }
+    agg = aggregate_studies([doc(s, v) for s, v in seeds.items()])
+    assert agg["counts"]["mse"] == {
+        "a": {"best": 1, "best_or_within_1se": 1, "cells": 2},
+        "b": {"best": 0, "best_or_within_1se": 1, "cells": 2},
+        "c": {"best": 1, "best_or_within_1se": 1, "cells": 2},
+    }
+    a96 = agg["rows"][0]
+    assert a96["mse"]["se"] == pytest.approx(0.1 / np.sqrt(3)) and a96["best_step"]["mean"] == 50
+    # one seed: no spread, only the best counts
+    one = aggregate_studies([doc(0, seeds[0])])
+    assert one["rows"][0]["mse"]["std"] is None and one["counts"]["mse"]["b"]["best_or_within_1se"] == 0
+    with pytest.raises(ValueError, match=r"lr: 0.001 vs 0.01"):
+        aggregate_studies([doc(0, seeds[0]), doc(1, seeds[1], lr=1e-2)])
+    with pytest.raises(ValueError, match="in one only"):
+        aggregate_studies([doc(0, seeds[0]), doc(1, seeds[1], lookback=336)])
+    with pytest.raises(ValueError, match=r"seed\(s\) \[1\] appear in more than one input"):
+        aggregate_studies([doc(1, seeds[0]), doc(1, seeds[1])])
+    with pytest.raises(ValueError, match="no study JSONs"):
+        aggregate_studies([])
+    broken = doc(2, seeds[2])
+    del broken["runs"][1]["test_mae"]
+    with pytest.raises(ValueError, match="run 1 lacks test_mae"):
+        aggregate_studies([doc(0, seeds[0]), broken], names=["a.json", "b.json"])
+    twice = doc(2, seeds[2])
+    twice["runs"].append(twice["runs"][0])
+    with pytest.raises(ValueError, match="a at horizon 96 appears twice"):
+        aggregate_studies([twice])

@@ -24,7 +24,7 @@ COMMAND_MODULES = (
     "titans.inference.cli",  # generate, read
     "titans.inference.inspection.cli",  # inspect: an HTML report of the memory along a text
     "titans.evaluation.cli",  # eval ppl | niah | babilong | tasks | ablate | depth
-    "titans.forecast.cli",  # forecast train | eval | study
+    "titans.forecast.cli",  # forecast train | eval | study | aggregate
     "titans.dna.cli",  # dna study | classify
     "titans.serving.cli",  # serve
     "titans.ops.cpu_kernels",  # kernels build: the fused CPU kernels, ahead of time

@@ -1,10 +1,13 @@
-"""`titans forecast train | eval | study`: long-horizon forecasting (docs/domains.md).
+"""`titans forecast train | eval | study | aggregate`: long-horizon forecasting (docs/domains.md).
 
 - ``train``: one model at one horizon on one series; writes ``result.json``, ``model.pt`` and
   ``forecast.png`` (a test window: lookback, truth, forecast) into ``--out``.
 - ``eval``: re-measure a trained ``model.pt`` on its series' test part; prints the JSON.
 - ``study``: models x horizons on each series side by side, the same budget for every model; writes
-  ``<series>.json`` and ``<series>-H<h>.png`` per series and horizon into ``--out``.
+  ``<series>.json`` and ``<series>-H<h>.png`` per series and horizon into ``--out``. With ``--seeds``
+  it runs the study once per seed into ``--out/seed<N>/`` and aggregates them (as ``aggregate`` does).
+- ``aggregate``: mean, spread and "best or within one SE" counts over per-seed study JSONs
+  (``titans.forecast.seeds``); writes ``<series>-seeds.json`` and ``<series>-seeds.png``, prints a table.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from titans.data.series import load_series, split_series
 from titans.forecast.model import FORECAST_MODELS, build_forecaster
+from titans.forecast.seeds import aggregate_studies, aggregate_table, plot_aggregate
 from titans.forecast.train import ForecastRun, evaluate, plot_forecasts, run_record, train_forecaster
 from titans.validation import did_you_mean
 
@@ -54,7 +58,7 @@ def _run(args, model: str, horizon: int) -> ForecastRun:
         depth=args.depth,
         heads=args.heads,
         revin=not args.no_revin,
-        seed=args.seed,
+        seed=0 if args.seed is None else args.seed,
         patience=args.patience,
         time_budget=args.time_budget,
         period=args.period,
@@ -117,8 +121,8 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def cmd_study(args) -> int:
-    out = Path(args.out)
+def _study(args, out: Path) -> list[Path]:
+    """One seed of the study into ``out``: the JSON and PNGs written, per series."""
     out.mkdir(parents=True, exist_ok=True)
     models, horizons = _models(args.models), _ints(args.horizons)
     written: list[Path] = []
@@ -161,7 +165,66 @@ def cmd_study(args) -> int:
             }
             (out / f"{split.series.name}.json").write_text(json.dumps(doc, indent=2) + "\n")
         written.append(out / f"{split.series.name}.json")
+    return written
+
+
+def _aggregate(paths: list[Path], out: Path) -> list[Path]:
+    """Aggregate per-seed study JSONs, grouped by series, into ``out``; print each table."""
+    docs: dict[str, list[tuple[str, dict]]] = {}
+    for path in paths:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: not a readable study JSON ({type(e).__name__})") from e
+        if not isinstance(doc, dict) or "runs" not in doc:
+            raise ValueError(f"{path}: not a `titans forecast study` JSON (no 'runs')")
+        docs.setdefault(doc.get("series", "?"), []).append((str(path), doc))
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for series, group in docs.items():
+        agg = aggregate_studies([d for _, d in group], names=[n for n, _ in group])
+        path = out / f"{series}-seeds.json"
+        path.write_text(json.dumps(agg, indent=2) + "\n")
+        plot_aggregate(out / f"{series}-seeds.png", agg)
+        print(aggregate_table(agg))
+        written += [path, out / f"{series}-seeds.png"]
+    return written
+
+
+def cmd_study(args) -> int:
+    out = Path(args.out)
+    if args.seeds is None:
+        written = _study(args, out)
+    else:
+        seeds = _ints(args.seeds)
+        if args.seed is not None:
+            raise ValueError("give --seed or --seeds, not both")
+        if not seeds or len(set(seeds)) != len(seeds):
+            raise ValueError(f"--seeds {args.seeds!r}: expected distinct comma-separated seeds")
+        series, written = args.series, []
+        for seed in seeds:
+            args.seed, args.series = seed, series
+            written += _study(args, out / f"seed{seed}")
+        written += _aggregate([p for p in written if p.suffix == ".json"], out)
     print("wrote " + ", ".join(map(str, written)))
+    return 0
+
+
+def cmd_aggregate(args) -> int:
+    paths: list[Path] = []
+    for spec in args.inputs:
+        p = Path(spec)
+        if p.is_dir():
+            found = [q for q in sorted(p.glob("*.json")) if not q.name.endswith("-seeds.json")]
+            if not found:
+                raise FileNotFoundError(f"{spec}: a folder without study JSONs")
+            paths += found
+        elif p.is_file():
+            paths.append(p)
+        else:
+            raise FileNotFoundError(f"{spec}: no such study JSON or folder")
+    out = Path(args.out) if args.out else paths[0].parent
+    print("wrote " + ", ".join(map(str, _aggregate(paths, out))))
     return 0
 
 
@@ -208,14 +271,14 @@ def _common(p, study: bool = False) -> None:
     p.add_argument("--depth", type=int, default=2, help="Titans backbone blocks")
     p.add_argument("--heads", type=int, default=4, help="attention / memory heads")
     p.add_argument("--no-revin", action="store_true", help="no instance normalisation in Titans backbones")
-    p.add_argument("--seed", type=int, default=0, help="initialisation and batch-order seed")
+    p.add_argument("--seed", type=int, default=None, help="initialisation and batch-order seed (default 0)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
 
 
 def register(commands, evals) -> None:
     forecast = commands.add_parser(
-        "forecast", help="long-horizon time-series forecasting (train, eval, study)"
+        "forecast", help="long-horizon time-series forecasting (train, eval, study, aggregate)"
     )
     sub = forecast.add_subparsers(dest="forecast_command", metavar="SUBCOMMAND")
     sub.required = True
@@ -234,7 +297,18 @@ def register(commands, evals) -> None:
     p.add_argument("--models", default="linear,lmm,mac,transformer", help="comma-separated models")
     p.add_argument("--horizons", default=",".join(map(str, HORIZONS)), help="comma-separated horizons")
     p.add_argument("--out", default="results/forecast", help="output folder")
+    p.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated seeds: the study once per seed into OUT/seed<N>/, then the aggregate over them",
+    )
     p.set_defaults(func=cmd_study)
+    p = sub.add_parser(
+        "aggregate", help="mean, spread and best-or-within-one-SE counts over per-seed study JSONs"
+    )
+    p.add_argument("inputs", nargs="+", help="study JSONs or folders of them, one seed each")
+    p.add_argument("--out", default=None, help="output folder (default: the first input's folder)")
+    p.set_defaults(func=cmd_aggregate)
 
 
 __all__ = ["HORIZONS", "register"]
