@@ -11,7 +11,9 @@ compiles before timing (its time is reported apart).
         [--paths titans-pytorch,eager,compiled,compiled@1] [--json decode_vs_titans_pytorch_2threads]
 
 A path "compiled@N" is the compiled one with torch's intra-op threads set to N for the call (the process
-keeps `--threads`; one thread can beat two on a model this small).
+keeps `--threads`; one thread can beat two on a model this small); "compiled:state" (and
+"compiled:state@N") compiles with `guards="state"` (`StaticDecoder`'s guards: the steps check only the
+tensors, torch's global state and the decoder's own objects).
 
 Models (dim 384, depth 4, 6 heads of 64, byte vocabulary, MAC segments of 64 tokens, 4 persistent tokens,
 a memory in every layer):
@@ -72,15 +74,16 @@ def sampler(path: str, model, prompt: torch.Tensor):
     from titans.inference import generate
 
     compiled = "compile" if path.startswith("compiled") else False
+    guards = "state" if path.split("@")[0].endswith(":state") else "full"
     if "@" not in path:
-        return lambda n: generate(model, prompt, n, temperature=1.0, compiled=compiled)
+        return lambda n: generate(model, prompt, n, temperature=1.0, compiled=compiled, guards=guards)
     threads = int(path.split("@")[1])  # "compiled@1": the same, torch on 1 intra-op thread during the call
 
     def run(n):
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return generate(model, prompt, n, temperature=1.0, compiled=compiled)
+            return generate(model, prompt, n, temperature=1.0, compiled=compiled, guards=guards)
         finally:
             torch.set_num_threads(before)
 

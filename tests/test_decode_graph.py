@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from titans import TitansConfig, TitansLM
+from titans.inference.inspection.trace import set_surprise_threshold
 from titans.inference.session import frozen_twin
 from titans.models.decode_graph import StaticDecoder, checkout, decode_cycle
 from titans.models.streaming import generate
@@ -46,11 +47,12 @@ def _assert_states_close(got, want) -> None:
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
-def _compare(model: TitansLM, mode: str, steps: int = 13, **kwargs) -> StaticDecoder:
+def _compare(model: TitansLM, mode: str, steps: int = 13, batch: int = 2, **kwargs) -> StaticDecoder:
     """Step the eager model and a StaticDecoder from the same prefilled state, greedily, asserting at every
     step that their logits, greedy tokens and states agree; returns the decoder after `steps` steps (from
     a 7-token prompt)."""
-    prompt = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, model.config.vocab_size, (batch, 7), generator=gen)
     with torch.no_grad():
         logits, state = model(prompt)
         decoder = StaticDecoder(model, state, mode=mode, **kwargs)
@@ -114,6 +116,76 @@ def test_compiled_step_traces_and_equals_eager():
     assert len(codes) == 3 and len({c.co_name for c in codes.values()}) == 3
 
 
+def _guard_kinds(model: TitansLM) -> list[str]:
+    """The guards of each compiled step's code on the model, in the order they were made."""
+    return [key[3] for key in model._static_decoders.codes]
+
+
+@pytest.mark.slow  # tracing, as above, for two batch sizes
+def test_state_guards_equal_eager_and_tell_shapes_apart():
+    """guards="state" drops torch.compile's guards on the model's modules and globals (about nine in ten)
+    and keeps those on tensors and on the decoder's own objects. A batch-1 decoder after a batch-2 one
+    shares their compiled code: the kept guards see the other shapes and compile again (with every guard
+    dropped, the batch-2 graph would run on batch-1 buffers), and both equal the eager step, over chunk
+    writes and segment ends, with the state equal after each step."""
+    torch._dynamo.reset()
+    model = _model("mac", depth=1, memory_conv_kernel=0)  # one graph per step at any batch size
+    kwargs = dict(steps=10, compile_backend="aot_eager", guards="state")
+    two = _compare(model, "compile", **kwargs)  # positions 7..16: two segment ends, two chunk writes
+    one = _compare(model, "compile", batch=1, **kwargs)
+    assert two._steps.keys() == one._steps.keys() == {(False, False), (True, False), (True, True)}
+    assert _guard_kinds(model) == ["state"] * 3  # one code per phase, shared by both decoders
+    with torch.no_grad():  # back to the first decoder: its own entries still match it
+        _, state = model(torch.randint(0, 64, (2, 12)))
+        two.load(state)
+        token = torch.randint(0, 64, (2, 1))
+        want, state = model(token, state)
+        torch.testing.assert_close(two.step(token), want[:, -1], rtol=1e-5, atol=1e-5)
+        _assert_states_close(two.state(), state)
+
+
+@pytest.mark.slow  # tracing, as above, twice
+def test_state_guards_see_a_changed_model():
+    """A setting of the model's modules changed between generations (a memory's surprise threshold, which
+    the dropped guards would have seen) is picked up by a new decoder and by one loaded again: their steps
+    compile anew and equal the eager step, the memory now skipping writes."""
+    torch._dynamo.reset()
+    model = _model("mac", depth=1, memory_conv_kernel=0)
+    first = _compare(model, "compile", steps=2, compile_backend="aot_eager", guards="state")
+    set_surprise_threshold(model, 1e6)  # no token is that surprising: nothing is written
+    _compare(model, "compile", steps=6, compile_backend="aot_eager", guards="state")  # a new decoder
+    assert _guard_kinds(model) == ["state"] * 5  # 2 phases before, 3 after
+    with torch.no_grad():  # the first decoder, loaded again, steps as the changed model does
+        _, state = model(torch.randint(0, 64, (2, 11)))
+        first.load(state)
+        for _ in range(2):  # positions 11, 12: a chunk end (no token written, the forgetting applied), a read
+            token = torch.randint(0, 64, (2, 1))
+            want, state = model(token, state)
+            torch.testing.assert_close(first.step(token), want[:, -1], rtol=1e-5, atol=1e-5)
+            _assert_states_close(first.state(), state)  # a stale step would have written the chunk
+
+
+@pytest.mark.slow  # tracing, as above
+def test_state_guards_fall_back_on_a_graph_break():
+    """A step that does not trace to one graph (the memory's conv writes into a strided `out=` at batch 2)
+    is compiled with every guard instead (a frame compiled after a break is shared by all decoders and
+    models: its guards must stay), and equals the eager step."""
+    torch._dynamo.reset()
+    model = _model("mac", depth=1)
+    _compare(model, "compile", steps=3, compile_backend="aot_eager", guards="state")
+    assert _guard_kinds(model) == ["state", "full"] * 2  # each phase tried once, then compiled in full
+
+
+@pytest.mark.slow  # inductor's code generation: minutes on a loaded 2-core CPU
+def test_pointwise_matmuls_equal_eager():
+    """The default mm="pointwise" (inductor writes the one-token matmuls into its generated code), with
+    guards="state", compiled by inductor, equals the eager step over a segment end and a chunk write."""
+    torch._dynamo.reset()
+    model = _model("mac", depth=1, memory_conv_kernel=0)
+    decoder = _compare(model, "compile", steps=5, batch=1, guards="state")
+    assert decoder.mm == "pointwise" and _guard_kinds(model) == ["state"] * 3
+
+
 def test_generate_compiled_equals_eager_and_reuses_decoder():
     model = _model("mac")
     prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2))
@@ -173,6 +245,10 @@ def test_refusals():
         _, state = model(torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="mode must be one of"):
         StaticDecoder(model, state, mode="graph")
+    with pytest.raises(ValueError, match="guards must be one of"):
+        StaticDecoder(model, state, guards="none")
+    with pytest.raises(ValueError, match="mm must be one of"):
+        StaticDecoder(model, state, mm="gemm")
     with pytest.raises(ValueError, match="needs a CUDA model"):
         StaticDecoder(model, state, mode="cuda_graph")
     with pytest.raises(ValueError, match="at least one token"):

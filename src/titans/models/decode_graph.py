@@ -26,6 +26,10 @@ the same layers run, only the attention's key order and the matmul shapes differ
 Modes: "eager" runs the static step as it is, "compile" through `torch.compile(dynamic=False)`,
 "cuda_graph" captures each phase's step as a CUDA graph and replays it (CUDA only; the static buffers and
 the in-place position make the step capturable: no host sync, no allocation that outlives it).
+In "compile", `mm="pointwise"` (the default) has inductor write the one-token matmuls into its generated
+code instead of calling BLAS, and `guards="state"` (opt-in) has torch.compile check before each call only
+the guards on tensors, torch's global state and the decoder's own objects, the decoder checking the
+model's modules itself when it is built or loaded (`_state_guards`, `_model_key`).
 
 Decoders are pooled on their model (`checkout`): `generate` (and so the server) takes one, loads a state
 into its buffers and gives it back; the compiled code is shared by a model's decoders (the transformers
@@ -70,6 +74,21 @@ from titans.models.blocks import (
 from titans.models.state import TitansState
 
 MODES = ("eager", "compile", "cuda_graph")
+GUARDS = ("full", "state")
+MMS = ("blas", "pointwise")
+# torch.compile's guards kept by guards="state": tensors (shape, dtype, device, strides) and torch's global
+# state; and every guard on the decoder's own objects (its buffers, lists, Python ints such as the memories'
+# offsets), which is everything rooted in the decoder that is not a module of the model
+_GLOBAL_GUARDS = {
+    "TENSOR_MATCH",
+    "GRAD_MODE",
+    "GLOBAL_STATE",
+    "DEFAULT_DEVICE",
+    "DETERMINISTIC_ALGORITHMS",
+    "TORCH_FUNCTION_STATE",
+    "AUTOGRAD_SAVED_TENSORS_HOOKS",
+    "SHAPE_ENV",
+}
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -333,6 +352,45 @@ def _block_step(layer: _Layer, x: Tensor, pos: Tensor, write: bool, new_segment:
     return x + block.mlp(block.norm_mlp(x))
 
 
+def _state_guards(entries) -> list[bool]:
+    """torch.compile's `guard_filter_fn` for guards="state": of the ~1100 guards a tiny MAC's step has, keep
+    the ~110 above (`_GLOBAL_GUARDS`, and those on the decoder's own objects); drop those on the model's
+    modules (their attributes, hooks, identities: ~900) and on module globals (functions, imported modules).
+    The dropped ones only change when the model's code or modules do, which a decoder does not allow for
+    (`StaticDecoder`'s guards)."""
+    keep = []
+    for e in entries:
+        src = e.orig_guard.source
+        module = src is not None and (src.is_unspecialized_nn_module() or src.is_specialized_nn_module())
+        keep.append(e.guard_type in _GLOBAL_GUARDS or not (e.is_global or module))
+    return keep
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _model_key(model: nn.Module) -> int:
+    """What guards="state" stops checking at each step, checked instead when a decoder is built or loaded
+    (a millisecond or two for a small model): every module's type, training flag, parameters (by
+    identity: a re-tied or replaced weight), hooks, and plain attribute values (a memory's
+    `surprise_threshold` or `write`, set between generations); and torch's global module hooks."""
+    parts: list = [
+        len(nn.modules.module._global_forward_hooks),
+        len(nn.modules.module._global_forward_pre_hooks),
+    ]
+    for m in model.modules():
+        d = m.__dict__
+        plain = [
+            (k, v)  # public settings (private ones are caches, such as a rotary's tables)
+            for k, v in d.items()
+            if k[0] != "_"
+            and (isinstance(v, _PLAIN) or (type(v) is tuple and all(isinstance(x, _PLAIN) for x in v)))
+        ]
+        hooks = len(m._forward_hooks) + len(m._forward_pre_hooks)
+        parts += (type(m), *plain, hooks, *map(id, d["_parameters"].values()))
+    return hash(tuple(parts))
+
+
 # ------------------------------------------------------------------------------------------ decoder
 class StaticDecoder:
     """Single-token decoding of `model` from `state` through fixed buffers (this module's docstring).
@@ -341,6 +399,13 @@ class StaticDecoder:
     mode: "eager", "compile" (`torch.compile(dynamic=False)`, CPU or CUDA) or "cuda_graph" (CUDA).
     compile_backend: `torch.compile`'s backend ("inductor" generates fused code; "aot_eager" traces the
         same graph without code generation, for a quick check of the tracing).
+    mm: "pointwise" (default): inductor writes the one-token matmuls (batch 1) into its generated code as a
+        multiply and a sum instead of calling BLAS for each; "blas": BLAS calls.
+    guards: "full" (default): torch.compile checks all of its guards before each step; "state": only those
+        on tensors, torch's global state and the decoder's own objects (about a tenth of them), the model's
+        modules fingerprinted (`_model_key`) when the decoder is built or loaded instead, and a step that
+        does not trace to one graph compiled with every guard. Changes to the model between two steps are
+        not seen.
     `step(tokens (B, 1))` returns the next-token logits (B, vocab) and advances the state; `state()`
     returns it as a `TitansState` (copies), equal to what the eager steps would have returned.
     """
@@ -353,9 +418,15 @@ class StaticDecoder:
         *,
         compile_backend: str = "inductor",
         compile_options: dict | None = None,
+        guards: str = "full",
+        mm: str = "pointwise",
     ):
         if mode not in MODES:
             raise ValueError(f"StaticDecoder: mode must be one of {MODES}, got {mode!r}")
+        if guards not in GUARDS:
+            raise ValueError(f"StaticDecoder: guards must be one of {GUARDS}, got {guards!r}")
+        if mm not in MMS:
+            raise ValueError(f"StaticDecoder: mm must be one of {MMS}, got {mm!r}")
         if not isinstance(state, TitansState) or state.position < 1:
             raise ValueError(
                 "StaticDecoder: give the state after at least one token (prefill the prompt first)"
@@ -367,13 +438,14 @@ class StaticDecoder:
             )
         model.check_state(state)
         self.model, self.mode, self.compile_backend = model, mode, compile_backend
-        self.compile_options = compile_options
+        self.compile_options, self.guards, self.mm = compile_options, guards, mm
         self.batch = _state_batch(state)
         self.layers = [
             _make_layer(b, s, self.batch, state.position, like) for b, s in zip(model.blocks, state.layers)
         ]
         self.position = state.position
         self.version = 0  # moves on with every step and load: a holder of an older version holds no state
+        self._model_key = _model_key(model) if guards == "state" and mode == "compile" else None
         self.pos = torch.tensor(state.position, dtype=torch.int64, device=like.device)
         self._steps: dict[tuple[bool, bool], Callable[[Tensor], Tensor]] = {}
         self._graphs: dict[tuple[bool, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
@@ -406,6 +478,8 @@ class StaticDecoder:
         self.position = state.position
         self.version += 1
         self.pos.fill_(state.position)
+        if self._model_key is not None and _model_key(self.model) != self._model_key:
+            self._model_key, self._steps = _model_key(self.model), {}  # the model changed: compile anew
 
     def _phase(self) -> tuple[bool, bool]:
         """(the token completes a memory chunk, it completes a MAC segment), at the current position."""
@@ -422,9 +496,10 @@ class StaticDecoder:
         self.pos.add_(1)
         return model.head(model.norm(x))[:, -1]
 
-    def _step_fn(self, phase: tuple[bool, bool]) -> Callable[[Tensor], Tensor]:
+    def _step_fn(self, phase: tuple[bool, bool], guards: str | None = None) -> Callable[[Tensor], Tensor]:
         fn = self._steps.get(phase)
         if fn is None:
+            guards = guards or self.guards
 
             def fn(tokens: Tensor, _phase=phase) -> Tensor:
                 return self._forward(tokens, *_phase)
@@ -432,13 +507,29 @@ class StaticDecoder:
             if self.mode == "compile":
                 # torch.compile keeps its cache, and its limit of 8 entries, per code object: each phase of
                 # each model gets a code of its own (shared by the model's decoders), so phases, models and
-                # thread counts never crowd a model's steps out into eager fallbacks
-                key = (phase, self.compile_backend, repr(self.compile_options))
+                # thread counts never crowd a model's steps out into eager fallbacks; with guards="state",
+                # one per setting of the model's modules too (`_model_key`: its steps no longer check them)
+                key = (phase, self.compile_backend, repr(self.compile_options), guards, self.mm)
+                key += (self._model_key if guards == "state" else None,)
                 codes = _pool(self.model).codes
                 code = codes.setdefault(key, fn.__code__.replace(co_name=f"decode_step_{len(codes)}"))
                 fn = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+                options = dict(self.compile_options or {})
+                if self.mm == "pointwise" and self.compile_backend == "inductor":
+                    # one-token matmuls (m = 1) as a multiply and a sum, fused into the generated code
+                    fusion = dict(options.get("post_grad_fusion_options") or {})
+                    options["post_grad_fusion_options"] = {**fusion, "decompose_mm_pass": {}}
+                if guards == "state":
+                    options["guard_filter_fn"] = _state_guards
                 fn = torch.compile(
-                    fn, dynamic=False, backend=self.compile_backend, options=self.compile_options
+                    fn,
+                    dynamic=False,
+                    backend=self.compile_backend,
+                    options=options or None,
+                    # guards="state": one graph or none. After a graph break torch.compile would compile the
+                    # function it broke in as a frame of its own, shared by every decoder and model, and
+                    # with its guards filtered too it would run one model's constants for another's
+                    fullgraph=guards == "state",
                 )
             self._steps[phase] = fn
         return fn
@@ -454,7 +545,11 @@ class StaticDecoder:
         if self.mode == "cuda_graph":
             logits = self._replay(phase, tokens)
         else:
-            logits = self._step_fn(phase)(tokens.long())
+            try:
+                logits = self._step_fn(phase)(tokens.long())
+            except torch._dynamo.exc.Unsupported:  # guards="state" and a graph break: traced, nothing run
+                self._steps.pop(phase)
+                logits = self._step_fn(phase, guards="full")(tokens.long())
         self.position += 1
         self.version += 1
         return logits
@@ -544,21 +639,23 @@ class DecoderPool(dict):
 
 
 @contextmanager
-def checkout(model: nn.Module, state: TitansState, mode: str = "compile") -> Iterator[StaticDecoder]:
+def checkout(
+    model: nn.Module, state: TitansState, mode: str = "compile", guards: str = "full"
+) -> Iterator[StaticDecoder]:
     """A `StaticDecoder` of `model` loaded with `state`, the caller's alone until the block ends.
 
-    Decoders are kept on the model, a free list per (batch size, mode, device, dtype): a block takes one
-    (or builds one when all are taken: concurrent callers, e.g. a server's worker threads, each get their
-    own buffers) and gives it back at its end. The compiled steps are shared by every decoder of a model
+    Decoders are kept on the model, a free list per (batch size, mode, device, dtype, guards): a block takes
+    one (or builds one when all are taken: concurrent callers, e.g. a server's worker threads, each get
+    their own buffers) and gives it back at its end. The compiled steps are shared by every decoder of a model
     (torch.compile's cache is per code, its guards pass for any decoder of the same shapes), so a new
-    decoder compiles nothing; a CUDA graph is captured per decoder."""
+    decoder compiles nothing; a CUDA graph is captured per decoder. `guards`: `StaticDecoder`'s."""
     like = next(model.parameters())
-    key = (_state_batch(state), mode, like.device, like.dtype)
+    key = (_state_batch(state), mode, like.device, like.dtype, guards)
     with _pool_lock:
         free = _pool(model).setdefault(key, [])
         decoder = free.pop() if free else None
     if decoder is None:
-        decoder = StaticDecoder(model, state, mode)
+        decoder = StaticDecoder(model, state, mode, guards=guards)
     else:
         decoder.load(state)
     try:

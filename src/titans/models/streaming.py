@@ -252,6 +252,7 @@ def generate(
     progress: bool = False,
     on_token: Callable[[Tensor], None] | None = None,
     compiled: bool | str = False,
+    guards: str = "full",
 ) -> Tensor | tuple[Tensor, TitansState]:
     """Continue each prompt row by up to `max_new_tokens` tokens.
 
@@ -268,6 +269,7 @@ def generate(
     compiled: decode through fixed state buffers (`titans.models.decode_graph.StaticDecoder`): True or
         "compile" compiles each step with torch.compile, "cuda_graph" replays CUDA graphs, "eager" runs the
         static step as it is; the same tokens as the default eager steps, up to float rounding.
+    guards: with compiled, which of torch.compile's guards each step checks (`StaticDecoder`'s guards).
     Returns out (B, T + n) with out[:, :T] == prompt, or (out, state).
     """
     if not isinstance(prompt, Tensor) or prompt.dim() != 2:
@@ -299,7 +301,7 @@ def generate(
     if compiled and max_new_tokens > int(not return_state):
         from titans.models.decode_graph import checkout  # same layer; it imports the blocks
 
-        with checkout(model, state, "compile" if compiled is True else compiled) as decoder:
+        with checkout(model, state, "compile" if compiled is True else compiled, guards) as decoder:
             columns, _ = _sample_loop(*loop, state=None, decoder=decoder)
             decoder.check_finite()  # the steps skip the eager memory's per-token check
             if return_state:
