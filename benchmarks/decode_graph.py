@@ -2,14 +2,14 @@
 decoder (`titans.models.decode_graph.StaticDecoder`: fixed state buffers, one step per chunk/segment
 phase) run eagerly and compiled with `torch.compile`, side by side in one process.
 
-A model (random weights, float32, `--preset`, `--variant`) reads a `--context` of random tokens, then each
-path decodes `--steps` greedy tokens from that same state, after `--warmup` untimed steps (which include
-the compilation: its time is reported separately). Reported per path: median and best-burst ms per token
-over whole chunk/segment cycles, the largest logit difference from the eager step, and with `--ops` the
-compute operators per step (`decode_ops.py`'s count: leaf ATen operators; inside a compiled step only
-those left outside its generated code).
+A model (random weights, float32, `--preset`, `--variant`) reads a `--context` of random tokens in each of
+`--batch` rows, then each path decodes `--steps` greedy tokens from that same state, after `--warmup`
+untimed steps (which include the compilation: its time is reported separately). Reported per path: median
+and best-burst ms per token over whole chunk/segment cycles (`decode_cycle`), the largest logit difference
+from the eager step, and with `--ops` the compute operators per step (`decode_ops.py`'s count: leaf ATen
+operators; inside a compiled step only those left outside its generated code).
 
-    python benchmarks/decode_graph.py [--variant mac] [--preset tiny] [--threads 2] [--steps 256]
+    python benchmarks/decode_graph.py [--variant mac] [--preset tiny] [--batch 1] [--threads 2] [--steps 256]
         [--paths eager,static,compiled] [--json decode_graph_tiny_mac_cpu]
 """
 
@@ -75,6 +75,7 @@ def main() -> None:
     p.add_argument("--variant", default="mac")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--context", type=int, default=256)
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     p.add_argument("--steps", type=int, default=256, help="timed steps (rounded up to whole cycles)")
     p.add_argument("--warmup", type=int, default=8, help="untimed steps (rounded up to a whole cycle)")
     p.add_argument("--threads", type=int, default=2)
@@ -82,22 +83,26 @@ def main() -> None:
     p.add_argument("--ops", action="store_true", help="also count operators per step (one cycle, profiled)")
     p.add_argument("--json", default=None, help="write the results here (a path, or a name in results/)")
     args = p.parse_args()
+    if args.batch < 1:
+        p.error(f"--batch must be at least 1, got {args.batch}")
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
     machine = machine_info()
     from titans import TitansConfig, TitansLM
+    from titans.models.decode_graph import decode_cycle
 
     torch.manual_seed(0)
     cfg = TitansConfig.preset(args.preset, variant=args.variant)
     model = TitansLM(cfg).eval()
-    cycle = math.lcm(cfg.chunk_size, cfg.segment_len if args.variant == "mac" else 1)
+    cycle = decode_cycle(model)
     args.steps = math.ceil(args.steps / cycle) * cycle
     with torch.no_grad():
-        out, state = model(torch.randint(0, cfg.vocab_size, (1, args.context)), last_only=True)
+        out, state = model(torch.randint(0, cfg.vocab_size, (args.batch, args.context)), last_only=True)
     rows = [run_path(model, path, out[:, -1], state, args, cycle) for path in args.paths.split(",")]
     ref = rows[0]["logits"]
     print(
-        f"{args.variant} {args.preset}, {args.threads} threads, context {args.context}, {args.steps} tokens"
+        f"{args.variant} {args.preset}, batch {args.batch}, {args.threads} threads, context {args.context}, "
+        f"{args.steps} tokens"
     )
     print(f"{'path':<10}{'ms/token':>10}{'best cycle':>12}{'warmup s':>10}{'max |dlogit|':>14}{'speedup':>9}"
           f"{'ops/step':>10}")  # fmt: skip

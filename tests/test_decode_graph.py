@@ -116,6 +116,23 @@ def test_compiled_step_traces_and_equals_eager():
     assert len(codes) == 3 and len({c.co_name for c in codes.values()}) == 3
 
 
+@pytest.mark.parametrize("variant", ["mac", "lmm"])
+def test_compiled_step_has_no_graph_break_at_batch_above_one(variant):
+    """At batch 2 and 3 each phase's step traces to one graph (the memory's conv writes its q/k/v layout, a
+    strided view there, without an `out=` that dynamo refuses) and equals the eager step over a whole
+    chunk/segment cycle. backend "eager": dynamo's tracing alone, no code generation."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    model = _model(variant, depth=1)
+    phases = 3 if variant == "mac" else 2  # read, chunk write (and MAC's segment end)
+    for batch in (2, 3):
+        decoder = _compare(model, "compile", steps=decode_cycle(model), batch=batch, compile_backend="eager")
+        assert len(decoder._steps) == phases
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 2 * phases  # one per phase and batch size
+
+
 def _guard_kinds(model: TitansLM) -> list[str]:
     """The guards of each compiled step's code on the model, in the order they were made."""
     return [key[3] for key in model._static_decoders.codes]
@@ -167,11 +184,12 @@ def test_state_guards_see_a_changed_model():
 
 @pytest.mark.slow  # tracing, as above
 def test_state_guards_fall_back_on_a_graph_break():
-    """A step that does not trace to one graph (the memory's conv writes into a strided `out=` at batch 2)
-    is compiled with every guard instead (a frame compiled after a break is shared by all decoders and
-    models: its guards must stay), and equals the eager step."""
+    """A step that does not trace to one graph (here a forward hook that breaks it) is compiled with every
+    guard instead (a frame compiled after a break is shared by all decoders and models: its guards must
+    stay), and equals the eager step."""
     torch._dynamo.reset()
     model = _model("mac", depth=1)
+    model.blocks[0].mlp.register_forward_hook(lambda *_: torch._dynamo.graph_break())
     _compare(model, "compile", steps=3, compile_backend="aot_eager", guards="state")
     assert _guard_kinds(model) == ["state", "full"] * 2  # each phase tried once, then compiled in full
 

@@ -313,6 +313,21 @@ def test_causal_conv_silu_float32_paths_agree(conv_path):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_causal_conv_silu_traces_to_one_graph(bias, monkeypatch):
+    """Under torch.compile the conv traces whole (fullgraph) into the split layout at batch 3, where the
+    layout's view is strided (an `out=` there is a graph break), in blocks of 2 rows, and equals F.conv1d."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x, tail, weight = torch.randn(3, 5, 12), torch.randn(3, 3, 12), torch.randn(12, 1, 4)
+    b = torch.randn(12) if bias else None
+    monkeypatch.setattr("titans.ops.conv._BLOCK_ELEMENTS", 2 * 3 * 12)
+    out = torch.compile(causal_conv_silu, backend="eager", fullgraph=True)(x, weight, b, tail, split=(3, 2))
+    assert out.shape == (3, 3, 2, 5, 2) and out.is_contiguous()
+    ref = causal_conv_silu_ref(torch.cat([tail, x], 1), weight, b)
+    torch.testing.assert_close(out.permute(1, 3, 0, 2, 4).reshape(3, 5, 12), ref)
+
+
 def test_causal_conv_silu_refuses_bad_tail_and_split():
     x, weight = torch.randn(2, 5, 12), torch.randn(12, 1, 4)
     with pytest.raises(ValueError, match="tail must be"):

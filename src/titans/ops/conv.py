@@ -59,6 +59,13 @@ def causal_depthwise_conv(
     parts = tuple(out.shape[2:]) if out is not None else (padded.shape[2],)
     padded = padded.view(*padded.shape[:2], *parts)
     w = weight.view(-1, k).t().to(padded.dtype).reshape(k, *parts)  # (K, *parts)
+    if torch.compiler.is_compiling():
+        # dynamo refuses an `out=` that is not contiguous (the q/k/v layout's view at batch > 1: a graph break
+        # per call); traced out of place, then one copy into `out`, which inductor fuses away
+        y = padded[:, :t] * w[0] if bias is None else bias.to(padded.dtype).view(parts) + padded[:, :t] * w[0]
+        for j in range(1, k):
+            y = y + padded[:, j : j + t] * w[j]
+        return y if out is None else out.copy_(y)
     if out is None:
         out = torch.empty(padded.shape[0], t, *parts, dtype=padded.dtype, device=padded.device)
     if bias is None:
