@@ -5,9 +5,10 @@ phase) run eagerly and compiled with `torch.compile`, side by side in one proces
 A model (random weights, float32, `--preset`, `--variant`) reads a `--context` of random tokens in each of
 `--batch` rows, then each path decodes `--steps` greedy tokens from that same state, after `--warmup`
 untimed steps (which include the compilation: its time is reported separately). Reported per path: median
-and best-burst ms per token over whole chunk/segment cycles (`decode_cycle`), the largest logit difference
-from the eager step, and with `--ops` the compute operators per step (`decode_ops.py`'s count: leaf ATen
-operators; inside a compiled step only those left outside its generated code).
+and best-burst ms per token (per step: one token in each row) over whole chunk/segment cycles
+(`decode_cycle`), the largest logit difference from the eager step, and with `--ops` the compute operators
+per step (`decode_ops.py`'s count: leaf ATen operators; inside a compiled step only those left outside its
+generated code).
 
     python benchmarks/decode_graph.py [--variant mac] [--preset tiny] [--batch 1] [--threads 2] [--steps 256]
         [--paths eager,static,compiled] [--json decode_graph_tiny_mac_cpu]
@@ -103,6 +104,7 @@ def main() -> None:
     print(
         f"{args.variant} {args.preset}, batch {args.batch}, {args.threads} threads, context {args.context}, "
         f"{args.steps} tokens"
+        + (f" (ms/token: per step, one token in each of {args.batch} rows)" if args.batch > 1 else "")
     )
     print(f"{'path':<10}{'ms/token':>10}{'best cycle':>12}{'warmup s':>10}{'max |dlogit|':>14}{'speedup':>9}"
           f"{'ops/step':>10}")  # fmt: skip

@@ -146,7 +146,7 @@ def test_state_guards_equal_eager_and_tell_shapes_apart():
     dropped, the batch-2 graph would run on batch-1 buffers), and both equal the eager step, over chunk
     writes and segment ends, with the state equal after each step."""
     torch._dynamo.reset()
-    model = _model("mac", depth=1, memory_conv_kernel=0)  # one graph per step at any batch size
+    model = _model("mac", depth=1, memory_conv_kernel=0)
     kwargs = dict(steps=10, compile_backend="aot_eager", guards="state")
     two = _compare(model, "compile", **kwargs)  # positions 7..16: two segment ends, two chunk writes
     one = _compare(model, "compile", batch=1, **kwargs)
