@@ -116,15 +116,20 @@ def test_compiled_step_traces_and_equals_eager():
     assert len(codes) == 3 and len({c.co_name for c in codes.values()}) == 3
 
 
-@pytest.mark.parametrize("variant", ["mac", "lmm"])
-def test_compiled_step_has_no_graph_break_at_batch_above_one(variant):
+@pytest.mark.parametrize(
+    "variant, overrides",
+    [("mac", {}), ("lmm", {}), ("mag", dict(memory_max_norm=1.0, memory_forget_to="init"))],
+    ids=["mac", "lmm", "mag_max_norm_init"],
+)
+def test_compiled_step_has_no_graph_break_at_batch_above_one(variant, overrides):
     """At batch 2 and 3 each phase's step traces to one graph (the memory's conv writes its q/k/v layout, a
-    strided view there, without an `out=` that dynamo refuses) and equals the eager step over a whole
-    chunk/segment cycle. backend "eager": dynamo's tracing alone, no code generation."""
+    strided view there, without an `out=` that dynamo refuses; the bound and the anchor of a chunk write
+    without their autograd Functions) and equals the eager step over a whole chunk/segment cycle.
+    backend "eager": dynamo's tracing alone, no code generation."""
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    model = _model(variant, depth=1)
+    model = _model(variant, depth=1, **overrides)
     phases = 3 if variant == "mac" else 2  # read, chunk write (and MAC's segment end)
     for batch in (2, 3):
         decoder = _compare(model, "compile", steps=decode_cycle(model), batch=batch, compile_backend="eager")

@@ -207,6 +207,20 @@ class _GradBuffers:
         return buf
 
 
+def _bound_(x: Tensor, max_norm: float) -> Tensor:
+    """`_BoundState`'s forward without autograd: W of x (N, 2, d_in, d_out) rescaled in place; returns s
+    (N,)."""
+    scale = bound_scale(x[:, 0], max_norm)
+    x[:, 0].mul_(scale[:, None, None])
+    return scale
+
+
+def _anchor_(x: Tensor, keep: Tensor, anchor: Tensor) -> Tensor:
+    """`_AnchorState`'s forward without autograd: W of x += (1 - keep) anchor in place; returns x."""
+    x[:, 0].addcmul_(anchor, (1 - keep)[:, None, None])
+    return x
+
+
 class _BoundState(torch.autograd.Function):
     """A chunk step's new state X = [W; S] (N, 2, d_in, d_out) with W rescaled in place by
     s = min(1, max_norm / ||W||_F) per sequence, S as it is (`neural_memory_chunked(max_norm=...)`).
@@ -219,8 +233,7 @@ class _BoundState(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, max_norm: float) -> Tensor:
-        scale = bound_scale(x[:, 0], max_norm)  # (N,)
-        x[:, 0].mul_(scale[:, None, None])
+        scale = _bound_(x, max_norm)
         ctx.mark_dirty(x)
         ctx.save_for_backward(x, scale)
         ctx.max_norm = max_norm
@@ -249,7 +262,7 @@ class _AnchorState(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, keep: Tensor, anchor: Tensor) -> Tensor:
-        x[:, 0].addcmul_(anchor, (1 - keep)[:, None, None])
+        _anchor_(x, keep, anchor)
         ctx.mark_dirty(x)
         ctx.save_for_backward(keep, anchor)
         return x
@@ -487,10 +500,17 @@ def run_chunks(
             y, norm, *states = _ChunkStep.apply(*args, (grads, i % 2), error, a_c, *states)
         else:
             y, norm, states, _ = _chunk_forward(*args, states, out=buffers[i % 2], error=error, aux=a_c)
+        # without autograd the in-place forms run as they are (torch.compile cannot trace the Functions'
+        # mark_dirty: a graph break per call in a compiled decode step)
         if anchor is not None:  # forgetting toward the anchor: W += (1 - A_b) W_anchor
-            states = [_AnchorState.apply(x, m_c[:, 0, 0], a) for x, a in zip(states, anchor)]
+            anchor_fn = _AnchorState.apply if buffers is None else _anchor_
+            states = [anchor_fn(x, m_c[:, 0, 0], a) for x, a in zip(states, anchor)]
         if max_norm is not None:  # the bound at the chunk boundary, before the next chunk reads W
-            states = [_BoundState.apply(x, max_norm) for x in states]
+            if buffers is None:
+                states = [_BoundState.apply(x, max_norm) for x in states]
+            else:
+                for x in states:
+                    _bound_(x, max_norm)
         ys.append(y)
         norms.append(norm)
     return (torch.cat(ys, 1), torch.cat(norms, 1), *states)
