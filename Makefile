@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 	-$(VENV)/bin/titans kernels build
 
-# the main job: a small MAC trained ~10 min on the Python stdlib source, then evaluated and sampled
+# the main job: a small MAL trained ~10 min on the Python stdlib source, then evaluated and sampled
 # (running it again resumes the same run, or re-reports a finished one)
 main: setup
 	$(VENV)/bin/titans train --config configs/main.json --resume

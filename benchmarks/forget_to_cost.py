@@ -1,5 +1,5 @@
-"""What forgetting toward the learned initial weights costs the main job: forward + backward of the model
-of `configs/main.json` (its preset, variant and model overrides; batch 16 x 256 tokens) with
+"""What forgetting toward the learned initial weights costs the MAC recipe: forward + backward of the model
+of `configs/mac.json` (or `--config`: its preset, variant and model overrides; batch 16 x 256 tokens) with
 `memory_forget_to="init"` against `"zero"` (the paper's forgetting), the two models taking turns every
 repetition (A B, B A, ...) in one process on one thread, so that drift of a shared machine hits both alike.
 `--profile` adds a torch.profiler table of each (self CPU time per op), whose difference shows where the
@@ -90,7 +90,7 @@ def profile_table(model, tokens: torch.Tensor, reps: int) -> tuple[str, dict[str
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "configs" / "main.json"))
+    p.add_argument("--config", default=str(ROOT / "configs" / "mac.json"))
     p.add_argument("--reps", type=int, default=20, help="timed repetitions of each model")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)

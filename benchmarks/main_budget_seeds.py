@@ -1,6 +1,6 @@
-"""The main job's comparison over seeds: MAC vs Transformer++ vs SWA at the main job's budget.
+"""MAC vs Transformer++ vs SWA over seeds at the main job's budget.
 
-Each run is `configs/main.json` (800 steps x 16 x 256 bytes of the Python standard library, lr 4e-3) with
+Each run is `configs/mac.json` (800 steps x 16 x 256 bytes of the Python standard library, lr 4e-3) with
 only the variant and the seed changed, trained by `titans train` in its own process on one thread; two
 runs go side by side on this 2-core machine. The seed sets the initial weights and the order of the
 training batches; the held-out windows are the same for every run. A single seed decides nothing at this
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def train(variant: str, seed: int, run_dir: Path, extra: list[str]) -> dict:
     """Train one run (unless finished already) and return its report."""
     if not (run_dir / REPORT_FILE).is_file():
-        cmd = [sys.executable, "-m", "titans", "train", "--config", str(ROOT / "configs/main.json")]
+        cmd = [sys.executable, "-m", "titans", "train", "--config", str(ROOT / "configs/mac.json")]
         cmd += ["--variant", variant, "--seed", str(seed), "--run-dir", str(run_dir), "--overwrite"]
         cmd += ["--no-progress", "--set", "threads=1", "--set", "sample_tokens=0", "--set", "plot=false"]
         cmd += ["--set", "time_budget_min=null"]  # the same 800 steps for every run, however slow
@@ -106,7 +106,7 @@ def main() -> None:
         futures = [pool.submit(train, v, s, out_dir / f"{v}_seed{s}", args.set) for v, s in jobs]
         runs = [f.result() for f in futures]
 
-    print(f"held-out bits per byte after {runs[0]['steps']} steps (configs/main.json, 1 thread per run)\n")
+    print(f"held-out bits per byte after {runs[0]['steps']} steps (configs/mac.json, 1 thread per run)\n")
     header = f"{'variant':<12} {'params':>9} " + " ".join(f"{'seed ' + str(s):>8}" for s in seeds)
     header += f" {'mean':>7} {'sd':>6}"
     print(header)

@@ -15,6 +15,7 @@ from torch import nn
 from micro_train import MICRO_MODEL
 from micro_train import micro_config as shared_micro_config
 from titans.cli import main as titans_main
+from titans.models.lm import TitansLM
 from titans.runtime.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 from titans.training.config import TrainConfig, parse_set
 from titans.training.model_io import load_model
@@ -148,6 +149,21 @@ def test_config_errors_name_the_problem(tmp_path, cache_dir):
     missing = tmp_path / "no-such-corpus.txt"
     with pytest.raises(FileNotFoundError, match="no-such-corpus.txt"):
         Trainer(micro_config(tmp_path / "run", cache_dir, data=str(missing)))
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.json")), ids=str)
+def test_shipped_configs_build_their_model(path):
+    """Every config in configs/ loads, and the model it names builds: the main job (MAL) and the MAC recipe
+    beside it differ in the variant and the MAC block's options only."""
+    cfg = TrainConfig.from_file(path)
+    model = TitansLM(cfg.model_config(256))
+    assert sum(p.numel() for p in model.parameters()) > 0
+    if path.name == "main.json":
+        mac = TrainConfig.from_file(path.with_name("mac.json"))
+        assert (cfg.variant, mac.variant) == ("mal", "mac")
+        same = {k: v for k, v in cfg.to_dict().items() if k not in ("variant", "model", "run_dir")}
+        assert same == {k: v for k, v in mac.to_dict().items() if k in same}
+        assert cfg.model_config(256).memory_forget_to == mac.model_config(256).memory_forget_to == "init"
 
 
 def test_cli_errors_are_reported_not_raised(tmp_path, capsys):

@@ -20,6 +20,9 @@ at a random offset within its lane (drawn from ``(seed, episode, group)``), then
 tokens a visit. ``resets(step)`` says whether step ``step`` starts an episode (the trainer then starts that
 group from a fresh state). Sharded and resumed like ``TokenBatches``.
 
+``CurriculumBatches`` (training with a length curriculum, ``TrainConfig.curriculum_steps``): from given steps
+on, longer windows and proportionally fewer of them, the tokens per step unchanged.
+
 ``EvalWindows`` (evaluation): a fixed number of contiguous, non-overlapping windows of the held-out stream
 (window ``i`` covers inputs ``[i*T, (i+1)*T)`` and targets shifted by one), spread evenly over the stream,
 in a fixed order, sharded ``r::world_size`` like training.
@@ -29,7 +32,8 @@ token. ``bytes_per_token`` is the ratio for the WHOLE held-out stream (``TokenSt
 its UTF-8 bytes / its tokens), not per window: for the byte tokenizer it is exactly 1; for a subword
 tokenizer the evenly spread windows make it a close estimate of the evaluated windows' own ratio.
 
-Public API (names are stable): ``TokenBatches``, ``StreamBatches``, ``EvalWindows``, ``bits_per_byte``.
+Public API (names are stable): ``TokenBatches``, ``StreamBatches``, ``CurriculumBatches``, ``EvalWindows``,
+``bits_per_byte``.
 """
 
 from __future__ import annotations
@@ -262,6 +266,82 @@ class StreamBatches(TokenBatches):
                     f"{getattr(self, key)}"
                 )
         super().load_state_dict(state)
+
+
+class CurriculumBatches(TokenBatches):
+    """Training batches whose window length grows at given steps, with the tokens per step unchanged (a
+    length curriculum, ``TrainConfig.curriculum_steps``): before ``steps[0]`` they are ``TokenBatches`` of
+    (batch_size, seq_len); from ``steps[i]`` on, windows of ``seq_lens[i]`` tokens,
+    ``batch_size * seq_len // seq_lens[i]`` of them a step. Each phase draws from a `TokenBatches` of its own
+    shape at the run's step number, so the batch at step ``s`` depends only on (stream, seed, the schedule,
+    s), and resuming anywhere reproduces it. Yields (inputs, targets), each (rows // world_size, that
+    phase's seq_len) int64 CPU tensors.
+    """
+
+    def __init__(
+        self,
+        tokens: TokenStream | np.ndarray,
+        *,
+        batch_size: int,
+        seq_len: int,
+        steps: list[int],
+        seq_lens: list[int],
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        step: int = 0,
+    ):
+        shard = dict(seed=seed, rank=rank, world_size=world_size)
+        super().__init__(tokens, batch_size=batch_size, seq_len=seq_len, step=step, **shard)
+        check_curriculum(batch_size, seq_len, steps, seq_lens)
+        self.phases = [
+            (start, TokenBatches(self.tokens, batch_size=batch_size * seq_len // n, seq_len=n, **shard))
+            for start, n in zip(steps, seq_lens, strict=True)
+        ]
+
+    def phase(self, step: int) -> TokenBatches:
+        """The loader of the phase that holds ``step`` (this one before the first change)."""
+        current: TokenBatches = self
+        for start, loader in self.phases:
+            if step >= start:
+                current = loader
+        return current
+
+    def get_batch(self, step: int) -> Batch:
+        loader = self.phase(step)
+        return super().get_batch(step) if loader is self else loader.get_batch(step)
+
+    def state_dict(self) -> dict:
+        schedule = [[start, loader.seq_len] for start, loader in self.phases]
+        return {**super().state_dict(), "curriculum": schedule}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()["curriculum"]
+        if state.get("curriculum") != mine:
+            raise ValueError(
+                f"data state mismatch: checkpoint has curriculum={state.get('curriculum')}, this loader "
+                f"has {mine}"
+            )
+        super().load_state_dict(state)
+
+
+def check_curriculum(batch_size: int, seq_len: int, steps: list[int], seq_lens: list[int]) -> None:
+    """A length curriculum's schedule, checked: as many steps as lengths, steps rising from >= 1, and each
+    length dividing the tokens of a step (``batch_size * seq_len``) into whole windows."""
+    if len(steps) != len(seq_lens):
+        raise ValueError(
+            f"curriculum: {len(steps)} step(s) {steps} but {len(seq_lens)} seq_len(s) {seq_lens}; give one "
+            "window length per step"
+        )
+    if any(s < 1 for s in steps) or any(b <= a for a, b in zip(steps, steps[1:])):
+        raise ValueError(f"curriculum steps must rise from >= 1, got {steps}")
+    per_step = batch_size * seq_len
+    for n in seq_lens:
+        if n < 1 or per_step % n:
+            raise ValueError(
+                f"curriculum seq_len {n} does not divide the {per_step} tokens of a step "
+                f"(batch_size {batch_size} x seq_len {seq_len}) into whole windows"
+            )
 
 
 class EvalWindows:

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, Field, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from titans.data.loader import check_curriculum
 from titans.models.config import FIELD_HELP as MODEL_FIELD_HELP
 from titans.models.config import PRESETS, VARIANTS, TitansConfig, read_json_object
 from titans.runtime.loading import DEFAULT_TOKENIZER
@@ -113,6 +114,19 @@ class TrainConfig:
         help="with carry_state: lanes per row, visited in turn (consecutive steps read different "
         "stretches of the stream; one carried state per group)",
         min=1,
+    )
+    # a length curriculum: from step curriculum_steps[i] on, training windows of curriculum_seq_lens[i]
+    # tokens, batch_size * seq_len // curriculum_seq_lens[i] of them (the tokens per step unchanged;
+    # `CurriculumBatches`); held-out evaluation stays at seq_len
+    curriculum_steps: list[int] = option(
+        factory=list,
+        help="steps at which the training window length changes (length curriculum; with "
+        "curriculum_seq_lens)",
+    )
+    curriculum_seq_lens: list[int] = option(
+        factory=list,
+        help="the training window length from each of curriculum_steps on; the rows per step shrink so "
+        "that a step holds batch_size * seq_len tokens",
     )
     # length of the run
     steps: int = option(1000, help="optimizer steps of the run", min=1)
@@ -209,6 +223,18 @@ class TrainConfig:
             raise ValueError("TrainConfig.carry_groups applies with carry_state: true only")
         if self.carry_state and self.cuda_graphs:
             raise ValueError("TrainConfig.cuda_graphs: not with carry_state (a graph replays a fresh state)")
+        check_curriculum(self.batch_size, self.seq_len, self.curriculum_steps, self.curriculum_seq_lens)
+        if self.curriculum_steps and self.carry_state:
+            raise ValueError("TrainConfig.curriculum_steps: not with carry_state (lanes have one length)")
+        if self.curriculum_steps and self.cuda_graphs:
+            raise ValueError("TrainConfig.curriculum_steps: not with cuda_graphs (a graph has one shape)")
+        for n in self.curriculum_seq_lens:
+            rows = self.batch_size * self.seq_len // n
+            if rows % self.grad_accum:
+                raise ValueError(
+                    f"TrainConfig.grad_accum={self.grad_accum} must divide the {rows} rows of a step with "
+                    f"windows of {n} tokens"
+                )
         if self.batch_size % self.grad_accum:
             raise ValueError(
                 f"TrainConfig.grad_accum={self.grad_accum} must divide batch_size={self.batch_size}"
@@ -251,7 +277,8 @@ class TrainConfig:
         mine = self.to_dict()
         skip = RESUMABLE_CHANGES | MODEL_FIELDS
         # a field the checkpoint lacks was added since, with a default that trains as before
-        saved = {**{f.name: f.default for f in fields(self) if f.name in ADDED_FIELDS}, **saved}
+        added = {f.name: _default(f) for f in fields(self) if f.name in ADDED_FIELDS}
+        saved = {**added, **saved}
         return sorted(k for k in set(mine) | set(saved) if k not in skip and mine.get(k) != saved.get(k))
 
     # ------------------------------------------------------------------------------------ file i/o
@@ -286,8 +313,14 @@ class TrainConfig:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
 
+def _default(f: Field) -> Any:
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
 # TrainConfig fields added after runs were saved without them; their defaults train as those runs did
-ADDED_FIELDS = frozenset({"carry_state", "carry_reset_every", "carry_groups"})
+ADDED_FIELDS = frozenset(
+    {"carry_state", "carry_reset_every", "carry_groups", "curriculum_steps", "curriculum_seq_lens"}
+)
 
 # TrainConfig fields that only say which model to build: compared on resume through the model they make
 MODEL_FIELDS = frozenset({"preset", "variant", "model"})

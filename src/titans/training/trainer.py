@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from titans.data.loader import EvalWindows, StreamBatches, TokenBatches
+from titans.data.loader import CurriculumBatches, EvalWindows, StreamBatches, TokenBatches
 from titans.data.stream import load_token_streams
 from titans.data.tokenizers import load_tokenizer
 from titans.layers.memory import NeuralMemory
@@ -131,6 +131,14 @@ class Trainer:
                 f"TrainConfig.batch_size={cfg.batch_size} must split into world_size={self.info.world_size} "
                 f"ranks x grad_accum={cfg.grad_accum} equal micro-batches"
             )
+        for n in cfg.curriculum_seq_lens:  # a length curriculum's phases split the same way
+            rows = cfg.batch_size * cfg.seq_len // n
+            if rows % (self.info.world_size * cfg.grad_accum):
+                raise ValueError(
+                    f"TrainConfig.curriculum_seq_lens: windows of {n} tokens make {rows} rows a step, which "
+                    f"do not split into world_size={self.info.world_size} ranks x grad_accum="
+                    f"{cfg.grad_accum} equal micro-batches"
+                )
         if cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and self.device.type == "cuda"):
             self.autocast_dtype: torch.dtype | None = torch.bfloat16
         else:
@@ -182,6 +190,15 @@ class Trainer:
                 seq_len=cfg.seq_len,
                 reset_every=cfg.carry_reset_every,
                 groups=cfg.carry_groups,
+                **shard,
+            )
+        elif cfg.curriculum_steps:
+            self.batches = CurriculumBatches(
+                streams.train,
+                batch_size=cfg.batch_size,
+                seq_len=cfg.seq_len,
+                steps=cfg.curriculum_steps,
+                seq_lens=cfg.curriculum_seq_lens,
                 **shard,
             )
         else:
@@ -594,10 +611,12 @@ def _check_split_lengths(n_train: int, n_heldout: int, cfg: TrainConfig) -> None
     """A training and a held-out split long enough for one window of ``seq_len + 1`` tokens each, or an
     error that says which setting to change."""
     need = cfg.seq_len + 1
-    if n_train < need:
+    longest = max([cfg.seq_len, *cfg.curriculum_seq_lens]) + 1
+    if n_train < longest:
         raise ValueError(
             f"the training split of {cfg.data!r} has {n_train} tokens, fewer than one training window of "
-            f"seq_len + 1 = {need}: give more text, or lower seq_len (--seq-len)"
+            f"{longest} (the longest window + 1): give more text, or lower seq_len (--seq-len) or "
+            "curriculum_seq_lens"
         )
     if n_heldout < need:
         share = need / (n_train + n_heldout)
