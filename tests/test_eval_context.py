@@ -311,6 +311,18 @@ def test_cli_writes_every_bucket_of_every_model_and_a_png(trained_run, tmp_path,
     )
 
 
+def test_cli_labels_name_the_models(trained_run, tmp_path, capsys):
+    out = tmp_path / "ctx.json"
+    args = ["eval", "context", "--checkpoint", str(trained_run), "--compare", str(trained_run),
+            "--length", "260", "--windows", "1", "--labels", "MAC (ours),MAC again", "--device", "cpu",
+            "--out", str(out)]  # fmt: skip
+    assert titans_main(args) == 0
+    assert "MAC (ours)" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert list(report["models"]) == ["MAC (ours)", "mac frozen twin", "MAC again"]
+    assert report["models"]["MAC (ours)"]["bucket_loss"] == report["models"]["MAC again"]["bucket_loss"]
+
+
 def test_cli_per_document_on_a_source(trained_run, tmp_path, capsys):
     data = tmp_path / "docs"
     data.mkdir()
@@ -360,4 +372,8 @@ def test_cli_refuses_bad_input(trained_run, tmp_path, capsys):
 
     assert titans_main([*base, "--piece", "0"]) == 2
     assert "--piece must be a positive integer" in capsys.readouterr().err
+    assert titans_main([*base, "--compare", str(trained_run), "--labels", "only one"]) == 2
+    assert "1 label(s) for 2 model(s)" in capsys.readouterr().err
+    assert titans_main([*base, "--compare", str(trained_run), "--labels", "a,a"]) == 2
+    assert "distinct" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()

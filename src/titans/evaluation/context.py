@@ -519,9 +519,18 @@ def _describe(t: Tokenizer) -> str:
 
 
 def check_context_args(args: argparse.Namespace) -> None:
-    """Refuse bad numbers before any work."""
+    """Refuse bad numbers and labels before any work."""
     for name in ("length", "windows", "piece", "batch_size"):
         check_int(f"--{name.replace('_', '-')}", getattr(args, name))
+    if args.labels is not None:
+        want = 1 + len(args.compare or [])
+        if len(args.labels) != want:
+            raise ValueError(
+                f"--labels: {len(args.labels)} label(s) for {want} model(s); give one for --checkpoint and "
+                "one for each --compare run, in order"
+            )
+        if len(set(args.labels)) != want or any(not name.strip() for name in args.labels):
+            raise ValueError(f"--labels must be distinct and non-empty, got {args.labels}")
 
 
 def _load_windows(args: argparse.Namespace, cfg, tokenizer: Tokenizer) -> tuple[ContextWindows, str]:
@@ -565,11 +574,14 @@ def run_context(args: argparse.Namespace) -> int:
             f"note: {data_desc} has room for {win.count} windows of {win.length} tokens, not {win.requested}"
         )
 
-    label = f"{model.config.variant} ({args.checkpoint})"
+    names = args.labels or [f"{model.config.variant} ({args.checkpoint})"] + [
+        f"{other.config['model'].get('variant', '?')} ({run})" for run, other in compares
+    ]
+    label = names[0]
     models: dict[str, ModelOrLoader] = {label: model}
     paths = {label: str(loaded.path)}
-    for run, other in compares:  # each built on the device only when its turn comes
-        name = _unique(f"{other.config['model'].get('variant', '?')} ({run})", set(models))
+    for name, (_, other) in zip(names[1:], compares):  # each built on the device only when its turn comes
+        name = _unique(name, set(models))
         models[name] = lambda other=other: load_model(other, map_location=args.device)[0]
         paths[name] = str(other.path)
     print(
@@ -644,6 +656,14 @@ def add_parser(evals) -> None:
         default=None,
         metavar="RUN,RUN",
         help="more checkpoints (same tokenizer) scored on the same windows",
+    )
+    p.add_argument(
+        "--labels",
+        type=str_list,
+        default=None,
+        metavar="NAME,NAME",
+        help="names of the models in the table, JSON and plot: --checkpoint's, then each --compare run's "
+        "(default: variant (path))",
     )
     p.add_argument("--no-frozen", action="store_true", help="skip the frozen twin (memory writes off)")
     p.add_argument("--piece", type=int, default=2048, help="tokens per streamed forward call")
