@@ -269,7 +269,7 @@ class StreamBatches(TokenBatches):
 
 
 class CurriculumBatches(TokenBatches):
-    """Training batches whose window length grows at given steps, with the tokens per step unchanged (a
+    """Training batches whose window length changes at given steps, with the tokens per step unchanged (a
     length curriculum, ``TrainConfig.curriculum_steps``): before ``steps[0]`` they are ``TokenBatches`` of
     (batch_size, seq_len); from ``steps[i]`` on, windows of ``seq_lens[i]`` tokens,
     ``batch_size * seq_len // seq_lens[i]`` of them a step. Each phase draws from a `TokenBatches` of its own

@@ -132,11 +132,11 @@ class Trainer:
                 f"ranks x grad_accum={cfg.grad_accum} equal micro-batches"
             )
         for n in cfg.curriculum_seq_lens:  # a length curriculum's phases split the same way
-            rows = cfg.batch_size * cfg.seq_len // n
-            if rows % (self.info.world_size * cfg.grad_accum):
+            phase_rows = cfg.batch_size * cfg.seq_len // n
+            if phase_rows % (self.info.world_size * cfg.grad_accum):
                 raise ValueError(
-                    f"TrainConfig.curriculum_seq_lens: windows of {n} tokens make {rows} rows a step, which "
-                    f"do not split into world_size={self.info.world_size} ranks x grad_accum="
+                    f"TrainConfig.curriculum_seq_lens: windows of {n} tokens make {phase_rows} rows a step, "
+                    f"which do not split into world_size={self.info.world_size} ranks x grad_accum="
                     f"{cfg.grad_accum} equal micro-batches"
                 )
         if cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and self.device.type == "cuda"):
