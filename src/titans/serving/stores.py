@@ -82,18 +82,18 @@ class _Parts:
     """A record's bytes as stored: digests in order, the distinct parts by digest, sizes."""
 
     order: tuple[str, ...]
-    blobs: dict[str, bytes]
+    blobs: dict[str, bytes | memoryview]
     checksum: str
     size: int  # bytes stored (distinct parts)
 
     @classmethod
     def of(cls, data: bytes | Sequence[bytes]) -> _Parts:
-        pieces = [bytes(data)] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
-        blobs: dict[str, bytes] = {}
+        pieces = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+        blobs: dict[str, bytes | memoryview] = {}
         order = []
         whole = hashlib.sha256()
         for piece in pieces:
-            piece = bytes(piece)
+            piece = _frozen(piece)
             whole.update(piece)
             digest = checksum(piece)
             blobs.setdefault(digest, piece)
@@ -102,6 +102,23 @@ class _Parts:
 
     def joined(self) -> bytes:
         return b"".join(self.blobs[d] for d in self.order)
+
+
+def _frozen(piece: bytes | bytearray | memoryview) -> bytes | memoryview:
+    """`piece` as bytes that cannot change after they are hashed: bytes, or a read-only byte view of
+    immutable bytes (a session's unchanged states are views of the record they were read from: stored
+    from the view, they are not copied); anything else copied."""
+    if isinstance(piece, bytes):
+        return piece
+    if (
+        isinstance(piece, memoryview)
+        and piece.readonly
+        and isinstance(piece.obj, bytes)
+        and piece.format == "B"
+        and piece.contiguous
+    ):
+        return piece
+    return bytes(piece)
 
 
 def _assemble(order: Sequence[str], found: dict[str, bytes]) -> tuple[bytes, bool]:
