@@ -30,7 +30,7 @@ from titans.runtime.loading import load_trained  # noqa: E402
 from titans.serving.app import create_app  # noqa: E402
 from titans.serving.auth import hash_key  # noqa: E402
 from titans.serving.limits import FairLimiter, Quotas  # noqa: E402
-from titans.serving.session import Engine, read_json, session_parts  # noqa: E402
+from titans.serving.session import Engine, known_digests, read_json, session_parts  # noqa: E402
 from titans.serving.stores import RedisStore, SQLiteStore  # noqa: E402
 
 KEY_A, KEY_B = "limits-key-a", "limits-key-b"
@@ -625,3 +625,34 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20)
 
     assert faults(True) < 50  # none, give or take the interpreter's own
     assert faults(False) > 1000  # the default this setting exists for (12 MiB: 3,000 pages a request)
+
+
+def test_only_a_changed_sessions_new_parts_are_hashed_and_the_digests_it_reuses_are_right(engine, store):
+    """A read's parts reuse the digests of the states the record holds and the session kept (a view of the
+    record's bytes, matched by address: equal bytes elsewhere are hashed); every digest, reused or not, is
+    the part's sha256, and the record the store then holds is intact."""
+    from titans.serving.stores import KnownParts, checksum
+
+    session = engine.new_session()
+    for i in range(10):
+        session.read(engine.encode(f"{TEXT} {i}"))
+    created = store.create("cd" * 16, "owner", session.to_parts())
+    record = store.get("cd" * 16)
+    assert record.intact and len(record.parts) == 8 + 1 + 2
+    loaded = engine.load(record.data, verified=True)
+    read_json(loaded, engine.encode("and one more"), once=True)
+    parts = loaded.to_parts()
+    assert parts.sha256 == checksum(b"".join(parts))
+    digests = known_digests(parts, record.data, record.parts)
+    # the header, the new state and the trailer are new; the 8 states kept (the old state among them) known
+    assert [d is None for d in digests] == [True, True] + [False] * 8 + [True]
+    assert all(d == checksum(bytes(p)) for p, d in zip(parts, digests, strict=True) if d is not None)
+    copy = bytes(bytearray(record.data))  # equal bytes, elsewhere in memory
+    assert known_digests(parts, copy, record.parts) == [None] * len(parts)
+    assert known_digests(parts, record.data, record.parts[1:]) == [None] * len(parts)  # not its record
+    version = store.put("cd" * 16, KnownParts(parts, parts.sha256, digests), expected_version=created.version)
+    stored = store.get("cd" * 16)
+    assert stored.version == version and stored.intact and stored.data == b"".join(parts)
+    assert stored.parts == tuple(checksum(bytes(p)) for p in parts)
+    with pytest.raises(ValueError, match="2 digests for 11 parts"):
+        KnownParts(parts, parts.sha256, digests[:2])

@@ -123,6 +123,15 @@ class ReadResult:
         }
 
 
+class SessionParts(list):
+    """`MemorySession.to_parts`: the parts of a session's bytes, and `sha256`, the SHA-256 (hex) of their
+    joined bytes (`to_bytes`), computed in the pass that makes the bytes' own trailer."""
+
+    def __init__(self, parts: Iterable[bytes | memoryview], sha256: str) -> None:
+        super().__init__(parts)
+        self.sha256 = sha256
+
+
 # ------------------------------------------------------------------------------------------ frozen twin
 _twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _twins_lock = threading.Lock()
@@ -386,10 +395,11 @@ class MemorySession:
         NaN or inf (ValueError)."""
         return b"".join(self.to_parts(snapshots))
 
-    def to_parts(self, snapshots: bool = True) -> list[bytes | memoryview]:
-        """`to_bytes` before it is joined: [header, state, ..., state, SHA-256], joined by ``b"".join``.
-        A state read by `from_bytes` and not changed since is a read-only view of the bytes it was read from
-        (not a copy): a caller that stores the parts separately (a server) copies none of them."""
+    def to_parts(self, snapshots: bool = True) -> SessionParts:
+        """`to_bytes` before it is joined: [header, state, ..., state, SHA-256], joined by ``b"".join``
+        (a `SessionParts`: a list that also knows the SHA-256 of the joined bytes). A state read by
+        `from_bytes` and not changed since is a read-only view of the bytes it was read from (not a copy):
+        a caller that stores the parts separately (a server) copies none of them."""
         blobs: list[bytes | memoryview] = []
 
         def put(kept: _Kept) -> dict[str, Any]:
@@ -423,7 +433,9 @@ class MemorySession:
         digest = hashlib.sha256(head)
         for blob in blobs:  # hashed piece by piece: the states are not copied here
             digest.update(blob)
-        return [head, *blobs, digest.digest()]
+        trailer = digest.digest()
+        digest.update(trailer)  # the same pass gives the SHA-256 of the whole
+        return SessionParts([head, *blobs, trailer], digest.hexdigest())
 
     @classmethod
     def from_bytes(
@@ -633,6 +645,7 @@ __all__ = [
     "ReadResult",
     "SessionEvent",
     "SessionFormatError",
+    "SessionParts",
     "SnapshotInfo",
     "frozen_twin",
 ]

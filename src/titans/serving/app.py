@@ -65,12 +65,21 @@ from titans.serving.limits import BodyTimeout, FairLimiter, KeyGate, Quotas, Swe
 from titans.serving.session import (
     Engine,
     generate_json,
+    known_digests,
     read_json,
     session_parts,
     snapshots_json,
     stats_json,
 )
-from titans.serving.stores import Record, SessionExists, SessionStore, StoreError, VersionConflict, open_store
+from titans.serving.stores import (
+    KnownParts,
+    Record,
+    SessionExists,
+    SessionStore,
+    StoreError,
+    VersionConflict,
+    open_store,
+)
 from titans.serving.workers import ProcessPool, WorkerDied, reuse_freed_memory
 
 log = logging.getLogger("titans.serving")
@@ -449,6 +458,8 @@ class SessionService:
                 parts = session.to_parts()
             except ValueError as e:  # a state holding NaN or inf: the model diverged on this input
                 raise ApiError(422, f"session {sid} was not changed: {e}") from e
+            # the record was checked whole (its sha256): its parts' digests hold; only new parts are hashed
+            parts = KnownParts(parts, parts.sha256, known_digests(parts, record.data, record.parts))
             if self.quotas.max_bytes is not None:
                 grown = _stored_size(parts) - record.size
                 check_room(self.quotas, self.store.usage(owner), new_bytes=grown)
