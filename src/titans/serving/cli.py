@@ -25,6 +25,7 @@ from titans.serving.auth import is_loopback, load_api_keys
 from titans.serving.errors import redact, redact_url
 from titans.serving.session import DEFAULT_MAX_SNAPSHOTS, Engine
 from titans.serving.stores import StoreError, open_store
+from titans.serving.workers import reuse_freed_memory
 
 DEFAULT_STORE = "sqlite:///titans-sessions.db"
 
@@ -90,6 +91,7 @@ def build_app(args: argparse.Namespace):
     except ModuleNotFoundError as e:
         raise ImportError(f"titans serve needs the serve extra (pip install 'titans[serve]'): {e}") from e
     torch.set_num_threads(args.torch_threads)
+    reuse_freed_memory()  # here too: without worker processes, the model work runs in this process
     keys = load_api_keys(args.api_keys) if args.api_keys else None
     device = resolve_device(args.device)
     model, tokenizer = load_trained(args.checkpoint, map_location=device)

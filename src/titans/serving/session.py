@@ -6,7 +6,7 @@ tokenizer, text <-> ids) and the JSON answers of the routes.
     read_json(session, engine.encode(text))                  # the memory reads the text -> a JSON dict
     generate_json(engine, session, ids, 64, seed=1)          # reads the prompt, then continues it
     stats_json(session)                                      # counters, events, ||W||, a digest
-    data = session.to_bytes()                                # what the store keeps
+    data = session.to_bytes()                                # what the store keeps (to_parts: cut)
 
 Everything else (freezing, snapshots and rollback, the guard, the bytes) is the session's own.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -98,12 +98,13 @@ class Engine:
 
 
 # ------------------------------------------------------------------------------------------ parts
-def session_parts(data: bytes) -> list[bytes]:
+def session_parts(data: bytes, *, views: bool = False) -> list[bytes] | list[memoryview]:
     """`MemorySession.to_bytes` cut where its states start and end: [header, state, ..., state, trailer],
-    joined again by ``b"".join``. A change of a session adds one state and drops the oldest snapshot, so
-    its parts are those of the previous bytes plus a new header and state: a store that keeps each part
-    once writes only those. Bytes that are not a session (or damaged) are one part: the session's own
-    checks refuse them when they are loaded."""
+    joined again by ``b"".join`` (`MemorySession.to_parts` cuts the same). A change of a session adds one
+    state and drops the oldest snapshot, so its parts are those of the previous bytes plus a new header
+    and state: a store that keeps each part once writes only those. Bytes that are not a session (or
+    damaged) are one part: the session's own checks refuse them when they are loaded. views: the parts as
+    read-only views of `data` (bytes), not copies."""
     start = len(SESSION_MAGIC)
     try:
         if not data.startswith(SESSION_MAGIC) or len(data) < start + 8 + 32:
@@ -118,11 +119,31 @@ def session_parts(data: bytes) -> list[bytes]:
         if cut[-1] != len(data) - 32:
             raise ValueError("blob sizes do not add up")
     except (ValueError, KeyError, TypeError):
-        return [data]
-    parts = [data[: cut[0]]]
-    parts += [data[a:b] for a, b in zip(cut, cut[1:], strict=False)]
-    parts.append(data[cut[-1] :])
+        return [memoryview(data) if views else data]
+    whole = memoryview(data) if views else data
+    parts = [whole[: cut[0]]]
+    parts += [whole[a:b] for a, b in zip(cut, cut[1:], strict=False)]
+    parts.append(whole[cut[-1] :])
     return parts
+
+
+def known_digests(
+    parts: Sequence[bytes | memoryview], data: bytes, digests: Sequence[str]
+) -> list[str | None]:
+    """Per part of `parts` (`MemorySession.to_parts` of a session loaded from `data`), the SHA-256 (hex)
+    it is known to have: a part that is a view of `data`'s own part k (a state the session did not change)
+    has `digests[k]` (a store's record: its bytes and the digests of its parts, in order, as the store
+    checked them); None for the rest (new bytes, to be hashed). Matched by address, not by content."""
+    old = session_parts(data, views=True)
+    if len(old) != len(digests):  # a record of one blob (written before parts), or damaged
+        return [None] * len(parts)
+    known = {(_address(view), len(view)): digest for view, digest in zip(old, digests, strict=True)}
+    return [known.get((_address(p), len(p))) if isinstance(p, memoryview) else None for p in parts]
+
+
+def _address(view: memoryview) -> int:
+    """Where the bytes of `view` start in memory."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
 
 
 # ------------------------------------------------------------------------------------------ JSON
@@ -169,16 +190,22 @@ def _course(session: MemorySession, event) -> dict[str, Any]:
     }
 
 
-def read_json(session: MemorySession, ids: list[int]) -> dict[str, Any]:
+def read_json(session: MemorySession, ids: list[int], *, once: bool = False) -> dict[str, Any]:
     """The session reads `ids`: what the read route answers (the pooled surprise and gates, the loss, whether
-    the memory kept it, the guard's event)."""
-    result = session.read(ids)
-    return {
-        **read_stats((result.stats or {}).values(), result.tokens),
-        **_course(session, result.event),
-        "kept": result.kept,
-        "loss": result.to_dict()["loss"],
-    }
+    the memory kept it, the guard's event).
+
+    once: the session is used for this read only (a server's: stored as bytes, then dropped). The read runs
+    in `torch.inference_mode`: the same numbers, bit for bit, with less bookkeeping per torch op (about a
+    tenth of a small model's forward on CPU); its new state is made of inference tensors, which no later
+    autograd or in-place update may touch."""
+    with torch.inference_mode(once):
+        result = session.read(ids)
+        return {
+            **read_stats((result.stats or {}).values(), result.tokens),
+            **_course(session, result.event),
+            "kept": result.kept,
+            "loss": result.to_dict()["loss"],
+        }
 
 
 def generate_json(
@@ -249,6 +276,7 @@ __all__ = [
     "DEFAULT_MAX_SNAPSHOTS",
     "Engine",
     "generate_json",
+    "known_digests",
     "memory_norms",
     "read_json",
     "read_stats",

@@ -77,31 +77,64 @@ class Record:
         return not self.missing and checksum(self.data) == self.checksum
 
 
+class KnownParts(list):
+    """Parts (bytes) with what their writer already knows of them: `checksum`, the SHA-256 (hex) of their
+    joined bytes, and `digests`, per part its SHA-256 (hex) or None. The stores here hash only the parts
+    whose digest is not known (a session's new state, not the snapshots it kept); any other store sees a
+    list of bytes. The writer vouches for them: they are stored as given."""
+
+    def __init__(self, parts: Sequence[bytes], checksum: str, digests: Sequence[str | None]) -> None:
+        super().__init__(parts)
+        if len(digests) != len(self):
+            raise ValueError(f"KnownParts: {len(digests)} digests for {len(self)} parts")
+        self.checksum, self.digests = checksum, list(digests)
+
+
 @dataclass(frozen=True)
 class _Parts:
     """A record's bytes as stored: digests in order, the distinct parts by digest, sizes."""
 
     order: tuple[str, ...]
-    blobs: dict[str, bytes]
+    blobs: dict[str, bytes | memoryview]
     checksum: str
     size: int  # bytes stored (distinct parts)
 
     @classmethod
     def of(cls, data: bytes | Sequence[bytes]) -> _Parts:
-        pieces = [bytes(data)] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
-        blobs: dict[str, bytes] = {}
+        pieces = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+        known = data.digests if isinstance(data, KnownParts) else [None] * len(pieces)
+        whole = None if isinstance(data, KnownParts) else hashlib.sha256()
+        blobs: dict[str, bytes | memoryview] = {}
         order = []
-        whole = hashlib.sha256()
-        for piece in pieces:
-            piece = bytes(piece)
-            whole.update(piece)
-            digest = checksum(piece)
+        for piece, digest in zip(pieces, known, strict=True):
+            piece = _frozen(piece)
+            if whole is not None:
+                whole.update(piece)
+            digest = digest or checksum(piece)
             blobs.setdefault(digest, piece)
             order.append(digest)
-        return cls(tuple(order), blobs, whole.hexdigest(), sum(len(b) for b in blobs.values()))
+        total = data.checksum if whole is None else whole.hexdigest()
+        return cls(tuple(order), blobs, total, sum(len(b) for b in blobs.values()))
 
     def joined(self) -> bytes:
         return b"".join(self.blobs[d] for d in self.order)
+
+
+def _frozen(piece: bytes | bytearray | memoryview) -> bytes | memoryview:
+    """`piece` as bytes that cannot change after they are hashed: bytes, or a read-only byte view of
+    immutable bytes (a session's unchanged states are views of the record they were read from: stored
+    from the view, they are not copied); anything else copied."""
+    if isinstance(piece, bytes):
+        return piece
+    if (
+        isinstance(piece, memoryview)
+        and piece.readonly
+        and isinstance(piece.obj, bytes)
+        and piece.format == "B"
+        and piece.contiguous
+    ):
+        return piece
+    return bytes(piece)
 
 
 def _assemble(order: Sequence[str], found: dict[str, bytes]) -> tuple[bytes, bool]:
@@ -622,6 +655,7 @@ def open_store(url: str, *, pool_size: int = DEFAULT_POOL_SIZE) -> SessionStore:
 
 __all__ = [
     "DEFAULT_POOL_SIZE",
+    "KnownParts",
     "Record",
     "RedisStore",
     "STORES",

@@ -58,8 +58,10 @@ DEPTHS = (1, 2)
 _ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
 
 
+@functools.cache
 def triton_available() -> bool:
-    """Whether the `triton` package is installed (without importing it)."""
+    """Whether the `triton` package is installed (without importing it). Looked up once per process: the
+    memory asks on every call, and a lookup of a package that is not installed searches every path entry."""
     return importlib.util.find_spec("triton") is not None
 
 
