@@ -163,8 +163,8 @@ class Ledger:
 
 def text_of(tokens: int, rng: random.Random) -> str:
     words = ["memory", "whale", "surprise", "gradient", "ocean", "Ahab", "token", "the", "a", "of", "sea"]
-    out = []
-    while sum(len(w) + 1 for w in out) < tokens:
+    out: list[str] = []
+    while len(" ".join(out)) < tokens:  # exactly `tokens` bytes (the byte tokenizer), cut mid-word if needed
         out.append(rng.choice(words))
     return " ".join(out)[:tokens]
 
