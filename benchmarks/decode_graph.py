@@ -26,6 +26,20 @@ from bench_utils import Timer, machine_info, save_json, timing_summary
 from decode_ops import _count
 
 
+def decode_setup(preset: str, variant: str, threads: int) -> tuple[dict, torch.nn.Module, int]:
+    """The decode benchmarks' common start: torch threads set, the machine described, a randomly
+    initialised model of ``preset`` / ``variant`` (seed 0) in eval mode and its chunk/segment cycle."""
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)
+    machine = machine_info()
+    from titans import TitansConfig, TitansLM
+    from titans.models.decode_graph import decode_cycle
+
+    torch.manual_seed(0)
+    model = TitansLM(TitansConfig.preset(preset, variant=variant)).eval()
+    return machine, model, decode_cycle(model)
+
+
 def run_path(model, path: str, logits, state, args, cycle: int) -> dict:
     from titans.models.decode_graph import StaticDecoder
 
@@ -86,16 +100,8 @@ def main() -> None:
     args = p.parse_args()
     if args.batch < 1:
         p.error(f"--batch must be at least 1, got {args.batch}")
-    torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)
-    machine = machine_info()
-    from titans import TitansConfig, TitansLM
-    from titans.models.decode_graph import decode_cycle
-
-    torch.manual_seed(0)
-    cfg = TitansConfig.preset(args.preset, variant=args.variant)
-    model = TitansLM(cfg).eval()
-    cycle = decode_cycle(model)
+    machine, model, cycle = decode_setup(args.preset, args.variant, args.threads)
+    cfg = model.config
     args.steps = math.ceil(args.steps / cycle) * cycle
     with torch.no_grad():
         out, state = model(torch.randint(0, cfg.vocab_size, (args.batch, args.context)), last_only=True)

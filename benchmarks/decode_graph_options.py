@@ -26,7 +26,8 @@ import statistics
 
 import torch
 
-from bench_utils import Timer, machine_info, save_json, timing_summary
+from bench_utils import Timer, save_json, timing_summary
+from decode_graph import decode_setup
 
 SETTINGS = {
     "blas": {"mm": "blas"},
@@ -59,16 +60,10 @@ def main() -> None:
     p.add_argument("--check-cycles", type=int, default=2)
     p.add_argument("--json", default=None, help="write the results here (a path, or a name in results/)")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)
-    machine = machine_info()
-    from titans import TitansConfig, TitansLM
-    from titans.models.decode_graph import StaticDecoder, decode_cycle
+    machine, model, cycle = decode_setup(args.preset, args.variant, args.threads)
+    cfg = model.config
+    from titans.models.decode_graph import StaticDecoder
 
-    torch.manual_seed(0)
-    cfg = TitansConfig.preset(args.preset, variant=args.variant)
-    model = TitansLM(cfg).eval()
-    cycle = decode_cycle(model)
     names = args.settings.split(",")
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:
