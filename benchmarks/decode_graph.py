@@ -1,17 +1,19 @@
 """Marginal decode cost of one token: the eager step (`TitansLM.forward` on one token) against the static
 decoder (`titans.models.decode_graph.StaticDecoder`: fixed state buffers, one step per chunk/segment
-phase) run eagerly and compiled with `torch.compile`, side by side in one process.
+phase) run eagerly, compiled with `torch.compile` and, on a CUDA device, replayed as CUDA graphs
+(`--paths ...,cuda_graph`), side by side in one process.
 
 A model (random weights, float32, `--preset`, `--variant`) reads a `--context` of random tokens in each of
 `--batch` rows, then each path decodes `--steps` greedy tokens from that same state, after `--warmup`
-untimed steps (which include the compilation: its time is reported separately). Reported per path: median
+untimed steps (which include the compilation: its time is reported separately). On CUDA each step's time
+runs to the device's synchronisation (a sampler reads the token on the host anyway). Reported per path: median
 and best-burst ms per token (per step: one token in each row) over whole chunk/segment cycles
 (`decode_cycle`), the largest logit difference from the eager step, and with `--ops` the compute operators
 per step (`decode_ops.py`'s count: leaf ATen operators; inside a compiled step only those left outside its
 generated code).
 
     python benchmarks/decode_graph.py [--variant mac] [--preset tiny] [--batch 1] [--threads 2] [--steps 256]
-        [--paths eager,static,compiled] [--json decode_graph_tiny_mac_cpu]
+        [--paths eager,static,compiled] [--device cpu] [--json decode_graph_tiny_mac_cpu]
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ from bench_utils import Timer, machine_info, save_json, timing_summary
 from decode_ops import _count
 
 
-def decode_setup(preset: str, variant: str, threads: int) -> tuple[dict, torch.nn.Module, int]:
+def decode_setup(
+    preset: str, variant: str, threads: int, device: str = "cpu"
+) -> tuple[dict, torch.nn.Module, int]:
     """The decode benchmarks' common start: torch threads set, the machine described, a randomly
-    initialised model of ``preset`` / ``variant`` (seed 0) in eval mode and its chunk/segment cycle."""
+    initialised model of ``preset`` / ``variant`` (seed 0) on ``device`` in eval mode and its chunk/segment
+    cycle."""
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
     machine = machine_info()
@@ -36,7 +41,7 @@ def decode_setup(preset: str, variant: str, threads: int) -> tuple[dict, torch.n
     from titans.models.decode_graph import decode_cycle
 
     torch.manual_seed(0)
-    model = TitansLM(TitansConfig.preset(preset, variant=variant)).eval()
+    model = TitansLM(TitansConfig.preset(preset, variant=variant)).to(device).eval()
     return machine, model, decode_cycle(model)
 
 
@@ -51,14 +56,15 @@ def run_path(model, path: str, logits, state, args, cycle: int) -> dict:
             out, state = model(token, state)
             return out[:, -1]
     else:
-        decoder = StaticDecoder(model, state, mode="eager" if path == "static" else "compile")
+        decoder = StaticDecoder(model, state, mode={"static": "eager", "compiled": "compile"}.get(path, path))
         step = decoder.step
+    sync = torch.cuda.synchronize if logits.is_cuda else None
     token = logits.argmax(-1, keepdim=True)
     warmup = math.ceil(args.warmup / cycle) * cycle  # every phase's step compiled before timing
     times, all_logits = [], []
     with torch.no_grad(), Timer() as total:
         for i in range(warmup + args.steps):
-            with Timer() as clock:
+            with Timer(sync) as clock:
                 out = step(token)
                 token = out.argmax(-1, keepdim=True)
             if i == warmup - 1:
@@ -94,21 +100,24 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=256, help="timed steps (rounded up to whole cycles)")
     p.add_argument("--warmup", type=int, default=8, help="untimed steps (rounded up to a whole cycle)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--paths", default="eager,static,compiled")
+    p.add_argument("--paths", default="eager,static,compiled", help="also cuda_graph, on --device cuda")
+    p.add_argument("--device", default="cpu")
     p.add_argument("--ops", action="store_true", help="also count operators per step (one cycle, profiled)")
     p.add_argument("--json", default=None, help="write the results here (a path, or a name in results/)")
     args = p.parse_args()
     if args.batch < 1:
         p.error(f"--batch must be at least 1, got {args.batch}")
-    machine, model, cycle = decode_setup(args.preset, args.variant, args.threads)
+    machine, model, cycle = decode_setup(args.preset, args.variant, args.threads, args.device)
     cfg = model.config
     args.steps = math.ceil(args.steps / cycle) * cycle
     with torch.no_grad():
-        out, state = model(torch.randint(0, cfg.vocab_size, (args.batch, args.context)), last_only=True)
+        prompt = torch.randint(0, cfg.vocab_size, (args.batch, args.context), device=args.device)
+        out, state = model(prompt, last_only=True)
     rows = [run_path(model, path, out[:, -1], state, args, cycle) for path in args.paths.split(",")]
     ref = rows[0]["logits"]
     print(
-        f"{args.variant} {args.preset}, batch {args.batch}, {args.threads} threads, context {args.context}, "
+        f"{args.variant} {args.preset} on {args.device}, batch {args.batch}, {args.threads} threads, "
+        f"context {args.context}, "
         f"{args.steps} tokens"
         + (f" (ms/token: per step, one token in each of {args.batch} rows)" if args.batch > 1 else "")
     )

@@ -10,7 +10,11 @@ share the preset's sizes (dim, depth, heads, window = segment_len, chunk_size), 
 with like; the memory variants carry the memory's extra parameters.
 
     python benchmarks/gpu_throughput.py [--preset 170M] [--seqs 2048,8192] [--variants mac,mag,...]
-        [--modes eager,graphs,kernels,kernels+graphs]
+        [--modes eager,graphs,kernels,kernels+graphs] [--rows 2048:mac:kernels+graphs,...]
+
+`--rows` runs just the listed seq:variant:mode rows, in that order (no memory-alone rows unless
+`--memory-backends` names some): `gpu_suite.py` puts the rows a goal needs first. Each row is printed as a
+JSON line as soon as it is measured.
 """
 
 from __future__ import annotations
@@ -116,7 +120,12 @@ def main() -> None:
         default="eager,graphs,kernels,kernels+graphs",
         help="eager, graphs (CUDA graph replay), kernels (the memory's Triton kernels), kernels+graphs",
     )
-    p.add_argument("--memory-backends", default="torch,triton", help="memory-alone rows: torch and/or triton")
+    p.add_argument(
+        "--memory-backends",
+        default=None,
+        help="memory-alone rows: torch and/or triton (default both; none with --rows)",
+    )
+    p.add_argument("--rows", default="", help="seq:variant:mode,... instead of --seqs x --variants x --modes")
     p.add_argument("--out", default="gpu_throughput", help="a path, or a name in benchmarks/results/")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -132,18 +141,26 @@ def main() -> None:
             rows.append(fn(*a, args))
         except torch.OutOfMemoryError:
             rows.append({"args": [str(x) for x in a], "error": "out of GPU memory"})
+        except Exception as e:  # a kernel that fails to build: recorded, and the other rows still run
+            rows.append({"args": [str(x) for x in a], "error": f"{type(e).__name__}: {e}"[:400]})
         gc.collect()  # a captured graph holds its memory pool until it is collected
         torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), flush=True)
 
-    for seq in seqs:
+    for row in filter(None, args.rows.split(",")):
+        seq, variant, mode = row.split(":")
+        run(model_row, variant, int(seq), mode)
+    default_backends = "" if args.rows else "torch,triton"
+    backends = [b for b in (args.memory_backends or default_backends).split(",") if b]
+    for seq in [] if args.rows else seqs:
         for variant in args.variants.split(","):
             for mode in args.modes.split(","):
                 if mode.startswith("kernels") and variant in ("swa", "transformer"):
                     continue  # no memory: the kernels change nothing
                 run(model_row, variant, seq, mode)
+    for seq in seqs if backends else []:
         for dtype in ("fp32", "bf16"):
-            for backend in args.memory_backends.split(","):
+            for backend in backends:
                 run(memory_row, seq, dtype, backend)
 
     name = machine["gpu"]

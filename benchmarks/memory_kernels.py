@@ -52,7 +52,8 @@ def case(args: argparse.Namespace, seq: int, depth: int, hidden: int) -> dict:
 
     inputs, w, s = _problem(args, seq, depth, hidden)
     kw = {"chunk_size": args.chunk, "activation": "silu", "surprise_clip": 1.0}
-    leaves = [x.requires_grad_(i < 3) for i, x in enumerate(inputs)] + [x.requires_grad_() for x in w + s]
+    # every input learns, as in a model: q, k, v, the gates, the initial weights and momentum
+    leaves = [x.requires_grad_() for x in (*inputs, *w, *s)]
     ops = {"triton": (neural_memory_triton, False), "torch": (neural_memory_chunked, True)}
 
     def call(name: str):

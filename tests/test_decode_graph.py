@@ -39,20 +39,23 @@ def _tensors(obj) -> list[torch.Tensor]:
     return []
 
 
-def _assert_states_close(got, want) -> None:
+def _assert_states_close(got, want, tol: float = 1e-5) -> None:
     assert got.position == want.position
     a, b = _tensors(got.layers), _tensors(want.layers)
     assert [t.shape for t in a] == [t.shape for t in b]
     for x, y in zip(a, b):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x, y, rtol=tol, atol=tol)
 
 
-def _compare(model: TitansLM, mode: str, steps: int = 13, batch: int = 2, **kwargs) -> StaticDecoder:
+def _compare(
+    model: TitansLM, mode: str, steps: int = 13, batch: int = 2, tol: float = 1e-5, **kwargs
+) -> StaticDecoder:
     """Step the eager model and a StaticDecoder from the same prefilled state, greedily, asserting at every
     step that their logits, greedy tokens and states agree; returns the decoder after `steps` steps (from
     a 7-token prompt)."""
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.config.vocab_size, (batch, 7), generator=gen)
+    prompt = prompt.to(next(model.parameters()).device)
     with torch.no_grad():
         logits, state = model(prompt)
         decoder = StaticDecoder(model, state, mode=mode, **kwargs)
@@ -62,15 +65,26 @@ def _compare(model: TitansLM, mode: str, steps: int = 13, batch: int = 2, **kwar
             want, state = model(token, state)
             logits = want[:, -1]
             got = decoder.step(token)
-            torch.testing.assert_close(got, logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got, logits, rtol=tol, atol=tol)
             assert torch.equal(got.argmax(-1), logits.argmax(-1))
-            _assert_states_close(decoder.state(), state)
+            _assert_states_close(decoder.state(), state, tol)
     return decoder
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_static_step_equals_eager(variant):
     decoder = _compare(_model(variant), "eager")  # asserts every step's logits and state
+    assert decoder.state().position == 7 + 13
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["cuda_graph", "compile"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_static_step_on_cuda_equals_eager(variant, mode):
+    """On a GPU: the step replayed as a CUDA graph (and compiled) equals the eager step, the eager memory on
+    the Triton kernels; float32 both, tf32 off (torch's default)."""
+    decoder = _compare(_model(variant).cuda(), mode, tol=1e-4)
     assert decoder.state().position == 7 + 13
 
 

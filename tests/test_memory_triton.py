@@ -4,15 +4,21 @@ streaming, the `backend` choice. GPU-only checks are marked `cuda`."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
-# before anything imports triton's kernels: they are decorated (interpreted or compiled) at import
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# before anything imports triton's kernels: they are decorated (interpreted or compiled) at import. Where
+# a GPU is at hand the kernels are compiled for it (the `cuda` tests), and the interpreted tests skip
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import logging  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -28,8 +34,9 @@ from titans.ops.memory import (  # noqa: E402
 from titans.ops.memory import triton_chunk as memory_triton  # noqa: E402
 
 F64 = torch.float64
+HOPPER_SHARED = 232_448  # bytes of shared memory a block may use on an H100 / H200 (227 KB)
 interpreted = pytest.mark.skipif(
-    not memory_triton.interpreting(), reason="TRITON_INTERPRET was set to 0 before this module ran"
+    not memory_triton.interpreting(), reason="kernels compiled for the GPU here (TRITON_INTERPRET unset or 0)"
 )
 
 
@@ -401,3 +408,20 @@ def test_depth_3_and_4_refused_by_name_and_auto_runs_torch(depth, monkeypatch, c
     assert len(said) == 1 and "torch" in said[0] and f"memory depth {depth}" in said[0], said
     y_torch, state_torch = _memory(backend="torch", depth=depth)(x)
     assert torch.equal(y, y_torch) and torch.equal(state.weights[-1], state_torch.weights[-1])
+
+
+@pytest.mark.slow  # two kernels compiled for a GPU by Triton's own compiler: ~40 s of one CPU core
+def test_kernels_build_for_hopper_within_its_shared_memory():
+    """The presets' memory (depth 2, head 64, hidden 128, chunk 64; bf16 q, k, v, tf32) compiled here, with
+    no GPU, for an H100 / H200 (compute capability 9.0): both kernels build, and each fits in the 227 KB of
+    shared memory a block may use there (else the backward runs the torch fallback at torch's speed). The
+    interpreter above checks the maths; this checks what only the compiler sees."""
+    code = (
+        "import json; from titans.ops.memory.triton_chunk import shared_memory; "
+        "print(json.dumps(shared_memory(2, 64, 128, 64, capability=90)))"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    used = json.loads(run.stdout.strip().splitlines()[-1])
+    assert used["forward"] <= HOPPER_SHARED and used["backward"] <= HOPPER_SHARED, used

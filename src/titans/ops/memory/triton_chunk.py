@@ -133,6 +133,78 @@ def _num_warps(dim: int, hidden: int, chunk: int) -> int:
 _NUM_STAGES = int(os.environ.get("TITANS_MEMORY_TRITON_STAGES", 1))
 
 
+def _constants(config, dim: int, hidden: int, depth: int, precision: str) -> dict:
+    """The compile-time arguments both kernels take (config: activation, residual, clip, chunk), with the
+    launch's warps and stages."""
+    activation, residual, clip, b = config
+    return dict(
+        D=dim,
+        H1=hidden,
+        BD=_block(dim),
+        BH=_block(hidden),
+        BC=_block(b),
+        CHUNK=b,
+        DEPTH=depth,
+        ACT=_ACT_CODES[activation],
+        RESIDUAL=bool(residual),
+        CLIP=clip is not None,
+        PREC=precision,
+        num_warps=_num_warps(dim, hidden, b),
+        num_stages=_NUM_STAGES,
+    )
+
+
+def shared_memory(
+    depth: int,
+    head_dim: int,
+    hidden: int,
+    chunk: int,
+    *,
+    capability: int = 90,
+    activation: str = "silu",
+    residual: bool = False,
+    clip: float | None = 1.0,
+    precision: str = "tf32",
+    qkv_dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, int]:
+    """Bytes of shared memory the forward and backward kernels need per program for a memory of this shape
+    on a CUDA device of compute `capability` (90: H100 / H200), compiled here with the launch's own
+    constants: no GPU needed (Triton ships the compiler and `ptxas`), a few seconds to a minute per kernel
+    on a CPU. Compare with the device's limit per block (227 KB = 232,448 bytes on an H100 / H200): a
+    backward over it runs the torch fallback. Needs TRITON_INTERPRET unset (the kernels compiled, not
+    interpreted). A compile error (a kernel Triton cannot build for that device) is raised."""
+    if interpreting():
+        raise RuntimeError("shared_memory compiles the kernels: unset TRITON_INTERPRET first")
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    hidden = head_dim if depth == 1 else hidden
+    scalars = {"T", "g_sn", "g_st", "n_full", "n_chunks", "n_saved", "save_until"}
+    constants = _constants((activation, residual, clip, chunk), head_dim, hidden, depth, precision)
+    options = {k: constants.pop(k) for k in ("num_warps", "num_stages")}
+
+    def kind(arg: str) -> str:
+        """Triton's type for a kernel argument: q, k, v of `qkv_dtype`, every other tensor float32."""
+        if arg in consts:
+            return "constexpr"
+        if arg in ("Q", "K", "V"):
+            return "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[qkv_dtype]
+        return "fp32" if arg == "clip" else "i32" if arg in scalars else "*fp32"
+
+    out = {}
+    rows = min(_block(chunk), BACKWARD_ROWS)
+    for name, consts in (
+        ("forward", {**constants, "SAVE_EVERY": 1}),
+        ("backward", {**constants, "RB": rows}),
+    ):
+        kernel = _kernels().memory_chunks_fwd if name == "forward" else _kernels().memory_chunks_bwd
+        signature = {arg: kind(arg) for arg in kernel.arg_names}
+        source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=consts)
+        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+        out[name] = compiled.metadata.shared
+    return out
+
+
 # shapes whose backward kernel needs more shared memory than the device has (found at the first try)
 _UNFIT: set[tuple] = set()
 
@@ -146,7 +218,7 @@ def _launch(config, q, k, v, gates, states, save_every: int, save_tail: bool):
     strides; states: per layer (N, 2, d_in, d_out). Returns y (N, T, d), norm (N, T), the new states (like
     `states`) and per layer the saved chunk-start states (N, n_saved, 2, d_in, d_out): of every
     `save_every`-th complete chunk (none if 0), and with `save_tail` of the trailing partial chunk too."""
-    activation, residual, clip, b = config
+    clip, b = config[2:]
     n_seq, seq, dim = q.shape
     n_full = seq // b
     depth = len(states)
@@ -183,20 +255,8 @@ def _launch(config, q, k, v, gates, states, save_every: int, save_tail: bool):
         n_saved,
         save_until,
         float(clip) if clip is not None else 0.0,
-        D=dim,
-        H1=hidden,
-        BD=_block(dim),
-        BH=_block(hidden),
-        BC=_block(b),
-        CHUNK=b,
-        DEPTH=depth,
-        ACT=_ACT_CODES[activation],
-        RESIDUAL=bool(residual),
-        CLIP=clip is not None,
+        **_constants(config, dim, hidden, depth, _precision(q)),
         SAVE_EVERY=save_every if n_saved else 0,
-        PREC=_precision(q),
-        num_warps=_num_warps(dim, hidden, b),
-        num_stages=_NUM_STAGES,
     )
     return y, norm, new_states, saved
 
@@ -310,7 +370,7 @@ class _TritonChunks(torch.autograd.Function):
 
 def _fused_backward(ctx, g_y, g_norm, *g_final):
     """`_TritonChunks.backward` by the backward kernel (every chunk's start state saved)."""
-    activation, residual, clip, b, _ = ctx.config
+    clip, b = ctx.config[2:4]
     depth = ctx.depth
     q, k, v, *gates = ctx.saved_tensors[:6]
     final, saved = ctx.saved_tensors[6 : 6 + depth], ctx.saved_tensors[6 + depth :]
@@ -349,20 +409,8 @@ def _fused_backward(ctx, g_y, g_norm, *g_final):
         n_full,
         -(-seq // b),
         float(clip) if clip is not None else 0.0,
-        D=dim,
-        H1=hidden,
-        BD=_block(dim),
-        BH=_block(hidden),
-        BC=_block(b),
+        **_constants(ctx.config[:4], dim, hidden, depth, _precision(q)),
         RB=min(_block(b), BACKWARD_ROWS),
-        CHUNK=b,
-        DEPTH=depth,
-        ACT=_ACT_CODES[activation],
-        RESIDUAL=bool(residual),
-        CLIP=clip is not None,
-        PREC=_precision(q),
-        num_warps=_num_warps(dim, hidden, b),
-        num_stages=_NUM_STAGES,
     )
     g_qkv = [g.to(x.dtype) if need else None for g, x, need in zip((g_q, g_k, g_v), (q, k, v), needs[:3])]
     g_gates = [g.to(x.dtype) if need else None for g, x, need in zip(g_gates, gates, needs[3:6])]

@@ -317,7 +317,9 @@ def memory_chunks_bwd(
         if DEPTH == 2:
             w2 = tl.load(SAVE2 + base + off2, mask=m2, other=0.0).to(tl.float32)
             s2 = tl.load(SAVE2 + base + size1 + off2, mask=m2, other=0.0).to(tl.float32)
-        _, _, _, t0, log_a, log_e = _coef_terms(
+        # (no `_` for the unused returns: rebound to another type in the row loop below, it would be a
+        # loop-carried variable whose type changes, which Triton's compiler refuses)
+        theta_c, t1_c, eb_c, t0, log_a, log_e = _coef_terms(
             TH + gates, LE + gates, LK + gates, g_st, c, n_full, rm, CHUNK, BC
         )
         a = tl.exp(log_a)
@@ -345,6 +347,21 @@ def memory_chunks_bwd(
         if DEPTH == 2:
             n_w2 = a * g_w2
             n_s2 = carry * g_w2 + decay_s * g_s2
+        # the dots' state operands: at depth 2 each is read from memory (the saved start state, and the
+        # carried gradient put into G1 / G2 for it) just before the dots that use it, in every row block,
+        # rather than held in registers. A dot stages its operands in shared memory; loop-invariant ones
+        # are staged once for the whole row loop, and the twelve 64 x 128 float32 ones of the presets'
+        # size would need 384 KB, more than a Hopper SM has (227 KB); read where used, two at a time
+        # are live
+        if DEPTH == 2:
+            tl.debug_barrier()  # every thread done reading the last chunk's gradient from G1 / G2
+            tl.store(G1 + pid * 2 * size1 + off1, g_w1, mask=m1)
+            tl.store(G1 + pid * 2 * size1 + size1 + off1, g_s1, mask=m1)
+            tl.store(G2 + pid * 2 * size1 + off2, g_w2, mask=m2)
+            tl.store(G2 + pid * 2 * size1 + size1 + off2, g_s2, mask=m2)
+            tl.debug_barrier()  # visible to every thread of the program
+        else:
+            w1_d, gw1_d, gs1_d = w1, g_w1, g_s1
         # the chunk's rows, RB at a time: each row's terms depend on the chunk-start state alone
         for rb in range(0, BC // RB):
             rc = rb * RB + rr
@@ -357,18 +374,21 @@ def memory_chunks_bwd(
             v = tl.load(V + off, mask=mrd, other=0.0).to(tl.float32)
             gy = tl.load(GY + off, mask=mrd, other=0.0).to(tl.float32)
             g_norm = tl.load(GNORM + pid * T + rows, mask=mr, other=0.0).to(tl.float32)
-            theta, t1, eb, _, _, _ = _coef_terms(
+            theta, t1, eb, t0_r, log_a_r, log_e_r = _coef_terms(
                 TH + gates, LE + gates, LK + gates, g_st, c, n_full, rc, CHUNK, BC
             )
             gam = theta * tl.sum(t1, 0)
             bet = theta * eb
             # the chunk's forward, recomputed
-            zk = tl.dot(k, w1, input_precision=PREC)
+            if DEPTH == 2:
+                w1_d = tl.load(SAVE1 + base + off1, mask=m1, other=0.0).to(tl.float32)
+            zk = tl.dot(k, w1_d, input_precision=PREC)
             if DEPTH == 1:
                 out_k = zk
             else:
                 hk = _act(zk, ACT)
-                out_k = tl.dot(hk, w2, input_precision=PREC)
+                w2_d = tl.load(SAVE2 + base + off2, mask=m2, other=0.0).to(tl.float32)
+                out_k = tl.dot(hk, w2_d, input_precision=PREC)
             if RESIDUAL:
                 out_k += k
             d_out = 2.0 * (out_k - v)
@@ -377,7 +397,7 @@ def memory_chunks_bwd(
                 dd = tl.sum(d_out * d_out, 1)
                 sq = kk * dd
             else:
-                e = tl.dot(d_out, tl.trans(w2), input_precision=PREC)
+                e = tl.dot(d_out, tl.trans(w2_d), input_precision=PREC)
                 p = _act_grad(zk, ACT)
                 d_hid = e * p
                 hh = tl.sum(hk * hk, 1)
@@ -396,28 +416,32 @@ def memory_chunks_bwd(
 
             # 2. U = a^T (c_w d) and a^T (c_s d) per layer: gradients of the inputs, errors and coefficients
             if DEPTH == 1:
-                pw = tl.dot(k, g_w1, input_precision=PREC)
-                ps = tl.dot(k, g_s1, input_precision=PREC)
+                pw = tl.dot(k, gw1_d, input_precision=PREC)
+                ps = tl.dot(k, gs1_d, input_precision=PREC)
                 g_dout = c_w[:, None] * pw + c_s[:, None] * ps
                 g_cw = tl.sum(pw * d_out, 1)
                 g_cs = tl.sum(ps * d_out, 1)
-                g_k = tl.dot(c_w[:, None] * d_out, tl.trans(g_w1), input_precision=PREC)
-                g_k += tl.dot(c_s[:, None] * d_out, tl.trans(g_s1), input_precision=PREC)
+                g_k = tl.dot(c_w[:, None] * d_out, tl.trans(gw1_d), input_precision=PREC)
+                g_k += tl.dot(c_s[:, None] * d_out, tl.trans(gs1_d), input_precision=PREC)
             else:
-                pw = tl.dot(k, g_w1, input_precision=PREC)
-                ps = tl.dot(k, g_s1, input_precision=PREC)
+                gw1_d = tl.load(G1 + pid * 2 * size1 + off1, mask=m1, other=0.0)
+                gs1_d = tl.load(G1 + pid * 2 * size1 + size1 + off1, mask=m1, other=0.0)
+                pw = tl.dot(k, gw1_d, input_precision=PREC)
+                ps = tl.dot(k, gs1_d, input_precision=PREC)
                 g_dhid = c_w[:, None] * pw + c_s[:, None] * ps
                 g_cw = tl.sum(pw * d_hid, 1)
                 g_cs = tl.sum(ps * d_hid, 1)
-                g_k = tl.dot(c_w[:, None] * d_hid, tl.trans(g_w1), input_precision=PREC)
-                g_k += tl.dot(c_s[:, None] * d_hid, tl.trans(g_s1), input_precision=PREC)
-                pw2 = tl.dot(hk, g_w2, input_precision=PREC)
-                ps2 = tl.dot(hk, g_s2, input_precision=PREC)
+                g_k = tl.dot(c_w[:, None] * d_hid, tl.trans(gw1_d), input_precision=PREC)
+                g_k += tl.dot(c_s[:, None] * d_hid, tl.trans(gs1_d), input_precision=PREC)
+                gw2_d = tl.load(G2 + pid * 2 * size1 + off2, mask=m2, other=0.0)
+                gs2_d = tl.load(G2 + pid * 2 * size1 + size1 + off2, mask=m2, other=0.0)
+                pw2 = tl.dot(hk, gw2_d, input_precision=PREC)
+                ps2 = tl.dot(hk, gs2_d, input_precision=PREC)
                 g_dout = c_w[:, None] * pw2 + c_s[:, None] * ps2
                 g_cw += tl.sum(pw2 * d_out, 1)
                 g_cs += tl.sum(ps2 * d_out, 1)
-                g_hk = tl.dot(c_w[:, None] * d_out, tl.trans(g_w2), input_precision=PREC)
-                g_hk += tl.dot(c_s[:, None] * d_out, tl.trans(g_s2), input_precision=PREC)
+                g_hk = tl.dot(c_w[:, None] * d_out, tl.trans(gw2_d), input_precision=PREC)
+                g_hk += tl.dot(c_s[:, None] * d_out, tl.trans(gs2_d), input_precision=PREC)
 
             # 3. c = -(gamma, beta) * scale, and gamma, beta from the gates
             g_theta, g_le_rows, g_lk_rows = _coef_grads(
@@ -447,7 +471,8 @@ def memory_chunks_bwd(
                 # 5. the inner backprop: d_hid = e * act'(zk), e = d_out W2^T
                 g_e = g_dhid * p
                 g_zk = g_dhid * e * _act_second(zk, ACT)
-                g_dout += tl.dot(g_e, w2, input_precision=PREC)
+                w2_d = tl.load(SAVE2 + base + off2, mask=m2, other=0.0).to(tl.float32)
+                g_dout += tl.dot(g_e, w2_d, input_precision=PREC)
                 n_w2 += tl.dot(tl.trans(g_e), d_out, input_precision=PREC)
             # 6. d_out = 2 (M(k) - v), and the read y = M(q)
             g_v = -2.0 * g_dout
@@ -460,20 +485,21 @@ def memory_chunks_bwd(
             if DEPTH == 1:
                 n_w1 += tl.dot(tl.trans(k), g_ok, input_precision=PREC)
                 n_w1 += tl.dot(tl.trans(q), gy, input_precision=PREC)
-                g_k += tl.dot(g_ok, tl.trans(w1), input_precision=PREC)
-                g_q += tl.dot(gy, tl.trans(w1), input_precision=PREC)
+                g_k += tl.dot(g_ok, tl.trans(w1_d), input_precision=PREC)
+                g_q += tl.dot(gy, tl.trans(w1_d), input_precision=PREC)
             else:
-                g_hk += tl.dot(g_ok, tl.trans(w2), input_precision=PREC)
+                g_hk += tl.dot(g_ok, tl.trans(w2_d), input_precision=PREC)
                 n_w2 += tl.dot(tl.trans(hk), g_ok, input_precision=PREC)
                 g_zk += g_hk * p
-                zq = tl.dot(q, w1, input_precision=PREC)
+                w1_d = tl.load(SAVE1 + base + off1, mask=m1, other=0.0).to(tl.float32)
+                zq = tl.dot(q, w1_d, input_precision=PREC)
                 hq = _act(zq, ACT)
                 n_w2 += tl.dot(tl.trans(hq), gy, input_precision=PREC)
-                g_zq = tl.dot(gy, tl.trans(w2), input_precision=PREC) * _act_grad(zq, ACT)
+                g_zq = tl.dot(gy, tl.trans(w2_d), input_precision=PREC) * _act_grad(zq, ACT)
                 n_w1 += tl.dot(tl.trans(k), g_zk, input_precision=PREC)
                 n_w1 += tl.dot(tl.trans(q), g_zq, input_precision=PREC)
-                g_k += tl.dot(g_zk, tl.trans(w1), input_precision=PREC)
-                g_q += tl.dot(g_zq, tl.trans(w1), input_precision=PREC)
+                g_k += tl.dot(g_zk, tl.trans(w1_d), input_precision=PREC)
+                g_q += tl.dot(g_zq, tl.trans(w1_d), input_precision=PREC)
             tl.store(GQ + off, g_q, mask=mrd)
             tl.store(GK + off, g_k, mask=mrd)
             tl.store(GV + off, g_v, mask=mrd)
@@ -487,6 +513,8 @@ def memory_chunks_bwd(
         tl.store(GLE + pid * T + tokens, g_le, mask=done)
         tl.store(GLK + pid * T + tokens, g_lk, mask=done)
 
+    if DEPTH == 2:
+        tl.debug_barrier()  # every thread done reading the first chunk's gradient from G1 / G2
     tl.store(G1 + pid * 2 * size1 + off1, g_w1, mask=m1)
     tl.store(G1 + pid * 2 * size1 + size1 + off1, g_s1, mask=m1)
     if DEPTH == 2:
