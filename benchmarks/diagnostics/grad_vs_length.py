@@ -44,7 +44,8 @@ def measure(preset: str, variant: str, seq: int, overrides: dict, seed: int) -> 
             return row
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     row["max_abs_grad"] = max(g.abs().max().item() for g in grads)
-    row["grad_norm"] = torch.stack([g.norm() for g in grads]).norm().item()
+    norm = torch.stack([g.norm() for g in grads]).norm().item()
+    row["grad_norm"] = norm if norm < float("inf") else "inf"  # overflowed float32 (JSON has no inf)
     row["finite"] = all(bool(torch.isfinite(g).all()) for g in grads)
     row["seconds"] = round(clock.wall, 1)
     return row
@@ -77,7 +78,7 @@ def main() -> None:
             if "error" in row:
                 print(f"{name:<32}{seq:>8}  forward not finite", flush=True)
             else:
-                print(f"{name:<32}{seq:>8}{row['max_abs_grad']:>14.3g}{row['grad_norm']:>14.3g}"
+                print(f"{name:<32}{seq:>8}{row['max_abs_grad']:>14.3g}{float(row['grad_norm']):>14.3g}"
                       f"{row['seconds']:>7.0f}", flush=True)  # fmt: skip
     if args.out:
         payload = {"preset": args.preset, "variant": args.variant, "seed": args.seed, "rows": rows}
