@@ -235,12 +235,13 @@ def main() -> None:
         print(f"op depth {r['depth']} seq {r['seq']}: fwd {r['speedup_fwd']:.1f}x, fwd+bwd "
               f"{r['speedup_fwd_bwd']:.1f}x the torch loop, backward {r['triton_backward']}, "
               f"rel diff y {r['rel_diff_y']:.1e} grads {r['rel_diff_grads']:.1e}")  # fmt: skip
-    print(f"{'seq':>6} {'variant':<12}{'mode':<16}{'step ms':>9}{'tok/s':>10}{'GiB':>7}")
+    print(f"{'seq':>6} {'variant':<12}{'mode':<16}{'step ms':>9}{'tok/s':>10}{'GiB':>7}  weights")
     for key in ("train2k", "train8k"):
         for r in parts.get(key, {}).get("rows", []):
             if "tokens_per_s" in r:
                 print(f"{r['seq']:>6} {r['variant']:<12}{r['mode']:<16}{r['step_s'] * 1e3:>9.1f}"
-                      f"{r['tokens_per_s']:>10,.0f}{r['peak_reserved_gib']:>7.1f}")  # fmt: skip
+                      f"{r['tokens_per_s']:>10,.0f}{r['peak_reserved_gib']:>7.1f}  "
+                      f"{'finite' if r.get('weights_finite', True) else 'NOT finite'}")  # fmt: skip
             else:
                 print(f"{' '.join(r.get('args', [])):<34} {r.get('error', '')[:80]}")
     for g in _goals(parts):

@@ -40,7 +40,7 @@ def _timed(step, steps: int) -> tuple[float, float]:
 
 
 def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace) -> dict:
-    from titans import TitansConfig, TitansLM
+    from titans import NeuralMemory, TitansConfig, TitansLM
     from titans.training.cuda_graphs import GraphedMicroStep
 
     torch.manual_seed(0)
@@ -50,6 +50,9 @@ def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace) -> di
         args.preset, variant=variant, memory_checkpoint_every=every, memory_backend=backend
     )
     model = TitansLM(cfg).cuda()
+    for module in model.modules():  # as `titans train` runs it: no host sync per memory call
+        if isinstance(module, NeuralMemory):
+            module.check_finite = False
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     tokens = torch.randint(0, model.config.vocab_size, (args.batch, seq + 1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -70,6 +73,9 @@ def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace) -> di
         opt.zero_grad(set_to_none=graphed is None)
 
     sec, peak = _timed(step, args.steps)
+    # whether the timed steps kept the weights finite (a step of non-finite numbers takes as long, but the
+    # row then times a model that no longer trains)
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     return {
         "variant": variant,
         "mode": mode,
@@ -79,6 +85,7 @@ def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace) -> di
         "step_s": sec,
         "tokens_per_s": args.batch * seq / sec,
         "peak_reserved_gib": peak,
+        "weights_finite": finite,
     }
 
 
