@@ -15,7 +15,8 @@ computed in the kernel (no autograd graph through the coefficients). Two cases g
 step instead (`titans.ops.memory.chunk.run_chunks`, recomputed per group of chunks from the saved states,
 the coefficients by `chunk_mix`, and backpropagated: the same gradients at the torch path's speed):
 `checkpoint_every` (only every n-th state is kept), and a shape whose backward kernel needs more shared
-memory than the GPU has (found at its first backward, then remembered).
+memory than the GPU has (found at its first backward, then remembered). `shared_memory()` compiles both
+kernels for a given GPU on a machine without one and says what they need.
 
 Covered (`covered()`): depth 1 and 2 (`DEPTHS`; a deeper memory is refused by name), silu / gelu / relu,
 residual or not, clipping on or off, per-token gates with momentum or forgetting switched off, any chunk
@@ -183,7 +184,7 @@ def shared_memory(
     constants = _constants((activation, residual, clip, chunk), head_dim, hidden, depth, precision)
     options = {k: constants.pop(k) for k in ("num_warps", "num_stages")}
 
-    def kind(arg: str) -> str:
+    def kind(arg: str, consts: dict) -> str:
         """Triton's type for a kernel argument: q, k, v of `qkv_dtype`, every other tensor float32."""
         if arg in consts:
             return "constexpr"
@@ -198,7 +199,7 @@ def shared_memory(
         ("backward", {**constants, "RB": rows}),
     ):
         kernel = _kernels().memory_chunks_fwd if name == "forward" else _kernels().memory_chunks_bwd
-        signature = {arg: kind(arg) for arg in kernel.arg_names}
+        signature = {arg: kind(arg, consts) for arg in kernel.arg_names}
         source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=consts)
         compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
         out[name] = compiled.metadata.shared
