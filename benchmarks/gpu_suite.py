@@ -69,17 +69,18 @@ SLOW_TEST = (
 CAPS = {"tests": 240, "op": 150, "train2k": 360, "train8k": 180, "decode": 90, "rows": 60, "slowtests": 120}
 
 
-def _run(name: str, cmd: list[str], cap: float, log: Path, env: dict = {}) -> dict:  # noqa: B006
+def _run(name: str, cmd: list[str], cap: float, log: Path, env: dict | None = None) -> dict:
     """Run `cmd` for at most `cap` seconds (its whole process group killed past that), its output appended
     to `log`; returns the part's entry: command, seconds, exit code, whether it was cut, and every line of
     output that is a JSON object (the benchmarks' rows)."""
     clock = Timer.started()
     part_log = Path(tempfile.mkstemp(suffix=".log")[1])
-    env = {"PYTHONPATH": f"{ROOT / 'src'}:{HERE}", "PYTHONUNBUFFERED": "1", "TRITON_INTERPRET": "0", **env}
+    base = {"PYTHONPATH": f"{ROOT / 'src'}:{HERE}", "PYTHONUNBUFFERED": "1", "TRITON_INTERPRET": "0"}
+    env = {**os.environ, **base, **(env or {})}
     with part_log.open("w") as f:  # a file, not a pipe: a chatty part never blocks on a full pipe
         proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, **env},
+            env=env,
             start_new_session=True,
         )  # fmt: skip
         cut = False
