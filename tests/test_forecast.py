@@ -425,8 +425,17 @@ def test_seed_aggregate_counts_best_and_within_one_se_and_refuses_mixed_studies(
         aggregate_studies([doc(0, seeds[0]), doc(1, seeds[1], lr=1e-2)])
     with pytest.raises(ValueError, match="in one only"):
         aggregate_studies([doc(0, seeds[0]), doc(1, seeds[1], lookback=336)])
-    with pytest.raises(ValueError, match=r"seed\(s\) \[1\] appear in more than one input"):
+    with pytest.raises(ValueError, match=r"seed 1: a at horizon 96 appears in both study 0 and study 1"):
         aggregate_studies([doc(1, seeds[0]), doc(1, seeds[1])])
+    with pytest.raises(ValueError, match="both seed 1 but not the same budget"):
+        aggregate_studies([doc(1, {("a", 96): 0.5}), doc(1, {("a", 192): 0.5}, lr=1e-2)])
+    # one seed's runs split over several inputs (horizons run apart) are merged: the same aggregate
+    split = [
+        doc(s, {k: v for k, v in mse.items() if k[1] == h}) for s, mse in seeds.items() for h in (720, 96)
+    ]
+    merged = aggregate_studies(split)
+    assert merged["counts"] == agg["counts"] and merged["seeds"] == [0, 1, 2]
+    assert sorted(map(str, merged["rows"])) == sorted(map(str, agg["rows"]))
     with pytest.raises(ValueError, match="no study JSONs"):
         aggregate_studies([])
     broken = doc(2, seeds[2])

@@ -3,13 +3,14 @@
     agg = aggregate_studies([json.load(open(p)) for p in per_seed_jsons])
     print(aggregate_table(agg))
 
-Each input is the JSON ``titans forecast study`` writes for one series and one seed. Every input must be
-the same study but for the seed (same series, lookback, models, horizons and budget) and no seed may
-appear twice, so a mean never mixes settings or counts one run twice. Per (series, lookback, horizon,
-model) the aggregate holds, for the test MSE and MAE, the per-seed values in seed order, their mean, the
-sample standard deviation (``ddof=1``), the standard error of the mean (``std / sqrt(n)``) and the
-min-max; and the mean and min-max of the best checkpoint's step and training seconds. With a single seed
-``std`` and ``se`` are None (no spread can be measured).
+Each input is the JSON ``titans forecast study`` writes for one series and one seed. Every seed must be
+the same study but for the seed (same series, lookback, models, horizons and budget) and no run may
+appear twice, so a mean never mixes settings or counts one run twice; the inputs of one seed with
+disjoint runs (horizons 96 and 720 in one study, 192 and 336 in another) are merged into one study.
+Per (series, lookback, horizon, model) the aggregate holds, for the test MSE and MAE, the per-seed
+values in seed order, their mean, the sample standard deviation (``ddof=1``), the standard error of the
+mean (``std / sqrt(n)``) and the min-max; and the mean and min-max of the best checkpoint's step and
+training seconds. With a single seed ``std`` and ``se`` are None (no spread can be measured).
 
 A *cell* is one (series, lookback, horizon). In each cell and for each metric the best model has the
 lowest mean; a model is *within one SE* of it when its mean exceeds the best mean by at most the best
@@ -40,6 +41,10 @@ def _stats(values: list[float]) -> dict:
     }
 
 
+def _key(run: dict) -> tuple:
+    return (run["series"], run["lookback"], run["run"]["horizon"], run["run"]["model"])
+
+
 def _check(doc: object, where: str) -> None:
     """Refuse, naming the input, what is not a study JSON or lacks a field the aggregate reads."""
     if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list) or not doc["runs"]:
@@ -55,7 +60,7 @@ def _check(doc: object, where: str) -> None:
         ]
         if missing:
             raise ValueError(f"{where}: run {i} lacks {', '.join(missing)}")
-        key = (r["series"], r["lookback"], run["horizon"], run["model"])
+        key = _key(r)
         if key in keys:
             raise ValueError(f"{where}: {key[3]} at horizon {key[2]} appears twice")
         keys.add(key)
@@ -68,6 +73,43 @@ def _seed_of(doc: dict, where: str) -> int:
     return seeds.pop()
 
 
+def _merge_seeds(docs: list[dict], names: list[str]) -> tuple[list[dict], list[str]]:
+    """One study per seed: the inputs of one seed (e.g. horizons 96 and 720 in one study, 192 and 336 in
+    another) merged into one, if their budgets agree and no run appears in two of them."""
+    by_seed: dict[int, list[int]] = {}
+    for i, (doc, where) in enumerate(zip(docs, names)):
+        by_seed.setdefault(_seed_of(doc, where), []).append(i)
+    merged_docs, merged_names = [], []
+    for seed, idx in by_seed.items():
+        first = docs[idx[0]]
+        if len(idx) == 1:
+            merged_docs.append(first)
+            merged_names.append(names[idx[0]])
+            continue
+        seen: dict[tuple, str] = {}
+        for i in idx:
+            if docs[i].get("budget") != first.get("budget"):
+                raise ValueError(
+                    f"{names[i]} and {names[idx[0]]} are both seed {seed} but not the same budget"
+                )
+            for r in docs[i]["runs"]:
+                if _key(r) in seen:
+                    raise ValueError(
+                        f"seed {seed}: {_key(r)[3]} at horizon {_key(r)[2]} appears in both "
+                        f"{seen[_key(r)]} and {names[i]}: each seed's runs must be given once"
+                    )
+                seen[_key(r)] = names[i]
+        merged_docs.append(
+            {
+                **first,
+                "command": " ; ".join(str(docs[i].get("command")) for i in idx),
+                "runs": [r for i in idx for r in docs[i]["runs"]],
+            }
+        )
+        merged_names.append(" + ".join(names[i] for i in idx))
+    return merged_docs, merged_names
+
+
 def aggregate_studies(docs: list[dict], names: list[str] | None = None) -> dict:
     """Aggregate per-seed study JSONs (``titans forecast study`` output, one series each) over seeds.
 
@@ -77,16 +119,12 @@ def aggregate_studies(docs: list[dict], names: list[str] | None = None) -> dict:
     names = names or [f"study {i}" for i in range(len(docs))]
     for doc, where in zip(docs, names):
         _check(doc, where)
+    docs, names = _merge_seeds(docs, names)
     seeds = [_seed_of(d, w) for d, w in zip(docs, names)]
-    dup = sorted({s for s in seeds if seeds.count(s) > 1})
-    if dup:
-        raise ValueError(f"seed(s) {dup} appear in more than one input: each seed must be given once")
 
     def setting(doc: dict) -> dict:
         budget = {k: v for k, v in doc.get("budget", {}).items() if k != "seed"}
-        cells = sorted(
-            (r["series"], r["lookback"], r["run"]["horizon"], r["run"]["model"]) for r in doc["runs"]
-        )
+        cells = sorted(_key(r) for r in doc["runs"])
         return {"budget": budget, "cells": cells}
 
     ref = setting(docs[0])
@@ -108,17 +146,10 @@ def aggregate_studies(docs: list[dict], names: list[str] | None = None) -> dict:
 
     order = sorted(range(len(docs)), key=lambda i: seeds[i])
     rows: list[dict] = []
-    for series, lookback, horizon, model in dict.fromkeys(
-        (r["series"], r["lookback"], r["run"]["horizon"], r["run"]["model"]) for r in docs[0]["runs"]
-    ):
+    for series, lookback, horizon, model in dict.fromkeys(_key(r) for r in docs[0]["runs"]):
         per_seed = []
         for i in order:
-            (rec,) = [
-                r
-                for r in docs[i]["runs"]
-                if (r["series"], r["lookback"], r["run"]["horizon"], r["run"]["model"])
-                == (series, lookback, horizon, model)
-            ]
+            (rec,) = [r for r in docs[i]["runs"] if _key(r) == (series, lookback, horizon, model)]
             per_seed.append(rec)
         row = {
             "series": series,
