@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import socket
 import sqlite3
 import subprocess
@@ -455,6 +456,80 @@ def test_workers_are_shared_fairly_between_keys():
     order, most = asyncio.run(main())
     assert most == 2 and order[:2] == ["a0", "a1"]
     assert order.index("b0") == 2 and order.index("b1") <= 4, order
+
+
+def test_a_request_that_waited_for_its_session_keeps_its_place_in_line():
+    """Two workers, one busy with a long request. Session s has a read running on the other and a second
+    read waiting for it; then three reads of other sessions arrive. When the first read ends, the second
+    (the oldest waiting) runs next, not after the three that came in while its session was busy; and
+    within a key the slot goes by the `since` given, whatever the order of queueing."""
+
+    async def main() -> list[str]:
+        limiter, order = FairLimiter(2), []
+
+        async def read(name: str, sid: str, hold: float) -> None:
+            async with limiter.slot("k", sid=sid):
+                order.append(name)
+                await asyncio.sleep(hold)
+
+        tasks = [asyncio.create_task(read("long", "x", 0.15)), asyncio.create_task(read("s1", "s", 0.05))]
+        await asyncio.sleep(0.005)
+        tasks.append(asyncio.create_task(read("s2", "s", 0.001)))
+        await asyncio.sleep(0.005)
+        tasks += [asyncio.create_task(read(f"o{i}", f"o{i}", 0.001)) for i in range(3)]
+        await asyncio.gather(*tasks)
+        limiter = FairLimiter(1)
+
+        # queued in the order 3, 1, 2 behind a running request: served 1, 2, 3
+        async def job(tag: int, since: float) -> None:
+            async with limiter.slot("k", since=since):
+                order.append(f"t{tag}")
+                await asyncio.sleep(0.005)
+
+        now = asyncio.get_running_loop().time()
+        tasks = [asyncio.create_task(job(0, now))]
+        await asyncio.sleep(0.001)
+        tasks += [asyncio.create_task(job(t, now + t)) for t in (3, 1, 2)]
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(main()) == ["long", "s1", "s2", "o0", "o1", "o2", "t0", "t1", "t2", "t3"]
+
+
+def test_one_request_of_a_session_at_a_time_in_arrival_order():
+    """Random requests of two keys (two sessions each, and requests of no session) on three slots: never
+    two requests of one session at once, never more than three running, and each session's requests in
+    the order they asked."""
+
+    async def main() -> None:
+        limiter, rng = FairLimiter(3), random.Random(7)
+        running: dict[str, int] = {}
+        started: dict[str, list[int]] = {}
+
+        async def job(n: int, key: str, sid: str | None) -> None:
+            async with limiter.slot(key, sid=sid):
+                if sid is not None:
+                    running[sid] = running.get(sid, 0) + 1
+                    assert running[sid] == 1
+                    started.setdefault(sid, []).append(n)
+                assert limiter.free >= 0
+                await asyncio.sleep(rng.uniform(0.001, 0.01))
+                if sid is not None:
+                    running[sid] -= 1
+
+        tasks = []
+        for n in range(60):
+            sid = rng.choice(["a", "b", "c", "d", None])
+            key = {"a": "k1", "b": "k1", "c": "k2", "d": "k2"}.get(sid) or rng.choice(["k1", "k2"])
+            tasks.append(asyncio.create_task(job(n, key, sid)))  # a session belongs to one key
+            if rng.random() < 0.3:
+                await asyncio.sleep(0.002)
+        await asyncio.gather(*tasks)
+        assert limiter.free == 3 and not limiter._busy and not limiter._waiting
+        for order in started.values():
+            assert order == sorted(order)
+
+    asyncio.run(main())
 
 
 # ------------------------------------------------------------------------------------------ expiry

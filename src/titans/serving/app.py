@@ -5,13 +5,13 @@ events).
     app = create_app(engine, store, key_hashes=load_api_keys("keys.txt"))
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Consistency: requests to one session are serialised in this process (an asyncio lock per session id),
-different sessions run in parallel (the model work runs on `workers` threads, or `workers` processes:
-`titans.serving.workers`, each with a copy of the engine; the locks, limits and turns stay here). Each change
-reads the record, applies the operation and writes it back with compare-and-set on the record's
-version; if another server sharing the store wrote in between, the change starts again from the newer
-record (up to `conflict_retries` times, then 409). So an acknowledged change is applied exactly once
-and is in the store.
+Consistency: requests to one session are serialised in this process (`FairLimiter` runs one request of a
+session at a time, and otherwise the oldest request first), different sessions run in parallel (the
+model work runs on `workers` threads, or `workers` processes: `titans.serving.workers`, each with a copy
+of the engine; the limits and turns stay here). Each change reads the record, applies the operation and
+writes it back with compare-and-set on the record's version; if another server sharing the store wrote
+in between, the change starts again from the newer record (up to `conflict_retries` times, then 409). So
+an acknowledged change is applied exactly once and is in the store.
 
 Errors: every refused request gets a 4xx (or 503) whose body is `ErrorBody`, ``{"detail": ...}`` naming
 the problem, and every status a route can answer is declared in the OpenAPI schema with that body: 401
@@ -317,26 +317,6 @@ async def _nothing() -> Message:
     return {"type": "http.disconnect"}
 
 
-# ------------------------------------------------------------------------------------------ locks
-class SessionLocks:
-    """One asyncio lock per session id while anyone holds or waits for it (then it is dropped)."""
-
-    def __init__(self) -> None:
-        self._locks: dict[str, list] = {}
-
-    @asynccontextmanager
-    async def hold(self, sid: str):
-        entry = self._locks.setdefault(sid, [asyncio.Lock(), 0])
-        entry[1] += 1
-        try:
-            async with entry[0]:
-                yield
-        finally:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self._locks[sid]
-
-
 # ------------------------------------------------------------------------------------------ the service
 class SessionService:
     """The operations behind the routes: load, check ownership and integrity, apply, persist."""
@@ -346,7 +326,6 @@ class SessionService:
     ) -> None:
         self.engine, self.store, self.limits = engine, store, limits
         self.quotas = quotas or Quotas()
-        self.locks = SessionLocks()
         self.limiter = anyio.CapacityLimiter(workers)
         self.gate = KeyGate(self.quotas.max_concurrent)
         per_key = self.quotas.workers_per_key or max(1, workers // 2)
@@ -843,12 +822,8 @@ def create_app(
         async def execute() -> T:
             return await (service.call(*job) if isinstance(job, tuple) else service.run(job))
 
-        async with service.gate.hold(owner):
-            if sid is None:
-                async with service.fair.slot(owner):
-                    return await execute()
-            async with service.locks.hold(sid), service.fair.slot(owner):
-                return await execute()
+        async with service.gate.hold(owner), service.fair.slot(owner, sid=sid):
+            return await execute()
 
     async def locked(sid: str, owner: str, job: Callable[[], T] | tuple) -> T:
         return await gated(owner, job, sid)

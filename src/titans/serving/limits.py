@@ -22,11 +22,13 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import json
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -131,10 +133,19 @@ class KeyGate:
 
 
 class FairLimiter:
-    """`total` worker slots shared by keys. When slots free up, the waiting keys get them in turn
-    (round-robin), not in order of arrival, and a key already running `per_key` requests only after the
-    keys below that: a key with many queued requests delays another key's request by at most the rest of
-    one running request. A key alone may use every slot (no slot stays idle while work waits)."""
+    """`total` worker slots shared by keys, with the requests of one session run one at a time.
+
+    When slots free up, the waiting keys get them in turn (round-robin), not in order of arrival, and a
+    key already running `per_key` requests only after the keys below that: a key with many queued
+    requests delays another key's request by at most the rest of one running request. A key alone may use
+    every slot (no slot stays idle while work that may run waits).
+
+    Within a key, the request that reached the server first (`since`, default: when it asked) goes first
+    among those that may run: a request whose session is busy (`sid` given, and another request of that
+    session running) waits in line, keeps its place, and runs as soon as its session is free if it is
+    then the oldest. (A lock per session taken before joining the line sent each request of a busy session
+    to the back of the line once the one before it ended: a session with k requests waiting had its last
+    one wait k trips through the whole line, and p99 was 4-5x the median under a steady load.)"""
 
     def __init__(self, total: int, per_key: int | None = None) -> None:
         if total < 1:
@@ -143,55 +154,64 @@ class FairLimiter:
         self.per_key = min(total, per_key) if per_key is not None else total
         self.free = total
         self._used: dict[str, int] = {}
-        self._waiting: OrderedDict[str, deque[asyncio.Future]] = OrderedDict()
+        self._busy: set[str] = set()  # sessions with a request running
+        # per waiting key, longest-waiting key first: its requests, oldest first
+        self._waiting: OrderedDict[str, list[tuple[float, int, str | None, asyncio.Future]]] = OrderedDict()
+        self._order = itertools.count()
 
     @asynccontextmanager
-    async def slot(self, key: str) -> AsyncIterator[None]:
-        if self.free and not self._waiting:
-            self._take(key)
-        else:
-            future = asyncio.get_running_loop().create_future()
-            self._waiting.setdefault(key, deque()).append(future)
-            try:
-                await future
-            except BaseException:
-                if future.done() and not future.cancelled():
-                    self._give(key)  # granted as it was cancelled: hand it on
-                else:
-                    queue = self._waiting.get(key)
-                    if queue is not None and future in queue:
-                        queue.remove(future)
-                        if not queue:
-                            del self._waiting[key]
-                raise
+    async def slot(self, key: str, since: float | None = None, sid: str | None = None) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        entry = (loop.time() if since is None else since, next(self._order), sid, future)
+        bisect.insort(self._waiting.setdefault(key, []), entry, key=lambda e: e[:2])
+        self._dispatch()
+        try:
+            await future
+        except BaseException:
+            if future.done() and not future.cancelled():
+                self._give(key, sid)  # granted as it was cancelled: hand it on
+            else:
+                queue = self._waiting.get(key)
+                if queue is not None and entry in queue:
+                    queue.remove(entry)
+                    if not queue:
+                        del self._waiting[key]
+            raise
         try:
             yield
         finally:
-            self._give(key)
+            self._give(key, sid)
 
-    def _take(self, key: str) -> None:
-        self.free -= 1
-        self._used[key] = self._used.get(key, 0) + 1
-
-    def _give(self, key: str) -> None:
+    def _give(self, key: str, sid: str | None) -> None:
         self.free += 1
         left = self._used[key] - 1
         if left:
             self._used[key] = left
         else:
             del self._used[key]
+        self._busy.discard(sid)
         self._dispatch()
 
+    def _next(self, key: str) -> int | None:
+        """The index of the oldest request of `key` that may run (its session not busy), or None."""
+        return next((i for i, e in enumerate(self._waiting[key]) if e[2] not in self._busy), None)
+
     def _dispatch(self) -> None:
-        while self.free and self._waiting:
-            # the longest-waiting key under its share, else the longest-waiting key
-            key = next((k for k in self._waiting if self._used.get(k, 0) < self.per_key), None)
-            key = key if key is not None else next(iter(self._waiting))
+        while self.free:
+            # the longest-waiting key under its share with a request that may run, else the longest-waiting
+            ready = [(k, i) for k in self._waiting if (i := self._next(k)) is not None]
+            if not ready:
+                return
+            key, i = next(((k, i) for k, i in ready if self._used.get(k, 0) < self.per_key), ready[0])
             queue = self._waiting.pop(key)
-            future = queue.popleft()
+            _, _, sid, future = queue.pop(i)
             if queue:
                 self._waiting[key] = queue  # back of the line
-            self._take(key)
+            self.free -= 1
+            self._used[key] = self._used.get(key, 0) + 1
+            if sid is not None:
+                self._busy.add(sid)
             future.set_result(None)
 
 
