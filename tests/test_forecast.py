@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from titans.data.series import BUNDLED_SERIES, Series, load_series, read_series_csv, split_series
+from titans.forecast.baselines import NEURALFORECAST_MODELS
 from titans.forecast.model import FORECAST_MODELS, build_forecaster
 from titans.forecast.train import ForecastRun, evaluate, train_forecaster
 
@@ -253,7 +254,7 @@ def test_external_baselines_receive_exactly_the_titans_windows(monkeypatch):
         "build_forecaster",
         lambda name, **kw: Recorder(build(name, **kw), seen.setdefault(name, [])),
     )
-    names = ("lmm", "linear", "patchtst", "nf-dlinear", "nf-nlinear", "nf-nhits", "seasonal-naive")
+    names = ("lmm", "linear", "patchtst", *NEURALFORECAST_MODELS, "seasonal-naive")
     for name in names:
         _needs(name)
     for name in names:

@@ -9,10 +9,11 @@ differs.
   data); no parameters, no training. The floor every model has to clear.
 - ``PatchTSTAdapter`` (``"patchtst"``): transformers' ``PatchTSTForPrediction`` (Nie et al., 2023; patches
   of 16 steps, stride 8, channel-independent, its own per-window standardisation); needs the ``hf`` extra.
-- ``NeuralForecastAdapter`` (``"nf-dlinear"``, ``"nf-nlinear"``, ``"nf-nhits"``): the DLinear, NLinear
-  and NHITS modules of Nixtla's neuralforecast (the ``forecast`` extra), called channel by channel on the
-  windows (they are univariate: each channel is one series, as in their own training); neuralforecast's
-  trainer, data loaders and scalers are not used.
+- ``NeuralForecastAdapter``: modules of Nixtla's neuralforecast (the ``forecast`` extra) at their default
+  sizes. The univariate ones (``"nf-dlinear"``, ``"nf-nlinear"``, ``"nf-nhits"``) are called channel by
+  channel on the windows (each channel one series, as in their own training); the multivariate ones
+  (``"nf-itransformer"``, ``"nf-tsmixer"``) get all the channels at once, as their ``n_series``.
+  neuralforecast's trainer, data loaders and scalers are not used.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ import logging
 import torch
 from torch import Tensor, nn
 
-NEURALFORECAST_MODELS = {"nf-dlinear": "DLinear", "nf-nlinear": "NLinear", "nf-nhits": "NHITS"}
+NEURALFORECAST_MODELS = {
+    "nf-dlinear": "DLinear",
+    "nf-nlinear": "NLinear",
+    "nf-nhits": "NHITS",
+    "nf-itransformer": "iTransformer",
+    "nf-tsmixer": "TSMixer",
+}
 EXTERNAL_BASELINES = ("seasonal-naive", "patchtst", *NEURALFORECAST_MODELS)
 
 
@@ -80,8 +87,9 @@ class PatchTSTAdapter(nn.Module):
 
 
 class NeuralForecastAdapter(nn.Module):
-    """x (B, L, C) -> (B, H, C) through one of neuralforecast's univariate models (``NEURALFORECAST_MODELS``),
-    applied to each of the C channels as a series of its own: (B * C, L, 1) -> (B * C, H, 1)."""
+    """x (B, L, C) -> (B, H, C) through one of neuralforecast's models (``NEURALFORECAST_MODELS``): a
+    univariate one applied to each of the C channels as a series of its own, (B * C, L, 1) ->
+    (B * C, H, 1); a multivariate one to the C channels together, (B, L, C) -> (B, H, C)."""
 
     def __init__(self, name: str, lookback: int, horizon: int, channels: int, seed: int = 0):
         super().__init__()
@@ -95,24 +103,27 @@ class NeuralForecastAdapter(nn.Module):
                 f"the {name} baseline needs neuralforecast: pip install 'titans[forecast]'"
             ) from e
         self.lookback, self.horizon, self.channels = lookback, horizon, channels
+        cls = getattr(nf, NEURALFORECAST_MODELS[name])
+        self.multivariate = bool(getattr(cls, "MULTIVARIATE", False))
+        extra = {"n_series": channels} if self.multivariate else {}
         # max_steps etc. only configure neuralforecast's own trainer, which is not used here
-        self.model = getattr(nf, NEURALFORECAST_MODELS[name])(
-            h=horizon, input_size=lookback, random_seed=seed, max_steps=1, enable_progress_bar=False
+        self.model = cls(
+            h=horizon, input_size=lookback, random_seed=seed, max_steps=1, enable_progress_bar=False, **extra
         )
 
     def forward(self, x: Tensor) -> Tensor:
         check_window(x, self.lookback, self.channels, "NeuralForecastAdapter")
         b, length, c = x.shape
-        series = x.transpose(1, 2).reshape(b * c, length, 1)
+        series = x if self.multivariate else x.transpose(1, 2).reshape(b * c, length, 1)
         batch = {
             "insample_y": series,
-            "insample_mask": torch.ones(b * c, length, dtype=x.dtype),
+            "insample_mask": torch.ones_like(series),
             "futr_exog": None,
             "hist_exog": None,
             "stat_exog": None,
         }
-        y = self.model(batch)  # (B * C, H, 1)
-        return y.reshape(b, c, self.horizon).transpose(1, 2)
+        y = self.model(batch)  # (B, H, C), or (B * C, H, 1)
+        return y if self.multivariate else y.reshape(b, c, self.horizon).transpose(1, 2)
 
 
 def build_baseline(
