@@ -146,7 +146,10 @@ def aggregate_studies(docs: list[dict], names: list[str] | None = None) -> dict:
 
     order = sorted(range(len(docs)), key=lambda i: seeds[i])
     rows: list[dict] = []
-    for series, lookback, horizon, model in dict.fromkeys(_key(r) for r in docs[0]["runs"]):
+    # cells in order of series, lookback and horizon (a merged seed's inputs may hold them in any order),
+    # the models of a cell in the order they ran
+    keys = sorted(dict.fromkeys(_key(r) for r in docs[0]["runs"]), key=lambda k: k[:3])
+    for series, lookback, horizon, model in keys:
         per_seed = []
         for i in order:
             (rec,) = [r for r in docs[i]["runs"] if _key(r) == (series, lookback, horizon, model)]
