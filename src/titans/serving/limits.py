@@ -143,9 +143,9 @@ class FairLimiter:
     Within a key, the request that reached the server first (`since`, default: when it asked) goes first
     among those that may run: a request whose session is busy (`sid` given, and another request of that
     session running) waits in line, keeps its place, and runs as soon as its session is free if it is
-    then the oldest. (A lock per session taken before joining the line sent each request of a busy session
-    to the back of the line once the one before it ended: a session with k requests waiting had its last
-    one wait k trips through the whole line, and p99 was 4-5x the median under a steady load.)"""
+    then the oldest. (With a lock per session taken before joining the line, each request of a busy
+    session would join at the back once the one before it ended: a session with k requests waiting would
+    make its last one wait k trips through the whole line, p99 4-5x the median under a steady load.)"""
 
     def __init__(self, total: int, per_key: int | None = None) -> None:
         if total < 1:
