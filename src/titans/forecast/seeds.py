@@ -82,10 +82,6 @@ def _merge_seeds(docs: list[dict], names: list[str]) -> tuple[list[dict], list[s
     merged_docs, merged_names = [], []
     for seed, idx in by_seed.items():
         first = docs[idx[0]]
-        if len(idx) == 1:
-            merged_docs.append(first)
-            merged_names.append(names[idx[0]])
-            continue
         seen: dict[tuple, str] = {}
         for i in idx:
             if docs[i].get("budget") != first.get("budget"):

@@ -22,8 +22,6 @@
 from __future__ import annotations
 
 import asyncio
-import bisect
-import itertools
 import json
 import logging
 import threading
@@ -140,12 +138,12 @@ class FairLimiter:
     requests delays another key's request by at most the rest of one running request. A key alone may use
     every slot (no slot stays idle while work that may run waits).
 
-    Within a key, the request that reached the server first (`since`, default: when it asked) goes first
-    among those that may run: a request whose session is busy (`sid` given, and another request of that
-    session running) waits in line, keeps its place, and runs as soon as its session is free if it is
-    then the oldest. (With a lock per session taken before joining the line, each request of a busy
-    session would join at the back once the one before it ended: a session with k requests waiting would
-    make its last one wait k trips through the whole line, p99 4-5x the median under a steady load.)"""
+    Within a key, the request that asked first goes first among those that may run: a request whose
+    session is busy (`sid` given, and another request of that session running) waits in line, keeps its
+    place, and runs as soon as its session is free if it is then the oldest. (With a lock per session
+    taken before joining the line, each request of a busy session would join at the back once the one
+    before it ended: a session with k requests waiting would make its last one wait k trips through the
+    whole line, p99 4-5x the median under a steady load.)"""
 
     def __init__(self, total: int, per_key: int | None = None) -> None:
         if total < 1:
@@ -155,16 +153,14 @@ class FairLimiter:
         self.free = total
         self._used: dict[str, int] = {}
         self._busy: set[str] = set()  # sessions with a request running
-        # per waiting key, longest-waiting key first: its requests, oldest first
-        self._waiting: OrderedDict[str, list[tuple[float, int, str | None, asyncio.Future]]] = OrderedDict()
-        self._order = itertools.count()
+        # per waiting key, longest-waiting key first: its requests (session, future), oldest first
+        self._waiting: OrderedDict[str, list[tuple[str | None, asyncio.Future]]] = OrderedDict()
 
     @asynccontextmanager
-    async def slot(self, key: str, since: float | None = None, sid: str | None = None) -> AsyncIterator[None]:
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        entry = (loop.time() if since is None else since, next(self._order), sid, future)
-        bisect.insort(self._waiting.setdefault(key, []), entry, key=lambda e: e[:2])
+    async def slot(self, key: str, sid: str | None = None) -> AsyncIterator[None]:
+        future = asyncio.get_running_loop().create_future()
+        entry = (sid, future)
+        self._waiting.setdefault(key, []).append(entry)
         self._dispatch()
         try:
             await future
@@ -195,7 +191,7 @@ class FairLimiter:
 
     def _next(self, key: str) -> int | None:
         """The index of the oldest request of `key` that may run (its session not busy), or None."""
-        return next((i for i, e in enumerate(self._waiting[key]) if e[2] not in self._busy), None)
+        return next((i for i, (sid, _) in enumerate(self._waiting[key]) if sid not in self._busy), None)
 
     def _dispatch(self) -> None:
         while self.free:
@@ -205,7 +201,7 @@ class FairLimiter:
                 return
             key, i = next(((k, i) for k, i in ready if self._used.get(k, 0) < self.per_key), ready[0])
             queue = self._waiting.pop(key)
-            _, _, sid, future = queue.pop(i)
+            sid, future = queue.pop(i)
             if queue:
                 self._waiting[key] = queue  # back of the line
             self.free -= 1
