@@ -155,6 +155,31 @@ def test_training_batches_mask_only_the_answer():
     assert 272 <= min_task_length(TOK, TaskTrainConfig()) <= 320  # the pass-key prompt is ~270 bytes
 
 
+def test_training_mixes_several_haystacks_evenly_and_refuses_unknown_ones():
+    """`--train-haystack noise,sotu`: consecutive training examples take the haystacks in turn (a batch of
+    the pass key holds both), each example built exactly as with that haystack alone."""
+    from titans.cli import build_parser
+    from titans.evaluation.haystack import NOISE_TEXT
+    from titans.evaluation.recipe import task_config
+
+    args = build_parser().parse_args(["eval", "niah", "--train-recipe", "--train-haystack", "noise,sotu"])
+    mixed = task_config(args, "niah", kind="passkey", haystack=None)
+    assert mixed.haystack == ("noise", "sotu")
+    for seed in range(11, 17):  # odd and even seeds, 600 tokens
+        alone = "noise" if seed % 2 == 0 else "sotu"
+        example = task_example(TOK, mixed, length=600, seed=seed)
+        assert example == task_example(TOK, replace(mixed, haystack=alone), length=600, seed=seed)
+        assert (NOISE_TEXT.split(". ")[1] in TOK.decode(example.tokens)) == (alone == "noise")
+    babi = TaskTrainConfig(task="babilong", babi_tasks=("qa1", "qa2"), haystack=("moby_dick", "sotu"))
+    picked = {(babi.babi_tasks[s % 2], babi.haystack_for(s // 2)) for s in range(4)}
+    assert len(picked) == 4  # every task on every haystack
+    assert replace(mixed, haystack="essays").haystack_for(5) == "essays"
+    with pytest.raises(ValueError, match="haystack"):
+        TaskTrainConfig(haystack=("noise", "the_web"))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval", "niah", "--train-haystack", "noise,the_web"])
+
+
 def test_curriculum_lengths_ramp_and_stay_in_bounds():
     cur = LengthCurriculum(min_length=272, start_length=300, max_length=1024, ramp_steps=100, multiple=16)
     lengths = [cur.length(s) for s in range(200)]

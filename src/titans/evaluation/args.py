@@ -3,7 +3,7 @@
 ``add_runtime_args`` (output, threads, device, seed), ``add_model_args`` (a fresh model: preset, ``--set``,
 tokenizer, gate inits), ``add_recipe_args`` (the fine-tuning recipe, ``TaskTrainConfig``),
 ``add_eval_args`` (samples and decoding), ``add_source_args`` (``--checkpoint`` and/or ``--train-recipe``);
-``int_list`` / ``float_list`` / ``str_list`` parse comma-separated values.
+``int_list`` / ``float_list`` / ``str_list`` / ``haystack_list`` parse comma-separated values.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from titans.evaluation.haystack import HAYSTACK_NAMES
 from titans.runtime.device import resolve_device
 from titans.training.config import parse_set
 
@@ -39,6 +40,16 @@ def str_list(text: str) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
     if not values:
         raise argparse.ArgumentTypeError("expected at least one name")
+    return values
+
+
+def haystack_list(text: str) -> list[str]:
+    values = str_list(text)
+    unknown = [v for v in values if v not in HAYSTACK_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown haystack {', '.join(unknown)}: use names from {HAYSTACK_NAMES}"
+        )
     return values
 
 
@@ -121,6 +132,13 @@ def add_recipe_args(
         "over the remaining steps",
     )
     g.add_argument("--lm-loss-weight", type=float, default=0.0, help="add the LM loss of all tokens x this")
+    g.add_argument(
+        "--train-haystack",
+        type=haystack_list,
+        default=None,
+        metavar="NAMES",
+        help="haystacks to train on, comma-separated, mixed evenly in every batch (default: --haystack's)",
+    )
     g.add_argument("--time-budget", type=float, default=None, metavar="MINUTES", help="stop training early")
 
 

@@ -80,7 +80,10 @@ def variant_recipe(variant: str) -> list[str]:
 
 
 def task_config(args: argparse.Namespace, task: str, **task_fields: Any) -> TaskTrainConfig:
-    """The recipe options (``add_recipe_args``) and ``--seed`` as a ``TaskTrainConfig`` for ``task``."""
+    """The recipe options (``add_recipe_args``) and ``--seed`` as a ``TaskTrainConfig`` for ``task``;
+    ``--train-haystack``, when given, replaces the ``haystack`` of ``task_fields``."""
+    if getattr(args, "train_haystack", None):
+        task_fields["haystack"] = tuple(args.train_haystack)
     return TaskTrainConfig(
         task=task,
         train_length=args.train_length,

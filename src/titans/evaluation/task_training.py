@@ -40,7 +40,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from titans.evaluation.babilong import TASKS as BABI_TASKS
 from titans.evaluation.babilong import babilong_training_example, make_babilong_sample
-from titans.evaluation.haystack import TextTokenizer, TrainingExample
+from titans.evaluation.haystack import HAYSTACK_NAMES, TextTokenizer, TrainingExample
 from titans.evaluation.niah import NEEDLE_KINDS, make_niah_sample, niah_training_example
 from titans.training.loop import TrainLoop
 from titans.training.optim import lr_factor, parameter_groups, warmup_cosine
@@ -55,7 +55,9 @@ class TaskTrainConfig:
 
     task: "niah" (``kind``: passkey | number | uuid) or "babilong" (``babi_tasks``, mixed evenly;
         ``num_facts`` facts per story, None for each task's default).
-    haystack: the haystack name, None for the task's default (noise for passkey, moby_dick for babilong).
+    haystack: the haystack name, None for the task's default (noise for passkey, moby_dick for babilong), or
+        several names: example ``seed`` then draws its haystack from ``haystack[seed % len(haystack)]`` (so a
+        batch mixes them evenly).
     length_multiple: every drawn length is rounded down to a multiple of it (and kept >= the minimum).
     curriculum_loss: None for the linear length ramp, else the adaptive curriculum's loss threshold.
     hold_lr: keep the peak learning rate (after warm-up) until the curriculum's cap reaches ``train_length``,
@@ -69,7 +71,7 @@ class TaskTrainConfig:
     kind: str = "passkey"
     babi_tasks: tuple[str, ...] = ("qa1", "qa2")
     num_facts: int | None = None
-    haystack: str | None = None
+    haystack: str | tuple[str, ...] | None = None
     train_length: int = 1024
     start_length: int = 256
     curriculum: float = 0.5
@@ -99,6 +101,14 @@ class TaskTrainConfig:
             raise ValueError(
                 f"TaskTrainConfig.babi_tasks must be a non-empty subset of {BABI_TASKS}, got {bad}"
             )
+        if isinstance(self.haystack, (list, tuple)):
+            self.haystack = tuple(self.haystack)
+            unknown = [h for h in self.haystack if h not in HAYSTACK_NAMES]
+            if unknown or not self.haystack:
+                raise ValueError(
+                    f"TaskTrainConfig.haystack must name one or more of {HAYSTACK_NAMES}, "
+                    f"got {self.haystack!r}"
+                )
         for name in ("train_length", "start_length", "steps", "batch_size", "length_multiple"):
             check_int(f"TaskTrainConfig.{name}", getattr(self, name))
         if not 0.0 <= self.curriculum <= 1.0:
@@ -107,6 +117,12 @@ class TaskTrainConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def haystack_for(self, seed: int) -> str | None:
+        """The haystack of training example ``seed``: the one named, or one of several in turn."""
+        if isinstance(self.haystack, tuple):
+            return self.haystack[seed % len(self.haystack)]
+        return self.haystack
+
 
 def task_example(
     tokenizer: TextTokenizer, cfg: TaskTrainConfig, *, length: int, seed: int
@@ -114,14 +130,14 @@ def task_example(
     """One training sequence of exactly ``length`` tokens for ``cfg.task`` (seeded, from the train stream)."""
     if cfg.task == "niah":
         return niah_training_example(
-            tokenizer, length=length, kind=cfg.kind, haystack=cfg.haystack, seed=seed
+            tokenizer, length=length, kind=cfg.kind, haystack=cfg.haystack_for(seed), seed=seed
         )
     task = cfg.babi_tasks[seed % len(cfg.babi_tasks)]
     return babilong_training_example(
         tokenizer,
         length=length,
         task=task,
-        haystack=cfg.haystack or "moby_dick",
+        haystack=cfg.haystack_for(seed // len(cfg.babi_tasks)) or "moby_dick",  # every task on every haystack
         seed=seed,
         num_facts=cfg.num_facts,
     )
@@ -141,7 +157,7 @@ def min_task_length(tokenizer: TextTokenizer, cfg: TaskTrainConfig, probes: int 
                 length=4096,
                 depth=0.5,
                 kind=cfg.kind,
-                haystack=cfg.haystack,
+                haystack=cfg.haystack_for(seed),
                 seed=seed,
                 split="train",
             )
@@ -150,7 +166,7 @@ def min_task_length(tokenizer: TextTokenizer, cfg: TaskTrainConfig, probes: int 
                 tokenizer,
                 length=4096,
                 task=cfg.babi_tasks[seed % len(cfg.babi_tasks)],
-                haystack=cfg.haystack or "moby_dick",
+                haystack=cfg.haystack_for(seed // len(cfg.babi_tasks)) or "moby_dick",
                 seed=seed,
                 num_facts=cfg.num_facts,
                 split="train",
