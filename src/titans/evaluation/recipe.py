@@ -82,7 +82,7 @@ def variant_recipe(variant: str) -> list[str]:
 def task_config(args: argparse.Namespace, task: str, **task_fields: Any) -> TaskTrainConfig:
     """The recipe options (``add_recipe_args``) and ``--seed`` as a ``TaskTrainConfig`` for ``task``;
     ``--train-haystack``, when given, replaces the ``haystack`` of ``task_fields``."""
-    if getattr(args, "train_haystack", None):
+    if args.train_haystack:
         task_fields["haystack"] = tuple(args.train_haystack)
     return TaskTrainConfig(
         task=task,
