@@ -1,8 +1,8 @@
 """The GPU checklist in one command, one JSON: the CUDA tests, the memory op alone, whole-model training
 throughput of every variant at 2K and 8K, and decode speed, on whatever CUDA device is at hand.
 
-    python benchmarks/gpu_suite.py [--parts tests,op,train2k,train8k,decode,rows,slowtests] [--budget 1200]
-        [--cap train2k=300,...] [--out gpu_suite_h200]
+    python benchmarks/gpu_suite.py [--parts tests,op,train2k,train8k,decode,profile,rows,slowtests]
+        [--budget 1200] [--cap train2k=300,...] [--out gpu_suite_h200]
 
 Parts, in this order, each its own process with a time cap (`--cap`, seconds), cut to what is left of
 `--budget`; a part cut short keeps the rows it measured (the benchmarks print each row as it is measured),
@@ -16,6 +16,9 @@ and its entry says it was cut:
   need them (Transformer++, then MAC and the LMM with kernels + graphs, then the other variants and modes).
 - decode: `decode_graph.py --device cuda`, MAC tiny and 170M, batch 1: the eager step against the step
   replayed as a CUDA graph.
+- profile: one step at 2K under the torch profiler, of MAC with the kernels (eager and replayed) and of
+  Transformer++ replayed: kernels launched, the GPU's busy time against the step's, and (eager) the ops
+  whose kernels take most of it.
 - rows: the depth-2 backward kernel's row block (`TITANS_MEMORY_TRITON_ROWS` 16 and 64; 32 is `op`'s).
 - slowtests: the one CUDA test `tests` leaves out, whose kernels take minutes to compile (`SLOW_TEST`).
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -66,7 +70,10 @@ TRAIN_ROWS = {
 SLOW_TEST = (
     "tests/test_memory_triton.py::test_compiled_kernel_matches_reference_on_cuda[2-shape3-options3-False]"
 )
-CAPS = {"tests": 240, "op": 150, "train2k": 360, "train8k": 180, "decode": 90, "rows": 60, "slowtests": 120}
+CAPS = {
+    "tests": 240, "op": 150, "train2k": 360, "train8k": 180, "decode": 90, "profile": 60, "rows": 60,
+    "slowtests": 120,
+}  # fmt: skip
 
 
 def _run(name: str, cmd: list[str], cap: float, log: Path, env: dict | None = None) -> dict:
@@ -153,7 +160,7 @@ def _goals(parts: dict) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="tests,op,train2k,train8k,decode,rows,slowtests")
+    p.add_argument("--parts", default="tests,op,train2k,train8k,decode,profile,rows,slowtests")
     p.add_argument("--budget", type=float, default=1200, help="seconds for all parts together")
     p.add_argument("--cap", default="", help="part=seconds,... overriding the parts' own caps")
     p.add_argument("--steps", type=int, default=5, help="timed steps per training row")
@@ -193,7 +200,9 @@ def main() -> None:
         if name in ("tests", "slowtests"):
             junit = work / f"{name}.xml"
             which = ["--deselect", SLOW_TEST, *TEST_FILES] if name == "tests" else [SLOW_TEST]
-            cmd = [py, "-m", "pytest", "-m", "cuda", "-q", "-rfE", "-p", "no:cacheprovider",
+            # workers in parallel where pytest-xdist is installed: the kernels' compiles take most of the time
+            workers = ["-n", "8"] if name == "tests" and importlib.util.find_spec("xdist") else []
+            cmd = [py, "-m", "pytest", "-m", "cuda", "-q", "-rfE", "-p", "no:cacheprovider", *workers,
                    f"--junitxml={junit}", *which]  # fmt: skip
             parts[name] = _run(name, cmd, cap, log)
             parts[name]["tests"] = _junit(junit)
@@ -218,6 +227,11 @@ def main() -> None:
                 if path.exists():
                     rows[-1]["rows"] = json.loads(path.read_text())["rows"]
             parts[name] = {"runs": rows}
+        elif name == "profile":
+            rows = "2048:mac:kernels,2048:mac:kernels+graphs,2048:transformer:graphs"
+            cmd = [py, str(HERE / "gpu_throughput.py"), "--rows", rows, "--steps", "2", "--profile", "15",
+                   "--out", str(work / "profile.json")]  # fmt: skip
+            parts[name] = _run(name, cmd, cap, log)
         elif name == "rows":
             runs = []
             for block in (16, 64):

@@ -73,6 +73,7 @@ def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace) -> di
         opt.zero_grad(set_to_none=graphed is None)
 
     sec, peak = _timed(step, args.steps)
+    top = _profile(step, args.profile) if args.profile else None
     # whether the timed steps kept the weights finite (a step of non-finite numbers takes as long, but the
     # row then times a model that no longer trains)
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
@@ -86,6 +87,31 @@ def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace) -> di
         "tokens_per_s": args.batch * seq / sec,
         "peak_reserved_gib": peak,
         "weights_finite": finite,
+        **({"kernels": top} if top is not None else {}),
+    }
+
+
+def _profile(step, top: int) -> dict:
+    """One more step under the torch profiler: the device time of all its kernels together, and the `top`
+    ops by the device time of the kernels each launched itself (name, ms, calls): where a step's GPU time
+    goes."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+    ops = sorted(
+        (e for e in events if e.device_type == DeviceType.CPU), key=lambda e: -e.self_device_time_total
+    )
+    return {
+        "device_ms": kernels / 1e3,
+        "kernels": sum(e.count for e in events if e.device_type == DeviceType.CUDA),
+        "top": [
+            {"name": e.key[:99], "ms": e.self_device_time_total / 1e3, "calls": e.count} for e in ops[:top]
+        ],
     }
 
 
@@ -132,6 +158,7 @@ def main() -> None:
         default=None,
         help="memory-alone rows: torch and/or triton (default both; none with --rows)",
     )
+    p.add_argument("--profile", type=int, default=0, help="per row, the N ops that take most GPU time")
     p.add_argument("--rows", default="", help="seq:variant:mode,... instead of --seqs x --variants x --modes")
     p.add_argument("--out", default="gpu_throughput", help="a path, or a name in benchmarks/results/")
     args = p.parse_args()
@@ -190,6 +217,13 @@ def main() -> None:
         ratio = f"{ref / r['step_s']:.2f}x" if ref and r.get("mode") != "eager" else ""
         print(f"{label:<14}{mode:<15}{r['seq']:>7}{params:>13}{r['step_s'] * 1e3:>10.1f}"
               f"{r['tokens_per_s']:>12,.0f}{r['peak_reserved_gib']:>10.2f}{ratio:>10}")  # fmt: skip
+        if "kernels" in r:
+            k = r["kernels"]
+            print(
+                f"  {k['kernels']} kernels, {k['device_ms']:.1f} GPU ms in a {r['step_s'] * 1e3:.1f} ms step"
+            )
+            for k in r["kernels"]["top"]:
+                print(f"  {k['ms']:>9.2f} ms {k['calls']:>6}x  {k['name'][:90]}")
     print(f"wrote {save_json(args.out, {'device': name, 'args': vars(args), 'rows': rows}, machine)}")
 
 

@@ -303,10 +303,27 @@ def test_decode_step_is_one_kernel_launch(monkeypatch):
     monkeypatch.setattr(memory_triton, "_launch", lambda *a: launches.append(1) or real(*a))
     for name in ("run_chunks", "read_and_grads"):
         monkeypatch.setattr(memory_triton, name, lambda *a, **k: pytest.fail("torch chunk loop ran"))
+    # without gradients no autograd function: torch.compile traces the launch, not the function
+    monkeypatch.setattr(memory_triton._TritonChunks, "apply", lambda *a: pytest.fail("autograd function ran"))
     with torch.no_grad():
         for _ in range(3):  # 6 + 2 = 8 completes a chunk of 4 on the second step
             _, state = mem(torch.randn(1, 1, 12), state)
     assert len(launches) == 3 and state.position == 9 and state.pending_k.shape[2] == 1
+
+
+@interpreted
+def test_without_gradients_the_same_values_as_with_them():
+    """Where no input needs a gradient the op launches the forward kernel without an autograd node: the same
+    outputs as the autograd path, to the bit (the same kernel), and nothing to backpropagate."""
+    args, w, s = random_problem(2, 3, 21, 6, 2, expansion=2, seed=5, momentum=True, forgetting=True)
+    kw = {"chunk_size": 4, "surprise_clip": 0.3}
+    with_grads = neural_memory_triton(*args, tuple(x.requires_grad_() for x in w), s, **kw)
+    with torch.no_grad():
+        without = neural_memory_triton(*args, tuple(x.detach() for x in w), s, **kw)
+    flat = lambda out: [out[0], *out[1], *out[2], out[3]]  # noqa: E731
+    assert with_grads[0].grad_fn is not None
+    for a, b in zip(flat(with_grads), flat(without)):
+        assert b.grad_fn is None and torch.equal(a.detach(), b)
 
 
 @interpreted

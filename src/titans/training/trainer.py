@@ -326,7 +326,9 @@ class Trainer:
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
         # FSDP: DTensors; each rank checks its own shards
         local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-        finite = bool(torch.stack([torch.isfinite(t).all() for t in local if t.numel()]).all())
+        # one device for the flags: an optimizer's step counters can sit on the CPU beside CUDA weights
+        device = local[0].device
+        finite = bool(torch.stack([torch.isfinite(t).all().to(device) for t in local if t.numel()]).all())
         return not D.any_rank(not finite, self.info)
 
     def save_checkpoint(self) -> Path | None:

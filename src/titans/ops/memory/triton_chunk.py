@@ -457,6 +457,10 @@ def neural_memory_triton(
         flat = (x.reshape(n_seq, seq, dim) for x in (q, k, v))
         group = checkpoint_every if checkpoint_every and torch.is_grad_enabled() else 1
         config = (activation, residual, surprise_clip, b, min(group, max(n_full, 1)))
-        y, norm, *states = _TritonChunks.apply(config, *flat, *gates, *states)
+        inputs = (q, k, v, theta, log_eta, log_keep, *states)
+        if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+            y, norm, *states = _TritonChunks.apply(config, *flat, *gates, *states)
+        else:  # no autograd node (decoding): torch.compile traces the kernel launch itself
+            y, norm, states, _ = _launch(config[:4], *flat, gates, states, 0, False)
     weights, momentum = unstack_states(states, batch, heads)
     return y.view(batch, heads, seq, dim), weights, momentum, norm.view(batch, heads, seq)

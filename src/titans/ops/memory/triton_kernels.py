@@ -212,7 +212,8 @@ def memory_chunks_fwd(
 
         # the write (the identity for the trailing partial chunk)
         if CLIP:
-            scale = tl.minimum(clip / tl.maximum(norm, 1e-12), 1.0)
+            # float32 whatever type the launcher gave the scalar (inductor passes a Python float as fp64)
+            scale = tl.minimum(clip / tl.maximum(norm, 1e-12), 1.0).to(tl.float32)
         else:
             scale = tl.full([BC], 1.0, tl.float32)
         # the coefficients from the chunk's gates (the identity write for the partial chunk)
@@ -407,7 +408,7 @@ def memory_chunks_bwd(
             norm = tl.sqrt(tl.maximum(sq, 1e-30))
             if CLIP:
                 nc = tl.maximum(norm, 1e-12)
-                ratio = clip / nc
+                ratio = (clip / nc).to(tl.float32)  # as in the forward: whatever the scalar's type
                 scale = tl.minimum(ratio, 1.0)
             else:
                 scale = tl.full([RB], 1.0, tl.float32)
