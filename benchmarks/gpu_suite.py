@@ -13,7 +13,8 @@ and its entry says it was cut:
 - op: `memory_kernels.py`, the memory op alone, Triton kernels against the torch chunk loop, depth 1 (64)
   and depth 2 (hidden 128), 2K and 8K, forward and forward + backward.
 - train2k / train8k: `gpu_throughput.py` rows, 170M preset, batch 4, bf16 autocast, in the order the goals
-  need them (Transformer++, then MAC and the LMM with kernels + graphs, then the other variants and modes).
+  need them (Transformer++, then MAC and the LMM with kernels + graphs, then the other variants and modes);
+  at 8K MAC also with the memory's backward checkpointed every 4 chunks (mode "c4"), which fits in 80 GB.
 - decode: `decode_graph.py --device cuda`, MAC tiny and 170M, batch 1: the eager step against the step
   replayed as a CUDA graph.
 - profile: one step at 2K under the torch profiler, of MAC with the kernels (eager and replayed) and of
@@ -53,7 +54,8 @@ TEST_FILES = [
     "tests/test_cuda_graphs.py",
     "tests/test_decode_graph.py",
 ]
-# (seq, variant, mode) in the order the goals need them: a part cut short has measured the first ones
+# (seq, variant, mode[, memory_checkpoint_every]) in the order the goals need them: a part cut short has
+# measured the first ones. MAC at 4 x 8192 with the kernels needs 83 GB; checkpointed every 4 chunks, 76
 TRAIN_ROWS = {
     2048: [
         "transformer:graphs", "mac:kernels+graphs", "lmm:kernels+graphs", "transformer:eager",
@@ -62,8 +64,9 @@ TRAIN_ROWS = {
         "mag:graphs", "mal:graphs", "mag:eager", "mal:eager",
     ],
     8192: [
-        "transformer:graphs", "mac:kernels+graphs", "lmm:kernels+graphs", "transformer:eager",
-        "mac:kernels", "lmm:kernels", "mag:kernels+graphs", "mal:kernels+graphs", "swa:graphs",
+        "transformer:graphs", "mac:kernels+graphs", "mac:kernels+graphs:4", "lmm:kernels+graphs",
+        "transformer:eager", "mac:kernels", "lmm:kernels", "mag:kernels+graphs", "mal:kernels+graphs",
+        "swa:graphs",
     ],
 }  # fmt: skip
 # the one CUDA test whose kernels take minutes to compile (float32 matmuls on a 128 x 256 state): last
@@ -261,7 +264,10 @@ def main() -> None:
     for key in ("train2k", "train8k"):
         for r in parts.get(key, {}).get("rows", []):
             if "tokens_per_s" in r:
-                print(f"{r['seq']:>6} {r['variant']:<12}{r['mode']:<16}{r['step_s'] * 1e3:>9.1f}"
+                mode = r["mode"] + (
+                    f" c{r['memory_checkpoint_every']}" if r.get("memory_checkpoint_every") else ""
+                )
+                print(f"{r['seq']:>6} {r['variant']:<12}{mode:<16}{r['step_s'] * 1e3:>9.1f}"
                       f"{r['tokens_per_s']:>10,.0f}{r['peak_reserved_gib']:>7.1f}  "
                       f"{'finite' if r.get('weights_finite', True) else 'NOT finite'}")  # fmt: skip
             else:

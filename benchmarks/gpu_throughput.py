@@ -39,12 +39,12 @@ def _timed(step, steps: int) -> tuple[float, float]:
     return median(time_cuda(step, steps, warmup=0)), torch.cuda.max_memory_reserved() / 2**30
 
 
-def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace) -> dict:
+def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace, every: int | None = None) -> dict:
     from titans import NeuralMemory, TitansConfig, TitansLM
     from titans.training.cuda_graphs import GraphedMicroStep
 
     torch.manual_seed(0)
-    every = args.memory_checkpoint_every
+    every = every or args.memory_checkpoint_every
     backend = "triton" if mode.startswith("kernels") else "torch"
     cfg = TitansConfig.preset(
         args.preset, variant=variant, memory_checkpoint_every=every, memory_backend=backend
@@ -80,6 +80,7 @@ def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace) -> di
     return {
         "variant": variant,
         "mode": mode,
+        "memory_checkpoint_every": every,
         "seq": seq,
         "batch": args.batch,
         "params": model.num_parameters(),
@@ -159,7 +160,11 @@ def main() -> None:
         help="memory-alone rows: torch and/or triton (default both; none with --rows)",
     )
     p.add_argument("--profile", type=int, default=0, help="per row, the N ops that take most GPU time")
-    p.add_argument("--rows", default="", help="seq:variant:mode,... instead of --seqs x --variants x --modes")
+    p.add_argument(
+        "--rows",
+        default="",
+        help="seq:variant:mode[:checkpoint_every],... instead of --seqs x --variants x --modes",
+    )
     p.add_argument("--out", default="gpu_throughput", help="a path, or a name in benchmarks/results/")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -170,9 +175,9 @@ def main() -> None:
     seqs = [int(s) for s in args.seqs.split(",")]
     rows: list[dict] = []
 
-    def run(fn, *a) -> None:
+    def run(fn, *a, **kw) -> None:
         try:
-            rows.append(fn(*a, args))
+            rows.append(fn(*a, args, **kw))
         except torch.OutOfMemoryError:
             rows.append({"args": [str(x) for x in a], "error": "out of GPU memory"})
         except Exception as e:  # a kernel that fails to build: recorded, and the other rows still run
@@ -182,8 +187,8 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
 
     for row in filter(None, args.rows.split(",")):
-        seq, variant, mode = row.split(":")
-        run(model_row, variant, int(seq), mode)
+        seq, variant, mode, *every = row.split(":")  # a fourth field: that row's memory_checkpoint_every
+        run(model_row, variant, int(seq), mode, **({"every": int(every[0])} if every else {}))
     default_backends = "" if args.rows else "torch,triton"
     backends = [b for b in (args.memory_backends or default_backends).split(",") if b]
     for seq in [] if args.rows else seqs:
@@ -212,6 +217,7 @@ def main() -> None:
             continue
         label = r.get("variant") or f"memory {r['dtype']}"
         mode = r.get("mode", r.get("backend", ""))
+        mode += f" c{r['memory_checkpoint_every']}" if r.get("memory_checkpoint_every") else ""
         params = f"{r['params']:,}" if "params" in r else ""
         ref = eager.get((r.get("variant"), r["seq"]))
         ratio = f"{ref / r['step_s']:.2f}x" if ref and r.get("mode") != "eager" else ""
