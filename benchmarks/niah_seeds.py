@@ -9,8 +9,11 @@ For every (variant, seed) one pipeline runs, pipelines in parallel up to ``--job
 1. ``titans eval niah --train-recipe --variant V --seed S <recipe> --save-model RUNS/V_sS``: the variant's
    recipe (``titans.evaluation.recipe.RECIPES``; ``--recipe-extra`` is appended) from a fresh model seeded
    by S; it evaluates once at ``--train-eval-length`` as a check;
-2. ``titans eval niah --checkpoint RUNS/V_sS --haystack H --lengths ... --seed 0`` for each haystack: the
-   same test prompts for every model and seed (``--seed`` of an evaluation only picks the prompts).
+2. with ``--then FLAGS`` (repeatable), further training stages, each from the model the stage before
+   saved: ``titans eval niah --checkpoint RUNS/V_sS --train-recipe --seed S FLAGS --save-model
+   RUNS/V_sS_stage2`` (then ``_stage3``, ...); FLAGS are the stage's recipe options, in full;
+3. ``titans eval niah --checkpoint <last stage> --haystack H --lengths ... --seed 0`` for each haystack:
+   the same test prompts for every model and seed (``--seed`` of an evaluation only picks the prompts).
 
 Each command writes its own JSON (the command line, the training history, every prompt's answer) under
 ``OUT/runs/``; the summary ``OUT/niah_seeds_<name>.json`` holds, per variant, haystack and length, the
@@ -34,7 +37,8 @@ from titans.evaluation.recipe import RECIPES, variant_recipe
 
 
 def run_commands(variant: str, seed: int, args: argparse.Namespace) -> list[list[str]]:
-    """The pipeline of one (variant, seed): the training command, then one evaluation per haystack."""
+    """The pipeline of one (variant, seed): the training commands (the recipe, then each `--then` stage),
+    then one evaluation per haystack."""
     tag = f"{variant}_s{seed}"
     ckpt = Path(args.runs) / tag
     out = Path(args.out) / "runs"
@@ -51,6 +55,18 @@ def run_commands(variant: str, seed: int, args: argparse.Namespace) -> list[list
     if args.time_budget is not None:
         train += ["--time-budget", str(args.time_budget)]
     commands = [train]
+    for i, flags in enumerate(args.then, start=2):  # each further stage trains on from the stage before
+        previous, ckpt = ckpt, Path(args.runs) / f"{tag}_stage{i}"
+        commands.append(
+            [
+                *("eval", "niah", "--checkpoint", str(previous), "--train-recipe", "--seed", str(seed)),
+                *("--kind", args.kind),
+                *shlex.split(flags),
+                *("--lengths", str(args.train_eval_length), "--samples", "1"),
+                *("--save-model", str(ckpt), "--name", f"{tag}_stage{i}_train"),
+                *common,
+            ]
+        )
     for haystack in args.haystacks.split(","):
         commands.append(
             [
@@ -99,15 +115,19 @@ def aggregate(out: Path) -> dict:
     train: dict[str, dict] = {}
     for path in sorted((out / "runs").glob("*_s*_*.json")):
         stem = path.stem
-        match = re.fullmatch(r"(?P<variant>[a-z]+)_s(?P<seed>\d+)_(?P<haystack>[a-z_]+)", stem)
+        match = re.fullmatch(
+            r"(?P<variant>[a-z]+)_s(?P<seed>\d+)(?P<stage>_stage\d+)?_(?P<haystack>[a-z_]+)", stem
+        )
         if match is None:
             continue
         variant, seed_text, haystack = match["variant"], match["seed"], match["haystack"]
         data = json.loads(path.read_text())
-        if haystack == "train":
+        if match["stage"] and haystack != "train":
+            continue
+        if haystack == "train":  # a training stage's check
             training = data["metadata"]["model"].get("training", {})
             final = training.get("final") or {}
-            train[f"{variant}_s{seed_text}"] = {
+            train[f"{variant}_s{seed_text}{match['stage'] or ''}"] = {
                 "steps_done": training.get("steps_done"),
                 "seconds": training.get("seconds"),
                 "final_answer_loss_avg": final.get("loss_avg"),
@@ -165,6 +185,13 @@ def main() -> None:
     p.add_argument("--train-eval-length", type=int, default=1024)
     p.add_argument("--time-budget", type=float, default=None, help="minutes of training per run")
     p.add_argument("--recipe-extra", default="", help="flags appended to every training command")
+    p.add_argument(
+        "--then",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help="a further training stage from the last stage's model, with these recipe options (repeatable)",
+    )
     p.add_argument("--jobs", type=int, default=1, help="pipelines run in parallel")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="auto")
@@ -182,7 +209,12 @@ def main() -> None:
             list(pool.map(lambda job: run_pipeline(*job, args), jobs))
     out = Path(args.out)
     summary = aggregate(out)
-    summary["recipe"] = {"per_variant": RECIPES, "extra": args.recipe_extra, "kind": args.kind}
+    summary["recipe"] = {
+        "per_variant": RECIPES,
+        "extra": args.recipe_extra,
+        "then": args.then,
+        "kind": args.kind,
+    }
     path = out / f"niah_seeds_{args.name}.json"
     path.write_text(json.dumps(summary, indent=2) + "\n")
     print(markdown(summary))

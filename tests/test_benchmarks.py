@@ -156,3 +156,40 @@ def test_worker_round_trip(tmp_path):
     assert harness.run_worker(str(script), {"n": 21}) == {"twice": 42}
     failed = harness.run_worker(str(script), {"n": -1})
     assert failed["error"].startswith("exit 1") and "negative n" in failed["error"]
+
+
+def test_niah_seeds_stages_train_on_from_the_stage_before(tmp_path):
+    """`niah_seeds.py --then FLAGS`: each stage trains from the model the stage before saved, the
+    evaluations read the last stage's, and the summary keeps each stage's training check apart."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import niah_seeds
+    finally:
+        sys.path.remove(str(BENCH))
+    args = niah_seeds.argparse.Namespace(
+        runs="R", out=str(tmp_path), threads=1, device="cpu", kind="passkey", recipe_extra="",
+        train_eval_length=1024, time_budget=None, then=["--steps 3 --lr 3e-4", "--train-length 2048"],
+        haystacks="noise,essays", lengths="1024", samples=1, eval_batch_size=2,
+    )  # fmt: skip
+    commands = niah_seeds.run_commands("mac", 4, args)
+    assert [c[c.index("--save-model") + 1] for c in commands[:3]] == [
+        "R/mac_s4",
+        "R/mac_s4_stage2",
+        "R/mac_s4_stage3",
+    ]
+    assert [c[c.index("--checkpoint") + 1] for c in commands[1:]] == ["R/mac_s4", "R/mac_s4_stage2"] + [
+        "R/mac_s4_stage3"
+    ] * 2
+    assert "--lr" in commands[1] and "--train-length" not in commands[1] and "--train-recipe" in commands[2]
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    training = {"metadata": {"model": {"training": {"steps_done": 3, "seconds": 1.0}}}}
+    for name in ("mac_s4_train", "mac_s4_stage2_train"):
+        (runs / f"{name}.json").write_text(json.dumps(training))
+    cells = [{"length": 1024, "correct": 1, "total": 2}]
+    (runs / "mac_s4_noise.json").write_text(json.dumps({"cells": cells, "metadata": {"samples": [0, 1]}}))
+    summary = niah_seeds.aggregate(tmp_path)
+    assert set(summary["training"]) == {"mac_s4", "mac_s4_stage2"}
+    assert summary["variants"] == {
+        "mac": {"noise": {"1024": {"seeds": {"4": 0.5}, "mean": 0.5, "min": 0.5, "max": 0.5}}}
+    }
