@@ -55,7 +55,7 @@ TEST_FILES = [
     "tests/test_decode_graph.py",
 ]
 # (seq, variant, mode[, memory_checkpoint_every]) in the order the goals need them: a part cut short has
-# measured the first ones. MAC at 4 x 8192 with the kernels needs 83 GB; checkpointed every 4 chunks, 76
+# measured the first ones. MAC at 4 x 8192 with the kernels needs 83 GB; checkpointed every 4 chunks, 76 GB
 TRAIN_ROWS = {
     2048: [
         "transformer:graphs", "mac:kernels+graphs", "lmm:kernels+graphs", "transformer:eager",

@@ -123,6 +123,12 @@ class TaskTrainConfig:
             return self.haystack[seed % len(self.haystack)]
         return self.haystack
 
+    def babilong_for(self, seed: int) -> tuple[str, str]:
+        """The bAbI task and haystack of training example ``seed``: tasks in turn, and the haystacks crossed
+        with them so that every task meets every haystack (moby_dick when none is named)."""
+        n = len(self.babi_tasks)
+        return self.babi_tasks[seed % n], self.haystack_for(seed // n) or "moby_dick"
+
 
 def task_example(
     tokenizer: TextTokenizer, cfg: TaskTrainConfig, *, length: int, seed: int
@@ -132,12 +138,12 @@ def task_example(
         return niah_training_example(
             tokenizer, length=length, kind=cfg.kind, haystack=cfg.haystack_for(seed), seed=seed
         )
-    task = cfg.babi_tasks[seed % len(cfg.babi_tasks)]
+    task, haystack = cfg.babilong_for(seed)
     return babilong_training_example(
         tokenizer,
         length=length,
         task=task,
-        haystack=cfg.haystack_for(seed // len(cfg.babi_tasks)) or "moby_dick",  # every task on every haystack
+        haystack=haystack,
         seed=seed,
         num_facts=cfg.num_facts,
     )
@@ -162,11 +168,12 @@ def min_task_length(tokenizer: TextTokenizer, cfg: TaskTrainConfig, probes: int 
                 split="train",
             )
         else:
+            task, haystack = cfg.babilong_for(seed)
             sample = make_babilong_sample(
                 tokenizer,
                 length=4096,
-                task=cfg.babi_tasks[seed % len(cfg.babi_tasks)],
-                haystack=cfg.haystack_for(seed // len(cfg.babi_tasks)) or "moby_dick",
+                task=task,
+                haystack=haystack,
                 seed=seed,
                 num_facts=cfg.num_facts,
                 split="train",
