@@ -13,7 +13,8 @@ and its entry says it was cut:
 - op: `memory_kernels.py`, the memory op alone, Triton kernels against the torch chunk loop, depth 1 (64)
   and depth 2 (hidden 128), 2K and 8K, forward and forward + backward.
 - train2k / train8k: `gpu_throughput.py` rows, 170M preset, batch 4, bf16 autocast, in the order the goals
-  need them (Transformer++, then MAC and the LMM with kernels + graphs, then the other variants and modes);
+  need them (Transformer++, then MAC and the LMM with kernels, compiled blocks and graphs, then the other
+  variants and modes);
   at 8K MAC also with the memory's backward checkpointed every 4 chunks (mode "c4"), which fits in 80 GB.
 - decode: `decode_graph.py --device cuda`, MAC tiny and 170M, batch 1: the eager step against the step
   replayed as a CUDA graph.
@@ -58,15 +59,17 @@ TEST_FILES = [
 # measured the first ones. MAC at 4 x 8192 with the kernels needs 83 GB; checkpointed every 4 chunks, 76 GB
 TRAIN_ROWS = {
     2048: [
-        "transformer:graphs", "mac:kernels+graphs", "lmm:kernels+graphs", "transformer:eager",
-        "mag:kernels+graphs", "mal:kernels+graphs", "swa:graphs", "mac:kernels", "lmm:kernels",
-        "mac:graphs", "lmm:graphs", "mag:kernels", "mal:kernels", "mac:eager", "lmm:eager", "swa:eager",
-        "mag:graphs", "mal:graphs", "mag:eager", "mal:eager",
+        "transformer:graphs", "mac:kernels+compile+graphs", "transformer:compile+graphs",
+        "mac:kernels+graphs", "lmm:kernels+compile+graphs", "lmm:kernels+graphs", "mac:kernels+compile",
+        "mag:kernels+compile+graphs", "mal:kernels+compile+graphs", "transformer:eager", "mag:kernels+graphs",
+        "mal:kernels+graphs", "swa:graphs", "mac:kernels", "lmm:kernels", "mac:graphs", "lmm:graphs",
+        "mag:kernels", "mal:kernels", "mac:eager", "lmm:eager", "swa:eager", "mag:graphs", "mal:graphs",
+        "mag:eager", "mal:eager",
     ],
     8192: [
-        "transformer:graphs", "mac:kernels+graphs", "mac:kernels+graphs:4", "lmm:kernels+graphs",
-        "transformer:eager", "mac:kernels", "lmm:kernels", "mag:kernels+graphs", "mal:kernels+graphs",
-        "swa:graphs",
+        "transformer:graphs", "mac:kernels+compile+graphs:4", "mac:kernels+graphs:4", "lmm:kernels+graphs",
+        "transformer:compile+graphs", "mac:kernels+graphs", "transformer:eager", "mac:kernels", "lmm:kernels",
+        "mag:kernels+graphs", "mal:kernels+graphs", "swa:graphs",
     ],
 }  # fmt: skip
 # the one CUDA test whose kernels take minutes to compile (float32 matmuls on a 128 x 256 state): last

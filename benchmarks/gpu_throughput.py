@@ -2,7 +2,9 @@
 train` runs there), eager and with the micro-step replayed as a CUDA graph (`titans train --cuda-graphs`),
 plus the neural memory layer alone in float32 and bf16. Every memory row also runs with the memory's chunk
 loop on the Triton kernels (`memory_backend="triton"`, `titans.ops.memory.triton_chunk`): modes "kernels"
-(eager) and "kernels+graphs"; the torch chunk loop is modes "eager" and "graphs".
+(eager) and "kernels+graphs"; the torch chunk loop is modes "eager" and "graphs". A mode with "compile"
+compiles each block first (`titans train --compile`, `TitansLM.compile_blocks`): "kernels+compile",
+"kernels+compile+graphs", "compile+graphs" (the baselines); `warmup_s` is then mostly the compile.
 
 One process, one model at a time, eager and graphed side by side. A step is forward + backward + AdamW;
 its time is the median over `--steps` steps after two warm-up steps, read with CUDA events. All variants
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import time
 
 import torch
 import torch.nn.functional as F
@@ -29,14 +32,17 @@ import torch.nn.functional as F
 from bench_utils import machine_info, median, save_json, time_cuda
 
 
-def _timed(step, steps: int) -> tuple[float, float]:
-    """(median seconds per call of `step`, peak GiB reserved) after two warm-up calls. Reserved, not
-    allocated: a CUDA graph's memory pool counts as reserved only."""
+def _timed(step, steps: int) -> tuple[float, float, float]:
+    """(median seconds per call of `step`, peak GiB reserved, seconds of the two warm-up calls: with
+    torch.compile, the compile) after two warm-up calls. Reserved, not allocated: a CUDA graph's memory pool
+    counts as reserved only."""
+    start = time.perf_counter()
     for _ in range(2):
         step()
     torch.cuda.synchronize()
+    warmup = time.perf_counter() - start
     torch.cuda.reset_peak_memory_stats()
-    return median(time_cuda(step, steps, warmup=0)), torch.cuda.max_memory_reserved() / 2**30
+    return median(time_cuda(step, steps, warmup=0)), torch.cuda.max_memory_reserved() / 2**30, warmup
 
 
 def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace, every: int | None = None) -> dict:
@@ -45,11 +51,14 @@ def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace, every
 
     torch.manual_seed(0)
     every = every or args.memory_checkpoint_every
-    backend = "triton" if mode.startswith("kernels") else "torch"
+    parts = mode.split("+")
+    backend = "triton" if "kernels" in parts else "torch"
     cfg = TitansConfig.preset(
         args.preset, variant=variant, memory_checkpoint_every=every, memory_backend=backend
     )
     model = TitansLM(cfg).cuda()
+    if "compile" in parts:  # as `titans train --compile` runs it
+        model.compile_blocks()
     for module in model.modules():  # as `titans train` runs it: no host sync per memory call
         if isinstance(module, NeuralMemory):
             module.check_finite = False
@@ -57,7 +66,7 @@ def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace, every
     tokens = torch.randint(0, model.config.vocab_size, (args.batch, seq + 1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     graphed = None
-    if mode.endswith("graphs"):
+    if "graphs" in parts:
         torch.cuda.reset_peak_memory_stats()
         graphed = GraphedMicroStep(model, tuple(inputs.shape), 1, torch.bfloat16, model.config.vocab_size)
 
@@ -72,7 +81,7 @@ def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace, every
         opt.step()
         opt.zero_grad(set_to_none=graphed is None)
 
-    sec, peak = _timed(step, args.steps)
+    sec, peak, warmup = _timed(step, args.steps)
     top = _profile(step, args.profile) if args.profile else None
     # whether the timed steps kept the weights finite (a step of non-finite numbers takes as long, but the
     # row then times a model that no longer trains)
@@ -87,6 +96,7 @@ def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace, every
         "step_s": sec,
         "tokens_per_s": args.batch * seq / sec,
         "peak_reserved_gib": peak,
+        "warmup_s": warmup,
         "weights_finite": finite,
         **({"kernels": top} if top is not None else {}),
     }
@@ -136,7 +146,7 @@ def memory_row(seq: int, dtype: str, backend: str, args: argparse.Namespace) -> 
         mem.zero_grad(set_to_none=True)
         x.grad = None
 
-    sec, peak = _timed(step, args.steps)
+    sec, peak, _ = _timed(step, args.steps)
     return {"layer": "NeuralMemory", "dtype": dtype, "backend": backend, "seq": seq, "batch": args.batch,
             "step_s": sec, "tokens_per_s": args.batch * seq / sec, "peak_reserved_gib": peak}  # fmt: skip
 
@@ -152,7 +162,8 @@ def main() -> None:
     p.add_argument(
         "--modes",
         default="eager,graphs,kernels,kernels+graphs",
-        help="eager, graphs (CUDA graph replay), kernels (the memory's Triton kernels), kernels+graphs",
+        help="eager, graphs (CUDA graph replay), kernels (the memory's Triton kernels), compile (each block "
+        "compiled, `titans train --compile`), or several joined by +: kernels+graphs, kernels+compile+graphs",
     )
     p.add_argument(
         "--memory-backends",
@@ -194,7 +205,7 @@ def main() -> None:
     for seq in [] if args.rows else seqs:
         for variant in args.variants.split(","):
             for mode in args.modes.split(","):
-                if mode.startswith("kernels") and variant in ("swa", "transformer"):
+                if "kernels" in mode.split("+") and variant in ("swa", "transformer"):
                     continue  # no memory: the kernels change nothing
                 run(model_row, variant, seq, mode)
     for seq in seqs if backends else []:

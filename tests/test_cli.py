@@ -348,3 +348,25 @@ def test_saved_state_file_has_an_ordinary_mode(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_the_commands_without_the_serve_extra():
+    """`titans train` (and `titans serve --help`) on an install without the `serve` extra: no module of the
+    command line imports the HTTP stack (fastapi, pydantic, uvicorn, redis) until the server starts."""
+    import subprocess
+    import sys
+
+    blocked = ("fastapi", "pydantic", "pydantic_core", "starlette", "uvicorn", "redis")
+    code = (
+        "import sys\n"
+        f"for name in {blocked!r}:\n"
+        "    sys.modules[name] = None  # import fails as if not installed\n"
+        "from titans.cli import build_parser\n"
+        "parser = build_parser()\n"
+        "args = parser.parse_args(['train', '--compile', '--steps', '1'])\n"
+        "assert args.compile and args.steps == 1\n"
+        "parser.parse_args(['serve', '--checkpoint', 'runs/x'])\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

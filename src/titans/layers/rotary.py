@@ -54,6 +54,10 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(
                 f"positions must be a 1-D integer tensor, got {positions.dtype} {tuple(positions.shape)}"
             )
+        if torch.compiler.is_compiling():
+            # computed in the graph (fused there): filling the cache would be a change of the module's
+            # attributes, and so a second compile of every compiled block
+            return self._angles_cos_sin(positions)
         if max_position is None and positions.device.type == "cpu" and positions.numel() > 0:
             if int(positions.min()) < 0:
                 raise ValueError("positions must be >= 0")

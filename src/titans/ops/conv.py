@@ -213,7 +213,14 @@ def causal_conv_silu(
     if split is not None and x.shape[2] % (split[0] * split[1]):
         raise ValueError(f"causal_conv_silu: split={split} does not divide the {x.shape[2]} channels")
     tail = tail.to(x.dtype)
-    # under torch.compile the pybind kernel would break the graph; the torch ops fuse there instead
+    if torch.compiler.is_compiling():
+        # plain differentiable ops: inductor fuses them and derives the backward (the hand-written one
+        # writes into views of its buffers, which dynamo cannot trace)
+        y = F.silu(causal_depthwise_conv(torch.cat([tail, x], 1), weight, bias))
+        if split is None:
+            return y
+        (b, t, c), (p, h) = x.shape, split
+        return y.view(b, t, p, h, c // (p * h)).permute(2, 0, 3, 1, 4).contiguous()
     if x.device.type == "cpu" and not torch.compiler.is_compiling() and kernels() is not None:
         return _CausalConvSiLUKernel.apply(x.contiguous(), tail.contiguous(), weight, bias, split)
     return _CausalConvSiLU.apply(x, tail, weight, bias, split)

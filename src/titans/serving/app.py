@@ -60,7 +60,7 @@ from titans.inference.session import MemorySession
 from titans.models.decode_graph import decode_cycle
 from titans.runtime.sampling import SAMPLING
 from titans.serving.auth import ANONYMOUS, bearer_key, hash_key, key_problem
-from titans.serving.errors import ApiError, ErrorBody, error_responses, redact
+from titans.serving.errors import STATUS_MEANINGS, ApiError, redact
 from titans.serving.limits import BodyTimeout, FairLimiter, KeyGate, Quotas, Sweeper, TooBusy, check_room
 from titans.serving.session import (
     Engine,
@@ -85,6 +85,17 @@ from titans.serving.workers import ProcessPool, WorkerDied, reuse_freed_memory
 log = logging.getLogger("titans.serving")
 T = TypeVar("T")
 _SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+class ErrorBody(BaseModel):
+    """The body of every error answer (`titans.serving.errors`)."""
+
+    detail: str = Field(description="what was wrong with the request, or why it could not be served")
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI `responses` of a route that can answer these error statuses, each with `ErrorBody`."""
+    return {status: {"model": ErrorBody, "description": STATUS_MEANINGS[status]} for status in statuses}
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,16 @@
 """What the server says when it refuses a request, and what it never says.
 
-Every error answer has one shape, `ErrorBody` (``{"detail": "..."}``, a sentence naming the problem),
-whatever the status. Nothing secret or internal reaches a client: a store's URL and its password, file
-paths and exception texts stay in the server's log (store URLs there with their password replaced by
-``***``, `redact`).
+Every error answer has one shape, ``{"detail": "..."}`` (a sentence naming the problem; its HTTP schema
+is `titans.serving.app.ErrorBody`), whatever the status; what each status means is here. Nothing secret or
+internal reaches a client: a store's URL and its password, file paths and exception texts stay in the
+server's log (store URLs there with their password replaced by ``***``, `redact`).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
 
-from pydantic import BaseModel, Field
-
-
-class ErrorBody(BaseModel):
-    """The body of every error answer."""
-
-    detail: str = Field(description="what was wrong with the request, or why it could not be served")
+# Plain Python (no serve extra): `titans serve --help` and its option checks import this module too.
 
 
 class ApiError(Exception):
@@ -70,9 +63,4 @@ def redact(text: str) -> str:
     return _QUERY_SECRET.sub(lambda m: f"{m['key']}***", text)
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """The OpenAPI `responses` of a route that can answer these error statuses, each with `ErrorBody`."""
-    return {status: {"model": ErrorBody, "description": STATUS_MEANINGS[status]} for status in statuses}
-
-
-__all__ = ["ApiError", "ErrorBody", "STATUS_MEANINGS", "error_responses", "redact", "redact_url"]
+__all__ = ["ApiError", "STATUS_MEANINGS", "redact", "redact_url"]

@@ -57,6 +57,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         out["fsdp"] = True
     if getattr(args, "cuda_graphs", False):
         out["cuda_graphs"] = True
+    if getattr(args, "compile", False):
+        out["compile"] = True
     if getattr(args, "no_progress", False):
         out["progress"] = False
     out.update(parse_set(getattr(args, "set", None) or []))
@@ -217,6 +219,11 @@ def register(commands, evals) -> None:
         "--cuda-graphs",
         action="store_true",
         help="replay each micro-step as a CUDA graph (one GPU; much faster for the memory variants)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile each block with torch.compile (the first step compiles; faster steps on GPUs)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(

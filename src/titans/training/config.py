@@ -58,7 +58,7 @@ RESUMABLE_CHANGES = frozenset(
         "steps", "tokens", "time_budget_min", "log_every", "eval_every", "ckpt_every", "keep_last", "run_dir",
         "device", "dtype", "threads", "grad_accum", "progress", "tensorboard", "cache_dir", "eval_windows",
         "eval_batch_size", "sample_tokens", "sample_prompt", "sample_temperature", "sample_top_k", "plot",
-        "cuda_graphs",
+        "cuda_graphs", "compile",
     }
 )  # fmt: skip
 
@@ -155,6 +155,8 @@ class TrainConfig:
     # replay each micro-step (forward, loss, backward) as one CUDA graph: one process on one GPU; the memory
     # variants' many small kernels then cost no per-launch CPU time (training/cuda_graphs.py)
     cuda_graphs: bool = option(False, help="replay each micro-step as a CUDA graph (one process, one GPU)")
+    # regional torch.compile (`TitansLM.compile_blocks`): the first step compiles, for a minute or more
+    compile: bool = option(False, help="compile each block with torch.compile (faster steps on GPUs)")
     threads: int | None = option(
         None, help="torch CPU threads of this process (null: torch's default)", min=1
     )
@@ -241,6 +243,8 @@ class TrainConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"TrainConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"TrainConfig.compile must be true or false, got {self.compile!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"TrainConfig.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if self.cuda_graphs and self.fsdp:

@@ -25,6 +25,7 @@ the stop signals.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -173,6 +174,8 @@ class Trainer:
             self._check_resumable(saved.config, checkpoint)
             load_weights(self.model, saved.model_state)
         self.model.to(self.device)
+        if cfg.compile:
+            self.model.compile_blocks()
         if cfg.cuda_graphs and (self.device.type != "cuda" or self.info.world_size > 1):
             where = f"{self.info.world_size} processes" if self.info.world_size > 1 else str(self.device)
             raise ValueError(
@@ -596,7 +599,10 @@ class Trainer:
         generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         model = D.unwrap(self.engine)
         model.eval()
-        with torch.no_grad(), autocast_context(self.device, self.autocast_dtype):
+        # decoding calls the blocks at shapes training never used: compiled blocks would compile again
+        # for each, so they run eager here (`compile`)
+        stance = torch.compiler.set_stance("force_eager") if cfg.compile else contextlib.nullcontext()
+        with torch.no_grad(), autocast_context(self.device, self.autocast_dtype), stance:
             out = generate(
                 model,
                 prompt,

@@ -18,6 +18,12 @@ the coefficients by `chunk_mix`, and backpropagated: the same gradients at the t
 memory than the GPU has (found at its first backward, then remembered). `shared_memory()` compiles both
 kernels for a given GPU on a machine without one and says what they need.
 
+Both launches are torch custom ops, `titans::memory_chunks` (its autograd registered) and
+`titans::memory_chunks_backward`: `torch.compile` calls them as they are (no graph break, no tracing of
+the launches), so a compiled model fuses the work around the memory, and decoding compiles too. The torch
+chunk step of the two cases above runs in the registered backward, outside the ops (it runs autograd, which
+a custom op's implementation cannot).
+
 Covered (`covered()`): depth 1 and 2 (`DEPTHS`; a deeper memory is refused by name), silu / gelu / relu,
 residual or not, clipping on or off, per-token gates with momentum or forgetting switched off, any chunk
 size, trailing partial chunks, a state in and out, float32 / float16 / bfloat16 q, k, v with a float32 (or
@@ -44,7 +50,6 @@ from titans.ops.memory.common import (
     surprise_norm,
     surprise_parts,
     unstack_states,
-    without_autocast,
 )
 from titans.validation import check_int
 
@@ -214,11 +219,19 @@ def _shape_key(config, q: Tensor, states) -> tuple:
     return (q.device.type, q.shape[-1], tuple(tuple(x.shape[-2:]) for x in states), *config[:2], config[3])
 
 
-def _launch(config, q, k, v, gates, states, save_every: int, save_tail: bool):
+def _n_saved(seq: int, chunk: int, save_every: int) -> int:
+    """Chunk-start states the forward keeps per layer: every `save_every`-th complete chunk's (none if 0),
+    and with `save_every` 1 the trailing partial chunk's too (the backward kernel reads it)."""
+    if not save_every:
+        return 0
+    save_until = -(-seq // chunk) if save_every == 1 else seq // chunk
+    return -(-save_until // save_every)
+
+
+def _launch(config, q, k, v, gates, states, save_every: int):
     """Run the forward kernel. q, k, v (N, T, d); gates: theta, log_eta, log_keep (N, T) with the same
     strides; states: per layer (N, 2, d_in, d_out). Returns y (N, T, d), norm (N, T), the new states (like
-    `states`) and per layer the saved chunk-start states (N, n_saved, 2, d_in, d_out): of every
-    `save_every`-th complete chunk (none if 0), and with `save_tail` of the trailing partial chunk too."""
+    `states`) and per layer the saved chunk-start states (N, n_saved, 2, d_in, d_out) (`_n_saved`)."""
     clip, b = config[2:]
     n_seq, seq, dim = q.shape
     n_full = seq // b
@@ -228,8 +241,8 @@ def _launch(config, q, k, v, gates, states, save_every: int, save_tail: bool):
     q, k, v = (x.contiguous() for x in (q, k, v))
     states = [x.contiguous() for x in states]
     n_chunks = -(-seq // b)
-    save_until = n_chunks if save_tail else n_full
-    n_saved = -(-save_until // save_every) if save_every else 0
+    n_saved = _n_saved(seq, b, save_every)
+    save_until = n_chunks if save_every == 1 else n_full
     y = torch.empty(n_seq, seq, dim, dtype=dtype, device=device)
     norm = torch.empty(n_seq, seq, dtype=dtype, device=device)
     new_states = [torch.empty_like(x) for x in states]
@@ -262,134 +275,135 @@ def _launch(config, q, k, v, gates, states, save_every: int, save_tail: bool):
     return y, norm, new_states, saved
 
 
-class _TritonChunks(torch.autograd.Function):
-    """The whole sequence: kernel forward, chunk-by-chunk recomputing backward (module docstring).
-
-    config: (activation, residual, clip, chunk_size, group), group = chunks per saved state. q, k, v
-    (N, T, d); theta, log_eta, log_keep (N, T) with the same strides (the kernels compute the chunks'
-    coefficients from them); states (N, 2, d_in, d_out) per layer.
-    Returns y (N, T, d), the surprise norms (N, T) and the states after the last complete chunk.
-    """
-
-    @staticmethod
-    def forward(ctx, config, q, k, v, theta, log_eta, log_keep, *states):
-        group = config[4]
-        grad = any(ctx.needs_input_grad[1:])
-        # every chunk's start state kept: the backward kernel runs (where it fits on the device)
-        fused = group == 1 and FUSED_BACKWARD and _shape_key(config, q, states) not in _UNFIT
-        gates = (theta, log_eta, log_keep)
-        y, norm, new_states, saved = _launch(config[:4], q, k, v, gates, states, group if grad else 0, fused)
-        ctx.config, ctx.depth, ctx.fused = config, len(states), fused
-        if grad:
-            ctx.save_for_backward(q, k, v, *gates, *new_states, *saved)
-        return (y, norm, *new_states)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    @without_autocast
-    def backward(ctx, g_y, g_norm, *g_final):
-        if ctx.fused:
-            try:
-                return _fused_backward(ctx, g_y, g_norm, *g_final)
-            except _kernels().OutOfResources:
-                # too big for one SM's shared memory: the torch chunk step from the same saved states
-                _UNFIT.add(_shape_key(ctx.config, ctx.saved_tensors[0], ctx.saved_tensors[6 : 6 + ctx.depth]))
-        activation, residual, clip, b, group = ctx.config
-        depth = ctx.depth
-        q, k, v, *gates = ctx.saved_tensors[:6]
-        final, saved = ctx.saved_tensors[6 : 6 + depth], ctx.saved_tensors[6 + depth :]
-        needs = ctx.needs_input_grad[1:]
-        dtype = final[0].dtype
-        n_seq, seq, dim = q.shape
-        n_full = seq // b
-        saved = [x[:, :n_full] for x in saved]  # the fused backward's also holds the tail's
-        length = n_full * b
-        g_states = [torch.zeros_like(x) if g is None else g.to(dtype) for x, g in zip(final, g_final)]
-        g_qkv = [
-            torch.zeros(n_seq, seq, dim, dtype=dtype, device=q.device) if need else None for need in needs[:3]
-        ]
-        g_gates = [
-            torch.zeros(x.shape, dtype=dtype, device=x.device) if need else None
-            for x, need in zip(gates, needs[3:6])
-        ]
-
-        def leaf(x: Tensor, need: bool) -> Tensor:
-            return x.detach().to(dtype).requires_grad_(need)
-
-        def grad_into(outs, grads_out, inputs, targets) -> list:
-            """Backpropagate outs (with grads_out) to inputs; add each gradient into its target slice."""
-            wanted = [x for x in inputs if x.requires_grad]
-            got = iter(torch.autograd.grad(outs, wanted, grads_out, allow_unused=True))
-            result = []
-            for x, target in zip(inputs, targets):
-                g = next(got) if x.requires_grad else None
-                if g is not None and target is not None:
-                    target += g
-                result.append(g)
-            return result
-
-        if seq > length:  # the trailing partial chunk: a read of the final weights
-            with torch.enable_grad():
-                tail = [leaf(x[:, length:], need) for x, need in zip((q, k, v), needs[:3])]
-                ws = [x[:, 0].detach().requires_grad_(True) for x in final]
-                y, inputs, deltas = read_and_grads(
-                    *(x.unsqueeze(1) for x in tail), [w.unsqueeze(1) for w in ws], activation, residual
-                )
-                norm = surprise_norm(surprise_parts(inputs, deltas))[1]
-                grads = grad_into(
-                    (y, norm),
-                    (g_y[:, length:].unsqueeze(1).to(dtype), g_norm[:, length:].unsqueeze(1).to(dtype)),
-                    [*tail, *ws],
-                    [None if g is None else g[:, length:] for g in g_qkv] + [None] * depth,
-                )
-            for g_state, g_w in zip(g_states, grads[3:]):
-                if g_w is not None:
-                    g_state[:, 0] += g_w
-
-        n_groups = saved[0].shape[1] if saved else 0
-        for i in range(n_groups - 1, -1, -1):
-            c0, c1 = i * group, min(n_full, (i + 1) * group)
-            rows = slice(c0 * b, c1 * b)
-            with torch.enable_grad():
-                pieces = [leaf(x[:, rows], need) for x, need in zip((q, k, v), needs[:3])]
-                gate_rows = [leaf(x[:, rows], need) for x, need in zip(gates, needs[3:6])]
-                coefs = chunk_mix(*(x.unsqueeze(0) for x in gate_rows), b, dtype)
-                starts = [x[:, i].detach().requires_grad_(True) for x in saved]
-                outs = run_chunks(activation, residual, clip, None, b, None, *pieces, *coefs, None, *starts)
-                grads = grad_into(
-                    outs,
-                    (g_y[:, rows].to(dtype), g_norm[:, rows].to(dtype), *g_states),
-                    [*pieces, *gate_rows, *starts],
-                    [None if g is None else g[:, rows] for g in (*g_qkv, *g_gates)] + [None] * depth,
-                )
-            g_states = [torch.zeros_like(s) if g is None else g for s, g in zip(starts, grads[6:])]
-
-        g_in = [None if g is None else g.to(x.dtype) for g, x in zip((*g_qkv, *g_gates), (q, k, v, *gates))]
-        g_init = [g if need else None for g, need in zip(g_states, needs[6:])]
-        return (None, *g_in, *g_init)
+# The op is two torch custom ops (forward and backward), each opaque to torch.compile: a compiled model
+# calls them as they are, fusing the work around them, and dynamo never traces the kernels' launches.
+@torch.library.custom_op("titans::memory_chunks", mutates_args=())
+def memory_chunks(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    theta: Tensor,
+    log_eta: Tensor,
+    log_keep: Tensor,
+    states: list[Tensor],
+    activation: str,
+    residual: bool,
+    clip: float | None,
+    chunk: int,
+    save_every: int,
+) -> list[Tensor]:
+    """The forward kernel over whole sequences (`_launch`): q, k, v (N, T, d); theta, log_eta, log_keep
+    (N, T) with the same strides; states per layer (N, 2, d_in, d_out). Returns [y (N, T, d), norm (N, T),
+    *new states, *saved chunk-start states (N, n_saved, 2, d_in, d_out)], n_saved by `_n_saved`."""
+    y, norm, new_states, saved = _launch(
+        (activation, residual, clip, chunk), q, k, v, (theta, log_eta, log_keep), states, save_every
+    )
+    return [y, norm, *new_states, *saved]
 
 
-def _fused_backward(ctx, g_y, g_norm, *g_final):
-    """`_TritonChunks.backward` by the backward kernel (every chunk's start state saved)."""
-    clip, b = ctx.config[2:4]
+@memory_chunks.register_fake
+def _(q, k, v, theta, log_eta, log_keep, states, activation, residual, clip, chunk, save_every):
+    n_seq, seq, dim = q.shape
+    n_saved = _n_saved(seq, chunk, save_every)
+    dtype = states[0].dtype
+    return [
+        q.new_empty(n_seq, seq, dim, dtype=dtype),
+        q.new_empty(n_seq, seq, dtype=dtype),
+        *(torch.empty_like(x, memory_format=torch.contiguous_format) for x in states),
+        *(x.new_empty(n_seq, n_saved, *x.shape[1:]) for x in states),
+    ]
+
+
+@torch.library.custom_op("titans::memory_chunks_backward", mutates_args=())
+def memory_chunks_backward(
+    g_y: Tensor,
+    g_norm: Tensor,
+    g_final: list[Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    theta: Tensor,
+    log_eta: Tensor,
+    log_keep: Tensor,
+    final: list[Tensor],
+    saved: list[Tensor],
+    activation: str,
+    residual: bool,
+    clip: float | None,
+    chunk: int,
+    group: int,
+) -> list[Tensor]:
+    """The gradients of `memory_chunks` by the backward kernel (every chunk's start state saved: the
+    forward's save_every 1): [g_q, g_k, g_v, g_theta, g_log_eta, g_log_keep, *g_states], each like its
+    input. Raises the kernels' OutOfResources where the kernel needs more shared memory than the device
+    has."""
+    config = (activation, residual, clip, chunk, group)
+    return _fused_backward(config, g_y, g_norm, g_final, q, k, v, (theta, log_eta, log_keep), final, saved)
+
+
+@memory_chunks_backward.register_fake
+def _(g_y, g_norm, g_final, q, k, v, theta, log_eta, log_keep, final, *rest):
+    return [torch.empty_like(x) for x in (q, k, v, theta, log_eta, log_keep, *final)]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, theta, log_eta, log_keep, states, activation, residual, clip, chunk, save_every = inputs
+    depth = len(states)
+    ctx.config, ctx.depth = (activation, residual, clip, chunk, save_every), depth
+    ctx.save_for_backward(q, k, v, theta, log_eta, log_keep, *output[2:])
+
+
+def _backward(ctx, grads):
     depth = ctx.depth
-    q, k, v, *gates = ctx.saved_tensors[:6]
+    q, k, v, theta, log_eta, log_keep = ctx.saved_tensors[:6]
     final, saved = ctx.saved_tensors[6 : 6 + depth], ctx.saved_tensors[6 + depth :]
-    needs = ctx.needs_input_grad[1:]
+    g_y, g_norm, *g_final = grads[: 2 + depth]
+    # outputs not used downstream get no gradient (None or zeros, by the caller)
+    g_y = final[0].new_zeros(q.shape) if g_y is None else g_y
+    g_norm = final[0].new_zeros(q.shape[:2]) if g_norm is None else g_norm
+    g_final = [torch.zeros_like(x) if g is None else g for x, g in zip(final, g_final)]
+    config, gates = ctx.config, (theta, log_eta, log_keep)
+    # the backward kernel where every chunk's state was kept and it fits on the device; else the torch
+    # chunk step from the same saved states (here, not in a custom op: it runs autograd, which a custom
+    # op's implementation cannot)
+    g_inputs = None
+    if config[4] == 1 and FUSED_BACKWARD and _shape_key(config, q, final) not in _UNFIT:
+        try:
+            g_inputs = memory_chunks_backward(g_y, g_norm, g_final, q, k, v, *gates, final, saved, *config)
+        except _kernels().OutOfResources:  # too big for one SM's shared memory
+            _UNFIT.add(_shape_key(config, q, final))
+    if g_inputs is None:
+        with torch.autocast(q.device.type, enabled=False):  # as the forward ran
+            g_inputs = _recomputed_backward(config, g_y, g_norm, g_final, q, k, v, gates, final, saved)
+    needs = ctx.needs_input_grad
+    g_in = [g if need else None for g, need in zip(g_inputs[:6], needs[:6])]
+    g_states = [g if any_need else None for g, any_need in zip(g_inputs[6:], _list_needs(needs[6], depth))]
+    return (*g_in, g_states, None, None, None, None, None)
+
+
+def _list_needs(need, n: int) -> list[bool]:
+    """needs_input_grad of a list argument: one flag per element (or one for the whole list)."""
+    return list(need) if isinstance(need, (list, tuple)) else [bool(need)] * n
+
+
+memory_chunks.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _fused_backward(config, g_y, g_norm, g_final, q, k, v, gates, final, saved) -> list[Tensor]:
+    """`memory_chunks_backward` by the backward kernel (every chunk's start state saved)."""
+    clip, b = config[2:4]
+    depth = len(final)
     n_seq, seq, dim = q.shape
     n_full, hidden = seq // b, final[0].shape[-1]
     device = q.device
     f32 = torch.float32
-    g_states = [
-        torch.zeros(x.shape, dtype=f32, device=device) if g is None else g.to(f32).contiguous()
-        for x, g in zip(final, g_final)
-    ]
-    g_y = torch.zeros(n_seq, seq, dim, dtype=f32, device=device) if g_y is None else g_y.contiguous()
-    g_norm = torch.zeros(n_seq, seq, dtype=f32, device=device) if g_norm is None else g_norm.contiguous()
+    # written by the kernel: copies, never the caller's tensors
+    g_states = [g.to(f32, copy=True).contiguous() for g in g_final]
+    g_y, g_norm = g_y.to(f32).contiguous(), g_norm.to(f32).contiguous()
     g_q, g_k, g_v = (torch.empty(n_seq, seq, dim, dtype=f32, device=device) for _ in range(3))
     # the trailing partial chunk's gates write nothing: their gradients stay 0
-    g_gates = torch.zeros(3, n_seq, seq, dtype=f32, device=device)
-    dummy = g_gates  # for the second layer's pointers at depth 1 (never touched)
+    g_gates = [torch.zeros(n_seq, seq, dtype=f32, device=device) for _ in range(3)]
+    dummy = g_gates[0]  # for the second layer's pointers at depth 1 (never touched)
     _kernels().memory_chunks_bwd[(n_seq,)](
         q,
         k,
@@ -410,13 +424,73 @@ def _fused_backward(ctx, g_y, g_norm, *g_final):
         n_full,
         -(-seq // b),
         float(clip) if clip is not None else 0.0,
-        **_constants(ctx.config[:4], dim, hidden, depth, _precision(q)),
+        **_constants(config[:4], dim, hidden, depth, _precision(q)),
         RB=min(_block(b), BACKWARD_ROWS),
     )
-    g_qkv = [g.to(x.dtype) if need else None for g, x, need in zip((g_q, g_k, g_v), (q, k, v), needs[:3])]
-    g_gates = [g.to(x.dtype) if need else None for g, x, need in zip(g_gates, gates, needs[3:6])]
-    g_init = [g.to(x.dtype) if need else None for g, x, need in zip(g_states, final, needs[6:])]
-    return (None, *g_qkv, *g_gates, *g_init)
+    return [g.to(x.dtype) for g, x in zip((g_q, g_k, g_v, *g_gates, *g_states), (q, k, v, *gates, *final))]
+
+
+def _recomputed_backward(config, g_y, g_norm, g_final, q, k, v, gates, final, saved) -> list[Tensor]:
+    """`memory_chunks_backward` by the torch chunk step: each group of chunks recomputed from its saved
+    start state and backpropagated, in reverse, the state gradient carried between groups."""
+    activation, residual, clip, b, group = config
+    depth = len(final)
+    dtype = final[0].dtype
+    n_seq, seq, dim = q.shape
+    n_full = seq // b
+    saved = [x[:, :n_full] for x in saved]  # with group 1 the trailing partial chunk's is saved too
+    length = n_full * b
+    g_states = [g.to(dtype, copy=True) for g in g_final]  # added into: copies
+    g_qkv = [torch.zeros(n_seq, seq, dim, dtype=dtype, device=q.device) for _ in range(3)]
+    g_gates = [torch.zeros(x.shape, dtype=dtype, device=x.device) for x in gates]
+
+    def leaf(x: Tensor) -> Tensor:
+        return x.detach().to(dtype).requires_grad_(True)
+
+    def grad_into(outs, grads_out, inputs, targets) -> list:
+        """Backpropagate outs (with grads_out) to inputs; add each gradient into its target slice."""
+        got = torch.autograd.grad(outs, inputs, grads_out, allow_unused=True)
+        for g, target in zip(got, targets):
+            if g is not None and target is not None:
+                target += g
+        return list(got)
+
+    with torch.enable_grad():
+        if seq > length:  # the trailing partial chunk: a read of the final weights
+            tail = [leaf(x[:, length:]) for x in (q, k, v)]
+            ws = [x[:, 0].detach().requires_grad_(True) for x in final]
+            y, inputs, deltas = read_and_grads(
+                *(x.unsqueeze(1) for x in tail), [w.unsqueeze(1) for w in ws], activation, residual
+            )
+            norm = surprise_norm(surprise_parts(inputs, deltas))[1]
+            grads = grad_into(
+                (y, norm),
+                (g_y[:, length:].unsqueeze(1).to(dtype), g_norm[:, length:].unsqueeze(1).to(dtype)),
+                [*tail, *ws],
+                [g[:, length:] for g in g_qkv] + [None] * depth,
+            )
+            for g_state, g_w in zip(g_states, grads[3:]):
+                if g_w is not None:
+                    g_state[:, 0] += g_w
+
+        n_groups = saved[0].shape[1] if saved else 0
+        for i in range(n_groups - 1, -1, -1):
+            c0, c1 = i * group, min(n_full, (i + 1) * group)
+            rows = slice(c0 * b, c1 * b)
+            pieces = [leaf(x[:, rows]) for x in (q, k, v)]
+            gate_rows = [leaf(x[:, rows]) for x in gates]
+            coefs = chunk_mix(*(x.unsqueeze(0) for x in gate_rows), b, dtype)
+            starts = [x[:, i].detach().requires_grad_(True) for x in saved]
+            outs = run_chunks(activation, residual, clip, None, b, None, *pieces, *coefs, None, *starts)
+            grads = grad_into(
+                outs,
+                (g_y[:, rows].to(dtype), g_norm[:, rows].to(dtype), *g_states),
+                [*pieces, *gate_rows, *starts],
+                [g[:, rows] for g in (*g_qkv, *g_gates)] + [None] * depth,
+            )
+            g_states = [torch.zeros_like(s) if g is None else g for s, g in zip(starts, grads[6:])]
+
+    return [g.to(x.dtype) for g, x in zip((*g_qkv, *g_gates, *g_states), (q, k, v, *gates, *final))]
 
 
 def neural_memory_triton(
@@ -456,11 +530,11 @@ def neural_memory_triton(
         states = stack_states(weights, momentum)
         flat = (x.reshape(n_seq, seq, dim) for x in (q, k, v))
         group = checkpoint_every if checkpoint_every and torch.is_grad_enabled() else 1
-        config = (activation, residual, surprise_clip, b, min(group, max(n_full, 1)))
+        clip = None if surprise_clip is None else float(surprise_clip)
+        config = (activation, residual, clip, b, min(group, max(n_full, 1)))
         inputs = (q, k, v, theta, log_eta, log_keep, *states)
-        if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
-            y, norm, *states = _TritonChunks.apply(config, *flat, *gates, *states)
-        else:  # no autograd node (decoding): torch.compile traces the kernel launch itself
-            y, norm, states, _ = _launch(config[:4], *flat, gates, states, 0, False)
+        # the chunk-start states the backward needs, only where there will be one
+        save_every = config[4] if torch.is_grad_enabled() and any(x.requires_grad for x in inputs) else 0
+        y, norm, *states = memory_chunks(*flat, *gates, states, *config[:4], save_every)[: 2 + depth]
     weights, momentum = unstack_states(states, batch, heads)
     return y.view(batch, heads, seq, dim), weights, momentum, norm.view(batch, heads, seq)
