@@ -283,3 +283,27 @@ def test_loss_goes_down_on_real_text(tmp_path, cache_dir):
     assert sum(losses[-10:]) / 10 < sum(losses[:5]) / 5 - 1.0
     assert result.eval.loss < before.loss - 1.0  # held-out text: it learned the language, not the batches
     assert result.eval.bpb < 5.0  # bytes of English prose; chance is 8 bits
+
+
+def test_compile_trains_like_eager_and_samples(tmp_path, cache_dir, monkeypatch):
+    """`TrainConfig.compile`: the trainer compiles the blocks (traced by dynamo; the "eager" backend here,
+    inductor where a run compiles for real), trains with the eager run's losses and weights, and the sample
+    at the end decodes (uncompiled: its shapes would each compile again)."""
+    compiled_calls = []
+    real = TitansLM.compile_blocks
+
+    def compile_blocks(self, **options):
+        compiled_calls.append(1)
+        real(self, **{"backend": "eager", **options})
+
+    monkeypatch.setattr(TitansLM, "compile_blocks", compile_blocks)
+    eager = Trainer(micro_config(tmp_path / "eager", cache_dir, steps=3))
+    ref = eager.train()
+    with pytest.raises(ValueError, match="TrainConfig.compile: expected a bool"):
+        micro_config(tmp_path, cache_dir, compile="yes")
+    compiled = Trainer(micro_config(tmp_path / "compiled", cache_dir, steps=3, compile=True, sample_tokens=8))
+    result = compiled.train()
+    assert compiled_calls == [1]
+    assert result.step_losses == pytest.approx(ref.step_losses, abs=1e-5)
+    assert max_weight_diff(eager.model, compiled.model) <= 1e-5
+    assert result.sample

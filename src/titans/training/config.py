@@ -243,8 +243,6 @@ class TrainConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"TrainConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"TrainConfig.compile must be true or false, got {self.compile!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"TrainConfig.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if self.cuda_graphs and self.fsdp:
