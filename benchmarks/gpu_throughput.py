@@ -24,25 +24,22 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import time
 
 import torch
 import torch.nn.functional as F
 
-from bench_utils import machine_info, median, save_json, time_cuda
+from bench_utils import Timer, machine_info, median, save_json, time_cuda
 
 
 def _timed(step, steps: int) -> tuple[float, float, float]:
     """(median seconds per call of `step`, peak GiB reserved, seconds of the two warm-up calls: with
     torch.compile, the compile) after two warm-up calls. Reserved, not allocated: a CUDA graph's memory pool
     counts as reserved only."""
-    start = time.perf_counter()
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    warmup = time.perf_counter() - start
+    with Timer(sync=torch.cuda.synchronize) as warmup:
+        for _ in range(2):
+            step()
     torch.cuda.reset_peak_memory_stats()
-    return median(time_cuda(step, steps, warmup=0)), torch.cuda.max_memory_reserved() / 2**30, warmup
+    return median(time_cuda(step, steps, warmup=0)), torch.cuda.max_memory_reserved() / 2**30, warmup.wall
 
 
 def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace, every: int | None = None) -> dict:

@@ -297,11 +297,14 @@ def test_compile_trains_like_eager_and_samples(tmp_path, cache_dir, monkeypatch)
         real(self, **{"backend": "eager", **options})
 
     monkeypatch.setattr(TitansLM, "compile_blocks", compile_blocks)
-    eager = Trainer(micro_config(tmp_path / "eager", cache_dir, steps=3))
+    # the wiring, on the quickest variant to trace (tests/test_memory_triton.py compiles a MAC)
+    eager = Trainer(micro_config(tmp_path / "eager", cache_dir, steps=3, variant="swa"))
     ref = eager.train()
     with pytest.raises(ValueError, match="TrainConfig.compile: expected a bool"):
         micro_config(tmp_path, cache_dir, compile="yes")
-    compiled = Trainer(micro_config(tmp_path / "compiled", cache_dir, steps=3, compile=True, sample_tokens=8))
+    compiled = Trainer(
+        micro_config(tmp_path / "compiled", cache_dir, steps=3, variant="swa", compile=True, sample_tokens=8)
+    )
     result = compiled.train()
     assert compiled_calls == [1]
     assert result.step_losses == pytest.approx(ref.step_losses, abs=1e-5)
