@@ -221,7 +221,7 @@ def causal_conv_silu(
             return y
         (b, t, c), (p, h) = x.shape, split
         return y.view(b, t, p, h, c // (p * h)).permute(2, 0, 3, 1, 4).contiguous()
-    if x.device.type == "cpu" and not torch.compiler.is_compiling() and kernels() is not None:
+    if x.device.type == "cpu" and kernels() is not None:
         return _CausalConvSiLUKernel.apply(x.contiguous(), tail.contiguous(), weight, bias, split)
     return _CausalConvSiLU.apply(x, tail, weight, bias, split)
 

@@ -82,6 +82,9 @@ def _train_one(cfg: TrainConfig, resume: bool, overwrite: bool) -> tuple[bool, i
         if trainer.device.type == "cuda" and memory and not cfg.cuda_graphs and trainer.info.world_size == 1:
             print("hint: --cuda-graphs replays each step as a CUDA graph; memory variants train several times"
                   " faster (docs/benchmarks.md, section 6)", flush=True)  # fmt: skip
+        if trainer.device.type == "cuda" and not cfg.compile:
+            print("hint: --compile compiles each block (torch.compile): a 170M MAC trained 1.4x faster on an"
+                  " H100 (docs/benchmarks.md, \"Compiled blocks on an H100\")", flush=True)  # fmt: skip
     result = trainer.train()
     is_main = trainer.info.is_main
     if is_main:
