@@ -155,7 +155,7 @@ def test_config_errors_name_the_problem(tmp_path, cache_dir):
 def test_shipped_configs_build_their_model(path):
     """Every config in configs/ loads, and the model it names builds: the main job (MAL) and the MAC recipe
     beside it differ in the variant, the MAC block's options and the attention window only (the main job's
-    is 32: its memory carries more of the context, docs/long_context.md)."""
+    is 16: its memory carries more of the context, docs/long_context.md)."""
     cfg = TrainConfig.from_file(path)
     model = TitansLM(cfg.model_config(256))
     assert sum(p.numel() for p in model.parameters()) > 0
@@ -165,7 +165,7 @@ def test_shipped_configs_build_their_model(path):
         same = {k: v for k, v in cfg.to_dict().items() if k not in ("variant", "model", "run_dir")}
         assert same == {k: v for k, v in mac.to_dict().items() if k in same}
         assert cfg.model_config(256).memory_forget_to == mac.model_config(256).memory_forget_to == "init"
-        assert (cfg.model_config(256).window, mac.model_config(256).window) == (32, 64)
+        assert (cfg.model_config(256).window, mac.model_config(256).window) == (16, 64)
 
 
 def test_cli_errors_are_reported_not_raised(tmp_path, capsys):
