@@ -6,6 +6,12 @@ by role (the writing model is the first curve, its twin the frozen one, the base
 own labels may differ between seeds.
 
     python benchmarks/context_seeds.py results/long_context/mac_init_s{0,1,2}_8k.json --out summary.json
+
+`--baseline-from` takes the baseline from other files instead, one per seed in the same order, read on the
+same windows (checked): a model scored beside one SWA compared with another scored elsewhere.
+
+    python benchmarks/context_seeds.py results/long_context/lmm_init_s{0,1,2}_8k.json \
+        --baseline-from results/long_context/mal_w16_s{0,1,2}_8k.json
 """
 
 from __future__ import annotations
@@ -33,13 +39,23 @@ def roles(result: dict) -> dict[str, dict]:
     return out
 
 
-def summarise(results: list[dict]) -> dict:
+def summarise(results: list[dict], baselines: list[dict] | None = None) -> dict:
     """Per bucket and role: mean and (min, max) over the files; and per bucket the margins writing - frozen
-    and writing - baseline for every file."""
+    and writing - baseline for every file. ``baselines``: files (one per result, same windows) whose
+    baseline replaces the results' own."""
     labels = results[0]["bucket_labels"]
     if any(r["bucket_labels"] != labels for r in results):
         raise ValueError("the files have different position buckets (another --length?)")
     per = [roles(r) for r in results]
+    if baselines is not None:
+        if len(baselines) != len(results):
+            raise ValueError(f"{len(baselines)} baseline files for {len(results)} files: give one per file")
+        for k, (r, b) in enumerate(zip(results, baselines)):
+            if (b["window_origins"], b["bucket_labels"]) != (r["window_origins"], labels):
+                raise ValueError(f"baseline file {k} was read on other windows or buckets than file {k}")
+            if "baseline" not in roles(b):
+                raise ValueError(f"baseline file {k} holds no compared (non-frozen) model")
+            per[k]["baseline"] = roles(b)["baseline"]
     out: dict = {"buckets": labels, "files": len(results), "roles": {}, "margins": {}}
     for role in ("writing", "frozen", "baseline"):
         if all(role in p for p in per):
@@ -76,11 +92,23 @@ def table(summary: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+", help="titans eval context JSON files, one per seed")
+    p.add_argument(
+        "--baseline-from",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="files (one per seed, same order, same windows) whose compared model is the baseline",
+    )
     p.add_argument("--out", default=None, help="summary JSON (a path, or a name in benchmarks/results/)")
     args = p.parse_args()
     results = [json.loads(Path(f).read_text()) for f in args.files]
-    summary = summarise(results)
+    baselines = (
+        None if args.baseline_from is None else [json.loads(Path(f).read_text()) for f in args.baseline_from]
+    )
+    summary = summarise(results, baselines)
     summary["sources"] = args.files
+    if args.baseline_from:
+        summary["baseline_sources"] = args.baseline_from
     print(f"{len(results)} files, mean [lowest-highest] nats/token; margins: the largest over the files")
     print(table(summary))
     if args.out:

@@ -61,3 +61,22 @@ def test_files_with_other_buckets_are_refused():
     b = {**_result([1.0] * 3, [1.0] * 3, [1.0] * 3, "b"), "bucket_labels": ["0-256", "256-1K", "1K-4K"]}
     with pytest.raises(ValueError, match="different position buckets"):
         context_seeds.summarise([a, b])
+
+
+def test_baseline_from_other_files_on_the_same_windows():
+    """A baseline read beside another model replaces the files' own, seed by seed; other windows refused."""
+    own = [
+        {**_result([1.0, 1.1, 1.2], [1.1] * 3, [9.0] * 3, f"s{s}"), "window_origins": [0, 7]} for s in (0, 1)
+    ]
+    other = [
+        {**_result([5.0] * 3, [5.0] * 3, [1.1, 1.0, 1.3 + s], f"o{s}"), "window_origins": [0, 7]}
+        for s in (0, 1)
+    ]
+    summary = context_seeds.summarise(own, other)
+    assert summary["roles"]["baseline"]["mean"] == pytest.approx([1.1, 1.0, 1.8])
+    per_seed = summary["margins"]["writing - baseline"]["per_seed"]
+    assert per_seed[0] == pytest.approx([-0.1, 0.1, -0.1]) and per_seed[1] == pytest.approx([-0.1, 0.1, -1.1])
+    with pytest.raises(ValueError, match="other windows"):
+        context_seeds.summarise(own, [other[0], {**other[1], "window_origins": [0, 8]}])
+    with pytest.raises(ValueError, match="one per file"):
+        context_seeds.summarise(own, other[:1])
