@@ -53,9 +53,10 @@ def summarise(results: list[dict], baselines: list[dict] | None = None) -> dict:
         for k, (r, b) in enumerate(zip(results, baselines)):
             if (b["window_origins"], b["bucket_labels"]) != (r["window_origins"], labels):
                 raise ValueError(f"baseline file {k} was read on other windows or buckets than file {k}")
-            if "baseline" not in roles(b):
+            baseline = roles(b).get("baseline")
+            if baseline is None:
                 raise ValueError(f"baseline file {k} holds no compared (non-frozen) model")
-            per[k]["baseline"] = roles(b)["baseline"]
+            per[k]["baseline"] = baseline
     out: dict = {"buckets": labels, "files": len(results), "roles": {}, "margins": {}}
     for role in ("writing", "frozen", "baseline"):
         if all(role in p for p in per):

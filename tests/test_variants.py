@@ -239,3 +239,19 @@ def test_state_and_streaming_names_import_from_every_documented_place():
             importlib.import_module(alias)
     assert generation.generate is streaming.generate
     assert generation.sample_next is streaming.sample_next
+
+
+def test_the_lmm_has_no_attention_window():
+    """`window` sets the sliding-window attention of the blocks that have one; the LMM's blocks have none,
+    so the main job's window (16) and the preset's (64) build the same LMM (docs/long_context.md compares
+    the LMM's runs with the window-16 models on that ground)."""
+    x = random_tokens(2, 37, vocab=256)
+    out = []
+    for window in (16, 64):
+        torch.manual_seed(0)
+        model = TitansLM(TitansConfig.preset("tiny", variant="lmm", window=window)).eval()
+        with torch.no_grad():
+            out.append((model.state_dict(), model(x)[0]))  # (logits, state)
+    assert out[0][0].keys() == out[1][0].keys()
+    assert all(torch.equal(out[0][0][k], out[1][0][k]) for k in out[0][0])
+    assert torch.equal(out[0][1], out[1][1])
