@@ -312,3 +312,27 @@ def test_compile_trains_like_eager_and_samples(tmp_path, cache_dir, monkeypatch)
     assert result.step_losses == pytest.approx(ref.step_losses, abs=1e-5)
     assert max_weight_diff(eager.model, compiled.model) <= 1e-5
     assert result.sample
+
+
+@pytest.mark.parametrize("variant", ["mac", "mal"])
+def test_compiled_blocks_compile_once_with_evaluation_and_monitoring(
+    variant, tmp_path, cache_dir, monkeypatch
+):
+    """With `TrainConfig.compile`, the held-out evaluation, the memory monitor (a forward of one window
+    per log) and the sample run the blocks uncompiled: their batch sizes and modes differ from the training
+    step's, and compiled blocks would compile again for each (minutes on a GPU; and a 170M MAC's blocks,
+    recompiled with a dynamic batch, failed to find a CUDA attention kernel for the mask's layout). Only
+    the training step compiles: a second compile raises here."""
+    real = TitansLM.compile_blocks
+    monkeypatch.setattr(
+        TitansLM, "compile_blocks", lambda self, **options: real(self, **{"backend": "eager", **options})
+    )
+    torch._dynamo.reset()
+    cfg = micro_config(
+        tmp_path, cache_dir, steps=3, variant=variant, compile=True, eval_every=2, sample_tokens=4
+    )
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        result = Trainer(cfg).train()
+    assert result.step == 3 and result.sample
+    memory_rows = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").open()) if r["split"] == "memory"]
+    assert len(memory_rows) == 3

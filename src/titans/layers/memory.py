@@ -633,7 +633,9 @@ class NeuralMemory(nn.Module):
         if reason is None and q.device.type != "cuda":
             reason = "not on CUDA (under the interpreter only backend='triton' runs the kernels)"
         choice = ("triton", "the kernels cover this config on CUDA") if reason is None else ("torch", reason)
-        if choice not in _logged_choices:
+        # logged from eager calls only: traced, the set's contents would become a guard of the compiled
+        # code, and the first call's insertion would make the second call compile again
+        if not torch.compiler.is_compiling() and choice not in _logged_choices:
             _logged_choices.add(choice)
             # on CUDA the choice is news (a fallback costs speed); off CUDA torch is the only path
             level = logging.INFO if q.device.type == "cuda" else logging.DEBUG

@@ -468,13 +468,21 @@ class Trainer:
         # DDP: each rank scores its windows with the bare model (no gradient hooks); FSDP: the sharded
         # model, whose forward is a collective, so every rank runs the same number of passes.
         model = self.model if self.config.fsdp else D.unwrap(self.engine)
-        return evaluate_perplexity(
-            model,
-            self.eval_windows,
-            device=self.device,
-            autocast_dtype=self.autocast_dtype,
-            lockstep=self.config.fsdp,
-        )
+        with self._uncompiled():
+            return evaluate_perplexity(
+                model,
+                self.eval_windows,
+                device=self.device,
+                autocast_dtype=self.autocast_dtype,
+                lockstep=self.config.fsdp,
+            )
+
+    def _uncompiled(self):
+        """A context in which compiled blocks (`TrainConfig.compile`) run eager: the evaluation, the memory
+        monitor and the sample call them at batch sizes and modes the training step never uses, and each
+        would compile again (minutes on a GPU; recompiled with a dynamic batch, a 170M MAC's blocks found no
+        CUDA attention kernel for their mask)."""
+        return torch.compiler.set_stance("force_eager") if self.config.compile else contextlib.nullcontext()
 
     # ---------------------------------------------------------------------------------------- loop
     def train(self, stop_at: int | None = None, *, handle_signals: bool = True) -> TrainResult:
@@ -573,7 +581,7 @@ class Trainer:
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad(), autocast_context(self.device, self.autocast_dtype):
+            with torch.no_grad(), autocast_context(self.device, self.autocast_dtype), self._uncompiled():
                 out = model.forward_with_stats(self._monitor_tokens.to(self.device), last_only=True)
             report = memory_report(model, out.stats, out.state)
         finally:
@@ -599,10 +607,7 @@ class Trainer:
         generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         model = D.unwrap(self.engine)
         model.eval()
-        # decoding calls the blocks at shapes training never used: compiled blocks would compile again
-        # for each, so they run eager here (`compile`)
-        stance = torch.compiler.set_stance("force_eager") if cfg.compile else contextlib.nullcontext()
-        with torch.no_grad(), autocast_context(self.device, self.autocast_dtype), stance:
+        with torch.no_grad(), autocast_context(self.device, self.autocast_dtype), self._uncompiled():
             out = generate(
                 model,
                 prompt,

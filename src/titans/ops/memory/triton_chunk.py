@@ -64,16 +64,14 @@ DEPTHS = (1, 2)
 _ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
 
 
-_TRITON_FOUND: bool | None = None  # looked up on first use
+# looked up once, at import (without importing triton): the memory asks on every call, and a lookup of a
+# package that is not installed searches every path entry. Not lazily: a global set at the first call is a
+# guard of compiled code, and the second call would compile again
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None
 
 
 def triton_available() -> bool:
-    """Whether the `triton` package is installed (without importing it). Looked up once per process: the
-    memory asks on every call, and a lookup of a package that is not installed searches every path entry.
-    A module global rather than `functools.cache`, which torch.compile warns about in a compiled step."""
-    global _TRITON_FOUND
-    if _TRITON_FOUND is None:
-        _TRITON_FOUND = importlib.util.find_spec("triton") is not None
+    """Whether the `triton` package is installed (without importing it)."""
     return _TRITON_FOUND
 
 
