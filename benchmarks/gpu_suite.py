@@ -1,7 +1,7 @@
 """The GPU checklist in one command, one JSON: the CUDA tests, the memory op alone, whole-model training
 throughput of every variant at 2K and 8K, and decode speed, on whatever CUDA device is at hand.
 
-    python benchmarks/gpu_suite.py [--parts tests,op,train2k,train8k,decode,profile,rows,slowtests]
+    python benchmarks/gpu_suite.py [--parts tests,op,train2k,train8k,trainer,decode,profile,rows,slowtests]
         [--budget 1200] [--cap train2k=300,...] [--out gpu_suite_h200]
 
 Parts, in this order, each its own process with a time cap (`--cap`, seconds), cut to what is left of
@@ -16,6 +16,9 @@ and its entry says it was cut:
   need them (Transformer++, then MAC and the LMM with kernels, compiled blocks and graphs, then the other
   variants and modes);
   at 8K MAC also with the memory's backward checkpointed every 4 chunks (mode "c4"), which fits in 80 GB.
+- trainer: `titans train` as a user runs it on a GPU, a 170M MAC at 4 x 2048 for 12 steps with
+  `--compile --cuda-graphs` (`TRAINER_ARGS`), its held-out evaluation and sample: the run's exit code and
+  its metrics rows (each step's loss, gradient norm and tokens/s; the first step's time is the compile's).
 - decode: `decode_graph.py --device cuda`, MAC tiny and 170M, batch 1: the eager step against the step
   replayed as a CUDA graph.
 - profile: one step at 2K under the torch profiler, of MAC with the kernels (eager and replayed) and of
@@ -72,13 +75,19 @@ TRAIN_ROWS = {
         "mag:kernels+graphs", "mal:kernels+graphs", "swa:graphs",
     ],
 }  # fmt: skip
+# `titans train` end to end: compiled blocks replayed as CUDA graphs, evaluated (8 windows) and sampled
+TRAINER_ARGS = [
+    "--preset", "170M", "--variant", "mac", "--seq-len", "2048", "--batch-size", "4", "--steps", "12",
+    "--compile", "--cuda-graphs", "--device", "cuda", "--no-progress",
+    "--set", "log_every=1", "--set", "eval_windows=8", "--set", "sample_tokens=32",
+]  # fmt: skip
 # the one CUDA test whose kernels take minutes to compile (float32 matmuls on a 128 x 256 state): last
 SLOW_TEST = (
     "tests/test_memory_triton.py::test_compiled_kernel_matches_reference_on_cuda[2-shape3-options3-False]"
 )
 CAPS = {
-    "tests": 240, "op": 150, "train2k": 360, "train8k": 180, "decode": 90, "profile": 60, "rows": 60,
-    "slowtests": 120,
+    "tests": 240, "op": 150, "train2k": 360, "train8k": 180, "trainer": 360, "decode": 90, "profile": 60,
+    "rows": 60, "slowtests": 120,
 }  # fmt: skip
 
 
@@ -166,7 +175,7 @@ def _goals(parts: dict) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="tests,op,train2k,train8k,decode,profile,rows,slowtests")
+    p.add_argument("--parts", default="tests,op,train2k,train8k,trainer,decode,profile,rows,slowtests")
     p.add_argument("--budget", type=float, default=1200, help="seconds for all parts together")
     p.add_argument("--cap", default="", help="part=seconds,... overriding the parts' own caps")
     p.add_argument("--steps", type=int, default=5, help="timed steps per training row")
@@ -222,6 +231,14 @@ def main() -> None:
             cmd = [py, str(HERE / "gpu_throughput.py"), "--rows", rows, "--steps", str(args.steps),
                    "--out", str(work / f"{name}.json")]  # fmt: skip
             parts[name] = _run(name, cmd, cap, log)
+        elif name == "trainer":
+            run_dir = work / "trainer"
+            cmd = [py, "-m", "titans.cli", "train", *TRAINER_ARGS, "--run-dir", str(run_dir)]
+            parts[name] = _run(name, cmd, cap, log)
+            metrics = run_dir / "metrics.jsonl"
+            if metrics.exists():  # the training and evaluation rows (not the memory monitor's)
+                rows = map(json.loads, metrics.read_text().splitlines())
+                parts[name]["rows"] = [r for r in rows if r.get("split") in ("train", "eval")]
         elif name == "decode":
             rows = []
             for preset in ("tiny", "170M"):
@@ -275,6 +292,12 @@ def main() -> None:
                       f"{'finite' if r.get('weights_finite', True) else 'NOT finite'}")  # fmt: skip
             else:
                 print(f"{' '.join(r.get('args', [])):<34} {r.get('error', '')[:80]}")
+    trainer = parts.get("trainer", {})
+    if "returncode" in trainer:
+        steps = [r for r in trainer["rows"] if r["split"] == "train"]
+        rates = ", ".join(f"{r['tokens_per_s']:,.0f}" for r in steps)
+        print(f"titans train --compile --cuda-graphs: exit {trainer['returncode']}, {len(steps)} steps "
+              f"logged, tok/s by step: {rates or 'none'}")  # fmt: skip
     for g in _goals(parts):
         ratio = f"{g['ratio']:.2f}x" if g["ratio"] is not None else "not measured"
         print(

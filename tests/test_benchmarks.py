@@ -193,3 +193,21 @@ def test_niah_seeds_stages_train_on_from_the_stage_before(tmp_path):
     assert summary["variants"] == {
         "mac": {"noise": {"1024": {"seeds": {"4": 0.5}, "mean": 0.5, "min": 0.5, "max": 0.5}}}
     }
+
+
+def test_gpu_suite_trainer_part_is_a_valid_train_command():
+    """`gpu_suite.py`'s trainer part runs `titans train` with `TRAINER_ARGS` on a GPU, where a typo would
+    cost a device call: the arguments parse and make a valid `TrainConfig` here."""
+    from titans.cli import build_parser
+    from titans.training.cli import overrides_from_args
+    from titans.training.config import TrainConfig
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_suite
+    finally:
+        sys.path.remove(str(BENCH))
+    args = build_parser().parse_args(["train", *gpu_suite.TRAINER_ARGS])
+    cfg = TrainConfig(**overrides_from_args(args))
+    assert (cfg.compile, cfg.cuda_graphs, cfg.device, cfg.log_every) == (True, True, "cuda", 1)
+    assert "trainer" in gpu_suite.CAPS
