@@ -76,6 +76,18 @@ def test_a_non_finite_loss_stops_the_loop_naming_the_step():
         loop.run()
 
 
+def test_a_large_gradient_norm_is_reported_once(capsys):
+    """A gradient norm past `LARGE_GRAD_NORM` (a memory's backward exploding over a long window) is
+    reported once a run, with where to read about it; an ordinary one is not."""
+    _, loop = _linear_loop(verbose=True, grad_clip=1.0)
+    loop.run()
+    assert "warning: gradient norm" not in capsys.readouterr().out
+    _, loop = _linear_loop(verbose=True, grad_clip=1.0, loss_fn=lambda m, b: 1e6 * m(b[0]).sum())
+    loop.run()
+    out = capsys.readouterr().out
+    assert out.count("warning: gradient norm") == 1 and "at step 1:" in out and "Long windows" in out
+
+
 def test_a_signal_stops_the_loop_after_the_step_with_a_checkpoint():
     saved: list[int] = []
 

@@ -42,6 +42,11 @@ from titans.training import distributed as D
 from titans.training.metrics import MetricsLogger
 from titans.training.signals import StopSignals, signal_name
 
+# a gradient norm past this is reported once a run (verbose): clipped, the update then follows its largest
+# components alone. A language model's is 1-100 at initialisation; a memory's backward over a long window
+# can grow it geometrically with the chunks (docs/training.md, "Long windows")
+LARGE_GRAD_NORM = 1e3
+
 LossFn = Callable[[nn.Module, Any], "Tensor | tuple[Tensor, dict[str, Any]]"]
 StepFn = Callable[[int], "tuple[Tensor, Tensor | None]"]
 OnStep = Callable[[int, Tensor, "Tensor | None", dict[str, Any]], None]
@@ -156,6 +161,7 @@ class TrainLoop:
         self.step_losses = step_losses if step_losses is not None else []
         self.bar: Any = None
         self.stop_reason: str | None = None
+        self.warned_grad_norm = False
 
     def request_stop(self, reason: str) -> None:
         """Stop after the current step (call it from ``evaluate``, ``on_step`` or ``after_log``), as a time
@@ -293,6 +299,13 @@ class TrainLoop:
             postfix["tok_s"] = f"{tok_s:,.0f}"
         if grad_norm is not None:
             values["grad_norm"] = float(grad_norm)
+            if values["grad_norm"] > LARGE_GRAD_NORM and self.verbose and not self.warned_grad_norm:
+                self.warned_grad_norm = True
+                self.write(
+                    f"warning: gradient norm {values['grad_norm']:.3g} at step {self.step}: with "
+                    "a neural memory, a norm that grows with the window length is its backward exploding "
+                    'through the writes (docs/training.md, "Long windows": try model.memory_eta_init=0.5)'
+                )
         if self.metrics is not None:
             self.metrics.log("train", self.step, **values)
         if self.after_log is not None:
