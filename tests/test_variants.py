@@ -251,7 +251,7 @@ def test_the_lmm_has_no_attention_window():
         torch.manual_seed(0)
         model = TitansLM(TitansConfig.preset("tiny", variant="lmm", window=window)).eval()
         with torch.no_grad():
-            out.append((model.state_dict(), model(x)[0]))  # (logits, state)
+            out.append((model.state_dict(), model(x)[0]))  # (weights, logits)
     assert out[0][0].keys() == out[1][0].keys()
     assert all(torch.equal(out[0][0][k], out[1][0][k]) for k in out[0][0])
     assert torch.equal(out[0][1], out[1][1])

@@ -5,11 +5,12 @@ chunk's Jacobian, so a write that overshoots (a large inner step, with momentum 
 makes the gradient grow geometrically with the number of chunks, while the forward stays finite (the
 surprise clip).
 
-    python benchmarks/diagnostics/grad_vs_length.py [--preset 170M] [--variant lmm] [--lengths 512,...,8192]
-        [--set memory_eta_init=0.5 --set ...] [--out grad_vs_length]
+    python benchmarks/diagnostics/grad_vs_length.py [--preset 170M] [--variant lmm] [--config FILE]
+        [--lengths 512,...,8192] [--set memory_eta_init=0.5 --set ...] [--seed 0] [--out grad_vs_length]
 
 Each `--set` (FIELD=VALUE, several allowed) is one more setting, measured at every length beside the
-defaults; the memory runs its torch chunk loop in float32 on CPU.
+defaults; the memory runs its torch chunk loop in float32 on CPU. `--config` takes the model from a
+training config instead (its preset, variant and model fields: `configs/main.json`'s model).
 """
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_utils import Timer, machine_info, save_json  # noqa: E402
 
 
-def measure(preset: str, variant: str, seq: int, overrides: dict, seed: int) -> dict:
+def measure(
+    preset: str, variant: str, seq: int, overrides: dict, seed: int, base: dict | None = None
+) -> dict:
     from titans import TitansConfig, TitansLM
 
     torch.manual_seed(seed)
-    cfg = TitansConfig.preset(preset, variant=variant, memory_backend="torch", **overrides)
+    cfg = TitansConfig.preset(
+        preset, variant=variant, memory_backend="torch", **{**(base or {}), **overrides}
+    )
     model = TitansLM(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1))
     row = {"setting": overrides, "seq": seq}
@@ -55,6 +60,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="170M")
     p.add_argument("--variant", default="lmm")
+    p.add_argument("--config", default=None, help="a training config whose model to measure")
     p.add_argument("--lengths", default="512,1024,2048,4096,8192")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="one more setting")
     p.add_argument("--setting-lengths", default=None, help="lengths for the --set settings (default: all)")
@@ -63,6 +69,12 @@ def main() -> None:
     p.add_argument("--out", default=None, help="JSON: a path, or a name in benchmarks/results/")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    base: dict = {}
+    if args.config:
+        from titans.training.config import TrainConfig
+
+        train = TrainConfig.from_file(args.config)
+        args.preset, args.variant, base = train.preset, train.variant, dict(train.model)
     machine = machine_info()
     settings = [{}] + [{k: ast.literal_eval(v)} for k, v in (s.split("=", 1) for s in args.set)]
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -72,7 +84,7 @@ def main() -> None:
     print(f"{'setting':<32}{'tokens':>8}{'max |grad|':>14}{'grad norm':>14}{'s':>7}")
     for setting in settings:
         for seq in lengths if not setting else other:
-            row = measure(args.preset, args.variant, seq, setting, args.seed)
+            row = measure(args.preset, args.variant, seq, setting, args.seed, base)
             rows.append(row)
             name = ", ".join(f"{k}={v}" for k, v in setting.items()) or "defaults"
             if "error" in row:
@@ -81,7 +93,13 @@ def main() -> None:
                 print(f"{name:<32}{seq:>8}{row['max_abs_grad']:>14.3g}{float(row['grad_norm']):>14.3g}"
                       f"{row['seconds']:>7.0f}", flush=True)  # fmt: skip
     if args.out:
-        payload = {"preset": args.preset, "variant": args.variant, "seed": args.seed, "rows": rows}
+        payload = {
+            "preset": args.preset,
+            "variant": args.variant,
+            "model": base,
+            "seed": args.seed,
+            "rows": rows,
+        }
         print(f"wrote {save_json(args.out, payload, machine)}")
 
 
