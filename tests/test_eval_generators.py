@@ -23,7 +23,13 @@ from titans.evaluation.babilong import (
     solve_babi,
 )
 from titans.evaluation.haystack import HaystackSource, get_haystack, piece_separator
-from titans.evaluation.niah import NEEDLE_KINDS, make_niah_sample, niah_grid, niah_training_example
+from titans.evaluation.niah import (
+    DISTRACTOR_TEMPLATES,
+    NEEDLE_KINDS,
+    make_niah_sample,
+    niah_grid,
+    niah_training_example,
+)
 from titans.evaluation.scoring import (
     AccuracyTable,
     accuracy_table,
@@ -269,6 +275,35 @@ def test_niah_grid_and_training_example():
         tok.decode(niah_training_example(tok, length=900, seed=s).tokens[-5:]) for s in range(30)
     }
     assert len(test_answers & train_answers) <= 1  # separate random streams
+
+
+@pytest.mark.parametrize("tok_name", ["bytes", "marker"])
+@pytest.mark.parametrize("kind", ["passkey", "number"])
+def test_niah_decoys_are_numbers_apart_from_the_needle(kind, tok_name):
+    """``distractors``: decoy sentences with numbers, half of them the value a digit or two off, at sentence
+    boundaries; the length stays exact, the needle is where its span says, the key and value are those
+    of the sample without decoys, and no decoy is the value."""
+    tok = TOKENIZERS[tok_name]()
+    for length, depth, seed in ((3001, 0.37, 4), (1777, 0.0, 9), (6000, 1.0, 2)):
+        plain = _niah(tok, kind, length=length, depth=depth, seed=seed, split="train")
+        s = _niah(tok, kind, length=length, depth=depth, seed=seed, split="train", distractors=2.5)
+        assert len(s.prompt_ids) + len(s.answer_ids) == length
+        assert (s.answer, s.question, plain.distractors) == (plain.answer, plain.question, 0)
+        assert s.distractors == int(2.5 * plain.haystack_tokens / 1000) > 0
+        lo, hi = s.needle_token_span
+        assert tok.decode(s.prompt_ids[lo:hi]).strip() == s.needle_text
+        rest = tok.decode(s.prompt_ids[:lo] + s.prompt_ids[hi:])
+        frames = "|".join(re.escape(t).replace(r"\{n\}", r"(\d+)") for t in DISTRACTOR_TEMPLATES)
+        decoys = [d for match in re.findall(frames, rest) for d in match if d]
+        assert len(decoys) == s.distractors and s.answer not in decoys
+        near = [
+            d for d in decoys if len(d) == len(s.answer) and sum(a != b for a, b in zip(d, s.answer)) <= 2
+        ]
+        assert near and all(not d.startswith("0") for d in near)
+    assert _niah(tok, kind, length=2000, depth=0.5, distractors=0) == _niah(tok, kind, length=2000, depth=0.5)
+    for bad in (-1, math.nan, True):
+        with pytest.raises(ValueError, match="distractors"):
+            _niah(tok, kind, length=2000, depth=0.5, distractors=bad)
 
 
 def test_niah_bad_arguments():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -178,6 +179,28 @@ def test_training_mixes_several_haystacks_evenly_and_refuses_unknown_ones():
         TaskTrainConfig(haystack=("noise", "the_web"))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["eval", "niah", "--train-haystack", "noise,the_web"])
+
+
+def test_training_with_decoy_numbers():
+    """`--train-distractors 2`: every pass-key training prompt holds decoy numbers; refused for BABILong and
+    below zero."""
+    from titans.cli import build_parser
+    from titans.evaluation.recipe import task_config
+
+    args = build_parser().parse_args(["eval", "niah", "--train-recipe", "--train-distractors", "2"])
+    cfg = task_config(args, "niah", kind="passkey", haystack=None)
+    assert cfg.distractors == 2.0
+    plain = task_example(TOK, replace(cfg, distractors=0.0), length=2000, seed=3)
+    example = task_example(TOK, cfg, length=2000, seed=3)
+    assert len(example.tokens) == 2000 and example.tokens[-6:] == plain.tokens[-6:]  # the same answer
+    assert (
+        len(re.findall(r"\d+", TOK.decode(example.tokens)))
+        >= len(re.findall(r"\d+", TOK.decode(plain.tokens))) + 3
+    )
+    with pytest.raises(ValueError, match="distractors"):
+        TaskTrainConfig(distractors=-1.0)
+    with pytest.raises(ValueError, match="task='niah' only"):
+        TaskTrainConfig(task="babilong", distractors=1.0)
 
 
 def test_curriculum_lengths_ramp_and_stay_in_bounds():

@@ -139,6 +139,14 @@ def add_recipe_args(
         metavar="NAMES",
         help="haystacks to train on, comma-separated, mixed evenly in every batch (default: --haystack's)",
     )
+    g.add_argument(
+        "--train-distractors",
+        type=float,
+        default=0.0,
+        metavar="PER_1K",
+        help="pass-key training: decoy numbers per 1,000 haystack tokens (half of them the key with a digit "
+        "or two changed), to keep the key apart from a haystack's own numbers",
+    )
     g.add_argument("--time-budget", type=float, default=None, metavar="MINUTES", help="stop training early")
 
 

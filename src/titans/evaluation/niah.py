@@ -10,6 +10,11 @@ A sample is ``preamble + haystack (needle inserted at a sentence boundary near d
 question ends so that the answer is its continuation ("... The pass key is" -> " 71432"). Every piece is
 encoded separately and the id lists concatenated (see ``haystack.py``), so the needle's token span is exact.
 
+Decoys (``distractors``, numbers per 1,000 haystack tokens): short sentences that each carry a number, half
+of them the value with one or two digits changed, inserted at random sentence boundaries. Prose haystacks
+hold numbers of their own (years, sums), and a model trained on the number-free noise haystack reads a key
+among them badly; decoys teach it to keep the needle's value apart from the numbers around it.
+
 Evaluation: feed ``prompt_ids``, generate ``len(answer_ids)`` tokens greedily, decode, and score with
 ``scoring.score_exact`` against ``answer``. Training: ``sample.training_example()`` (loss on the answer only).
 """
@@ -49,6 +54,45 @@ _NOUNS_TEXT = """
     pocket quill river saddle shadow signal spindle teapot thunder tower valley window
 """
 _NOUNS = tuple(_NOUNS_TEXT.split())
+
+
+# The decoys' sentences: a number in a frame that is not the needle's.
+DISTRACTOR_TEMPLATES = (
+    "There were {n} of them.",
+    "It cost {n} dollars.",
+    "That was in {n}.",
+    "The count reached {n}.",
+    "Room {n} was empty.",
+    "They walked {n} miles.",
+)
+
+
+def _distractor_number(rng: random.Random, value: str) -> str:
+    """Half the time the value with one or two of its digits changed (never the value itself), else a
+    number of 1 to 5 digits."""
+    if value.isdigit() and rng.random() < 0.5:
+        digits = list(value)
+        for i in rng.sample(range(len(digits)), min(len(digits), rng.choice((1, 2)))):
+            first = i == 0 and len(digits) > 1  # no leading zero
+            digits[i] = rng.choice([d for d in "0123456789"[first:] if d != digits[i]])
+        return "".join(digits)
+    return str(rng.randint(0, 10 ** rng.randint(1, 5) - 1))
+
+
+def distractor_pieces(
+    tokenizer: TextTokenizer, sep: str, value: str, per_1k: float, budget: int, rng: random.Random
+) -> list[list[int]]:
+    """``int(per_1k * budget / 1000)`` decoy sentences, encoded, together at most half of ``budget``."""
+    pieces: list[list[int]] = []
+    used = 0
+    for _ in range(int(per_1k * budget / 1000)):
+        text = rng.choice(DISTRACTOR_TEMPLATES).format(n=_distractor_number(rng, value))
+        ids = encode_piece(tokenizer, sep + text)
+        if 2 * (used + len(ids)) > budget:
+            break
+        pieces.append(ids)
+        used += len(ids)
+    return pieces
 
 
 @dataclass(frozen=True)
@@ -116,7 +160,8 @@ class NeedleSample(PromptAnswer):
     ``needle_token_span``: ``(start, end)`` of the needle sentence in ``prompt_ids``.
     ``depth``: the requested depth; ``actual_depth``: where the needle landed, as a fraction of the haystack
     tokens (it sits at the sentence boundary nearest the requested depth). ``haystack_tokens``: how many
-    of the ``length`` tokens are haystack (the rest is preamble, needle, question and answer).
+    of the ``length`` tokens are haystack (the rest is preamble, needle, decoys, question and answer).
+    ``distractors``: how many decoy sentences the haystack holds.
     """
 
     prompt_ids: list[int]
@@ -132,6 +177,7 @@ class NeedleSample(PromptAnswer):
     kind: str
     haystack: str
     seed: int
+    distractors: int = 0
 
 
 def _needle_kind(kind: str) -> NeedleKind:
@@ -149,6 +195,7 @@ def make_niah_sample(
     haystack: str | HaystackSource | None = None,
     seed: int = 0,
     split: str = "test",
+    distractors: float = 0.0,
 ) -> NeedleSample:
     """Build one needle-in-a-haystack sample of exactly ``length`` tokens (prompt + answer).
 
@@ -163,8 +210,13 @@ def make_niah_sample(
     ``seed``, and the haystack, key and value do not depend on ``depth``: with one seed, samples at several
     depths differ only in where the needle sits. ``split`` names the random stream: "train" and "test"
     samples with the same seed are unrelated, so fine-tuning data never replays the evaluation set.
+    ``distractors``: decoy numbers per 1,000 tokens of haystack budget (see the module doc), drawn from a
+    random stream of their own (0, the default, gives the same sample as before decoys existed); their
+    tokens come out of the haystack's budget.
     """
     spec = _needle_kind(kind)
+    if isinstance(distractors, bool) or not isinstance(distractors, (int, float)) or not distractors >= 0:
+        raise ValueError(f"distractors must be a number >= 0 (decoys per 1,000 tokens), got {distractors!r}")
     if not isinstance(depth, (int, float)) or not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be a number in [0, 1], got {depth!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -184,10 +236,20 @@ def make_niah_sample(
     answer_ids = encode_piece(tokenizer, sep + value)
     fixed = len(preamble_ids) + len(needle_ids) + len(question_ids) + len(answer_ids)
     n_haystack = check_length(length, fixed, "the preamble, needle, question and answer")
+    decoys: list[list[int]] = []
+    if distractors:
+        decoy_rng = random.Random(f"niah-{split}-{kind}-{seed}-distractors")
+        decoys = distractor_pieces(tokenizer, sep, value, distractors, n_haystack, decoy_rng)
+        n_haystack -= sum(map(len, decoys))
 
     hay = sample_haystack(source, tokenizer, n_haystack, rng, sep)
     offset = hay.nearest_boundary(depth)
-    prompt_ids, (span,) = insert_pieces(preamble_ids, hay, [(offset, needle_ids)], question_ids)
+    insertions = [(offset, needle_ids)]
+    if decoys:
+        insertions += [(decoy_rng.choice(hay.boundaries), ids) for ids in decoys]
+        insertions.sort(key=lambda item: item[0])  # stable: the needle goes first at a shared boundary
+    prompt_ids, spans = insert_pieces(preamble_ids, hay, insertions, question_ids)
+    span = spans[[ids is needle_ids for _, ids in insertions].index(True)]
     return NeedleSample(
         prompt_ids=prompt_ids,
         answer=value,
@@ -202,6 +264,7 @@ def make_niah_sample(
         kind=kind,
         haystack=source.name,
         seed=seed,
+        distractors=len(decoys),
     )
 
 
@@ -246,6 +309,7 @@ def niah_training_example(
     haystack: str | HaystackSource | None = None,
     seed: int = 0,
     depth: float | None = None,
+    distractors: float = 0.0,
 ) -> TrainingExample:
     """A fine-tuning sequence of ``length`` tokens from the "train" stream (disjoint from ``niah_grid``'s).
 
@@ -254,6 +318,13 @@ def niah_training_example(
     if depth is None:
         depth = random.Random(f"niah-train-depth-{seed}").random()
     sample = make_niah_sample(
-        tokenizer, length=length, depth=depth, kind=kind, haystack=haystack, seed=seed, split="train"
+        tokenizer,
+        length=length,
+        depth=depth,
+        kind=kind,
+        haystack=haystack,
+        seed=seed,
+        split="train",
+        distractors=distractors,
     )
     return sample.training_example()

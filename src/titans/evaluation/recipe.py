@@ -84,6 +84,8 @@ def task_config(args: argparse.Namespace, task: str, **task_fields: Any) -> Task
     ``--train-haystack``, when given, replaces the ``haystack`` of ``task_fields``."""
     if args.train_haystack:
         task_fields["haystack"] = tuple(args.train_haystack)
+    if args.train_distractors:
+        task_fields["distractors"] = args.train_distractors
     return TaskTrainConfig(
         task=task,
         train_length=args.train_length,

@@ -58,6 +58,8 @@ class TaskTrainConfig:
     haystack: the haystack name, None for the task's default (noise for passkey, moby_dick for babilong), or
         several names: example ``seed`` then draws its haystack from ``haystack[seed % len(haystack)]`` (so a
         batch mixes them evenly).
+    distractors: NIAH only: decoy numbers per 1,000 haystack tokens in every training prompt (half of them
+        the key with a digit or two changed; ``make_niah_sample``), 0 for none.
     length_multiple: every drawn length is rounded down to a multiple of it (and kept >= the minimum).
     curriculum_loss: None for the linear length ramp, else the adaptive curriculum's loss threshold.
     hold_lr: keep the peak learning rate (after warm-up) until the curriculum's cap reaches ``train_length``,
@@ -72,6 +74,7 @@ class TaskTrainConfig:
     babi_tasks: tuple[str, ...] = ("qa1", "qa2")
     num_facts: int | None = None
     haystack: str | tuple[str, ...] | None = None
+    distractors: float = 0.0
     train_length: int = 1024
     start_length: int = 256
     curriculum: float = 0.5
@@ -109,6 +112,10 @@ class TaskTrainConfig:
                     f"TaskTrainConfig.haystack must name one or more of {HAYSTACK_NAMES}, "
                     f"got {self.haystack!r}"
                 )
+        if not self.distractors >= 0:
+            raise ValueError(f"TaskTrainConfig.distractors must be >= 0, got {self.distractors!r}")
+        if self.distractors and self.task != "niah":
+            raise ValueError("TaskTrainConfig.distractors (decoy numbers) applies to task='niah' only")
         for name in ("train_length", "start_length", "steps", "batch_size", "length_multiple"):
             check_int(f"TaskTrainConfig.{name}", getattr(self, name))
         if not 0.0 <= self.curriculum <= 1.0:
@@ -136,7 +143,12 @@ def task_example(
     """One training sequence of exactly ``length`` tokens for ``cfg.task`` (seeded, from the train stream)."""
     if cfg.task == "niah":
         return niah_training_example(
-            tokenizer, length=length, kind=cfg.kind, haystack=cfg.haystack_for(seed), seed=seed
+            tokenizer,
+            length=length,
+            kind=cfg.kind,
+            haystack=cfg.haystack_for(seed),
+            seed=seed,
+            distractors=cfg.distractors,
         )
     task, haystack = cfg.babilong_for(seed)
     return babilong_training_example(
