@@ -13,7 +13,8 @@ encoded separately and the id lists concatenated (see ``haystack.py``), so the n
 Decoys (``distractors``, numbers per 1,000 haystack tokens): short sentences that each carry a number, half
 of them the value with one or two digits changed, inserted at random sentence boundaries. Prose haystacks
 hold numbers of their own (years, sums), and a model trained on the number-free noise haystack reads a key
-among them badly; decoys teach it to keep the needle's value apart from the numbers around it.
+among them badly; decoys put such numbers, and near-misses of the value, into training prompts
+(docs/evaluations.md, "Decoy numbers in stages 2-5", measures what they change).
 
 Evaluation: feed ``prompt_ids``, generate ``len(answer_ids)`` tokens greedily, decode, and score with
 ``scoring.score_exact`` against ``answer``. Training: ``sample.training_example()`` (loss on the answer only).
@@ -211,8 +212,8 @@ def make_niah_sample(
     depths differ only in where the needle sits. ``split`` names the random stream: "train" and "test"
     samples with the same seed are unrelated, so fine-tuning data never replays the evaluation set.
     ``distractors``: decoy numbers per 1,000 tokens of haystack budget (see the module doc), drawn from a
-    random stream of their own (0, the default, gives the same sample as before decoys existed); their
-    tokens come out of the haystack's budget.
+    random stream of their own (0, the default: no decoys, and the other draws unchanged); their tokens
+    come out of the haystack's budget.
     """
     spec = _needle_kind(kind)
     if isinstance(distractors, bool) or not isinstance(distractors, (int, float)) or not distractors >= 0:
