@@ -33,6 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from titans.evaluation.haystack import get_haystack
 from titans.evaluation.recipe import RECIPES, variant_recipe
 
 
@@ -204,6 +205,11 @@ def main() -> None:
     args.out = args.out or f"results/evals/niah_seeds/{args.name}"
     args.runs = args.runs or f"runs/evals/niah_seeds/{args.name}"
     if not args.aggregate_only:
+        for haystack in args.haystacks.split(","):  # a missing one fails now, not after hours of training
+            try:
+                get_haystack(haystack)
+            except (ValueError, OSError, ImportError) as e:
+                p.error(str(e))
         jobs = [(v, int(s)) for v in args.variants.split(",") for s in args.seeds.split(",")]
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             list(pool.map(lambda job: run_pipeline(*job, args), jobs))

@@ -158,6 +158,20 @@ def test_worker_round_trip(tmp_path):
     assert failed["error"].startswith("exit 1") and "negative n" in failed["error"]
 
 
+def test_niah_seeds_refuses_a_haystack_it_cannot_read_before_training(tmp_path):
+    """An unknown (or not installed) evaluation haystack stops the runner at once, not after the training."""
+    script = str(BENCH / "niah_seeds.py")
+    cmd = [sys.executable, script, "--haystacks", "noise,the_web", "--out", str(tmp_path)]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "unknown haystack 'the_web'" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "logs").exists()
+
+
 def test_niah_seeds_stages_train_on_from_the_stage_before(tmp_path):
     """`niah_seeds.py --then FLAGS`: each stage trains from the model the stage before saved, the
     evaluations read the last stage's, and the summary keeps each stage's training check apart."""
