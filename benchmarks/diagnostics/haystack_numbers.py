@@ -28,6 +28,7 @@ from titans.evaluation.haystack import HAYSTACK_NAMES, HaystackSource, get_hayst
 from titans.evaluation.niah import make_niah_sample, niah_grid
 from titans.evaluation.recipe import load_task_model
 from titans.evaluation.runner import evaluate
+from titans.evaluation.scoring import exact_match
 
 NUMBER = re.compile(r"\d{3,}")
 ANY_NUMBER = re.compile(r"\s*\d[\d,.]*")
@@ -91,7 +92,7 @@ def compare_without_numbers(args: argparse.Namespace) -> None:
                     for d in DEPTHS
                 ]
                 answers = evaluate(model, tokenizer, samples, batch_size=len(DEPTHS)).predictions
-                right = sum(a.strip() == key.answer for a in answers)
+                right = sum(map(exact_match, answers, [key.answer] * len(answers)))
                 row.append(f"{right}/{len(DEPTHS)} ({', '.join(a.strip() for a in answers)})")
             print(f"| {name} | {key.length} | {key.answer} | {row[0]} | {row[1]} |", flush=True)
 
