@@ -12,6 +12,8 @@ For every (variant, seed) one pipeline runs, pipelines in parallel up to ``--job
 2. with ``--then FLAGS`` (repeatable), further training stages, each from the model the stage before
    saved: ``titans eval niah --checkpoint RUNS/V_sS --train-recipe --seed S FLAGS --save-model
    RUNS/V_sS_stage2`` (then ``_stage3``, ...); FLAGS are the stage's recipe options, in full;
+   With ``--keep-stages``, a stage whose checkpoint folder already holds a good checkpoint is not
+   trained again: a pipeline gains a stage (one more ``--then``) at the cost of that stage alone;
 3. ``titans eval niah --checkpoint <last stage> --haystack H --lengths ... --seed 0`` for each haystack:
    the same test prompts for every model and seed (``--seed`` of an evaluation only picks the prompts).
 
@@ -35,6 +37,7 @@ from pathlib import Path
 
 from titans.evaluation.haystack import get_haystack
 from titans.evaluation.recipe import RECIPES, variant_recipe
+from titans.runtime.checkpoint import latest_checkpoint
 
 
 def run_commands(variant: str, seed: int, args: argparse.Namespace) -> list[list[str]]:
@@ -86,6 +89,12 @@ def run_pipeline(variant: str, seed: int, args: argparse.Namespace) -> None:
     with open(log_dir / f"{variant}_s{seed}.log", "a") as log:
         for cmd in run_commands(variant, seed, args):
             full = [sys.executable, "-m", "titans", *cmd]
+            if args.keep_stages and "--save-model" in cmd:
+                saved = cmd[cmd.index("--save-model") + 1]
+                if latest_checkpoint(saved) is not None:  # a stage already trained: train on from it
+                    log.write(f"# kept {saved}: it holds a checkpoint\n")
+                    log.flush()
+                    continue
             log.write("$ " + shlex.join(full) + "\n")
             log.flush()
             t0 = time.perf_counter()
@@ -192,6 +201,12 @@ def main() -> None:
         default=[],
         metavar="FLAGS",
         help="a further training stage from the last stage's model, with these recipe options (repeatable)",
+    )
+    p.add_argument(
+        "--keep-stages",
+        action="store_true",
+        help="skip a training stage whose checkpoint folder (under --runs) already holds a good "
+        "checkpoint, so a pipeline can gain a stage without retraining the ones before",
     )
     p.add_argument("--jobs", type=int, default=1, help="pipelines run in parallel")
     p.add_argument("--threads", type=int, default=1)
