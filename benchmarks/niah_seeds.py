@@ -11,9 +11,10 @@ For every (variant, seed) one pipeline runs, pipelines in parallel up to ``--job
    by S; it evaluates once at ``--train-eval-length`` as a check;
 2. with ``--then FLAGS`` (repeatable), further training stages, each from the model the stage before
    saved: ``titans eval niah --checkpoint RUNS/V_sS --train-recipe --seed S FLAGS --save-model
-   RUNS/V_sS_stage2`` (then ``_stage3``, ...); FLAGS are the stage's recipe options, in full;
-   With ``--keep-stages``, a stage whose checkpoint folder already holds a good checkpoint is not
-   trained again: a pipeline gains a stage (one more ``--then``) at the cost of that stage alone;
+   RUNS/V_sS_stage2`` (then ``_stage3``, ...); FLAGS are the stage's recipe options, in full.
+   With ``--keep-stages``, a stage whose checkpoint folder already holds a good checkpoint of a finished
+   run (not one a signal stopped) is not trained again: a pipeline gains a stage (one more ``--then``)
+   at the cost of that stage alone;
 3. ``titans eval niah --checkpoint <last stage> --haystack H --lengths ... --seed 0`` for each haystack:
    the same test prompts for every model and seed (``--seed`` of an evaluation only picks the prompts).
 
@@ -37,7 +38,7 @@ from pathlib import Path
 
 from titans.evaluation.haystack import get_haystack
 from titans.evaluation.recipe import RECIPES, variant_recipe
-from titans.runtime.checkpoint import latest_checkpoint
+from titans.runtime.checkpoint import latest_checkpoint, verify_checkpoint
 
 
 def run_commands(variant: str, seed: int, args: argparse.Namespace) -> list[list[str]]:
@@ -83,6 +84,16 @@ def run_commands(variant: str, seed: int, args: argparse.Namespace) -> list[list
     return commands
 
 
+def finished_stage(run_dir: str) -> bool:
+    """Whether ``run_dir`` holds a good checkpoint of a stage that ran to its end: a stage stopped by a
+    signal saves the model it had (``stopped_by`` in its summary), and that one is trained again."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        return False
+    final = verify_checkpoint(path)["config"].get("task_training", {}).get("final") or {}
+    return final.get("stopped_by") is None
+
+
 def run_pipeline(variant: str, seed: int, args: argparse.Namespace) -> None:
     log_dir = Path(args.out) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -91,8 +102,8 @@ def run_pipeline(variant: str, seed: int, args: argparse.Namespace) -> None:
             full = [sys.executable, "-m", "titans", *cmd]
             if args.keep_stages and "--save-model" in cmd:
                 saved = cmd[cmd.index("--save-model") + 1]
-                if latest_checkpoint(saved) is not None:  # a stage already trained: train on from it
-                    log.write(f"# kept {saved}: it holds a checkpoint\n")
+                if finished_stage(saved):  # a stage already trained: train on from it
+                    log.write(f"# kept {saved}: it holds a finished stage's checkpoint\n")
                     log.flush()
                     continue
             log.write("$ " + shlex.join(full) + "\n")
@@ -205,8 +216,9 @@ def main() -> None:
     p.add_argument(
         "--keep-stages",
         action="store_true",
-        help="skip a training stage whose checkpoint folder (under --runs) already holds a good "
-        "checkpoint, so a pipeline can gain a stage without retraining the ones before",
+        help="skip a training stage whose checkpoint folder (under --runs) already holds a good checkpoint "
+        "of a finished run (not one a signal stopped), so a pipeline can gain a stage without retraining "
+        "the ones before",
     )
     p.add_argument("--jobs", type=int, default=1, help="pipelines run in parallel")
     p.add_argument("--threads", type=int, default=1)

@@ -210,8 +210,9 @@ def test_niah_seeds_stages_train_on_from_the_stage_before(tmp_path):
 
 
 def test_niah_seeds_keep_stages_trains_only_the_stages_without_a_good_checkpoint(tmp_path, monkeypatch):
-    """`niah_seeds.py --keep-stages`: a stage whose folder holds a good checkpoint is not trained again; a
-    missing or damaged one is, and every later stage and evaluation still runs."""
+    """`niah_seeds.py --keep-stages`: a stage whose folder holds a good checkpoint of a finished run is not
+    trained again; a missing or damaged one, or one a signal stopped, is, and every later stage and
+    evaluation still runs."""
     import torch
 
     from titans.runtime.checkpoint import save_checkpoint
@@ -222,14 +223,17 @@ def test_niah_seeds_keep_stages_trains_only_the_stages_without_a_good_checkpoint
     finally:
         sys.path.remove(str(BENCH))
     runs = tmp_path / "R"
+    state = {"w": torch.ones(3)}
+    finished = {"task_training": {"steps_done": 5, "final": {"step": 4, "loss": 0.1}}}
     for name in ("mac_s4", "mac_s4_stage2"):
-        state = {"w": torch.ones(3)}
-        save_checkpoint(runs / name, 5, model_state=state, trainer_state={}, config={"x": 1})
+        save_checkpoint(runs / name, 5, model_state=state, trainer_state={}, config=finished)
     damaged = save_checkpoint(runs / "mac_s4_stage2", 6, model_state=state, trainer_state={}, config={})
     (damaged / "model.safetensors").write_bytes(b"not a checkpoint")  # newest damaged, an older one good
     save_checkpoint(runs / "mac_s4_stage3", 1, model_state=state, trainer_state={}, config={})
     for path in (runs / "mac_s4_stage3").rglob("model.safetensors"):
         path.write_bytes(b"")  # its only checkpoint is damaged: trained again
+    stopped = {"task_training": {"steps_done": 2, "final": {"step": 1, "stopped_by": "SIGTERM"}}}
+    save_checkpoint(runs / "mac_s4_stage4", 2, model_state=state, trainer_state={}, config=stopped)
     args = niah_seeds.argparse.Namespace(
         runs=str(runs), out=str(tmp_path / "out"), threads=1, device="cpu", kind="passkey", recipe_extra="",
         train_eval_length=1024, time_budget=None, then=["--steps 3", "--steps 4", "--steps 5"],
@@ -239,7 +243,7 @@ def test_niah_seeds_keep_stages_trains_only_the_stages_without_a_good_checkpoint
     monkeypatch.setattr(niah_seeds.subprocess, "call", lambda cmd, **kw: ran.append(cmd) or 0)
     niah_seeds.run_pipeline("mac", 4, args)
     saved = [c[c.index("--save-model") + 1] for c in ran if "--save-model" in c]
-    assert saved == [str(runs / "mac_s4_stage3"), str(runs / "mac_s4_stage4")]
+    assert saved == [str(runs / "mac_s4_stage3"), str(runs / "mac_s4_stage4")]  # stage 4 was stopped
     assert sum("--haystack" in c for c in ran) == 1
     log = (tmp_path / "out" / "logs" / "mac_s4.log").read_text()
     assert f"# kept {runs / 'mac_s4'}" in log and f"# kept {runs / 'mac_s4_stage2'}" in log
