@@ -84,9 +84,10 @@ def compare_without_numbers(args: argparse.Namespace) -> None:
     model.eval()
     print("| haystack | length | key | answers (5 depths) | without its numbers |\n|---|---:|---|---|---|")
     for name in args.haystacks:
+        sources = (get_haystack(name), without_numbers(get_haystack(name)))  # once a haystack, not a key
         for key in key_samples(tokenizer, name, args):
             row = []
-            for source in (get_haystack(name), without_numbers(get_haystack(name))):
+            for source in sources:
                 samples = [
                     make_niah_sample(tokenizer, length=key.length, depth=d, haystack=source, seed=key.seed)
                     for d in DEPTHS
