@@ -246,6 +246,31 @@ def test_auto_picks_kernels_on_cuda_and_matches_torch():
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_auto_on_cuda_warns_once_when_the_kernel_dots_lack_tensor_cores(allow_tf32, monkeypatch, caplog):
+    """With torch's TF32 flag off (its default) the kernels' float32 dots run exact, without tensor cores
+    (several times slower): "auto" says so once, as a warning."""
+    from titans.layers import memory as layer
+
+    monkeypatch.setattr(layer, "_logged_choices", set())
+    monkeypatch.delenv("TITANS_MEMORY_TRITON_PREC", raising=False)
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+        mem = _memory(backend="auto").cuda()
+        with caplog.at_level(logging.INFO, logger="titans.layers.memory"):
+            for _ in range(2):
+                mem(torch.randn(1, 9, 12, device="cuda"))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    said = [r for r in caplog.records if "backend='auto'" in r.getMessage()]
+    assert len(said) == 1 and "triton" in said[0].getMessage()
+    assert ("tensor cores" in said[0].getMessage()) == (not allow_tf32)
+    assert said[0].levelno == (logging.INFO if allow_tf32 else logging.WARNING)
+
+
+@pytest.mark.cuda
 @pytest.mark.skipif(
     not torch.cuda.is_available() or memory_triton.interpreting(), reason="needs CUDA, compiled"
 )

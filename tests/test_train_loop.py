@@ -49,6 +49,29 @@ def test_optimizer_step_clips_the_update_to_grad_clip():
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_loop_runs_float32_matmuls_in_tf32_as_asked_and_restores_the_flags(enabled):
+    """``tf32`` (default on): torch's TF32 flags, which the memory's Triton kernels follow on CUDA, are as
+    asked in every step and callback, and what they were once the loop ends."""
+    flags = lambda: (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)  # noqa: E731
+    before, seen = flags(), []
+
+    def loss_fn(model, batch):
+        seen.append(flags())
+        return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not enabled
+        kw = {} if enabled else {"tf32": False}  # the default is on
+        evaluate = lambda step: seen.append(flags())  # noqa: E731
+        _, loop = _linear_loop(loss_fn=loss_fn, eval_every=2, evaluate=evaluate, **kw)
+        loop.run()
+        assert seen == [(enabled, enabled)] * 8  # 6 steps, evaluations after steps 2 and 4
+        assert flags() == (not enabled, not enabled)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
 def test_the_loop_logs_evaluates_and_checkpoints_on_its_cadence():
     seen: dict[str, list[int]] = {"eval": [], "ckpt": [], "log": []}
     _, loop = _linear_loop(

@@ -336,3 +336,26 @@ def test_compiled_blocks_compile_once_with_evaluation_and_monitoring(
     assert result.step == 3 and result.sample
     memory_rows = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").open()) if r["split"] == "memory"]
     assert len(memory_rows) == 3
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_training_runs_float32_matmuls_in_tf32_as_configured_and_restores_the_flags(
+    enabled, tmp_path, cache_dir, monkeypatch
+):
+    """`TrainConfig.tf32` (on by default): while `train` runs, torch's TF32 flags (which the memory's Triton
+    kernels follow: exact float32 dots run without tensor cores) are as configured, in the steps, the
+    evaluation and the sample; afterwards they are what they were."""
+    seen = []
+    flags = lambda: (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)  # noqa: E731
+    for name in ("train_step", "evaluate", "sample"):
+        real = getattr(Trainer, name)
+        monkeypatch.setattr(Trainer, name, lambda self, *a, real=real: seen.append(flags()) or real(self, *a))
+    before = flags()
+    assert TrainConfig().tf32 and parse_set(["tf32=false"]) == {"tf32": False}
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not enabled
+        Trainer(micro_config(tmp_path, cache_dir, steps=2, tf32=enabled, sample_tokens=4)).train()
+        assert seen == [(enabled, enabled)] * 4  # 2 steps, the final evaluation, the sample
+        assert flags() == (not enabled, not enabled)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before

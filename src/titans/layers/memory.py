@@ -28,6 +28,7 @@ from titans.ops.memory import (
     bound_weights,
     check_max_norm,
     check_threshold,
+    dot_precision,
     memory_forward,
     neural_memory,
     resolve_rule,
@@ -639,7 +640,11 @@ class NeuralMemory(nn.Module):
             _logged_choices.add(choice)
             # on CUDA the choice is news (a fallback costs speed); off CUDA torch is the only path
             level = logging.INFO if q.device.type == "cuda" else logging.DEBUG
-            log.log(level, "NeuralMemory(backend='auto'): the %s chunk loop (%s)", *choice)
+            note = ""
+            if reason is None and dot_precision(q) == "ieee":  # exact float32: several times slower
+                level = logging.WARNING
+                note = "; float32 dots without tensor cores: set torch.backends.cuda.matmul.allow_tf32 = True"
+            log.log(level, "NeuralMemory(backend='auto'): the %s chunk loop (%s%s)", *choice, note)
         return reason is None
 
     def _scan_frozen(

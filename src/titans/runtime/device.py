@@ -1,6 +1,9 @@
-"""The device a command runs on, from its ``--device`` text."""
+"""The device a command runs on, from its ``--device`` text, and its float32 matmul precision."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -24,4 +27,17 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
     return device
 
 
-__all__ = ["resolve_device"]
+@contextlib.contextmanager
+def tf32(enabled: bool) -> Iterator[None]:
+    """Within: float32 matrix products on CUDA use TF32 tensor cores (`enabled`) or exact float32: torch's
+    matmuls and convolutions, and the memory's Triton kernels, whose dots follow torch's flag. The flags
+    are process-wide; each comes back to its value on exit."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+__all__ = ["resolve_device", "tf32"]

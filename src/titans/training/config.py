@@ -9,7 +9,8 @@ already have it; ``titans train --list-fields`` prints every field with its type
 
 The defaults train a small MAC (preset "tiny", ~0.7M parameters) on the Python standard library with the
 byte tokenizer, on CPU, out of the box. Precision:
-``dtype="auto"`` is bf16 autocast on CUDA (the loss in float32) and float32 on CPU.
+``dtype="auto"`` is bf16 autocast on CUDA (the loss in float32) and float32 on CPU; on CUDA ``tf32`` (on by
+default) lets float32 matrix products use TF32 tensor cores, the memory kernels' dots among them.
 
 Resuming: fields in ``RESUMABLE_CHANGES`` may differ between a run and its resume; any other difference
 is refused, naming the field (``TrainConfig.resume_mismatches``). The model is compared as the resulting
@@ -58,7 +59,7 @@ RESUMABLE_CHANGES = frozenset(
         "steps", "tokens", "time_budget_min", "log_every", "eval_every", "ckpt_every", "keep_last", "run_dir",
         "device", "dtype", "threads", "grad_accum", "progress", "tensorboard", "cache_dir", "eval_windows",
         "eval_batch_size", "sample_tokens", "sample_prompt", "sample_temperature", "sample_top_k", "plot",
-        "cuda_graphs", "compile",
+        "cuda_graphs", "compile", "tf32",
     }
 )  # fmt: skip
 
@@ -151,6 +152,11 @@ class TrainConfig:
     seed: int = option(0, help="seed of the initial weights, the batch order and the sample")
     device: str = option("auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     dtype: str = option("auto", help=f"{', '.join(DTYPES)} (auto: bf16 autocast on CUDA, float32 on CPU)")
+    # the memory runs in float32 under autocast; its Triton kernels' dots follow torch's TF32 flag, and in
+    # full float32 they run without tensor cores (ops/memory/triton_chunk.py)
+    tf32: bool = option(
+        True, help="on CUDA, float32 matrix products (the memory kernels' too) use TF32 tensor cores"
+    )
     fsdp: bool = option(False, help="shard the model with FSDP2 (under torchrun)")
     # replay each micro-step (forward, loss, backward) as one CUDA graph: one process on one GPU; the memory
     # variants' many small kernels then cost no per-launch CPU time (training/cuda_graphs.py)

@@ -24,7 +24,9 @@ What the loop does for all of them:
 - a time budget and SIGTERM / SIGINT (``titans.training.signals``): stop after the current step, the same
   step on every rank, then write the checkpoint; ``LoopResult.stopped_by`` names the signal;
 - a stop requested by a callback (``loop.request_stop(reason)``, e.g. early stopping from ``evaluate``):
-  the same, after the current step; ``LoopResult.stopped_by`` is the reason.
+  the same, after the current step; ``LoopResult.stopped_by`` is the reason;
+- on CUDA, float32 matrix products in TF32 while it runs (``tf32``, default on; torch's flags come back
+  afterwards): the memory's Triton kernels follow the flag, and without it run without tensor cores.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from titans.runtime.device import tf32
 from titans.training import distributed as D
 from titans.training.metrics import MetricsLogger
 from titans.training.signals import StopSignals, signal_name
@@ -135,6 +138,7 @@ class TrainLoop:
         device: torch.device | None = None,
         failure_hint: Callable[[], str] | None = None,
         step_losses: list[float] | None = None,
+        tf32: bool = True,
     ):
         if step_fn is None and (batches is None or loss_fn is None):
             raise ValueError("TrainLoop needs batches and loss_fn, or a step_fn")
@@ -159,6 +163,7 @@ class TrainLoop:
         self.verbose, self.info, self.failure_hint = verbose, info, failure_hint
         self.device = device if device is not None else _device_of(model)
         self.step_losses = step_losses if step_losses is not None else []
+        self.tf32 = tf32
         self.bar: Any = None
         self.stop_reason: str | None = None
         self.warned_grad_norm = False
@@ -192,10 +197,11 @@ class TrainLoop:
         """Steps from ``self.step`` to ``end`` (default ``total_steps``), then the last checkpoint.
         ``signals``: a ``StopSignals`` the caller has entered (its stop requests end the loop); None: the
         loop handles SIGTERM / SIGINT itself while it runs (``handle_signals``)."""
-        if signals is None:
-            with StopSignals(enabled=self.handle_signals, announce=self.verbose) as own:
-                return self._run(end, own)
-        return self._run(end, signals)
+        with tf32(self.tf32):
+            if signals is None:
+                with StopSignals(enabled=self.handle_signals, announce=self.verbose) as own:
+                    return self._run(end, own)
+            return self._run(end, signals)
 
     def _run(self, end: int | None, signals: StopSignals) -> LoopResult:
         total = self.total_steps

@@ -56,6 +56,7 @@ from titans.runtime.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from titans.runtime.device import tf32
 from titans.runtime.loading import TOKENIZER_DIR, keep_tokenizer_copy, load_weights, tokenizer_record
 from titans.training import distributed as D
 from titans.training.config import TrainConfig, model_mismatches, sample_prompt_for
@@ -492,8 +493,8 @@ class Trainer:
         ``handle_signals`` (main thread only): a SIGTERM or SIGINT during training stops the run after the
         current step, with a checkpoint, the final evaluation and the report, and sets
         ``TrainResult.stopped_by``; a second one stops at once (``titans.training.signals``)."""
-        with StopSignals(enabled=handle_signals, announce=self.info.is_main) as signals:
-            return self._train(stop_at, signals)
+        with tf32(self.config.tf32), StopSignals(enabled=handle_signals, announce=self.info.is_main) as sig:
+            return self._train(stop_at, sig)
 
     def _train(self, stop_at: int | None, signals: StopSignals) -> TrainResult:
         cfg, info = self.config, self.info
@@ -522,6 +523,7 @@ class Trainer:
             device=self.device,
             failure_hint=lambda: f"{self._last_good()} (try a lower lr or memory_max_lr, or grad_clip)",
             step_losses=self.step_losses,
+            tf32=cfg.tf32,
         )
         done = loop.run(stop_at, signals=signals)
         self.step = done.step

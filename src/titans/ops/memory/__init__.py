@@ -65,7 +65,7 @@ from titans.ops.memory.rules import (
 )
 from titans.ops.memory.rules_ref import memory_rule_ref
 from titans.ops.memory.triton_chunk import DEPTHS as TRITON_DEPTHS
-from titans.ops.memory.triton_chunk import covered, device_reason, neural_memory_triton
+from titans.ops.memory.triton_chunk import covered, device_reason, dot_precision, neural_memory_triton
 
 BACKENDS = ("torch", "triton", "reference")
 
@@ -179,6 +179,7 @@ __all__ = [
     "bound_weights",
     "check_max_norm",
     "check_threshold",
+    "dot_precision",
     "fits_fast_path",
     "memory_forward",
     "memory_rule_chunked",

@@ -117,8 +117,10 @@ def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def _precision(t: Tensor) -> str:
-    """tl.dot's float32 precision: tf32 where torch's own float32 matmuls may use it (its setting)."""
+def dot_precision(t: Tensor) -> str:
+    """tl.dot's float32 precision: tf32 where torch's own float32 matmuls may use it (its setting), else
+    ieee: exact float32, without tensor cores (what made `titans train` steps of a 170M MAC on an H100 10x
+    the benchmark's, by the kernels' share of the step: docs/benchmarks.md, "TF32")."""
     if os.environ.get("TITANS_MEMORY_TRITON_PREC"):
         return os.environ["TITANS_MEMORY_TRITON_PREC"]
     if t.is_cuda and torch.backends.cuda.matmul.allow_tf32:
@@ -267,7 +269,7 @@ def _launch(config, q, k, v, gates, states, save_every: int):
         n_saved,
         save_until,
         float(clip) if clip is not None else 0.0,
-        **_constants(config, dim, hidden, depth, _precision(q)),
+        **_constants(config, dim, hidden, depth, dot_precision(q)),
         SAVE_EVERY=save_every if n_saved else 0,
     )
     return y, norm, new_states, saved
@@ -422,7 +424,7 @@ def _fused_backward(config, g_y, g_norm, g_final, q, k, v, gates, final, saved) 
         n_full,
         -(-seq // b),
         float(clip) if clip is not None else 0.0,
-        **_constants(config[:4], dim, hidden, depth, _precision(q)),
+        **_constants(config[:4], dim, hidden, depth, dot_precision(q)),
         RB=min(_block(b), BACKWARD_ROWS),
     )
     return [g.to(x.dtype) for g, x in zip((g_q, g_k, g_v, *g_gates, *g_states), (q, k, v, *gates, *final))]
