@@ -370,3 +370,20 @@ def test_the_commands_without_the_serve_extra():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_commands_run_float32_matmuls_in_tf32_and_restore_the_flags(monkeypatch):
+    """Every command runs with torch's TF32 flags on (the memory's Triton kernels follow them on CUDA: in
+    exact float32 they run without tensor cores), and the flags are back as they were afterwards."""
+    import titans.inference.cli as inference_cli
+
+    flags = lambda: (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)  # noqa: E731
+    seen = []
+    monkeypatch.setattr(inference_cli, "run_read", lambda args: seen.append(flags()) or 0)
+    before = flags()
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        assert titans_main(["read", "--checkpoint", "c", "--input", "i", "--save-state", "s"]) == 0
+        assert seen == [(True, True)] and flags() == (False, False)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before

@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_flush_denormal(True)
+    from titans.runtime.device import tf32
+
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
     prog = vars(args).pop("_prog", parser.prog)  # popped: commands record their options in result files
@@ -138,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         check = getattr(args, "check", None)
         if check is not None:
             check(args)
-        return int(args.func(args) or 0)
+        # float32 matrix products on CUDA in TF32, as `titans train` runs them by default (TrainConfig.tf32):
+        # the memory's Triton kernels follow the flag, and in exact float32 they run without tensor cores
+        with tf32(True):
+            return int(args.func(args) or 0)
     except _user_errors() as e:
         print(f"{prog}: error: {_message(e)}", file=sys.stderr)
         return 2
