@@ -18,7 +18,9 @@ and its entry says it was cut:
   at 8K MAC also with the memory's backward checkpointed every 4 chunks (mode "c4"), which fits in 80 GB.
 - trainer: `titans train` as a user runs it on a GPU, a 170M MAC at 4 x 2048 for 12 steps with
   `--compile --cuda-graphs` (`TRAINER_ARGS`), its held-out evaluation and sample: the run's exit code and
-  its metrics rows (each step's loss, gradient norm and tokens/s; the first step's time is the compile's).
+  its metrics rows (each step's loss, gradient norm and tokens/s; the first step's time is the compile's),
+  and, with `train2k` in the same call, its steps' tokens/s over the benchmark's row for the same model and
+  mode (`trainer_vs_benchmark`, ~1 when the trainer runs what the benchmark times).
 - decode: `decode_graph.py --device cuda`, MAC tiny and 170M, batch 1: the eager step against the step
   replayed as a CUDA graph.
 - profile: one step at 2K under the torch profiler, of MAC with the kernels (eager and replayed) and of
@@ -39,6 +41,7 @@ import importlib.util
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -151,6 +154,23 @@ def _junit(path: Path) -> dict:
     return out
 
 
+# the benchmark row that times what `titans train` runs with TRAINER_ARGS
+TRAINER_ROW = "mac:kernels+compile+graphs"
+
+
+def _trainer_vs_benchmark(parts: dict) -> float | None:
+    """tokens/s of `titans train`'s steps (the median of those after the first, which compiles) over the
+    train2k part's TRAINER_ROW, where both were measured: ~1 when the trainer runs what the benchmark
+    times."""
+    steps = [r["tokens_per_s"] for r in parts.get("trainer", {}).get("rows", []) if r.get("split") == "train"]
+    variant, mode = TRAINER_ROW.split(":")
+    bench = [r["tokens_per_s"] for r in parts.get("train2k", {}).get("rows", [])
+             if r.get("variant") == variant and r.get("mode") == mode and "tokens_per_s" in r]  # fmt: skip
+    if len(steps) < 2 or not bench:
+        return None
+    return statistics.median(steps[1:]) / bench[0]
+
+
 def _goals(parts: dict) -> list[dict]:
     """Each model's best tokens/s per sequence length over the measured modes, against Transformer++."""
     best: dict[tuple[int, str], tuple[float, str]] = {}
@@ -204,7 +224,8 @@ def main() -> None:
         return args.budget - clock.elapsed()
 
     def save() -> Path:
-        payload = {"device": machine["gpu"], "args": vars(args), "parts": parts, "goals": _goals(parts)}
+        payload = {"device": machine["gpu"], "args": vars(args), "parts": parts, "goals": _goals(parts),
+                   "trainer_vs_benchmark": _trainer_vs_benchmark(parts)}  # fmt: skip
         return save_json(out, payload, machine)
 
     for name in args.parts.split(","):
@@ -298,6 +319,9 @@ def main() -> None:
         rates = ", ".join(f"{r['tokens_per_s']:,.0f}" for r in steps)
         print(f"titans train --compile --cuda-graphs: exit {trainer['returncode']}, {len(steps)} steps "
               f"logged, tok/s by step: {rates or 'none'}")  # fmt: skip
+        ratio = _trainer_vs_benchmark(parts)
+        if ratio is not None:
+            print(f"titans train's steps after the first / the benchmark's {TRAINER_ROW}: {ratio:.2f}x tok/s")
     for g in _goals(parts):
         ratio = f"{g['ratio']:.2f}x" if g["ratio"] is not None else "not measured"
         print(

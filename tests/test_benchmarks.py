@@ -269,3 +269,11 @@ def test_gpu_suite_trainer_part_is_a_valid_train_command():
     cfg = TrainConfig(**overrides_from_args(args))
     assert (cfg.compile, cfg.cuda_graphs, cfg.device, cfg.log_every) == (True, True, "cuda", 1)
     assert "trainer" in gpu_suite.CAPS
+    # what the trainer ran against what the benchmark timed, from two recorded H100 calls: 10x slower steps
+    # (TF32 off in that trainer run; the benchmark turns it on)
+    results = BENCH / "results"
+    trainer = json.loads((results / "gpu_suite_h100_trainer.json").read_text())["parts"]
+    bench = json.loads((results / "gpu_suite_h100_compile.json").read_text())["parts"]
+    assert gpu_suite._trainer_vs_benchmark(trainer) is None  # no train2k row in that call
+    ratio = gpu_suite._trainer_vs_benchmark({**trainer, "train2k": bench["train2k"]})
+    assert ratio == pytest.approx(4560 / 46587, rel=0.01)
