@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_flush_denormal(True)
-    from titans.runtime.device import tf32
+    from titans.runtime.device import tf32  # imports torch: here, as torch above, not when cli is imported
 
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
