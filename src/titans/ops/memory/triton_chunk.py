@@ -119,8 +119,9 @@ def _block(n: int) -> int:
 
 def dot_precision(t: Tensor) -> str:
     """tl.dot's float32 precision: tf32 where torch's own float32 matmuls may use it (its setting), else
-    ieee: exact float32, without tensor cores (by the kernels' share of the step, why a 170M MAC's
-    `titans train` steps on an H100 took 10x the benchmark's with TF32 off: docs/benchmarks.md, "TF32")."""
+    ieee: exact float32, without tensor cores (by the kernels' share of the step, the likely reason a 170M
+    MAC's `titans train` steps on an H100 took 10x the benchmark's with TF32 off: docs/benchmarks.md,
+    "TF32")."""
     if os.environ.get("TITANS_MEMORY_TRITON_PREC"):
         return os.environ["TITANS_MEMORY_TRITON_PREC"]
     if t.is_cuda and torch.backends.cuda.matmul.allow_tf32:
