@@ -27,6 +27,9 @@ and its entry says it was cut:
   Transformer++ replayed: kernels launched, the GPU's busy time against the step's, and (eager) the ops
   whose kernels take most of it.
 - rows: the depth-2 backward kernel's row block (`TITANS_MEMORY_TRITON_ROWS` 16 and 64; 32 is `op`'s).
+- batch: the depth-2 op at 2K with batch 4 and 11 (`BATCHES`: 48 and 132 programs of one sequence-head
+  each, against an H100's 132 multiprocessors): how far the kernels' time per call grows with the programs
+  (flat: the chip was idle beside them).
 - slowtests: the one CUDA test `tests` leaves out, whose kernels take minutes to compile (`SLOW_TEST`).
 
 The summary at the end sets the goals against the measured rows: MAC >= 0.6x and LMM >= 0.8x
@@ -90,8 +93,9 @@ SLOW_TEST = (
 )
 CAPS = {
     "tests": 240, "op": 150, "train2k": 360, "train8k": 180, "trainer": 360, "decode": 90, "profile": 60,
-    "rows": 60, "slowtests": 120,
+    "rows": 60, "batch": 90, "slowtests": 120,
 }  # fmt: skip
+BATCHES = (4, 11)  # 12 heads each: 48 and 132 programs
 
 
 def _run(name: str, cmd: list[str], cap: float, log: Path, env: dict | None = None) -> dict:
@@ -284,6 +288,13 @@ def main() -> None:
                 env = {"TITANS_MEMORY_TRITON_ROWS": str(block)}
                 runs.append({"rows": block, **_run(f"rows {block}", cmd, min(cap / 2, left()), log, env)})
             parts[name] = {"runs": runs}
+        elif name == "batch":
+            runs = []
+            for batch in BATCHES:
+                cmd = [py, str(HERE / "memory_kernels.py"), "--cases", "2:128", "--seqs", "2048",
+                       "--batch", str(batch), "--out", str(work / f"batch{batch}.json")]  # fmt: skip
+                runs.append({"batch": batch, **_run(f"batch {batch}", cmd, min(cap / 2, left()), log)})
+            parts[name] = {"runs": runs}
         else:
             raise SystemExit(f"gpu_suite.py: unknown part {name!r}")
         save()  # after every part: a suite stopped from outside keeps what it measured
@@ -322,6 +333,10 @@ def main() -> None:
         ratio = _trainer_vs_benchmark(parts)
         if ratio is not None:
             print(f"titans train's steps after the first / the benchmark's {TRAINER_ROW}: {ratio:.2f}x tok/s")
+    for run in parts.get("batch", {}).get("runs", []):
+        for r in run.get("rows", []):
+            print(f"op depth 2 at 2K, batch {r['batch']} ({r['batch'] * r['heads']} programs): kernels fwd "
+                  f"{r['triton_fwd_ms']:.2f} ms, fwd+bwd {r['triton_fwd_bwd_ms']:.2f} ms")  # fmt: skip
     for g in _goals(parts):
         ratio = f"{g['ratio']:.2f}x" if g["ratio"] is not None else "not measured"
         print(

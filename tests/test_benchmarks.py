@@ -277,3 +277,66 @@ def test_gpu_suite_trainer_part_is_a_valid_train_command():
     assert gpu_suite._trainer_vs_benchmark(trainer) is None  # no train2k row in that call
     ratio = gpu_suite._trainer_vs_benchmark({**trainer, "train2k": bench["train2k"]})
     assert ratio == pytest.approx(4560 / 46587, rel=0.01)
+
+
+def test_kernel_resources_counts_a_chunk_with_its_row_loops_as_often_as_they_run():
+    """`kernel_resources.py` reads a kernel's machine code: instructions outside the chunk loop are not
+    counted, the chunk loop's own once, and a row loop inside it once per row block. A listing in the
+    shape `cuobjdump -sass` prints, with an outer loop (0x0020-0x0080) holding an inner one
+    (0x0040-0x0060)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import kernel_resources
+    finally:
+        sys.path.remove(str(BENCH))
+    sass = "\n".join(
+        f"        /*{address:04x}*/                   {text} ;   /* 0x000 */"
+        for address, text in [
+            (0x00, "LDG.E R2, desc[UR4][R2.64]"),  # before the loops
+            (0x10, "STL [R1+0x10], R2"),
+            (0x20, "BAR.SYNC.DEFER_BLOCKING 0x0"),  # the chunk loop starts
+            (0x30, "LDL R4, [R1+0x10]"),
+            (0x40, "HMMA.1688.F32.TF32 R8, R12, R16, R8"),  # the row loop starts
+            (0x50, "STL [R1+0x20], R8"),
+            (0x60, "@P0 BRA 0x40"),  # the row loop's back edge
+            (0x70, "STS [R3], R8"),
+            (0x80, "@P1 BRA 0x20"),  # the chunk loop's back edge
+            (0x90, "EXIT"),
+        ]
+    )
+    instructions = kernel_resources.parse_sass(sass)
+    assert len(instructions) == 10 and instructions[6] == (0x60, "@P0 BRA 0x40")
+    counts = kernel_resources.per_chunk(instructions, inner_trips=4)
+    # chunk loop: 0x20, 0x30, 0x70, 0x80 once; 0x40, 0x50, 0x60 four times
+    assert counts == {
+        "instructions": 4 + 3 * 4,
+        "spill": 1 + 4,
+        "barrier": 1,
+        "mma": 4,
+        "shared": 1,
+        "global": 0,
+        "row_loops": 1,
+    }
+    assert kernel_resources.per_chunk(instructions[:2], inner_trips=4) == {}  # no loop
+
+
+@pytest.mark.slow  # the presets' two kernels compiled for a GPU by Triton's own compiler: ~1 min of a core
+def test_kernel_resources_reads_the_presets_kernels_as_compiled_for_hopper(tmp_path):
+    """`kernel_resources.py` on the presets' depth-2 memory with TF32, as `titans train` runs it on an H100
+    / H200: both kernels compile without a GPU, each finds its chunk loop (the backward its row loop inside
+    it), each fits the 227 KB of shared memory a block may use, runs its products on tensor cores, and
+    spills under a third of its instructions (the exact-float32 kernels, without tensor cores, spill more
+    than half of theirs: docs/benchmarks.md, "TF32")."""
+    out = tmp_path / "resources.json"
+    script = BENCH / "kernel_resources.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, str(script), "--cases", "2:128", "--out", str(out)]
+    run = subprocess.run(cmd, cwd=BENCH, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {r["kernel"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"forward", "backward"}
+    assert rows["backward"]["per_chunk"]["row_loops"] >= 1 and rows["forward"]["per_chunk"]["row_loops"] == 0
+    for name, row in rows.items():
+        chunk = row["per_chunk"]
+        assert row["shared_bytes"] <= 232_448, (name, row)
+        assert chunk["mma"] > 0 and chunk["spill"] < chunk["instructions"] / 3, (name, chunk)

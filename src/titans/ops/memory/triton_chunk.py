@@ -15,8 +15,8 @@ computed in the kernel (no autograd graph through the coefficients). Two cases g
 step instead (`titans.ops.memory.chunk.run_chunks`, recomputed per group of chunks from the saved states,
 the coefficients by `chunk_mix`, and backpropagated: the same gradients at the torch path's speed):
 `checkpoint_every` (only every n-th state is kept), and a shape whose backward kernel needs more shared
-memory than the GPU has (found at its first backward, then remembered). `shared_memory()` compiles both
-kernels for a given GPU on a machine without one and says what they need.
+memory than the GPU has (found at its first backward, then remembered). `compiled_kernels()` compiles both
+kernels for a given GPU on a machine without one; `shared_memory()` says what shared memory they need.
 
 Both launches are torch custom ops, `titans::memory_chunks` (its autograd registered) and
 `titans::memory_chunks_backward`: `torch.compile` calls them as they are (no graph break, no tracing of
@@ -161,7 +161,7 @@ def _constants(config, dim: int, hidden: int, depth: int, precision: str) -> dic
     )
 
 
-def shared_memory(
+def compiled_kernels(
     depth: int,
     head_dim: int,
     hidden: int,
@@ -173,15 +173,19 @@ def shared_memory(
     clip: float | None = 1.0,
     precision: str = "tf32",
     qkv_dtype: torch.dtype = torch.bfloat16,
-) -> dict[str, int]:
-    """Bytes of shared memory the forward and backward kernels need per program for a memory of this shape
-    on a CUDA device of compute `capability` (90: H100 / H200), compiled here with the launch's own
-    constants: no GPU needed (Triton ships the compiler and `ptxas`), a few seconds to a minute per kernel
-    on a CPU. Compare with the device's limit per block (227 KB = 232,448 bytes on an H100 / H200): a
-    backward over it runs the torch fallback. Needs TRITON_INTERPRET unset (the kernels compiled, not
+    rows: int | None = None,
+    which: tuple[str, ...] = ("forward", "backward"),
+) -> dict:
+    """The forward and backward kernels for a memory of this shape compiled for a CUDA device of compute
+    `capability` (90: H100 / H200) with the launch's own constants (`rows`: the backward's row block,
+    `BACKWARD_ROWS` by default; `which`: the kernels to compile), on any machine: no GPU needed (Triton
+    ships the compiler and `ptxas`), a few seconds to a minute per kernel on a CPU. Returns
+    {"forward": ..., "backward": ...}, Triton's compiled kernels (`.metadata.shared`: shared memory bytes
+    per program; `.asm["cubin"]`: the binary). Needs TRITON_INTERPRET unset (the kernels compiled, not
     interpreted). A compile error (a kernel Triton cannot build for that device) is raised."""
     if interpreting():
-        raise RuntimeError("shared_memory compiles the kernels: unset TRITON_INTERPRET first")
+        raise RuntimeError("compiled_kernels compiles the kernels: unset TRITON_INTERPRET first")
+    # imported here, not at the top: this module imports triton only when a kernel is first needed
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -199,17 +203,27 @@ def shared_memory(
         return "fp32" if arg == "clip" else "i32" if arg in scalars else "*fp32"
 
     out = {}
-    rows = min(_block(chunk), BACKWARD_ROWS)
+    rows = min(_block(chunk), rows or BACKWARD_ROWS)
     for name, consts in (
         ("forward", {**constants, "SAVE_EVERY": 1}),
         ("backward", {**constants, "RB": rows}),
     ):
+        if name not in which:
+            continue
         kernel = _kernels().memory_chunks_fwd if name == "forward" else _kernels().memory_chunks_bwd
         signature = {arg: kind(arg, consts) for arg in kernel.arg_names}
         source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=consts)
-        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
-        out[name] = compiled.metadata.shared
+        out[name] = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
     return out
+
+
+def shared_memory(depth: int, head_dim: int, hidden: int, chunk: int, **kwargs) -> dict[str, int]:
+    """Bytes of shared memory the forward and backward kernels need per program for a memory of this shape
+    (`compiled_kernels`, whose keyword arguments it takes), compiled here without a GPU. Compare with the
+    device's limit per block (227 KB = 232,448 bytes on an H100 / H200): a backward over it runs the torch
+    fallback."""
+    kernels = compiled_kernels(depth, head_dim, hidden, chunk, **kwargs)
+    return {name: kernel.metadata.shared for name, kernel in kernels.items()}
 
 
 # shapes whose backward kernel needs more shared memory than the device has (found at the first try)
