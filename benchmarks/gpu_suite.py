@@ -1,8 +1,9 @@
 """The GPU checklist in one command, one JSON: the CUDA tests, the memory op alone, whole-model training
 throughput of every variant at 2K and 8K, and decode speed, on whatever CUDA device is at hand.
 
-    python benchmarks/gpu_suite.py [--parts tests,op,train2k,train8k,trainer,decode,profile,rows,slowtests]
-        [--budget 1200] [--cap train2k=300,...] [--out gpu_suite_h200]
+    python benchmarks/gpu_suite.py
+        [--parts tests,op,train2k,train8k,trainer,decode,profile,rows,batch,slowtests] [--budget 1200]
+        [--cap train2k=300,...] [--out gpu_suite_h200]
 
 Parts, in this order, each its own process with a time cap (`--cap`, seconds), cut to what is left of
 `--budget`; a part cut short keeps the rows it measured (the benchmarks print each row as it is measured),
@@ -199,7 +200,7 @@ def _goals(parts: dict) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="tests,op,train2k,train8k,trainer,decode,profile,rows,slowtests")
+    p.add_argument("--parts", default="tests,op,train2k,train8k,trainer,decode,profile,rows,batch,slowtests")
     p.add_argument("--budget", type=float, default=1200, help="seconds for all parts together")
     p.add_argument("--cap", default="", help="part=seconds,... overriding the parts' own caps")
     p.add_argument("--steps", type=int, default=5, help="timed steps per training row")
