@@ -17,7 +17,8 @@ about 13 s a kernel with TF32, a minute with exact float32 (`ieee`).
 
 A case is depth:hidden (depth 1 takes hidden = head_dim); `--rows` lists the backward's row blocks to
 compile (`TITANS_MEMORY_TRITON_ROWS`), `--warps` the warps per program (`TITANS_MEMORY_TRITON_WARPS`; 0:
-the kernels' own choice).
+the kernels' own choice). The kernels are built with the `ptxas` options they run with
+(`triton_chunk.ptxas_options`; `TITANS_MEMORY_TRITON_PTXAS=` for Triton's own -O3 throughout).
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ def main() -> None:
                             "precision": precision,
                             "warps": kernel.metadata.num_warps,
                             "rows": rows if name == "backward" else None,
+                            "ptxas": triton_chunk.ptxas_options(depth, precision, args.capability) or "-O3",
                             **resources(kernel, trips, Path(tmp), name),
                         }
                     )
@@ -169,6 +171,7 @@ def main() -> None:
             ("precision", "prec"),
             ("warps", "warps"),
             ("rows", "rows"),
+            ("ptxas", "ptxas"),
             ("registers", "regs"),
             ("stack_bytes", "stack B"),
             ("shared_bytes", "shared B"),

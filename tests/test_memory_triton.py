@@ -499,3 +499,22 @@ def test_compiled_blocks_equal_eager_in_one_graph():
     for name, g in grads_e.items():
         assert g is not None and grads_c[name] is not None, name
         assert_close(grads_c[name].double(), g.double(), 1e-4, name)
+
+
+def test_the_largest_kernels_are_built_at_ptxas_opt_level_1(monkeypatch):
+    """At -O3 (Triton's own) ptxas builds the depth-2 kernels for a GPU below compute capability 9.0, and
+    the exact-float32 kernels for any, with 32 registers a thread and most of their state spilled
+    (benchmarks/kernel_resources.py); those get `--opt-level 1`, the rest Triton's own, and
+    TITANS_MEMORY_TRITON_PTXAS overrides both ways. Under the interpreter no option is passed."""
+    monkeypatch.delenv("TITANS_MEMORY_TRITON_PTXAS", raising=False)
+    rule = memory_triton.ptxas_options
+    assert rule(2, "tf32", 80) == rule(2, "ieee", 90) == rule(1, "ieee", 80) == "--opt-level 1"
+    assert rule(2, "tf32", 90) is None and rule(1, "tf32", 80) is None and rule(2, "tf32", 100) is None
+    config = ("silu", False, 1.0, 64)
+    assert "ptx_options" not in memory_triton._constants(config, 64, 128, 2, "ieee", None)
+    assert memory_triton._constants(config, 64, 128, 2, "tf32", 80)["ptx_options"] == "--opt-level 1"
+    assert "ptx_options" not in memory_triton._constants(config, 64, 128, 2, "tf32", 90)
+    monkeypatch.setenv("TITANS_MEMORY_TRITON_PTXAS", "")
+    assert rule(2, "tf32", 80) is None
+    monkeypatch.setenv("TITANS_MEMORY_TRITON_PTXAS", "--opt-level 2")
+    assert rule(2, "tf32", 90) == "--opt-level 2"

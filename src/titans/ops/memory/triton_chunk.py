@@ -140,10 +140,28 @@ def _num_warps(dim: int, hidden: int, chunk: int) -> int:
 _NUM_STAGES = int(os.environ.get("TITANS_MEMORY_TRITON_STAGES", 1))
 
 
-def _constants(config, dim: int, hidden: int, depth: int, precision: str) -> dict:
+def ptxas_options(depth: int, precision: str, capability: int) -> str | None:
+    """The options the kernels' machine code is built with by `ptxas`: None (Triton's own: -O3) where that
+    builds them well; `--opt-level 1` for the largest kernels, which -O3 builds with 32 registers a thread,
+    spilling most of their state to local memory: at depth 2 below compute capability 9.0 (an A100: each
+    product is many small mma.sync) and with exact float32 products (`dot_precision` ieee: loops of fused
+    multiply-adds) anywhere. Compiled for an A100 (`benchmarks/kernel_resources.py --capability 80`), the
+    depth-2 backward spills 16,723 instructions per warp and chunk at -O3 and 4,605 at -O1. Not timed on
+    such a GPU. TITANS_MEMORY_TRITON_PTXAS overrides it (empty: Triton's own)."""
+    if "TITANS_MEMORY_TRITON_PTXAS" in os.environ:
+        return os.environ["TITANS_MEMORY_TRITON_PTXAS"] or None
+    if precision == "ieee" or (depth == 2 and capability < 90):
+        return "--opt-level 1"
+    return None
+
+
+def _constants(
+    config, dim: int, hidden: int, depth: int, precision: str, capability: int | None = None
+) -> dict:
     """The compile-time arguments both kernels take (config: activation, residual, clip, chunk), with the
-    launch's warps and stages."""
+    launch's warps, stages and (`capability`: a CUDA device's, None under the interpreter) ptxas options."""
     activation, residual, clip, b = config
+    options = ptxas_options(depth, precision, capability) if capability is not None else None
     return dict(
         D=dim,
         H1=hidden,
@@ -158,7 +176,16 @@ def _constants(config, dim: int, hidden: int, depth: int, precision: str) -> dic
         PREC=precision,
         num_warps=_num_warps(dim, hidden, b),
         num_stages=_NUM_STAGES,
+        **({"ptx_options": options} if options else {}),
     )
+
+
+def _capability(device: torch.device) -> int | None:
+    """A CUDA device's compute capability as one number (90: H100 / H200); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def compiled_kernels(
@@ -191,8 +218,9 @@ def compiled_kernels(
 
     hidden = head_dim if depth == 1 else hidden
     scalars = {"T", "g_sn", "g_st", "n_full", "n_chunks", "n_saved", "save_until"}
-    constants = _constants((activation, residual, clip, chunk), head_dim, hidden, depth, precision)
-    options = {k: constants.pop(k) for k in ("num_warps", "num_stages")}
+    config = (activation, residual, clip, chunk)
+    constants = _constants(config, head_dim, hidden, depth, precision, capability)
+    options = {k: constants.pop(k) for k in ("num_warps", "num_stages", "ptx_options") if k in constants}
 
     def kind(arg: str, consts: dict) -> str:
         """Triton's type for a kernel argument: q, k, v of `qkv_dtype`, every other tensor float32."""
@@ -284,7 +312,7 @@ def _launch(config, q, k, v, gates, states, save_every: int):
         n_saved,
         save_until,
         float(clip) if clip is not None else 0.0,
-        **_constants(config, dim, hidden, depth, dot_precision(q)),
+        **_constants(config, dim, hidden, depth, dot_precision(q), _capability(q.device)),
         SAVE_EVERY=save_every if n_saved else 0,
     )
     return y, norm, new_states, saved
@@ -439,7 +467,7 @@ def _fused_backward(config, g_y, g_norm, g_final, q, k, v, gates, final, saved) 
         n_full,
         -(-seq // b),
         float(clip) if clip is not None else 0.0,
-        **_constants(config[:4], dim, hidden, depth, dot_precision(q)),
+        **_constants(config[:4], dim, hidden, depth, dot_precision(q), _capability(q.device)),
         RB=min(_block(b), BACKWARD_ROWS),
     )
     return [g.to(x.dtype) for g, x in zip((g_q, g_k, g_v, *g_gates, *g_states), (q, k, v, *gates, *final))]
