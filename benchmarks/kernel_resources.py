@@ -11,7 +11,7 @@ memory (`LDG` / `STG`).
 The kernels run one program per sequence-head with a long dependent chain per chunk, so their time on a
 GPU follows the instructions and stalls of that chain; these counts are the part of it that can be read
 without running it (docs/benchmarks.md, "What the kernels compile to"). No GPU needed; on a CPU core
-about 13 s a kernel with TF32, a minute with exact float32 (`ieee`).
+about 13 s a kernel with TF32, one to two minutes with exact float32 (`ieee`).
 
     python benchmarks/kernel_resources.py [--cases 2:128,1:64] [--rows 32] [--precisions tf32] [--out F]
 

@@ -184,7 +184,12 @@ def _capability(device: torch.device) -> int | None:
     """A CUDA device's compute capability as one number (90: H100 / H200); None elsewhere."""
     if device.type != "cuda":
         return None
-    major, minor = torch.cuda.get_device_capability(device)
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache  # asked at every launch (each decoded token); a device's capability does not change
+def _cuda_capability(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
     return 10 * major + minor
 
 
