@@ -9,9 +9,12 @@ count is the same on a device, only the time differs. The torch operators are co
 `neural_memory_triton` call over `--chunks` complete chunks plus a partial one, the gates passed as the
 views of one (B, H, T, 3) tensor (as `neural_memory` passes them); in the training case q, k, v, the gates,
 weights and momentum all require gradients, and the backward starts from given gradients of every output
-(made outside the count).
+(made outside the count). `--checkpoint-every 0,4` adds training rows with the memory's state kept every 4
+chunks (`checkpoint_every`), and `--torch-backward` rows with the backward on the torch chunk step (the path
+a backward kernel too big for the device's shared memory falls back to) beside the kernels'.
 
-    python benchmarks/memory_kernel_ops.py [--depths 1,2] [--chunks 1,8] [--json FILE]
+    python benchmarks/memory_kernel_ops.py [--depths 1,2] [--chunks 1,8] [--checkpoint-every 0]
+        [--torch-backward] [--json FILE]
 """
 
 from __future__ import annotations
@@ -38,9 +41,19 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
-        if name not in NO_KERNEL and name != "aten::new_empty":
+        if name.startswith("titans::"):  # the op's custom ops: their Python bodies run with the count on
+            from titans.ops.memory import triton_chunk
+
+            body = getattr(triton_chunk, name.split("::")[1])._init_fn  # the function the op wraps
+            with self:
+                return body(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if name in ("aten::to", "aten::contiguous"):  # a kernel only where they copy
+            if out is not args[0]:
+                self.ops[name] += 1
+        elif name not in NO_KERNEL and name != "aten::new_empty":
             self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 class _CountedKernel:
@@ -77,7 +90,14 @@ def _problem(depth: int, seq: int, args: argparse.Namespace, grad: bool):
     return leaves
 
 
-def measure(depth: int, chunks: int, grad: bool, args: argparse.Namespace) -> dict:
+def measure(
+    depth: int,
+    chunks: int,
+    grad: bool,
+    args: argparse.Namespace,
+    every: int = 0,
+    torch_backward: bool = False,
+) -> dict:
     from titans.ops.memory import triton_chunk
 
     seq = chunks * args.chunk + args.chunk // 2  # a trailing partial chunk too
@@ -91,11 +111,20 @@ def measure(depth: int, chunks: int, grad: bool, args: argparse.Namespace) -> di
         setattr(stub, name, _CountedKernel(getattr(real, name), launches, name))
     stub.OutOfResources = real.OutOfResources
     kernels, triton_chunk._kernels = triton_chunk._kernels, lambda: stub
+    fused, triton_chunk.FUSED_BACKWARD = triton_chunk.FUSED_BACKWARD, not torch_backward
     try:
         with torch.set_grad_enabled(grad), _Counter() as counter:
             gate_views = (gates[..., 0], gates[..., 1], gates[..., 2])
             y, w_out, s_out, norm = triton_chunk.neural_memory_triton(
-                q, k, v, *gate_views, w, s, chunk_size=args.chunk, surprise_clip=1.0
+                q,
+                k,
+                v,
+                *gate_views,
+                w,
+                s,
+                chunk_size=args.chunk,
+                surprise_clip=1.0,
+                checkpoint_every=every or None,
             )
             if grad:
                 outs = [y, norm, *w_out, *s_out]
@@ -104,11 +133,14 @@ def measure(depth: int, chunks: int, grad: bool, args: argparse.Namespace) -> di
                 torch.autograd.grad(outs, leaves, grads_out)
     finally:
         triton_chunk._kernels = kernels
+        triton_chunk.FUSED_BACKWARD = fused
     return {
         "depth": depth,
         "chunks": chunks,
         "T": seq,
         "pass": "forward + backward" if grad else "forward",
+        "checkpoint_every": every or None,
+        "backward": ("torch chunk step" if torch_backward else "kernels") if grad else None,
         "kernel_launches": sum(launches.values()),
         "torch_ops": sum(counter.ops.values()),
         "total": sum(launches.values()) + sum(counter.ops.values()),
@@ -121,6 +153,8 @@ def main() -> None:
     p.add_argument("--depths", default="1,2")
     p.add_argument("--chunks", default="1,8", help="complete chunks per call (a partial one is added)")
     p.add_argument("--chunk", type=int, default=8)
+    p.add_argument("--checkpoint-every", default="0", help="training rows for each (0: every state kept)")
+    p.add_argument("--torch-backward", action="store_true", help="training rows with the torch backward too")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=8)
@@ -129,14 +163,16 @@ def main() -> None:
     )
     args = p.parse_args()
     torch.set_num_threads(1)
-    rows = [
-        measure(depth, chunks, grad, args)
-        for depth in map(int, args.depths.split(","))
-        for chunks in map(int, args.chunks.split(","))
-        for grad in (False, True)
-    ]
+    rows = []
+    for depth in map(int, args.depths.split(",")):
+        for chunks in map(int, args.chunks.split(",")):
+            rows.append(measure(depth, chunks, False, args))
+            for every in map(int, args.checkpoint_every.split(",")):
+                for torch_backward in (False, True) if args.torch_backward else (False,):
+                    rows.append(measure(depth, chunks, True, args, every, torch_backward))
     print("Triton path of the memory op, per call: kernel launches and computing torch operators")
-    columns = [("depth", "depth"), ("chunks", "chunks"), ("pass", "pass"), ("kernel_launches", "launches")]
+    columns = [("depth", "depth"), ("chunks", "chunks"), ("pass", "pass"), ("checkpoint_every", "ckpt")]
+    columns += [("backward", "backward"), ("kernel_launches", "launches")]
     print_table(rows, columns + [("torch_ops", "torch ops"), ("total", "total")])
     if args.json:
         print(f"wrote {save_json(args.json, {'args': vars(args), 'rows': rows})}")

@@ -142,16 +142,69 @@ def test_half_inputs_with_float32_state(half):
 
 
 @interpreted
-def test_checkpoint_every_keeps_gradients():
-    """checkpoint_every = 2 over 5 complete chunks + a tail: saved states every 2nd chunk, the same grads."""
-    args, w, s = random_problem(1, 2, 23, 4, 2, seed=5)
-    kw = {"chunk_size": 4, "surprise_clip": 0.5}
+@pytest.mark.parametrize(
+    "depth, seq, chunk, every",
+    [
+        (2, 23, 4, 2),  # 5 complete chunks + a tail of 3: groups of 2, 2, 1 (the last with the tail)
+        (2, 28, 4, 3),  # 7 complete chunks, no tail: groups of 3, 3, 1
+        (1, 21, 5, 2),  # depth 1; 4 chunks + a tail of 1: groups of 2, 2 (the last with the tail)
+        (2, 13, 4, 8),  # more than the 3 chunks there are: one group of 3 with the tail
+    ],
+)
+def test_checkpoint_every_runs_the_kernels_with_the_same_gradients(depth, seq, chunk, every, monkeypatch):
+    """checkpoint_every: only every n-th chunk-start state is saved, and the backward recomputes each group's
+    states with the forward kernel before the backward kernel runs over it; no torch chunk step runs. The
+    outputs and gradients are those of the one-launch backward (every state saved) to the bit, and the
+    float64 reference's."""
+    args, w, s = random_problem(1, 3, seq, 5, depth, expansion=2, seed=seq)
+    kw = {"chunk_size": chunk, "surprise_clip": 0.4}
+    launches = []
+    real = memory_triton._launch
+    monkeypatch.setattr(memory_triton, "_launch", lambda *a: launches.append(a[-1]) or real(*a))
+    monkeypatch.setattr(memory_triton, "_recomputed_backward", lambda *a: pytest.fail("torch chunk step ran"))
     outs, grads = _loss_and_grads(neural_memory_triton, args, w, s, kw, torch.float32)
+    assert launches == [1]  # every state saved, one backward launch
+    launches.clear()
     outs_c, grads_c = _loss_and_grads(
-        neural_memory_triton, args, w, s, {**kw, "checkpoint_every": 2}, torch.float32
+        neural_memory_triton, args, w, s, {**kw, "checkpoint_every": every}, torch.float32
     )
+    n_full = seq // chunk
+    group = min(every, n_full)
+    n_groups = -(-n_full // group)
+    # the forward saving every group-th state, then one recomputing forward per group, each saving all
+    assert launches == [group] + [1] * n_groups
     for a, b in zip(outs + grads, outs_c + grads_c):
-        assert_close(a, b, 1e-6, "checkpointed")
+        assert torch.equal(a, b)
+    ref_outs, ref_grads = _loss_and_grads(neural_memory_ref, args, w, s, kw, F64)
+    for i, (a, r) in enumerate(zip(outs_c + grads_c, ref_outs + ref_grads)):
+        assert_close(a, r, 2e-3, f"checkpointed output / gradient {i}")
+
+
+@interpreted
+@pytest.mark.parametrize("view", ["features", "tokens"])
+def test_views_as_q_k_v_give_the_contiguous_copies_outputs_and_gradients(view):
+    """q, k, v passed as views: the first d features of wider rows (as a fused projection's slices would
+    be), or the last T tokens of longer sequences (read in place by the kernels, one row stride apart).
+    The outputs and every gradient are those of contiguous copies of the same values, to the bit."""
+    args, w, s = random_problem(2, 2, 13, 4, 2, expansion=2, seed=11)
+    g = torch.Generator().manual_seed(0)
+    if view == "features":
+        wide = [torch.cat([x, torch.randn(x.shape, generator=g)], -1) for x in args[:3]]
+        cut = lambda x: x[..., :4]  # noqa: E731
+    else:
+        wide = [torch.cat([torch.randn(2, 2, 5, 4, generator=g), x], 2) for x in args[:3]]
+        cut = lambda x: x[:, :, 5:]  # noqa: E731
+    kw = {"chunk_size": 4, "surprise_clip": 0.5}
+
+    def run(make):
+        leaves = [x.detach().clone().requires_grad_(True) for x in wide]
+        y, w_out, s_out, norm = neural_memory_triton(*(make(x) for x in leaves), *args[3:], w, s, **kw)
+        loss = y.square().sum() + norm.sum() + sum(x.square().sum() for x in (*w_out, *s_out))
+        loss.backward()
+        return [y.detach(), norm.detach(), *(x.grad for x in leaves)]
+
+    for a, b in zip(run(cut), run(lambda x: cut(x).contiguous())):
+        assert torch.equal(a, b)
 
 
 def _memory(**kw) -> NeuralMemory:
@@ -283,6 +336,8 @@ def test_auto_on_cuda_warns_once_when_the_kernel_dots_lack_tensor_cores(allow_tf
         (2, (2, 2, 77, 32), {"chunk_size": 16, "residual": True, "surprise_clip": 0.3}, True),
         # a 128 x 256 state: the backward kernel may not fit; then the fallback's gradients are checked
         (2, (1, 2, 40, 128), {"chunk_size": 32}, False),
+        # the presets' sizes, every 2nd chunk-start state saved (the rest recomputed by the forward kernel)
+        (2, (1, 3, 200, 64), {"chunk_size": 64, "surprise_clip": 1.0, "checkpoint_every": 2}, True),
     ],
 )
 def test_compiled_kernel_matches_reference_on_cuda(depth, shape, options, must_fit, monkeypatch):

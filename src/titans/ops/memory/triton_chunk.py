@@ -11,17 +11,19 @@ tokens complete a chunk.
 
 Backward: ONE launch too (`memory_chunks_bwd`): the chunks in reverse, each chunk's forward recomputed
 from its saved start state and backpropagated, the state gradient carried on chip, the gates' gradients
-computed in the kernel (no autograd graph through the coefficients). Two cases go through the torch chunk
-step instead (`titans.ops.memory.chunk.run_chunks`, recomputed per group of chunks from the saved states,
-the coefficients by `chunk_mix`, and backpropagated: the same gradients at the torch path's speed):
-`checkpoint_every` (only every n-th state is kept), and a shape whose backward kernel needs more shared
-memory than the GPU has (found at its first backward, then remembered). `compiled_kernels()` compiles both
+computed in the kernel (no autograd graph through the coefficients). With `checkpoint_every` (only every
+n-th state kept), two launches per group of n chunks, in reverse: the forward kernel recomputes the
+group's chunk-start states from its saved one, and the backward kernel runs over the group. A shape whose
+backward kernel needs more shared memory than the GPU has (found at its first backward, then remembered)
+goes through the torch chunk step instead (`titans.ops.memory.chunk.run_chunks`, recomputed per group of
+chunks from the saved states, the coefficients by `chunk_mix`, and backpropagated: the same gradients at
+the torch path's speed). `compiled_kernels()` compiles both
 kernels for a given GPU on a machine without one; `shared_memory()` says what shared memory they need.
 
 Both launches are torch custom ops, `titans::memory_chunks` (its autograd registered) and
 `titans::memory_chunks_backward`: `torch.compile` calls them as they are (no graph break, no tracing of
 the launches), so a compiled model fuses the work around the memory, and decoding compiles too. The torch
-chunk step of the two cases above runs in the registered backward, outside the ops (it runs autograd, which
+chunk step of the fallback above runs in the registered backward, outside the ops (it runs autograd, which
 a custom op's implementation cannot).
 
 Covered (`covered()`): depth 1 and 2 (`DEPTHS`; a deeper memory is refused by name), silu / gelu / relu,
@@ -222,7 +224,7 @@ def compiled_kernels(
     from triton.backends.compiler import GPUTarget
 
     hidden = head_dim if depth == 1 else hidden
-    scalars = {"T", "g_sn", "g_st", "n_full", "n_chunks", "n_saved", "save_until"}
+    scalars = {"T", "sn_in", "sn_out", "g_sn", "g_st", "n_full", "n_chunks", "n_saved", "save_until"}
     config = (activation, residual, clip, chunk)
     constants = _constants(config, head_dim, hidden, depth, precision, capability)
     options = {k: constants.pop(k) for k in ("num_warps", "num_stages", "ptx_options") if k in constants}
@@ -276,17 +278,30 @@ def _n_saved(seq: int, chunk: int, save_every: int) -> int:
     return -(-save_until // save_every)
 
 
+def _dense_rows(*xs: Tensor) -> tuple[list[Tensor], int]:
+    """(N, T, d) tensors as the kernels read them, and the tokens from one sequence's first row to the next's:
+    in place where every token's row of d is dense and all share one such stride (contiguous tensors, and
+    the same rows of contiguous (N, T', d) tensors: a group of chunks), else contiguous copies."""
+    n, t, d = xs[0].shape
+    step = xs[0].stride(0)
+    dense = all(x.stride(2) == 1 and (t == 1 or x.stride(1) == d) and x.stride(0) == step for x in xs)
+    if dense and step % d == 0 and (n == 1 or step >= t * d):
+        return list(xs), step // d
+    return [x.contiguous() for x in xs], t
+
+
 def _launch(config, q, k, v, gates, states, save_every: int):
-    """Run the forward kernel. q, k, v (N, T, d); gates: theta, log_eta, log_keep (N, T) with the same
-    strides; states: per layer (N, 2, d_in, d_out). Returns y (N, T, d), norm (N, T), the new states (like
-    `states`) and per layer the saved chunk-start states (N, n_saved, 2, d_in, d_out) (`_n_saved`)."""
+    """Run the forward kernel. q, k, v (N, T, d) (read in place where `_dense_rows` allows); gates: theta,
+    log_eta, log_keep (N, T) with the same strides; states: per layer (N, 2, d_in, d_out). Returns y (N, T,
+    d), norm (N, T), the new states (like `states`) and per layer the saved chunk-start states (N, n_saved,
+    2, d_in, d_out) (`_n_saved`)."""
     clip, b = config[2:]
     n_seq, seq, dim = q.shape
     n_full = seq // b
     depth = len(states)
     hidden = states[0].shape[-1]
     dtype, device = states[0].dtype, q.device
-    q, k, v = (x.contiguous() for x in (q, k, v))
+    (q, k, v), rows_in = _dense_rows(q, k, v)
     states = [x.contiguous() for x in states]
     n_chunks = -(-seq // b)
     n_saved = _n_saved(seq, b, save_every)
@@ -310,6 +325,8 @@ def _launch(config, q, k, v, gates, states, save_every: int):
         second[2] if n_saved else dummy,
         y,
         norm,
+        seq,
+        rows_in,
         seq,
         *gates[0].stride(),
         n_full,
@@ -381,10 +398,10 @@ def memory_chunks_backward(
     chunk: int,
     group: int,
 ) -> list[Tensor]:
-    """The gradients of `memory_chunks` by the backward kernel (every chunk's start state saved: the
-    forward's save_every 1): [g_q, g_k, g_v, g_theta, g_log_eta, g_log_keep, *g_states], each like its
-    input. Raises the kernels' OutOfResources where the kernel needs more shared memory than the device
-    has."""
+    """The gradients of `memory_chunks` by the kernels (`_fused_backward`; `saved`: the forward's
+    chunk-start states, every `group`-th): [g_q, g_k, g_v, g_theta, g_log_eta, g_log_keep, *g_states],
+    each like its input. Raises the kernels' OutOfResources where the backward kernel needs more shared
+    memory than the device has."""
     config = (activation, residual, clip, chunk, group)
     return _fused_backward(config, g_y, g_norm, g_final, q, k, v, (theta, log_eta, log_keep), final, saved)
 
@@ -411,11 +428,10 @@ def _backward(ctx, grads):
     g_norm = final[0].new_zeros(q.shape[:2]) if g_norm is None else g_norm
     g_final = [torch.zeros_like(x) if g is None else g for x, g in zip(final, g_final)]
     config, gates = ctx.config, (theta, log_eta, log_keep)
-    # the backward kernel where every chunk's state was kept and it fits on the device; else the torch
-    # chunk step from the same saved states (here, not in a custom op: it runs autograd, which a custom
-    # op's implementation cannot)
+    # the kernels where the backward kernel fits on the device; else the torch chunk step from the same
+    # saved states (here, not in a custom op: it runs autograd, which a custom op's implementation cannot)
     g_inputs = None
-    if config[4] == 1 and FUSED_BACKWARD and _shape_key(config, q, final) not in _UNFIT:
+    if FUSED_BACKWARD and _shape_key(config, q, final) not in _UNFIT:
         try:
             g_inputs = memory_chunks_backward(g_y, g_norm, g_final, q, k, v, *gates, final, saved, *config)
         except _kernels().OutOfResources:  # too big for one SM's shared memory
@@ -438,20 +454,55 @@ memory_chunks.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _fused_backward(config, g_y, g_norm, g_final, q, k, v, gates, final, saved) -> list[Tensor]:
-    """`memory_chunks_backward` by the backward kernel (every chunk's start state saved)."""
-    clip, b = config[2:4]
-    depth = len(final)
+    """`memory_chunks_backward` by the kernels. Every chunk's start state saved (group 1): one launch of the
+    backward kernel. Every `group`-th (`checkpoint_every`): per group of chunks in reverse, the forward
+    kernel recomputes the group's chunk-start states from its saved one, then the backward kernel runs over
+    the group, the state gradient carried from group to group (the same arithmetic as one launch: the same
+    gradients), for a forward launch more per group."""
+    b, group = config[3:5]
     n_seq, seq, dim = q.shape
-    n_full, hidden = seq // b, final[0].shape[-1]
-    device = q.device
-    f32 = torch.float32
+    device, f32 = q.device, torch.float32
+    # laid out as the gradients of y are (the backward kernel reads them alike): copies of views only
+    q, k, v = (x.contiguous() for x in (q, k, v))
     # written by the kernel: copies, never the caller's tensors
     g_states = [g.to(f32, copy=True).contiguous() for g in g_final]
     g_y, g_norm = g_y.to(f32).contiguous(), g_norm.to(f32).contiguous()
     g_q, g_k, g_v = (torch.empty(n_seq, seq, dim, dtype=f32, device=device) for _ in range(3))
     # the trailing partial chunk's gates write nothing: their gradients stay 0
     g_gates = [torch.zeros(n_seq, seq, dtype=f32, device=device) for _ in range(3)]
-    dummy = g_gates[0]  # for the second layer's pointers at depth 1 (never touched)
+    if group == 1:
+        _backward_launch(config, g_y, g_norm, g_states, q, k, v, gates, saved, (g_q, g_k, g_v, *g_gates))
+    else:
+        n_groups = saved[0].shape[1]  # >= 1: a group > 1 is only asked for with two complete chunks or more
+        for i in range(n_groups - 1, -1, -1):
+            # the last group runs to the end: the trailing partial chunk is read from its final state
+            rows = slice(i * group * b, seq if i == n_groups - 1 else (i + 1) * group * b)
+            # the group's rows of every (N, T, ...) tensor, in place (views)
+            qkv, gates_i, g_out, outs = (
+                [x[:, rows] for x in xs]
+                for xs in ((q, k, v), gates, (g_y, g_norm), (g_q, g_k, g_v, *g_gates))
+            )
+            group_saved = _launch(config[:4], *qkv, gates_i, [x[:, i] for x in saved], 1)[3]
+            _backward_launch(config, *g_out, g_states, *qkv, gates_i, group_saved, outs)
+    return [g.to(x.dtype) for g, x in zip((g_q, g_k, g_v, *g_gates, *g_states), (q, k, v, *gates, *final))]
+
+
+def _backward_launch(config, g_y, g_norm, g_states, q, k, v, gates, saved, outs) -> None:
+    """One launch of the backward kernel over whole sequences, every chunk's start state in `saved` (per
+    layer (N, n_chunks, 2, d_in, d_out)). g_y (N, T, d), g_norm (N, T) float32; g_states: per layer the
+    float32 gradient of the state after the last chunk, overwritten with that of the state before the
+    first; outs: g_q, g_k, g_v (N, T, d) and g_theta, g_log_eta, g_log_keep (N, T), float32, written (the
+    gates' of a trailing partial chunk left as they are). q, k, v, g_y, g_norm share one layout (rows
+    of d dense, one stride between sequences: contiguous tensors or the same rows of contiguous ones), and
+    so do the outputs."""
+    clip, b = config[2:4]
+    depth = len(g_states)
+    n_seq, seq, dim = q.shape
+    hidden = g_states[0].shape[-1]
+    rows_in, rows_out = q.stride(0) // dim, outs[0].stride(0) // dim
+    assert all(x.stride() == q.stride() for x in (k, v, g_y)) and g_norm.stride() == (rows_in, 1)
+    assert all(x.stride() == outs[0].stride() for x in outs[1:3]) and outs[3].stride() == (rows_out, 1)
+    dummy = outs[3]  # for the second layer's pointers at depth 1 (never touched)
     _kernels().memory_chunks_bwd[(n_seq,)](
         q,
         k,
@@ -463,19 +514,17 @@ def _fused_backward(config, g_y, g_norm, g_final, q, k, v, gates, final, saved) 
         g_norm,
         g_states[0],
         g_states[1] if depth == 2 else dummy,
-        g_q,
-        g_k,
-        g_v,
-        *g_gates,
+        *outs,
         seq,
+        rows_in,
+        rows_out,
         *gates[0].stride(),
-        n_full,
+        seq // b,
         -(-seq // b),
         float(clip) if clip is not None else 0.0,
         **_constants(config[:4], dim, hidden, depth, dot_precision(q), _capability(q.device)),
         RB=min(_block(b), BACKWARD_ROWS),
     )
-    return [g.to(x.dtype) for g, x in zip((g_q, g_k, g_v, *g_gates, *g_states), (q, k, v, *gates, *final))]
 
 
 def _recomputed_backward(config, g_y, g_norm, g_final, q, k, v, gates, final, saved) -> list[Tensor]:

@@ -131,6 +131,8 @@ def memory_chunks_fwd(
     Y,  # (N, T, D) the reads
     NORM,  # (N, T) the surprise norms
     T,
+    sn_in,  # tokens from one sequence's first row to the next's in Q, K, V (rows of D, dense)
+    sn_out,  # the same in Y and NORM
     g_sn,
     g_st,
     n_full,
@@ -172,7 +174,7 @@ def memory_chunks_fwd(
         rows = c * CHUNK + rc
         mr = (rc < CHUNK) & (rows < T)
         mrd = mr[:, None] & md[None, :]
-        off = pid * T * D + rows[:, None] * D + rd[None, :]
+        off = pid * sn_in * D + rows[:, None] * D + rd[None, :]
         k = tl.load(K + off, mask=mrd, other=0.0).to(tl.float32)
         q = tl.load(Q + off, mask=mrd, other=0.0).to(tl.float32)
         v = tl.load(V + off, mask=mrd, other=0.0).to(tl.float32)
@@ -207,8 +209,8 @@ def memory_chunks_fwd(
             d_hid = e * _act_grad(zk, ACT)
             sq = tl.sum(k * k, 1) * tl.sum(d_hid * d_hid, 1) + tl.sum(hk * hk, 1) * tl.sum(d_out * d_out, 1)
         norm = tl.sqrt(tl.maximum(sq, 1e-30))
-        tl.store(Y + off, y, mask=mrd)
-        tl.store(NORM + pid * T + rows, norm, mask=mr)
+        tl.store(Y + pid * sn_out * D + rows[:, None] * D + rd[None, :], y, mask=mrd)
+        tl.store(NORM + pid * sn_out + rows, norm, mask=mr)
 
         # the write (the identity for the trailing partial chunk)
         if CLIP:
@@ -265,10 +267,12 @@ def memory_chunks_bwd(
     GQ,  # (N, T, D) float32 out
     GK,
     GV,
-    GTH,  # (N, T) float32 out, contiguous: dL/dtheta (the trailing partial chunk's left as given: zeros)
+    GTH,  # (N, T) float32 out: dL/dtheta (the trailing partial chunk's left as given: zeros)
     GLE,  # dL/dlog(eta)
     GLK,  # dL/dlog(1 - alpha)
     T,
+    sn_in,  # tokens from one sequence's first row to the next's in Q, K, V, GY, GNORM (rows dense)
+    sn_out,  # the same in GQ, GK, GV, GTH, GLE, GLK
     g_sn,
     g_st,
     n_full,
@@ -369,12 +373,12 @@ def memory_chunks_bwd(
             rows = c * CHUNK + rc
             mr = (rc < CHUNK) & (rows < T)
             mrd = mr[:, None] & md[None, :]
-            off = pid * T * D + rows[:, None] * D + rd[None, :]
+            off = pid * sn_in * D + rows[:, None] * D + rd[None, :]
             k = tl.load(K + off, mask=mrd, other=0.0).to(tl.float32)
             q = tl.load(Q + off, mask=mrd, other=0.0).to(tl.float32)
             v = tl.load(V + off, mask=mrd, other=0.0).to(tl.float32)
             gy = tl.load(GY + off, mask=mrd, other=0.0).to(tl.float32)
-            g_norm = tl.load(GNORM + pid * T + rows, mask=mr, other=0.0).to(tl.float32)
+            g_norm = tl.load(GNORM + pid * sn_in + rows, mask=mr, other=0.0).to(tl.float32)
             theta, t1, eb, t0_r, log_a_r, log_e_r = _coef_terms(
                 TH + gates, LE + gates, LK + gates, g_st, c, n_full, rc, CHUNK, BC
             )
@@ -451,7 +455,7 @@ def memory_chunks_bwd(
             g_le += g_le_rows
             g_lk += g_lk_rows
             full = (rc * 0 + c) < n_full
-            tl.store(GTH + pid * T + rows, g_theta, mask=mr & full)
+            tl.store(GTH + pid * sn_out + rows, g_theta, mask=mr & full)
             g_n = g_norm
             if CLIP:
                 active = (ratio <= 1.0) & (norm >= 1e-12)
@@ -501,9 +505,10 @@ def memory_chunks_bwd(
                 n_w1 += tl.dot(tl.trans(q), g_zq, input_precision=PREC)
                 g_k += tl.dot(g_zk, tl.trans(w1_d), input_precision=PREC)
                 g_q += tl.dot(g_zq, tl.trans(w1_d), input_precision=PREC)
-            tl.store(GQ + off, g_q, mask=mrd)
-            tl.store(GK + off, g_k, mask=mrd)
-            tl.store(GV + off, g_v, mask=mrd)
+            off_out = pid * sn_out * D + rows[:, None] * D + rd[None, :]
+            tl.store(GQ + off_out, g_q, mask=mrd)
+            tl.store(GK + off_out, g_k, mask=mrd)
+            tl.store(GV + off_out, g_v, mask=mrd)
         g_w1 = n_w1
         g_s1 = n_s1
         if DEPTH == 2:
@@ -511,8 +516,8 @@ def memory_chunks_bwd(
             g_s2 = n_s2
         tokens = c * CHUNK + rm
         done = in_chunk & ((rm * 0 + c) < n_full)
-        tl.store(GLE + pid * T + tokens, g_le, mask=done)
-        tl.store(GLK + pid * T + tokens, g_lk, mask=done)
+        tl.store(GLE + pid * sn_out + tokens, g_le, mask=done)
+        tl.store(GLK + pid * sn_out + tokens, g_lk, mask=done)
 
     if DEPTH == 2:
         tl.debug_barrier()  # every thread done reading the first chunk's gradient from G1 / G2
