@@ -16,7 +16,8 @@ and its entry says it was cut:
 - train2k / train8k: `gpu_throughput.py` rows, 170M preset, batch 4, bf16 autocast, in the order the goals
   need them (Transformer++, then MAC and the LMM with kernels, compiled blocks and graphs, then the other
   variants and modes);
-  at 8K MAC also with the memory's backward checkpointed every 4 chunks (mode "c4"), which fits in 80 GB.
+  at 8K MAC also with the memory's backward checkpointed every 4 chunks (mode "c4"), which fits in 80 GB, and
+  with its blocks recomputed in the backward pass (mode "recompute": activation checkpointing).
 - trainer: `titans train` as a user runs it on a GPU, a 170M MAC at 4 x 2048 for 12 steps with
   `--compile --cuda-graphs` (`TRAINER_ARGS`), its held-out evaluation and sample: the run's exit code and
   its metrics rows (each step's loss, gradient norm and tokens/s; the first step's time is the compile's),
@@ -77,7 +78,8 @@ TRAIN_ROWS = {
         "mag:eager", "mal:eager",
     ],
     8192: [
-        "transformer:graphs", "mac:kernels+compile+graphs:4", "mac:kernels+graphs:4", "lmm:kernels+graphs",
+        "transformer:graphs", "mac:kernels+compile+graphs:4", "mac:kernels+compile+graphs+recompute",
+        "mac:kernels+graphs:4", "lmm:kernels+graphs",
         "transformer:compile+graphs", "mac:kernels+graphs", "transformer:eager", "mac:kernels", "lmm:kernels",
         "mag:kernels+graphs", "mal:kernels+graphs", "swa:graphs",
     ],

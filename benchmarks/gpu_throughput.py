@@ -4,7 +4,8 @@ plus the neural memory layer alone in float32 and bf16. Every memory row also ru
 loop on the Triton kernels (`memory_backend="triton"`, `titans.ops.memory.triton_chunk`): modes "kernels"
 (eager) and "kernels+graphs"; the torch chunk loop is modes "eager" and "graphs". A mode with "compile"
 compiles each block first (`titans train --compile`, `TitansLM.compile_blocks`): "kernels+compile",
-"kernels+compile+graphs", "compile+graphs" (the baselines); `warmup_s` is then mostly the compile.
+"kernels+compile+graphs", "compile+graphs" (the baselines); `warmup_s` is then mostly the compile. A mode
+with "recompute" recomputes each block in the backward pass (`TitansLM.gradient_checkpointing`).
 
 One process, one model at a time, eager and graphed side by side. A step is forward + backward + AdamW;
 its time is the median over `--steps` steps after two warm-up steps, read with CUDA events. All variants
@@ -54,6 +55,7 @@ def model_row(variant: str, seq: int, mode: str, args: argparse.Namespace, every
         args.preset, variant=variant, memory_checkpoint_every=every, memory_backend=backend
     )
     model = TitansLM(cfg).cuda()
+    model.gradient_checkpointing = "recompute" in parts  # `titans train --set gradient_checkpointing=true`
     if "compile" in parts:  # as `titans train --compile` runs it
         model.compile_blocks()
     for module in model.modules():  # as `titans train` runs it: no host sync per memory call
@@ -160,7 +162,8 @@ def main() -> None:
         "--modes",
         default="eager,graphs,kernels,kernels+graphs",
         help="eager, graphs (CUDA graph replay), kernels (the memory's Triton kernels), compile (each block "
-        "compiled, `titans train --compile`), or several joined by +: kernels+graphs, kernels+compile+graphs",
+        "compiled, `titans train --compile`), recompute (activation checkpointing), or several joined by +: "
+        "kernels+graphs, kernels+compile+graphs",
     )
     p.add_argument(
         "--memory-backends",

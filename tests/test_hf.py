@@ -127,6 +127,30 @@ def test_loss_and_refusals(saved_dir):
         hf(x, past_key_values=(torch.zeros(1),))
 
 
+def test_activation_checkpointing_from_transformers(saved_dir):
+    """`activation_checkpointing_enable()` (what the Trainer's `gradient_checkpointing=True` calls) turns on
+    the model's block recomputation, with transformers' checkpoint function and options, and the loss and
+    every gradient stay those of the plain model; `..._disable()` turns it off."""
+    path, _ = saved_dir
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).train()
+    x = tokens(2, 13)
+    runs = []
+    for enable in (False, True):
+        if enable:
+            hf.activation_checkpointing_enable()
+        hf.zero_grad()
+        out = hf(x, labels=x)
+        out.loss.backward()
+        runs.append((out.loss.detach(), [p.grad.clone() for p in hf.parameters() if p.grad is not None]))
+    assert hf.model.gradient_checkpointing and hf.model._gradient_checkpointing_func is not None
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1])) and len(runs[0][1]) == len(
+        runs[1][1]
+    )
+    hf.activation_checkpointing_disable()
+    assert not hf.model.gradient_checkpointing
+
+
 def test_core_library_does_not_import_transformers():
     code = "import sys, titans, titans.inference.cli; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

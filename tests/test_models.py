@@ -12,6 +12,7 @@ from tiny_lm import tiny_config, tiny_model
 from titans import PRESETS, VARIANTS, TitansConfig, TitansLM
 from titans.layers.norm import RMSNorm
 from titans.models.blocks import GatedCombine, IdentityInitGate
+from titans.models.state import state_tensors
 
 F64 = torch.float64
 
@@ -44,6 +45,51 @@ def test_streaming_equals_parallel(variant):
         pieces.append(out)
     assert (torch.cat(pieces, 1) - full).abs().max() < 1e-10
     assert state.position == 29
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gradient_checkpointing_recomputes_blocks_with_the_same_gradients(variant):
+    """`gradient_checkpointing`: the logits, the stats, the new state and every gradient (the parameters'
+    and, through a state carried from an earlier piece, the earlier piece's) are those of the plain
+    forward, while autograd keeps a fraction of the bytes; evaluation and no-grad calls are unchanged."""
+    model = model64(variant, seed=3)
+    for module in model.modules():
+        if isinstance(module, IdentityInitGate):  # open, so that every path carries gradient
+            torch.nn.init.normal_(module.gate.weight, std=0.1)
+    first, second = torch.randint(0, 64, (2, 11)), torch.randint(0, 64, (2, 21))
+    results, saved = [], []
+    for recompute in (False, True):
+        model.gradient_checkpointing = recompute
+        model.zero_grad()
+        start = len(saved)
+        _, state = model(first)  # the carried state's tensors are differentiable
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t.untyped_storage().nbytes()) or t, lambda t: t
+        ):
+            out = model.forward_with_stats(second, state)
+        loss = out.logits.square().mean() + sum(x.square().sum() for x in state_tensors(out.state).values())
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results.append(
+            (
+                out.logits.detach(),
+                list(state_tensors(out.state).values()),
+                len(out.stats),
+                grads,
+                sum(saved[start:]),
+            )
+        )
+    plain, recomputed = results
+    assert torch.equal(plain[0], recomputed[0]) and plain[2] == recomputed[2]
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(plain[1], recomputed[1]))
+    assert len(plain[3]) == len(recomputed[3]) and all(
+        torch.equal(a, b) for a, b in zip(plain[3], recomputed[3])
+    )
+    assert recomputed[4] < plain[4] / 3
+    with torch.no_grad():  # no recomputation where no backward will run: the same calls as without
+        on = model(second, state)[0]
+        model.gradient_checkpointing = False
+        assert torch.equal(on, model(second, state)[0])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -17,7 +17,7 @@ from micro_train import micro_config as shared_micro_config
 from titans.cli import main as titans_main
 from titans.models.lm import TitansLM
 from titans.runtime.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
-from titans.training.config import TrainConfig, parse_set
+from titans.training.config import RESUMABLE_CHANGES, TrainConfig, parse_set
 from titans.training.model_io import load_model
 from titans.training.optim import lr_factor, parameter_groups
 from titans.training.trainer import Trainer
@@ -312,6 +312,24 @@ def test_compile_trains_like_eager_and_samples(tmp_path, cache_dir, monkeypatch)
     assert result.step_losses == pytest.approx(ref.step_losses, abs=1e-5)
     assert max_weight_diff(eager.model, compiled.model) <= 1e-5
     assert result.sample
+
+
+def test_gradient_checkpointing_trains_like_the_plain_run(tmp_path, cache_dir, monkeypatch):
+    """`TrainConfig.gradient_checkpointing`: the model recomputes its blocks in the backward pass (the
+    recomputation is seen to run) and trains with the plain run's losses and weights; the option may change
+    on resume (it changes no gradient)."""
+    plain = Trainer(micro_config(tmp_path / "plain", cache_dir, steps=3))
+    ref = plain.train()
+    calls = []
+    real = TitansLM._checkpointed
+    monkeypatch.setattr(TitansLM, "_checkpointed", lambda self, *a: calls.append(1) or real(self, *a))
+    cfg = micro_config(tmp_path / "recomputed", cache_dir, steps=3, gradient_checkpointing=True)
+    recomputed = Trainer(cfg)
+    result = recomputed.train()
+    assert recomputed.model.gradient_checkpointing and calls
+    assert result.step_losses == pytest.approx(ref.step_losses, abs=1e-6)
+    assert max_weight_diff(plain.model, recomputed.model) <= 1e-6
+    assert "gradient_checkpointing" in RESUMABLE_CHANGES
 
 
 @pytest.mark.parametrize("variant", ["mac", "mal"])

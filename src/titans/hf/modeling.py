@@ -146,7 +146,7 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
     main_input_name = "input_ids"
     _tied_weights_keys = {"model.head.weight": "model.embed.weight"}
     _is_stateful = True  # no assisted decoding: a state cannot be rolled back
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True  # `TitansLM.gradient_checkpointing`: each block recomputed
 
     def __init__(self, config: TitansHFConfig):
         super().__init__(config)

@@ -4,16 +4,23 @@
 
 Feeding a sequence in pieces and threading `state` gives the logits of one pass over the whole sequence,
 at a cost per token that does not grow with context for the memory and sliding-window variants.
+
+`model.gradient_checkpointing = True` (the attribute `transformers` sets;
+`TrainConfig.gradient_checkpointing`) keeps, while training, only each block's input for the backward pass
+and recomputes the block's forward there: activation memory of one block at a time, for one more forward
+of the blocks.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from titans.layers.memory import MemoryStats, NeuralMemory
@@ -92,6 +99,10 @@ class TitansLM(nn.Module):
         self.reset_parameters()
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
+        # recompute each block's forward in the backward pass (while training with gradients), keeping only
+        # the blocks' inputs: the name and meaning `transformers` gives it (its
+        # `gradient_checkpointing_enable` sets it on every module that has it)
+        self.gradient_checkpointing = False
 
     def reset_parameters(self) -> None:
         """GPT-style init: N(0, init_std) for embeddings and projections, the projections into the residual
@@ -122,6 +133,27 @@ class TitansLM(nn.Module):
         (on GPUs the many small element-wise kernels of MAC's segment loop)."""
         for block in self.blocks:
             block.compile(**options)
+
+    def _checkpointed(self, block: nn.Module, x: Tensor, state, stats: list[MemoryStats] | None):
+        """block(x, state, stats) with its activations recomputed in the backward pass: by torch's
+        non-reentrant checkpoint (gradients reach x, the parameters and the incoming state's tensors; the
+        outputs, the new state's included, are the plain call's), or by the function `transformers` set
+        (its `activation_checkpointing_enable` options). `stats` gets the forward's entries once, not the
+        recomputation's."""
+        checkpoint = getattr(self, "_gradient_checkpointing_func", None) or functools.partial(
+            torch.utils.checkpoint.checkpoint, use_reentrant=False
+        )
+        ran = []
+
+        def run(x: Tensor, state):
+            local = None if stats is None else []
+            out = block(x, state, local)
+            if stats is not None and not ran:
+                stats.extend(local)
+            ran.append(True)
+            return out
+
+        return checkpoint(run, x, state)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -214,8 +246,9 @@ class TitansLM(nn.Module):
         layer_states = state.layers if state is not None else [None] * len(self.blocks)
         x = self.embed(tokens.long())
         new_states = []
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for block, s in zip(self.blocks, layer_states):
-            x, s = block(x, s, stats)
+            x, s = self._checkpointed(block, x, s, stats) if recompute else block(x, s, stats)
             new_states.append(s)
         if last_only:
             x = x[:, -1:]

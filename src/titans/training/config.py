@@ -59,7 +59,7 @@ RESUMABLE_CHANGES = frozenset(
         "steps", "tokens", "time_budget_min", "log_every", "eval_every", "ckpt_every", "keep_last", "run_dir",
         "device", "dtype", "threads", "grad_accum", "progress", "tensorboard", "cache_dir", "eval_windows",
         "eval_batch_size", "sample_tokens", "sample_prompt", "sample_temperature", "sample_top_k", "plot",
-        "cuda_graphs", "compile", "tf32",
+        "cuda_graphs", "compile", "tf32", "gradient_checkpointing",
     }
 )  # fmt: skip
 
@@ -163,6 +163,10 @@ class TrainConfig:
     cuda_graphs: bool = option(False, help="replay each micro-step as a CUDA graph (one process, one GPU)")
     # regional torch.compile (`TitansLM.compile_blocks`): the first step compiles, for a minute or more
     compile: bool = option(False, help="compile each block with torch.compile (faster steps on GPUs)")
+    # activation checkpointing (`TitansLM.gradient_checkpointing`): the same gradients, recomputed
+    gradient_checkpointing: bool = option(
+        False, help="recompute each block's forward in the backward pass (activations of one block kept)"
+    )
     threads: int | None = option(
         None, help="torch CPU threads of this process (null: torch's default)", min=1
     )

@@ -166,6 +166,7 @@ class Trainer:
         _check_split_lengths(streams.train.n_tokens, streams.heldout.n_tokens, cfg)
         self.model_config = cfg.model_config(self.tokenizer.vocab_size)
         self.model = TitansLM(self.model_config)
+        self.model.gradient_checkpointing = cfg.gradient_checkpointing
         for module in self.model.modules():  # divergence is caught collectively (the loss, checkpoints)
             if isinstance(module, NeuralMemory):
                 module.check_finite = False
