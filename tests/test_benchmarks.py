@@ -345,3 +345,22 @@ def test_kernel_resources_reads_the_presets_kernels_as_compiled_for_a_gpu(tmp_pa
         assert row["shared_bytes"] <= {90: 232_448, 80: 166_912}[capability], (name, row)
         assert chunk["mma"] > 0 and row["registers"] > 32, (name, row)
         assert chunk["spill"] < chunk["instructions"] / 3, (name, chunk)
+
+
+def test_activation_memory_counts_what_each_option_saves(tmp_path):
+    """`activation_memory.py` on a tiny MAC: the memory's checkpointing keeps fewer bytes than every state
+    kept, gradient checkpointing's peak (one of the two blocks recomputed) is below the plain forward's,
+    and every byte is attributed to a module and a block (or to what runs outside the blocks)."""
+    out = tmp_path / "am.json"
+    cmd = [sys.executable, str(BENCH / "activation_memory.py"), "--preset", "tiny", "--variants", "mac"]
+    cmd += ["--seq", "96", "--memory-checkpoint-every", "0,3", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=BENCH)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plain, checkpointed = json.loads(out.read_text())["rows"]
+    assert checkpointed["memory_checkpoint_every"] == 3
+    assert checkpointed["by_module"]["NeuralMemory"] < plain["by_module"]["NeuralMemory"]
+    for row in (plain, checkpointed):
+        assert sum(row["by_module"].values()) == sum(row["by_block"].values()) == row["saved_bytes"]
+        assert set(row["by_block"]) == {"0", "1", "outside"}
+        blocks = [row["by_block"][b] for b in ("0", "1")]
+        assert max(blocks) + row["by_block"]["outside"] < row["recomputed_peak_bytes"] < row["saved_bytes"]
