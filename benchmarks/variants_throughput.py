@@ -7,7 +7,8 @@ should keep flat tokens/s as the sequence grows; full attention should not.
     python benchmarks/variants_throughput.py [--seqs 1024,4096,16384] [--variants mac,mag,...] [--steps 3]
 
 ``--preset tiny --set memory_conv_kernel=8`` measures a named preset (any TitansConfig field overridden) in
-place of the --dim/--depth/--heads/--window/--chunk-size shape.
+place of the --dim/--depth/--heads/--window/--chunk-size shape. ``--recompute off,on`` measures each model
+also with its blocks recomputed in the backward pass (`TitansLM.gradient_checkpointing`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from bench_utils import Timer, machine_info, peak_rss_mib, reply, run_worker, save_json
 
 SHAPE_FLAGS = ("dim", "depth", "heads", "window", "chunk_size")
-WORKER_ARGS = (*SHAPE_FLAGS, "batch", "steps", "threads", "preset", "set")
+WORKER_ARGS = (*SHAPE_FLAGS, "batch", "steps", "threads", "preset", "set", "recompute")
 
 
 def measure(variant: str, seq: int, args: argparse.Namespace) -> dict:
@@ -47,6 +48,7 @@ def measure(variant: str, seq: int, args: argparse.Namespace) -> dict:
             **overrides,
         )
     model = TitansLM(cfg)
+    model.gradient_checkpointing = args.recompute == "on"
     tokens = torch.randint(0, 256, (args.batch, seq + 1))
     times, cpu_times = [], []
     for i in range(args.steps + 1):  # the first step warms up allocators and caches
@@ -64,6 +66,7 @@ def measure(variant: str, seq: int, args: argparse.Namespace) -> dict:
     return {
         "variant": variant,
         "seq": seq,
+        "recompute": args.recompute,
         "batch": args.batch,
         "tokens_per_s": args.batch * seq / med,
         "tokens_per_cpu_s": args.batch * seq / cpu_med,
@@ -87,6 +90,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads in each worker")
+    p.add_argument("--recompute", default="off", help="off, on (gradient checkpointing) or off,on")
     p.add_argument("--out", default="variants_throughput", help="a path, or a name in benchmarks/results/")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -94,6 +98,9 @@ def main() -> None:
         spec = json.loads(args.worker)
         reply(measure(spec["variant"], spec["seq"], argparse.Namespace(**spec)))
         return
+    settings = args.recompute.split(",")
+    if not set(settings) <= {"off", "on"}:
+        p.error(f"--recompute takes off, on or off,on, got {args.recompute!r}")
     machine = machine_info()
     rows = []
     shape = (
@@ -108,24 +115,23 @@ def main() -> None:
         f"load average {machine['loadavg_start'][0]:.1f}"
     )
     print(
-        f"{'variant':12s} {'seq':>7s} {'tokens/s':>10s} {'tok/CPU-s':>10s} {'step s':>8s} "
+        f"{'variant':12s} {'seq':>7s} {'recompute':>9s} {'tokens/s':>10s} {'tok/CPU-s':>10s} {'step s':>8s} "
         f"{'peak RSS MB':>12s}"
     )
     for variant in args.variants.split(","):
         for seq in (int(s) for s in args.seqs.split(",")):
-            row = run_worker(
-                __file__, {"variant": variant, "seq": seq, **{k: getattr(args, k) for k in WORKER_ARGS}}
-            )
-            if "error" in row:
-                row = {"variant": variant, "seq": seq, **row}
-                print(f"{variant:12s} {seq:7d}  failed: {row['error']}")
-            else:
-                print(
-                    f"{variant:12s} {seq:7d} {row['tokens_per_s']:10.0f} {row['tokens_per_cpu_s']:10.0f} "
-                    f"{row['step_s']:8.2f} "
-                    f"{row['peak_rss_mb']:12.0f}"
-                )
-            rows.append(row)
+            for recompute in settings:
+                spec = {k: getattr(args, k) for k in WORKER_ARGS}
+                row = run_worker(__file__, {**spec, "variant": variant, "seq": seq, "recompute": recompute})
+                if "error" in row:
+                    row = {"variant": variant, "seq": seq, "recompute": recompute, **row}
+                    print(f"{variant:12s} {seq:7d} {recompute:>9s}  failed: {row['error']}")
+                else:
+                    print(
+                        f"{variant:12s} {seq:7d} {recompute:>9s} {row['tokens_per_s']:10.0f} "
+                        f"{row['tokens_per_cpu_s']:10.0f} {row['step_s']:8.2f} {row['peak_rss_mb']:12.0f}"
+                    )
+                rows.append(row)
     # with a preset the shape flags did not apply: record only what did
     recorded = {k: v for k, v in vars(args).items() if not (args.preset and k in SHAPE_FLAGS)}
     print(f"wrote {save_json(args.out, {'args': recorded, 'results': rows}, machine)}")
