@@ -50,6 +50,9 @@ def single_process(tmp_path_factory):
     [
         ("ddp", {"grad_accum": 2}),  # 2 ranks x 2 micro-batches of 2 rows (exercises DDP no_sync)
         ("fsdp", {"fsdp": True}),  # FSDP2 on CPU: only checks the code path
+        # each block recomputed in the backward pass, under DDP's no_sync and under FSDP2's sharded blocks
+        ("ddp-recompute", {"grad_accum": 2, "gradient_checkpointing": True}),
+        ("fsdp-recompute", {"fsdp": True, "gradient_checkpointing": True}),
     ],
 )
 def test_torchrun_two_ranks_match_one_process(single_process, mode, overrides):
