@@ -487,6 +487,13 @@ def _fused_backward(config, g_y, g_norm, g_final, q, k, v, gates, final, saved) 
     return [g.to(x.dtype) for g, x in zip((g_q, g_k, g_v, *g_gates, *g_states), (q, k, v, *gates, *final))]
 
 
+def _steps(x: Tensor) -> tuple:
+    """x's strides in tokens of one row: (N, T, d) -> (sequence, token) steps, d dense; (N, T) -> the same.
+    None for a dim of size 1 (never stepped over)."""
+    width = x.shape[2] if x.dim() == 3 else 1
+    return tuple(s // width if n > 1 else None for n, s in zip(x.shape[:2], x.stride()[:2]))
+
+
 def _backward_launch(config, g_y, g_norm, g_states, q, k, v, gates, saved, outs) -> None:
     """One launch of the backward kernel over whole sequences, every chunk's start state in `saved` (per
     layer (N, n_chunks, 2, d_in, d_out)). g_y (N, T, d), g_norm (N, T) float32; g_states: per layer the
@@ -499,9 +506,10 @@ def _backward_launch(config, g_y, g_norm, g_states, q, k, v, gates, saved, outs)
     depth = len(g_states)
     n_seq, seq, dim = q.shape
     hidden = g_states[0].shape[-1]
-    rows_in, rows_out = q.stride(0) // dim, outs[0].stride(0) // dim
-    assert all(x.stride() == q.stride() for x in (k, v, g_y)) and g_norm.stride() == (rows_in, 1)
-    assert all(x.stride() == outs[0].stride() for x in outs[1:3]) and outs[3].stride() == (rows_out, 1)
+    # (a dim of size 1 is never stepped over: its stride, whatever torch reports, is not compared)
+    rows_in, rows_out = (x.stride(0) // dim if n_seq > 1 else 0 for x in (q, outs[0]))
+    assert all(_steps(x) == _steps(q) for x in (k, v, g_y)) and _steps(g_norm) == _steps(q)[:2]
+    assert all(_steps(x) == _steps(outs[0]) for x in outs[1:3]) and _steps(outs[3]) == _steps(outs[0])[:2]
     dummy = outs[3]  # for the second layer's pointers at depth 1 (never touched)
     _kernels().memory_chunks_bwd[(n_seq,)](
         q,
