@@ -17,8 +17,8 @@ spec.loader.exec_module(variants_throughput)
 
 
 def _args(**overrides) -> argparse.Namespace:
-    args = dict(threads=1, batch=1, steps=1, preset=None, set=[], dim=32, depth=1, heads=2, window=16)
-    args.update(chunk_size=8, **overrides)
+    args = dict(threads=1, batch=1, steps=1, preset=None, set=[], recompute="off", dim=32, depth=1, heads=2)
+    args.update(window=16, chunk_size=8, **overrides)
     return argparse.Namespace(**args)
 
 
