@@ -140,8 +140,9 @@ class TitansLM(nn.Module):
         outputs, the new state's included, are the plain call's), or by the function `transformers` set
         (its `activation_checkpointing_enable` options). `stats` gets the forward's entries once, not the
         recomputation's."""
+        # a block draws no random numbers: no RNG state to save and restore (nor read in a CUDA graph capture)
         checkpoint = getattr(self, "_gradient_checkpointing_func", None) or functools.partial(
-            torch.utils.checkpoint.checkpoint, use_reentrant=False
+            torch.utils.checkpoint.checkpoint, use_reentrant=False, preserve_rng_state=False
         )
         ran = []
 
