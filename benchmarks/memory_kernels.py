@@ -7,9 +7,12 @@ silu; 170M-preset sizes by default (12 heads of 64, chunk 64, batch 4). Each cas
 events, the median of `--steps` calls after two warm-up calls. Both sides use tf32 matmuls (the
 `gpu_throughput.py` setting). The torch side gets q, k, v cast to float32 first, as the layer does.
 
-    python benchmarks/memory_kernels.py [--cases 2:128,1:64] [--seqs 2048,8192] [--out FILE]
+    python benchmarks/memory_kernels.py [--cases 2:128,1:64] [--seqs 2048,8192] [--checkpoint-every 4]
+        [--out FILE]
 
-A case is depth:hidden (depth 1 takes hidden = head_dim).
+A case is depth:hidden (depth 1 takes hidden = head_dim). `--checkpoint-every n` keeps every n-th
+chunk-start state on both sides (`checkpoint_every`: the kernels' backward recomputes each group with the
+forward kernel).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ def case(args: argparse.Namespace, seq: int, depth: int, hidden: int) -> dict:
 
     inputs, w, s = _problem(args, seq, depth, hidden)
     kw = {"chunk_size": args.chunk, "activation": "silu", "surprise_clip": 1.0}
+    kw["checkpoint_every"] = args.checkpoint_every or None
     # every input learns, as in a model: q, k, v, the gates, the initial weights and momentum
     leaves = [x.requires_grad_() for x in (*inputs, *w, *s)]
     ops = {"triton": (neural_memory_triton, False), "torch": (neural_memory_chunked, True)}
@@ -82,6 +86,7 @@ def case(args: argparse.Namespace, seq: int, depth: int, hidden: int) -> dict:
         return max((x - y).abs().max().item() / y.abs().max().clamp_min(1e-6).item() for x, y in zip(a, b))
 
     row = {"depth": depth, "hidden": hidden, "seq": seq, "batch": args.batch, "heads": args.heads}
+    row["checkpoint_every"] = args.checkpoint_every or None
     row["rel_diff_y"], row["rel_diff_grads"] = (
         rel(outs["triton"], outs["torch"]),
         rel(grads["triton"], grads["torch"]),
@@ -107,6 +112,7 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--checkpoint-every", type=int, default=0, help="keep every n-th chunk's state (0: all)")
     p.add_argument("--out", default="memory_kernels", help="a path, or a name in benchmarks/results/")
     args = p.parse_args()
     if not torch.cuda.is_available():
