@@ -280,12 +280,13 @@ def _n_saved(seq: int, chunk: int, save_every: int) -> int:
 
 def _dense_rows(*xs: Tensor) -> tuple[list[Tensor], int]:
     """(N, T, d) tensors as the kernels read them, and the tokens from one sequence's first row to the next's:
-    in place where every token's row of d is dense and all share one such stride (contiguous tensors, and
-    the same rows of contiguous (N, T', d) tensors: a group of chunks), else contiguous copies."""
+    in place where every token's row of d is dense and all share one such stride, a multiple of d
+    (contiguous tensors, and the same rows of contiguous (N, T', d) tensors: a group of chunks), else
+    contiguous copies."""
     n, t, d = xs[0].shape
     step = xs[0].stride(0)
     dense = all(x.stride(2) == 1 and (t == 1 or x.stride(1) == d) and x.stride(0) == step for x in xs)
-    if dense and step % d == 0 and (n == 1 or step >= t * d):
+    if dense and step % d == 0:
         return list(xs), step // d
     return [x.contiguous() for x in xs], t
 
@@ -487,13 +488,6 @@ def _fused_backward(config, g_y, g_norm, g_final, q, k, v, gates, final, saved) 
     return [g.to(x.dtype) for g, x in zip((g_q, g_k, g_v, *g_gates, *g_states), (q, k, v, *gates, *final))]
 
 
-def _steps(x: Tensor) -> tuple:
-    """x's strides in tokens of one row: (N, T, d) -> (sequence, token) steps, d dense; (N, T) -> the same.
-    None for a dim of size 1 (never stepped over)."""
-    width = x.shape[2] if x.dim() == 3 else 1
-    return tuple(s // width if n > 1 else None for n, s in zip(x.shape[:2], x.stride()[:2]))
-
-
 def _backward_launch(config, g_y, g_norm, g_states, q, k, v, gates, saved, outs) -> None:
     """One launch of the backward kernel over whole sequences, every chunk's start state in `saved` (per
     layer (N, n_chunks, 2, d_in, d_out)). g_y (N, T, d), g_norm (N, T) float32; g_states: per layer the
@@ -506,10 +500,7 @@ def _backward_launch(config, g_y, g_norm, g_states, q, k, v, gates, saved, outs)
     depth = len(g_states)
     n_seq, seq, dim = q.shape
     hidden = g_states[0].shape[-1]
-    # (a dim of size 1 is never stepped over: its stride, whatever torch reports, is not compared)
-    rows_in, rows_out = (x.stride(0) // dim if n_seq > 1 else 0 for x in (q, outs[0]))
-    assert all(_steps(x) == _steps(q) for x in (k, v, g_y)) and _steps(g_norm) == _steps(q)[:2]
-    assert all(_steps(x) == _steps(outs[0]) for x in outs[1:3]) and _steps(outs[3]) == _steps(outs[0])[:2]
+    rows_in, rows_out = q.stride(0) // dim, outs[0].stride(0) // dim
     dummy = outs[3]  # for the second layer's pointers at depth 1 (never touched)
     _kernels().memory_chunks_bwd[(n_seq,)](
         q,
