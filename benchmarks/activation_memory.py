@@ -26,6 +26,7 @@ import argparse
 import collections
 import gc
 import os
+import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton's kernels are first imported
 os.environ["TITANS_CPU_KERNELS"] = "0"  # the convolution as torch ops, as on a GPU
@@ -70,11 +71,22 @@ def measure(preset: str, variant: str, seq: int, every: int) -> dict:
     by_module: collections.Counter = collections.Counter()
     by_block: collections.Counter = collections.Counter()
 
+    modules = {id(m) for m in model.modules()}
+
+    def running_module() -> torch.nn.Module | None:
+        """The innermost module of the model whose code is running: a method a block calls directly
+        (MAC's segment loop calls its attention's and memory's) is found as a forward is."""
+        frame = sys._getframe(2)
+        while frame is not None and id(frame.f_locals.get("self")) not in modules:
+            frame = frame.f_back
+        return None if frame is None else frame.f_locals["self"]
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
-            by_module[type(stack[-1]).__name__ if stack else "(outside modules)"] += storage.nbytes()
+            module = running_module()
+            by_module["(outside modules)" if module is None else type(module).__name__] += storage.nbytes()
             block = next((blocks[id(m)] for m in stack if id(m) in blocks), "outside")
             by_block[block] += storage.nbytes()
         return t

@@ -25,7 +25,7 @@ import statistics
 import torch
 
 from bench_utils import Timer, machine_info, save_json, timing_summary
-from decode_ops import _count
+from decode_ops import count_ops
 
 
 def decode_setup(
@@ -78,7 +78,7 @@ def run_path(model, path: str, logits, state, args, cycle: int) -> dict:
         for _ in range(cycle if args.ops else 0):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 token = step(token).argmax(-1, keepdim=True)
-            ops.append(_count(prof, "cpu"))
+            ops.append(count_ops(prof, "cpu"))
     return {
         "path": path,
         "ms_per_token": 1000 * statistics.median(times),

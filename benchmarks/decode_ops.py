@@ -38,7 +38,7 @@ NO_KERNEL = {
 }  # fmt: skip
 
 
-def _count(prof, device: str) -> int:
+def count_ops(prof, device: str) -> int:
     events = list(prof.events())
     if device == "cuda":
         return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -64,7 +64,7 @@ def measure(variant: str, args: argparse.Namespace) -> dict:
         for _ in range(cycle):
             with profile(activities=activities) as prof:
                 _, state = model(token, state)
-            counts.append(_count(prof, args.device))
+            counts.append(count_ops(prof, args.device))
     return {
         "variant": variant,
         "preset": args.preset,

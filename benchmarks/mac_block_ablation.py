@@ -51,16 +51,19 @@ def patch(row: str) -> None:
             return mix(self, x, state, stats)
 
         blocks.MACBlock.mix = mix_without_gate
+    # the memory tokens h of a segment: `memory_tokens(q (B, H, n, d), gate, weights)` -> (B, n, dim)
     if row.endswith("zero_h"):
-        blocks.MACBlock.retrieve = lambda self, x, weights: torch.zeros_like(x)
+        blocks.MACBlock.memory_tokens = lambda self, q, gate, weights: q.new_zeros(
+            q.shape[0], q.shape[2], self.memory.dim
+        )
     if row.endswith("norm_h"):
-        retrieve = blocks.MACBlock.retrieve
+        memory_tokens = blocks.MACBlock.memory_tokens
 
-        def retrieve_normalised(self, x, weights):
-            h = retrieve(self, x, weights)
+        def memory_tokens_normalised(self, q, gate, weights):
+            h = memory_tokens(self, q, gate, weights)
             return F.rms_norm(h, (h.shape[-1],))
 
-        blocks.MACBlock.retrieve = retrieve_normalised
+        blocks.MACBlock.memory_tokens = memory_tokens_normalised
     if row == "keep_scale":
         blocks.GatedCombine.forward = lambda self, a, b: self.proj(a * torch.sigmoid(self.norm_b(b)))
     if row.startswith("open"):

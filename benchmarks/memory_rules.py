@@ -5,9 +5,10 @@ and S-NIAH pass-key retrieval for each preset of `titans.ops.memory` (`MemoryRul
         [any `titans eval ablate` option for the lm section, e.g. --lm-steps 60 --task-steps 150]
 
 Sections:
-- speed: forward + backward time of the memory op (batch 8, 4 heads of width 32, 256 tokens, depth 2, hidden
-  64, chunk 16, float32, the threads given): the Titans fast path, each rule as it runs, Titans's and
-  Yaad's parts on the generic autograd op (the implementation's own cost); the Muon orthogonalisation alone.
+- speed: forward + backward time of the memory op (batch 8, 4 heads of width 32, 256 tokens or `--tokens`,
+  depth 2, hidden 64, chunk 16, float32, the threads given): the Titans fast path, each rule as it runs,
+  Titans's and Yaad's parts on the generic autograd op (the implementation's own cost); the Muon
+  orthogonalisation alone.
 - capacity: `benchmarks/memory_capacity.py`'s protocol per rule: N random associations written by the
   rule's own op at chunk size 1, 4 epochs, no momentum, no forgetting, no clip, the inner learning rate
   tuned over a grid, recall error of the final weights (1.0 = a memory that reads 0). Depth-2 memory, hidden
@@ -41,12 +42,12 @@ from titans.ops.memory import (
 THETAS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 
 
-def speed(rules: list[str], reps: int) -> list[dict]:
-    """Median forward + backward seconds of the memory op per rule (B 8, 4 heads of width 32, T 256, depth 2
-    with hidden width 64, chunk 16, float32): the Titans fast path, Titans's parts on the generic autograd
+def speed(rules: list[str], reps: int, t: int = 256) -> list[dict]:
+    """Median forward + backward seconds of the memory op per rule (B 8, 4 heads of width 32, T tokens, depth
+    2 with hidden width 64, chunk 16, float32): the Titans fast path, Titans's parts on the generic autograd
     op (the implementation's own cost), and each rule on the generic op."""
     g = torch.Generator().manual_seed(0)
-    b, h, t, d = 8, 4, 256, 32
+    b, h, d = 8, 4, 32
     q, k, v = (torch.randn(b, h, t, d, generator=g) for _ in range(3))
     q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     core = [0.01 * torch.rand(b, h, t, generator=g), F.logsigmoid(torch.randn(b, h, t, generator=g) + 2)]
@@ -171,6 +172,7 @@ def main() -> None:
     p.add_argument("--rules", default=",".join(RULE_PRESETS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=5, help="speed: timed runs per rule (median)")
+    p.add_argument("--tokens", type=int, default=256, help="speed: sequence length")
     p.add_argument("--dim", type=int, default=32, help="capacity: head width d")
     p.add_argument("--pairs", default="16,32,64,128", help="capacity: association counts N")
     p.add_argument("--epochs", type=int, default=4)
@@ -184,9 +186,11 @@ def main() -> None:
     out = {"machine": machine_info(), "rules": rules}
     clock = Timer.started()
     if "speed" in sections:
-        out["speed"] = speed(rules, args.reps)
+        out["speed"] = speed(rules, args.reps, args.tokens)
+        out["speed_tokens"] = args.tokens
         print(
-            "\nforward + backward of the memory op (B 8, 4 heads x 32, T 256, depth 2, hidden 64, chunk 16)"
+            f"\nforward + backward of the memory op (B 8, 4 heads x 32, T {args.tokens}, depth 2, hidden 64, "
+            "chunk 16)"
         )
         print_table(out["speed"], [("rule", "rule"), ("fwd_bwd_s", "seconds"), ("vs_titans", "x titans")])
     if "capacity" in sections:

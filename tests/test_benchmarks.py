@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_lm import tiny_model
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 # kept on their own helpers: the serving load test and the S-NIAH seed runner, owned with their subsystems
@@ -364,3 +366,42 @@ def test_activation_memory_counts_what_each_option_saves(tmp_path):
         assert set(row["by_block"]) == {"0", "1", "outside"}
         blocks = [row["by_block"][b] for b in ("0", "1")]
         assert max(blocks) + row["by_block"]["outside"] < row["recomputed_peak_bytes"] < row["saved_bytes"]
+
+
+def _tensors(state) -> list[torch.Tensor]:
+    """The tensors of a state tree, in its order."""
+    found = []
+    state.map(lambda t: found.append(t) or t)
+    return found
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"mac_gate": "open", "mac_norm_memory_tokens": True, "attn_output_gate": True}]
+)
+def test_mac_segment_loop_per_segment_form_equals_the_block(options):
+    """`mac_segment_loop.py` times `MACBlock.mix` (what depends on x alone computed once for all segments)
+    against `mix_per_segment` (the paper's loop, everything per segment): they compute the same thing,
+    from a fresh state and from one in mid-segment, outputs and states to the bit in float64 and
+    gradients to rounding."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from mac_segment_loop import mix_per_segment
+    finally:
+        sys.path.remove(str(BENCH))
+    block = tiny_model("mac", seed=6, dim=32, **options).blocks[0]
+    params = list(block.parameters())
+    x = torch.randn(2, 29, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x.requires_grad_(True)
+    mid = block.mix(x[:, :5].detach(), None, None)[1].detach()  # 5: inside the first segment (8), chunk (4)
+    for state in (None, mid):
+        (got, got_state), (want, want_state) = block.mix(x, state, []), mix_per_segment(block, x, state, [])
+        assert torch.equal(got, want)
+        got_tensors, want_tensors = _tensors(got_state), _tensors(want_state)
+        assert len(got_tensors) == len(want_tensors) > 0
+        assert all(torch.equal(a, b) for a, b in zip(got_tensors, want_tensors))
+        g = torch.randn_like(got)
+        grads = torch.autograd.grad(got, [x, *params], g, allow_unused=True)
+        for a, b in zip(grads, torch.autograd.grad(want, [x, *params], g, allow_unused=True)):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)

@@ -7,9 +7,12 @@ from functools import partial
 
 import pytest
 import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiny_lm import tiny_config, tiny_model
 from titans import PRESETS, VARIANTS, TitansConfig, TitansLM
+from titans.layers.memory import NeuralMemory
 from titans.layers.norm import RMSNorm
 from titans.models.blocks import GatedCombine, IdentityInitGate
 from titans.models.state import state_tensors
@@ -185,6 +188,44 @@ def test_open_gate_mac_block_is_causal_and_streams(j):
         out, state = model(tokens[:, a:b], state)
         pieces.append(out)
     assert (torch.cat(pieces, 1) - logits).abs().max() < 1e-10
+
+
+class _CountOutputs(TorchDispatchMode):
+    """Counts the elements of every tensor the ops produce while active."""
+
+    produced = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.produced += sum(t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, Tensor))
+        return out
+
+
+@pytest.mark.parametrize("which", ["mac", "memory-rule"])
+def test_backward_is_linear_in_length(which):
+    """The backward pass of a MAC model and of a memory with a rule's torch path (moneta) produces O(T)
+    elements: pieces of a sequence are cut with split(), whose gradient is one cat, not sliced, where each
+    slice's gradient is a zero-filled tensor of the whole sequence's size (O(T^2) over a sequence)."""
+    torch.manual_seed(0)
+    if which == "mac":
+        model = TitansLM(tiny("mac", depth=1))
+
+        def loss(t):
+            return model(torch.randint(0, 64, (1, t)))[0].square().mean()
+    else:
+        mem = NeuralMemory(32, heads=2, chunk_size=4, rule="moneta")
+
+        def loss(t):
+            return mem(torch.randn(1, t, 32, requires_grad=True))[0].square().mean()
+
+    produced = []
+    for t in (64, 128, 192):  # multiples of the segments and chunks: a linear count grows by equal steps
+        value = loss(t)
+        with _CountOutputs() as counter:
+            value.backward()
+        produced.append(counter.produced)
+    step, second = produced[1] - produced[0], produced[2] - 2 * produced[1] + produced[0]
+    assert abs(second) < 0.005 * step, produced  # sliced: 2% (MAC) and 13% (moneta) of a step
 
 
 def test_identity_init_gate_starts_as_the_identity():

@@ -58,32 +58,36 @@ def measure(variant: str, overrides: dict, length: int, depth: float, pairs: int
     model = TitansLM(cfg)
     captured: dict[str, list] = {}
 
-    def keep(name):
-        def hook(module, inputs, output):
-            captured.setdefault(name, []).append((inputs, output))
-
-        return hook
-
-    handles = []
+    # per memory call, its input u and its output: `forward_heads` is what every variant calls (MAC's
+    # segment loop calls it directly, not through the module's forward)
+    originals = []
     for i, block in enumerate(model.blocks):
-        if isinstance(getattr(block, "memory", None), torch.nn.Module):
-            handles.append(block.memory.register_forward_hook(keep(f"mem{i}")))
+        mem = getattr(block, "memory", None)
+        if isinstance(mem, torch.nn.Module):
+
+            def heads(x, state=None, _mem=mem, _orig=mem.forward_heads, _name=f"mem{i}"):
+                out = _orig(x, state)
+                with torch.no_grad():
+                    captured.setdefault(_name, []).append(((x,), (_mem.combine_heads(out.output, x),)))
+                return out
+
+            originals.append((mem, mem.forward_heads))
+            mem.forward_heads = heads
     samples = [pair(tokenizer, length, depth, seed * 1000 + 17 * k) for k in range(pairs)]
     a_list = [s[0] for s in samples]
     b_list = [s[1] for s in samples]
 
-    # MAC's retrieved tokens: wrap retrieve to record h per call
+    # MAC's retrieved tokens: wrap memory_tokens (the read of each segment) to record h per call
     retrieved: dict[int, list] = {}
     for i, block in enumerate(model.blocks):
         if isinstance(block, MACBlock):
-            original = block.retrieve
 
-            def wrapped(x, w, _orig=original, _i=i):
-                h = _orig(x, w)
+            def wrapped(q, gate, w, _orig=block.memory_tokens, _i=i):
+                h = _orig(q, gate, w)
                 retrieved.setdefault(_i, []).append(h)
                 return h
 
-            block.retrieve = wrapped
+            block.memory_tokens = wrapped
 
     def run(batch):
         captured.clear()
@@ -144,8 +148,8 @@ def measure(variant: str, overrides: dict, length: int, depth: float, pairs: int
             )
             rec["read_rms"] = float(o_a.pow(2).mean().sqrt())
         out["layers"][str(layer)] = rec
-    for h in handles:
-        h.remove()
+    for mem, original in originals:
+        mem.forward_heads = original
     return out
 
 

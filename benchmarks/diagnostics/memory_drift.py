@@ -35,15 +35,17 @@ from bench_utils import save_json  # noqa: E402
 
 
 def _hook_reads(model, records: dict) -> None:
-    """Wrap every memory's combine_heads to record its read y (B, H, T, d) and the branch output."""
+    """Wrap every memory's forward_heads (one call per memory call: per segment in MAC) to record its read
+    y (B, H, T, d) and the branch output."""
     for i, block in enumerate(model.blocks):
         mem = getattr(block, "memory", None)
         if mem is None:
             continue
-        inner = mem.combine_heads
+        inner = mem.forward_heads
 
-        def combine(y, x, inner=inner, i=i):
-            out = inner(y, x)
+        def heads(x, state=None, inner=inner, mem=mem, i=i):
+            result = inner(x, state)
+            y, out = result.output, mem.combine_heads(result.output, x)
             yn = F.normalize(y.float(), dim=-1)
             rec = records.setdefault(i, {"read": [], "cos": [], "ratio": []})
             rec["read"].append(y.float().norm(dim=-1).mean().item())
@@ -53,9 +55,9 @@ def _hook_reads(model, records: dict) -> None:
                 s = yn.sum(2).pow(2).sum(-1)  # (B, H)
                 rec["cos"].append(((s - t) / (t * (t - 1))).mean().item())
             rec["ratio"].append((out.float().norm(dim=-1).mean() / x.float().norm(dim=-1).mean()).item())
-            return out
+            return result
 
-        mem.combine_heads = combine
+        mem.forward_heads = heads
 
 
 def measure(model, inputs, targets, piece: int, buckets, twin=None) -> list[dict]:

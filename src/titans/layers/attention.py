@@ -7,6 +7,7 @@ Shapes: x is (batch, seq, dim); inside, heads are (batch, heads, seq, head_dim).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -22,7 +23,14 @@ from titans.ops.attention import causal_attention, segment_attention
 from titans.ops.norms import l2_normalize
 from titans.validation import check_int
 
-__all__ = ["PERSISTENT_ROPE", "AttentionState", "SegmentAttention", "SegmentAttentionState", "SelfAttention"]
+__all__ = [
+    "PERSISTENT_ROPE",
+    "AttentionState",
+    "SegmentAttention",
+    "SegmentAttentionState",
+    "SegmentTokens",
+    "SelfAttention",
+]
 
 # how a query scores the persistent keys (SelfAttention's persistent_rope)
 PERSISTENT_ROPE = ("absolute", "none")
@@ -59,6 +67,32 @@ class SegmentAttentionState(StateTree):
     ctx_k: Tensor
     ctx_v: Tensor
     position: int
+
+
+@dataclass
+class SegmentTokens:
+    """`SegmentAttention.project_tokens`: what the attention takes from a piece's own tokens, x at
+    absolute positions `position`.. .
+
+    q, k, v: (B, H, T, D), q and k rotated at segment-local positions; gate: the output gate (B, T, H, D)
+    or None; persistent_k, persistent_v: (H, P, D) or None.
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    gate: Tensor | None
+    persistent_k: Tensor | None
+    persistent_v: Tensor | None
+    position: int
+
+    def split(self, sizes: list[int]) -> list[SegmentTokens]:
+        """Consecutive pieces of `sizes` tokens (summing to T), each starting at its own position."""
+        q, k, v = (t.split(sizes, dim=2) for t in (self.q, self.k, self.v))
+        gates = [None] * len(sizes) if self.gate is None else self.gate.split(sizes, dim=1)
+        starts = itertools.accumulate(sizes[:-1], initial=self.position)
+        pk, pv = self.persistent_k, self.persistent_v
+        return [SegmentTokens(*parts, pk, pv, p) for *parts, p in zip(q, k, v, gates, starts)]
 
 
 # q and k of attention are l2-normalised in at least float32 (bf16 under autocast), eps on the norm 1e-6
@@ -185,12 +219,22 @@ class _ProjectedAttention(nn.Module):
         # qk_norm: the per-head temperature is already folded into q.
         return 1.0 if self.qk_norm else None
 
+    def _output_gate(self, x: Tensor) -> Tensor | None:
+        """(B, T, dim) -> the output gate (B, T, H, D), or None without one."""
+        if self.gate_proj is None:
+            return None
+        b, t_len, _ = x.shape
+        return torch.sigmoid(self.gate_proj(x)).view(b, t_len, self.heads, self.head_dim)
+
     def _output(self, o: Tensor, x: Tensor) -> Tensor:
         """(B, H, T, D) attention output -> (B, T, dim)."""
+        return self._gated_output(o, self._output_gate(x))
+
+    def _gated_output(self, o: Tensor, gate: Tensor | None) -> Tensor:
+        """(B, H, T, D) attention output and the gate of `_output_gate` -> (B, T, dim)."""
         b, _, t_len, _ = o.shape
         o = o.transpose(1, 2)  # (B, T, H, D)
-        if self.gate_proj is not None:
-            gate = torch.sigmoid(self.gate_proj(x)).view(b, t_len, self.heads, self.head_dim)
+        if gate is not None:
             o = F.rms_norm(o, (self.head_dim,)) * gate
         return self.o_proj(o.reshape(b, t_len, self.heads * self.head_dim))
 
@@ -354,20 +398,38 @@ class SegmentAttention(_ProjectedAttention):
     ) -> tuple[Tensor, SegmentAttentionState]:
         """x, ctx: (B, T, dim) -> y: (B, T, dim), new state. ``state`` is not modified."""
         self._check_x(x)
+        return self.attend(self.project_tokens(x, _check_position(state)), ctx, state)
+
+    def project_tokens(self, x: Tensor, position: int) -> SegmentTokens:
+        """What the attention takes from x's own tokens (B, T, dim), x starting at absolute `position`: one
+        pass for a piece of any number of segments, which `SegmentTokens.split` cuts for `attend`."""
+        self._check_x(x)
+        c, t_len = self.segment_len, x.shape[1]
+        local = torch.arange(position, position + t_len, device=x.device) % c
+        max_local = min(c, position % c + t_len)  # bound on local positions, lets RoPE use its cache
+        k, v = self._keys_values(x, local, max_local)
+        pk, pv = self._persistent_kv()
+        return SegmentTokens(self._queries(x, local, max_local), k, v, self._output_gate(x), pk, pv, position)
+
+    def attend(
+        self, tokens: SegmentTokens, ctx: Tensor, state: SegmentAttentionState | None = None
+    ) -> tuple[Tensor, SegmentAttentionState]:
+        """The attention of `project_tokens`' tokens over the memory tokens ctx (B, T, dim) and the state's
+        cache -> y (B, T, dim), new state."""
         self._check_x(ctx, "ctx")
-        if ctx.shape != x.shape:
+        b, _, t_len, _ = tokens.q.shape
+        if ctx.shape != (b, t_len, self.dim):
             raise ValueError(
                 f"ctx must have the shape of x (one memory token per position), got "
-                f"{tuple(ctx.shape)} and {tuple(x.shape)}"
+                f"{tuple(ctx.shape)} and {(b, t_len, self.dim)}"
             )
-        b, t_len, _ = x.shape
         c = self.segment_len
         start = _check_position(state)
-        local = torch.arange(start, start + t_len, device=x.device) % c
-        max_local = min(c, start % c + t_len)  # bound on local positions, lets RoPE use its cache
-        q = self._queries(x, local, max_local)
-        k, v = self._keys_values(x, local, max_local)
-        ctx_k, ctx_v = self._keys_values(ctx, local, max_local)
+        if tokens.position != start:
+            raise ValueError(f"tokens start at position {tokens.position}, the state at {start}")
+        local = torch.arange(start, start + t_len, device=ctx.device) % c
+        ctx_k, ctx_v = self._keys_values(ctx, local, min(c, start % c + t_len))
+        k, v = tokens.k, tokens.v
         if state is not None:
             n = start % c
             for name, cached, new in (
@@ -376,26 +438,25 @@ class SegmentAttention(_ProjectedAttention):
                 ("ctx_k", state.ctx_k, ctx_k),
                 ("ctx_v", state.ctx_v, ctx_v),
             ):
-                self._check_cache(name, cached, x, n, new)
+                self._check_cache(name, cached, ctx, n, new)
             k, v = torch.cat([state.k, k], dim=2), torch.cat([state.v, v], dim=2)
             ctx_k, ctx_v = torch.cat([state.ctx_k, ctx_k], dim=2), torch.cat([state.ctx_v, ctx_v], dim=2)
         if t_len == 0:
-            y = x.new_zeros(b, 0, self.dim)
+            y = ctx.new_zeros(b, 0, self.dim)
         else:
-            pk, pv = self._persistent_kv()
             # The keys start at the current segment's first position, as segment_attention requires.
             o = segment_attention(
-                q,
+                tokens.q,
                 k,
                 v,
                 ctx_k,
                 ctx_v,
                 segment_len=c,
-                persistent_k=pk,
-                persistent_v=pv,
+                persistent_k=tokens.persistent_k,
+                persistent_v=tokens.persistent_v,
                 scale=self._softmax_scale,
             )
-            y = self._output(o, x)
+            y = self._gated_output(o, tokens.gate)
         keep = (start + t_len) % c
         new_state = SegmentAttentionState(
             _take_last(k, keep),

@@ -463,12 +463,20 @@ class NeuralMemory(nn.Module):
 
     def combine_heads(self, y: Tensor, x: Tensor) -> Tensor:
         """Per-head read (B, H, T, d) -> output (B, T, dim): norm, gate by x, project."""
+        return self.gated_output(y, self.output_gate(x))
+
+    def output_gate(self, x: Tensor) -> Tensor | None:
+        """x (B, T, dim) -> the gate of the output, (B, T, H * d) (None without `output_gate`)."""
+        return None if self.to_gate is None else torch.sigmoid(self.to_gate(x))
+
+    def gated_output(self, y: Tensor, gate: Tensor | None) -> Tensor:
+        """`combine_heads` with the gate of `output_gate` computed already: (B, H, T, d) -> (B, T, dim)."""
         b, h, t, d = y.shape
         if self.norm is not None:
             y = rms_norm(y, self.norm.weight, self.norm.eps)
         y = y.transpose(1, 2).reshape(b, t, h * d)
-        if self.to_gate is not None:
-            y = y * torch.sigmoid(self.to_gate(x))
+        if gate is not None:
+            y = y * gate
         return self.to_out(y)
 
     # --------------------------------------------------------------------------------------- forward
@@ -484,6 +492,12 @@ class NeuralMemory(nn.Module):
     def forward_with_stats(self, x: Tensor, state: MemoryState | None = None) -> MemoryOutput:
         """`forward`, with the per-token stats of the call: x (B, T, dim) -> MemoryOutput(output (B, T,
         dim), state, stats)."""
+        out = self.forward_heads(x, state)
+        return replace(out, output=self.combine_heads(out.output, x))
+
+    def forward_heads(self, x: Tensor, state: MemoryState | None = None) -> MemoryOutput:
+        """`forward_with_stats` up to the per-head reads: x (B, T, dim) -> MemoryOutput(output (B, H, T, d),
+        state, stats); `combine_heads(output, x)` makes the layer's output of them."""
         self._check_input(x)
         batch, t = x.shape[:2]
         if state is None:  # in the parameters' dtype (a bf16 input under autocast must not make a bf16 state)
@@ -491,7 +505,7 @@ class NeuralMemory(nn.Module):
         else:
             self.check_state(state, batch)
         if t == 0:  # nothing to read or write: an empty output, the state as it was
-            out = self.to_out(x.new_zeros(batch, 0, self.heads * self.head_dim))
+            out = x.new_zeros(batch, self.heads, 0, self.head_dim)
             empty = x.new_zeros(batch, self.heads, 0, dtype=state.pending_gates.dtype)
             written = empty.bool()
             return MemoryOutput(out, state, MemoryStats(empty, empty, empty, empty, written))
@@ -500,8 +514,7 @@ class NeuralMemory(nn.Module):
         q, k, v, conv_tail = self.project(x, state.conv_tail)
         gates = self.gates(x)
         y, new_state, stats = self.scan(q, k, v, gates, state)
-        new_state = replace(new_state, conv_tail=conv_tail)
-        return MemoryOutput(self.combine_heads(y, x), new_state, stats)
+        return MemoryOutput(y, replace(new_state, conv_tail=conv_tail), stats)
 
     def scan(
         self, q: Tensor, k: Tensor, v: Tensor, gates: Tensor, state: MemoryState

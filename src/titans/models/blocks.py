@@ -106,20 +106,32 @@ class Block(nn.Module):
 
 
 def _run_memory(
-    mem: NeuralMemory, x: Tensor, state: MemoryState | None, stats: list | None, prefix: Tensor | None = None
+    mem: NeuralMemory,
+    x: Tensor,
+    state: MemoryState | None,
+    stats: list | None,
+    prefix: Tensor | None = None,
+    heads: bool = False,
 ):
     """y, state = mem(x, state), with the stats of the call appended to `stats` when it is a list.
 
     prefix: (P, dim) tokens the memory reads before x at the start of a sequence (state None): the paper's
     x~ = [p || x] as the memory's input (`TitansConfig.persistent_to_memory`). Their outputs are dropped.
+    heads: y is the per-head reads (B, H, T, d) of `NeuralMemory.forward_heads`, not the output (B, T, dim).
     """
     if prefix is not None and state is None:
         _, state = mem(prefix.to(x.dtype).unsqueeze(0).expand(x.shape[0], -1, -1))
-    if stats is None:
+    if stats is None and not heads:
         return mem(x, state)
-    out = mem.forward_with_stats(x, state)
-    stats.append(out.stats)
+    out = mem.forward_heads(x, state) if heads else mem.forward_with_stats(x, state)
+    if stats is not None:
+        stats.append(out.stats)
     return out.output, out.state
+
+
+def _split(t: Tensor | None, sizes: list[int], dim: int) -> list[Tensor | None]:
+    """t cut into consecutive pieces of `sizes` along dim (Nones for a t of None)."""
+    return [None] * len(sizes) if t is None else list(t.split(sizes, dim=dim))
 
 
 class AttentionBlock(Block):
@@ -252,11 +264,18 @@ class MACBlock(Block):
 
     def retrieve(self, x: Tensor, weights: tuple[Tensor, ...]) -> Tensor:
         """h = M(q(x); W) for every token of a segment piece, read-only. x: (B, n, dim) -> (B, n, dim)."""
+        return self.memory_tokens(self.retrieval_queries(x), self.memory.output_gate(x), weights)
+
+    def retrieval_queries(self, x: Tensor) -> Tensor:
+        """x (B, n, dim) -> q(x) (B, H, n, d): the queries the memory tokens read with."""
         b, n, _ = x.shape
         mem = self.memory
         q = F.silu(self.retrieve_q(x)).view(b, n, mem.heads, mem.head_dim).transpose(1, 2)
-        q = l2_normalize(q, fused_backward=False)
-        h = mem.combine_heads(mem.read(q, weights), x)
+        return l2_normalize(q, fused_backward=False)
+
+    def memory_tokens(self, q: Tensor, gate: Tensor | None, weights: tuple[Tensor, ...]) -> Tensor:
+        """h = M(q; W) (B, n, dim) from `retrieval_queries` and the memory's `output_gate` of the tokens."""
+        h = self.memory.gated_output(self.memory.read(q, weights), gate)
         return F.rms_norm(h, (h.shape[-1],), eps=self.eps) if self.norm_tokens else h
 
     def mix(self, x, state: MACState | None, stats):
@@ -266,24 +285,32 @@ class MACBlock(Block):
             state = MACState(mem_state, mem_state.weights, None)
         if t == 0:  # an empty piece reads and writes nothing
             return x, state
-        mem_state, seg_w, attn_state = state.memory, state.segment_weights, state.attention
-        pos = mem_state.position
-        outs = []
-        start = 0
-        while start < t:
-            # pieces end at segment boundaries, counted in absolute positions
-            end = min(t, start + self.segment_len - (pos + start) % self.segment_len)
-            xs = x[:, start:end]
-            h = self.retrieve(xs, seg_w)
-            y, attn_state = self.attn(xs, h, attn_state)
+        mem, mem_state, seg_w, attn_state = self.memory, state.memory, state.segment_weights, state.attention
+        pos, c = mem_state.position, self.segment_len
+        # pieces end at segment boundaries, counted in absolute positions
+        first = min(t, c - pos % c)
+        sizes = [first] + [c] * ((t - first) // c) + ([(t - first) % c] if (t - first) % c else [])
+        # What depends on x alone is computed for all pieces at once, outside the loop; what reads the
+        # memory stays in it. Split, not sliced: the backward of n slices writes n gradients of x's size.
+        tokens = self.attn.project_tokens(x, 0 if attn_state is None else attn_state.position)
+        queries, gates = self.retrieval_queries(x), mem.output_gate(x)
+        ys, reads, writes = [], [], []
+        for xs, tok, q, gate in zip(
+            x.split(sizes, dim=1), tokens.split(sizes), queries.split(sizes, dim=2), _split(gates, sizes, 1)
+        ):
+            h = self.memory_tokens(q, gate, seg_w)
+            y, attn_state = self.attn.attend(tok, h, attn_state)
             u = xs + y if self.memory_residual else y
             u = u if self.norm_memory_input is None else self.norm_memory_input(u)
-            m, mem_state = _run_memory(self.memory, u, mem_state, stats)
-            outs.append(self.combine(y, m))
-            if (pos + end) % self.segment_len == 0:  # segment complete: chunks divide it, nothing pending
+            read, mem_state = _run_memory(mem, u, mem_state, stats, heads=True)
+            ys.append(y)
+            reads.append(read)
+            writes.append(u)
+            if mem_state.position % c == 0:  # segment complete: chunks divide it, nothing pending
                 seg_w = mem_state.weights
-            start = end
-        return torch.cat(outs, dim=1), MACState(mem_state, seg_w, attn_state)
+        # the memory's output, o = gate(y, M(y)): per token, so for all pieces at once as well
+        m = mem.combine_heads(torch.cat(reads, dim=2), torch.cat(writes, dim=1))
+        return self.combine(torch.cat(ys, dim=1), m), MACState(mem_state, seg_w, attn_state)
 
 
 __all__ = [

@@ -43,6 +43,7 @@ chunk does not hold), and the l_q retention's general f-divergence / Bregman var
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -696,6 +697,19 @@ def _check_gates(rule: MemoryRule, k: Tensor, gates: Tensor) -> None:
         )
 
 
+def _rows(x: Tensor, ranges: list[tuple[int, int]]) -> list[Tensor]:
+    """x (N, T, ...) rows a .. b - 1 for each (a, b) of ranges (a < b). x is cut once with split() at every
+    range's ends and each range joined from its pieces: slicing x per range would backpropagate one
+    zero-filled gradient of x's full size per range (O(T^2 / chunk) over a sequence), split one cat."""
+    points = sorted({0, x.shape[1], *(p for r in ranges for p in r)})
+    pieces = x.split([b - a for a, b in zip(points, points[1:])], dim=1)
+    out = []
+    for a, b in ranges:
+        parts = pieces[bisect.bisect_left(points, a) : bisect.bisect_left(points, b)]
+        out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+    return out
+
+
 def memory_rule_chunked_autograd(
     q: Tensor,
     k: Tensor,
@@ -757,10 +771,13 @@ def memory_rule_chunked_autograd(
         (w.reshape(n_seq, *w.shape[2:]), s.reshape(n_seq, *s.shape[2:])) for w, s in zip(weights, momentum)
     ]
     back = rule.window.size - 1
+    starts = range(history, total, chunk_size)
+    reads = [(start, min(start + chunk_size, total)) for start in starts]  # each chunk's rows
+    windows = [(max(0, start - back), end) for start, end in reads]  # with the window's reach back
     ys, norms = [], []
-    for start in range(history, total, chunk_size):
-        end = min(start + chunk_size, total)
-        ctx = max(0, start - back)
+    for (start, end), q_c, k_c, v_c, g_c, g_w in zip(
+        reads, _rows(q, reads), _rows(k, windows), _rows(v, windows), _rows(g, reads), _rows(g, windows)
+    ):
         y, norm, states = _chunk(
             rule,
             activation,
@@ -768,11 +785,11 @@ def memory_rule_chunked_autograd(
             surprise_clip,
             surprise_threshold,
             end - start,
-            q[:, start:end],
-            k[:, ctx:end],
-            v[:, ctx:end],
-            g[:, ctx:end, 3:],
-            g[:, start:end, :3],
+            q_c,
+            k_c,
+            v_c,
+            g_w[..., 3:],
+            g_c[..., :3],
             states,
             write=end - start == chunk_size,
         )
