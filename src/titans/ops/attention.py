@@ -115,18 +115,11 @@ def _sdpa_grouped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | 
     step = max(1, _MAX_SCORES_PER_CALL // per_block)
     if step >= g:
         return F.scaled_dot_product_attention(q, k.contiguous(), v.contiguous(), attn_mask=mask, scale=scale)
-    outs = []
-    for g0 in range(0, g, step):
-        g1 = min(g, g0 + step)
-        outs.append(
-            F.scaled_dot_product_attention(
-                q[:, g0:g1],
-                k[:, g0:g1].contiguous(),
-                v[:, g0:g1].contiguous(),
-                attn_mask=mask[g0:g1],
-                scale=scale,
-            )
-        )
+    # split(), not slices: each slice's gradient would be a zero-filled tensor of q's (k's, v's) full size
+    outs = [
+        F.scaled_dot_product_attention(q_g, k_g.contiguous(), v_g.contiguous(), attn_mask=m_g, scale=scale)
+        for q_g, k_g, v_g, m_g in zip(q.split(step, 1), k.split(step, 1), v.split(step, 1), mask.split(step))
+    ]
     return torch.cat(outs, dim=1)
 
 
