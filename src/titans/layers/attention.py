@@ -71,8 +71,8 @@ class SegmentAttentionState(StateTree):
 
 @dataclass
 class SegmentTokens:
-    """`SegmentAttention.project_tokens`: what the attention takes from a piece's own tokens, x at
-    absolute positions `position`.. .
+    """`SegmentAttention.project_tokens`: what the attention takes from a piece's own tokens x, the first
+    at absolute position `position`.
 
     q, k, v: (B, H, T, D), q and k rotated at segment-local positions; gate: the output gate (B, T, H, D)
     or None; persistent_k, persistent_v: (H, P, D) or None.
