@@ -31,13 +31,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench_utils import Timer, machine_info, print_table, save_json
 from decode_ops import NO_KERNEL
+from titans import TitansConfig, TitansLM
+from titans.models.blocks import MACState
 
 
 def mix_per_segment(block, x, state, stats):
     """`MACBlock.mix` segment by segment: x (B, T, dim) sliced into pieces that end at segment boundaries,
     each piece retrieving, attending, writing and combining on its own."""
-    from titans.models.blocks import MACState
-
     if state is None:
         mem_state = block.memory.initial_state(x.shape[0], x.device, x.dtype)
         state = MACState(mem_state, mem_state.weights, None)
@@ -86,8 +86,6 @@ def _ops(model, tokens) -> int:
 
 def _models(cfg):
     """The block as built and its per-segment twin, with the same weights."""
-    from titans import TitansLM
-
     torch.manual_seed(0)
     built = TitansLM(cfg)
     twin = TitansLM(cfg)
@@ -130,8 +128,6 @@ def structure_counts(cfg, seq: int) -> dict:
 
 
 def main() -> None:
-    from titans import TitansConfig
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--seqs", default="1024,4096,16384")

@@ -400,13 +400,17 @@ class SegmentAttention(_ProjectedAttention):
         self._check_x(x)
         return self.attend(self.project_tokens(x, _check_position(state)), ctx, state)
 
+    def _local_positions(self, start: int, t_len: int, device: torch.device) -> tuple[Tensor, int]:
+        """RoPE positions of tokens start .. start + t_len - 1 in their segments, and a bound on them (lets
+        RoPE use its cache)."""
+        c = self.segment_len
+        return torch.arange(start, start + t_len, device=device) % c, min(c, start % c + t_len)
+
     def project_tokens(self, x: Tensor, position: int) -> SegmentTokens:
         """What the attention takes from x's own tokens (B, T, dim), x starting at absolute `position`: one
         pass for a piece of any number of segments, which `SegmentTokens.split` cuts for `attend`."""
         self._check_x(x)
-        c, t_len = self.segment_len, x.shape[1]
-        local = torch.arange(position, position + t_len, device=x.device) % c
-        max_local = min(c, position % c + t_len)  # bound on local positions, lets RoPE use its cache
+        local, max_local = self._local_positions(position, x.shape[1], x.device)
         k, v = self._keys_values(x, local, max_local)
         pk, pv = self._persistent_kv()
         return SegmentTokens(self._queries(x, local, max_local), k, v, self._output_gate(x), pk, pv, position)
@@ -427,8 +431,7 @@ class SegmentAttention(_ProjectedAttention):
         start = _check_position(state)
         if tokens.position != start:
             raise ValueError(f"tokens start at position {tokens.position}, the state at {start}")
-        local = torch.arange(start, start + t_len, device=ctx.device) % c
-        ctx_k, ctx_v = self._keys_values(ctx, local, min(c, start % c + t_len))
+        ctx_k, ctx_v = self._keys_values(ctx, *self._local_positions(start, t_len, ctx.device))
         k, v = tokens.k, tokens.v
         if state is not None:
             n = start % c
