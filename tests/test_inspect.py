@@ -81,26 +81,9 @@ def test_inspect_command_and_its_errors(run_dir, tmp_path, capsys):
     assert "no text file" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(
-    CHROMIUM is None, reason="chromium is not installed (scripts/install_test_deps.sh installs it)"
-)
-def test_report_renders_in_headless_chromium(run_dir, tmp_path):
+def _screenshot(page: Path, png: Path, profile: Path) -> np.ndarray:
+    """Headless Chromium's 1200 x 900 screenshot of `page`, as (900, 1200, 3) floats."""
     image = pytest.importorskip("PIL.Image", reason="Pillow is not installed (it comes with titans[train])")
-    page, png = tmp_path / "report.html", tmp_path / "shot.png"
-    text = tmp_path / "text.txt"
-    text.write_text(TEXT * 4)
-    cmd = [
-        "inspect",
-        "--checkpoint",
-        str(run_dir),
-        "--text",
-        str(text),
-        "--out",
-        str(page),
-        "--device",
-        "cpu",
-    ]
-    assert titans_main([*cmd, "--threshold", "0.3", "--max-norm", "5"]) == 0
     proc = subprocess.run(
         [
             CHROMIUM,
@@ -112,7 +95,7 @@ def test_report_renders_in_headless_chromium(run_dir, tmp_path):
             "--disable-background-networking",
             "--disable-component-update",
             "--disable-sync",
-            f"--user-data-dir={tmp_path / 'profile'}",
+            f"--user-data-dir={profile}",
             f"--screenshot={png}",
             "--window-size=1200,900",
             page.as_uri(),
@@ -122,8 +105,29 @@ def test_report_renders_in_headless_chromium(run_dir, tmp_path):
         timeout=120,
     )
     assert png.is_file(), f"no screenshot (exit {proc.returncode}): {proc.stderr[-2000:]}"
-    pixels = np.asarray(image.open(png).convert("RGB"), dtype=np.float64)
+    return np.asarray(image.open(png).convert("RGB"), dtype=np.float64)
+
+
+def _reddish(pixels: np.ndarray) -> np.ndarray:
+    """Which pixels are clearly more red than blue (orange to red; not the palest yellows)."""
+    return pixels[..., 0] > pixels[..., 2] + 40
+
+
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="chromium is not installed (scripts/install_test_deps.sh installs it)"
+)
+def test_report_renders_in_headless_chromium(run_dir, tmp_path):
+    page, text = tmp_path / "report.html", tmp_path / "text.txt"
+    text.write_text(TEXT * 4)
+    cmd = ["inspect", "--checkpoint", str(run_dir), "--text", str(text), "--out", str(page)]
+    assert titans_main([*cmd, "--device", "cpu", "--threshold", "0.3", "--max-norm", "5"]) == 0
+    pixels = _screenshot(page, tmp_path / "shot.png", tmp_path / "profile")
     assert pixels.shape == (900, 1200, 3)
     assert pixels.std() > 20  # text, colours and plots, not a blank page
-    reddish = (pixels[..., 0] > pixels[..., 2] + 40).mean()  # the surprise colouring shows
-    assert reddish > 0.01
+    # the surprise colouring shows: pixels that turn red against the same page with the tokens' backgrounds
+    # removed (the same layout; the plots' red lines are in both)
+    plain = tmp_path / "plain.html"
+    plain.write_text(re.sub(r'style="background:[^";]*;?', 'style="', page.read_text()))
+    uncoloured = _screenshot(plain, tmp_path / "plain.png", tmp_path / "profile")
+    coloured = (pixels != uncoloured).any(-1) & _reddish(pixels) & ~_reddish(uncoloured)
+    assert coloured.mean() > 0.002
