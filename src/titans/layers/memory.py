@@ -443,13 +443,15 @@ class NeuralMemory(nn.Module):
         if not self.write:  # frozen (the state is never written): theta 0, eta 1, alpha 0
             return x.new_zeros(x.shape[0], self.heads, x.shape[1], 3, dtype=dtype)
         logits = self.to_gates(x).to(dtype).view(*x.shape[:2], 3, self.heads).permute(0, 3, 1, 2)
-        theta = self.max_lr * torch.sigmoid(logits[..., 0])
+        # unbind(), not indexing: its backward is one stack, not a zero-filled (B, H, T, 3) tensor per gate
+        theta_logit, eta_logit, alpha_logit = logits.unbind(-1)
+        theta = self.max_lr * torch.sigmoid(theta_logit)
         if self.momentum and self.rule.uses_momentum:
-            log_eta = F.logsigmoid(logits[..., 1])
+            log_eta = F.logsigmoid(eta_logit)
         else:
             log_eta = torch.full_like(theta, float("-inf"))
         if self.forgetting:
-            log_keep = F.logsigmoid(-logits[..., 2])
+            log_keep = F.logsigmoid(-alpha_logit)
         else:
             log_keep = torch.zeros_like(theta)
         return torch.stack([theta, log_eta, log_keep], dim=-1)

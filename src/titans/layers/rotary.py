@@ -87,6 +87,7 @@ class RotaryEmbedding(nn.Module):
         compute_dtype = torch.promote_types(x.dtype, torch.float32)
         cos, sin = cos.to(compute_dtype), sin.to(compute_dtype)
         xf = x.to(compute_dtype)
-        x1, x2, rest = xf[..., : self.half], xf[..., self.half : 2 * self.half], xf[..., 2 * self.half :]
+        # split(), not slices: the backward is one cat, not a zero-filled full-size tensor per slice
+        x1, x2, rest = xf.split([self.half, self.half, xf.shape[-1] - 2 * self.half], dim=-1)
         rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
         return rotated.to(x.dtype)

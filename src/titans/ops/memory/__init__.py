@@ -139,7 +139,9 @@ def neural_memory(
         )
     if history:
         raise ValueError(f"neural_memory: history rows are for a windowed rule, got history={history}")
-    theta, log_eta, log_keep = gates[..., 0], gates[..., 1], gates[..., 2]
+    if gates.shape[-1] != 3:
+        raise ValueError(f"neural_memory: rule 'titans' takes 3 gates per token, got {tuple(gates.shape)}")
+    theta, log_eta, log_keep = gates.unbind(-1)  # one stack in the backward pass, not three zero-fills
     args = (q, k, v, theta, log_eta, log_keep, weights, momentum)
     if backend == "triton":
         options = {"surprise_threshold": surprise_threshold, "max_norm": max_norm, "anchor": anchor}
