@@ -385,3 +385,5 @@ def test_entry_point_runs_every_path_with_one_call_shape():
         neural_memory(q, k, v, gates, w, s, chunk_size=3, backend="triton", surprise_threshold=0.1)
     with pytest.raises(ValueError, match="history rows are for a windowed rule"):
         neural_memory(q, k, v, gates, w, s, chunk_size=3, history=2)
+    with pytest.raises(ValueError, match="rule 'titans' takes 3 gates per token"):
+        neural_memory(q, k, v, torch.cat([gates, gates[..., :1]], -1), w, s, chunk_size=3)
