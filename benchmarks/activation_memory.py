@@ -5,8 +5,10 @@ One forward of a preset's model over one sequence under bf16 autocast, with
 `torch.autograd.graph.saved_tensors_hooks` counting every tensor autograd saves (each storage once, in
 the module that saved it first). The paths are set as they run on a GPU, not as they run on a CPU: the
 attention through the fused kernel that keeps the log-sum-exp rather than the probabilities
-(`SDPBackend.FLASH_ATTENTION`, which on CPU takes masks as CUDA's efficient kernel does), the norms and the
-convolution as torch ops (no fused CPU backward), and the memory on its Triton kernels, run by Triton's
+(`SDPBackend.FLASH_ATTENTION`, which on CPU takes masks as CUDA's efficient kernel does), `F.rms_norm`
+keeping what CUDA's fused kernel keeps (`fused_rms_norm`: on CPU it is a composition that keeps three float32
+copies of its input), the other norms and the convolution as torch ops (no fused CPU backward), and the
+memory on its Triton kernels, run by Triton's
 interpreter (`TRITON_INTERPRET=1`, set here): the op saves what it saves on a GPU. The weights' bf16
 copies that autocast keeps are counted once per forward (they do not grow with the sequence).
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gc
 import os
 import sys
@@ -36,6 +39,17 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from bench_utils import machine_info, print_table, save_json  # noqa: E402
+
+
+def fused_rms_norm(x, normalized_shape, weight=None, eps=None, *, rms=F.rms_norm):
+    """`rms` (F.rms_norm) keeping what CUDA's fused kernel keeps for its backward pass: the input, the weight
+    and the float32 rstd per row (`titans.ops.norms._RMSNorm` saves just these). On CPU F.rms_norm is a
+    composition whose autograd keeps three float32 tensors of the input's size."""
+    from titans.ops import norms
+
+    if not torch.is_grad_enabled() or len(normalized_shape) != 1:
+        return rms(x, normalized_shape, weight, eps)
+    return norms._RMSNorm.apply(x, weight, torch.finfo(x.dtype).eps if eps is None else eps)
 
 
 def measure(preset: str, variant: str, seq: int, every: int) -> dict:
@@ -92,7 +106,7 @@ def measure(preset: str, variant: str, seq: int, every: int) -> dict:
         return t
 
     tokens = torch.randint(0, cfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
-    records_grad, sdpa = norms._records_grad, F.scaled_dot_product_attention
+    records_grad, sdpa, rms = norms._records_grad, F.scaled_dot_product_attention, F.rms_norm
     norms._records_grad = lambda *t: False  # F.rms_norm / F.normalize's own autograd, as off CPU
 
     def fused_sdpa(q, k, v, attn_mask=None, **kw):
@@ -105,7 +119,7 @@ def measure(preset: str, variant: str, seq: int, every: int) -> dict:
             **kw,
         )
 
-    F.scaled_dot_product_attention = fused_sdpa
+    F.scaled_dot_product_attention, F.rms_norm = fused_sdpa, functools.partial(fused_rms_norm, rms=rms)
     try:
         with (
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
@@ -114,7 +128,7 @@ def measure(preset: str, variant: str, seq: int, every: int) -> dict:
         ):
             logits, _ = model(tokens)
     finally:
-        norms._records_grad, F.scaled_dot_product_attention = records_grad, sdpa
+        norms._records_grad, F.scaled_dot_product_attention, F.rms_norm = records_grad, sdpa, rms
         for h in hooks:
             h.remove()
     total = sum(by_module.values())

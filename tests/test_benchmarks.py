@@ -368,6 +368,35 @@ def test_activation_memory_counts_what_each_option_saves(tmp_path):
         assert max(blocks) + row["by_block"]["outside"] < row["recomputed_peak_bytes"] < row["saved_bytes"]
 
 
+def test_activation_memory_counts_rms_norm_as_the_fused_kernel_saves():
+    """On CPU F.rms_norm is a composition that keeps three float32 copies of its input; `activation_memory.py`
+    counts what CUDA's fused kernel keeps instead (the input, the weight, a float32 rstd per row), with
+    F.rms_norm's outputs and gradients."""
+    code = """
+import json, torch, torch.nn.functional as F
+import activation_memory as am
+torch.manual_seed(0)
+x = torch.randn(3, 5, 48, dtype=torch.bfloat16, requires_grad=True)
+w = torch.randn(48, dtype=torch.bfloat16, requires_grad=True)
+g = torch.randn(3, 5, 48, dtype=torch.bfloat16)
+saved = {}
+def pack(t):
+    saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return t
+with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    y = am.fused_rms_norm(x, (48,), w, 1e-6)
+want = F.rms_norm(x, (48,), w, 1e-6)
+grads = [torch.autograd.grad(out, (x, w), g) for out in (y, want)]
+print(json.dumps({"saved": sum(saved.values()), "y": (y.float() - want.float()).abs().max().item(),
+    "g": max((a.float() - b.float()).abs().max().item() for a, b in zip(*grads))}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=99, cwd=BENCH)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["saved"] == (15 * 48 + 48) * 2 + 15 * 4  # x and w in bf16, rstd in float32
+    assert got["y"] < 0.05 and got["g"] < 0.25  # bf16 rounding, F.rms_norm's values
+
+
 def _tensors(state) -> list[torch.Tensor]:
     """The tensors of a state tree, in its order."""
     found = []

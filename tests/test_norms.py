@@ -67,3 +67,31 @@ def test_l2_normalize_forms_are_the_callers_own(dtype):
     mine = l2_normalize(x, fused_backward=False)
     assert torch.equal(mine, plain)
     assert torch.equal(*(torch.autograd.grad(y, x, g)[0] for y in (mine, plain)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_l2_normalize_in_float32_keeps_no_float32_copy(dtype):
+    """The attention's form on a bf16 / fp16 x (autocast) keeps x and two numbers per row for the backward
+    pass, not x's float32 copy as autograd's composition does, with the composition's outputs and
+    gradients to the bit: over scales from 1e-4 to 1e2, with rows of zeros and rows below eps."""
+    torch.manual_seed(3)
+    for scale in (1e-4, 1e-2, 1.0, 1e2):
+        x = (torch.randn(2, 3, 33, 64) * scale).to(dtype)
+        x[0, 0, :2] = 0
+        x[1, 1, 4] = 1e-8
+        x.requires_grad_()
+        g = torch.randn(x.shape).to(dtype)
+        xf = x.float()
+        want = (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True).clamp_min(1e-12))).to(dtype)
+        saved = {}
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            got = l2_normalize(x, eps=1e-6, in_float32=True)
+        assert torch.equal(got, want)
+        assert torch.equal(*(torch.autograd.grad(y, x, g)[0] for y in (got, want)))
+        rows = x.numel() // x.shape[-1]
+        assert sum(saved.values()) == x.untyped_storage().nbytes() + 2 * rows * 4

@@ -38,6 +38,33 @@ class _L2Normalize(torch.autograd.Function):
         return torch.addcmul(g, y, dot, value=-1).div_(norm.clamp_min(ctx.eps)), None
 
 
+class _L2NormalizeInFloat32(torch.autograd.Function):
+    """`l2_normalize(x, in_float32=True)` for an x narrower than float32 (bf16 under autocast), keeping x
+    and two numbers per row for the backward pass instead of x's float32 copy (autograd's composition keeps
+    that copy: twice x's bytes for bf16). The forward and backward are autograd's ops on the composition,
+    in its order, so outputs and gradients are the same to the bit (`tests/test_norms.py`)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, eps: float) -> Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        sq = xf.pow(2).sum(-1, keepdim=True)
+        r = torch.rsqrt(sq.clamp_min(eps * eps))
+        ctx.save_for_backward(x, sq, r)
+        ctx.eps = eps
+        return (xf * r).to(x.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        x, sq, r = ctx.saved_tensors
+        xf, gf = x.to(r.dtype), g.to(r.dtype)
+        # y = xf * r, r = rsqrt(max(sq, eps^2)), sq = sum(xf^2): autograd's formulas for mul, rsqrt,
+        # clamp_min, sum and pow, the two gradients of xf added last
+        g_r = (gf * xf).sum(-1, keepdim=True)
+        g_sq = torch.where(sq >= ctx.eps * ctx.eps, -0.5 * g_r * r.pow(3), 0.0)
+        return (gf * r + g_sq * (2.0 * xf)).to(x.dtype), None
+
+
 def l2_normalize(
     x: Tensor, eps: float = 1e-12, *, in_float32: bool = False, fused_backward: bool = True
 ) -> Tensor:
@@ -51,6 +78,13 @@ def l2_normalize(
     fused_backward=False: autograd's backward through `F.normalize` (MAC's retrieval queries).
     """
     if in_float32:
+        # on every device (not only where `_records_grad` picks the CPU's fused backwards)
+        if (
+            torch.is_grad_enabled()
+            and x.requires_grad
+            and torch.promote_types(x.dtype, torch.float32) != x.dtype
+        ):
+            return _L2NormalizeInFloat32.apply(x, eps)
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True).clamp_min(eps * eps))).to(x.dtype)
     if not fused_backward or x.device.type != "cpu" or not _records_grad(x):
