@@ -85,7 +85,7 @@ def test_l2_normalize_in_float32_keeps_no_float32_copy(dtype):
         want = (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True).clamp_min(1e-12))).to(dtype)
         saved = {}
 
-        def pack(t):
+        def pack(t, saved=saved):
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
