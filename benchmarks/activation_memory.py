@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import gc
 import os
 import sys
@@ -39,16 +38,18 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from bench_utils import machine_info, print_table, save_json  # noqa: E402
+from titans import TitansConfig, TitansLM  # noqa: E402
+from titans.ops import norms  # noqa: E402
+
+_RMS_NORM = F.rms_norm  # torch's own, which `measure` replaces with `fused_rms_norm` while it counts
 
 
-def fused_rms_norm(x, normalized_shape, weight=None, eps=None, *, rms=F.rms_norm):
-    """`rms` (F.rms_norm) keeping what CUDA's fused kernel keeps for its backward pass: the input, the weight
-    and the float32 rstd per row (`titans.ops.norms._RMSNorm` saves just these). On CPU F.rms_norm is a
+def fused_rms_norm(x, normalized_shape, weight=None, eps=None):
+    """F.rms_norm keeping what CUDA's fused kernel keeps for its backward pass: the input, the weight and
+    the float32 rstd per row (`titans.ops.norms._RMSNorm` saves just these). On CPU F.rms_norm is a
     composition whose autograd keeps three float32 tensors of the input's size."""
-    from titans.ops import norms
-
     if not torch.is_grad_enabled() or len(normalized_shape) != 1:
-        return rms(x, normalized_shape, weight, eps)
+        return _RMS_NORM(x, normalized_shape, weight, eps)
     return norms._RMSNorm.apply(x, weight, torch.finfo(x.dtype).eps if eps is None else eps)
 
 
@@ -57,9 +58,6 @@ def measure(preset: str, variant: str, seq: int, every: int) -> dict:
     with `gradient_checkpointing` (the blocks recomputed in the backward pass), the most kept at once:
     every block's input, what is saved outside the blocks, and the largest block's own saves while it is
     recomputed."""
-    from titans import TitansConfig, TitansLM
-    from titans.ops import norms
-
     torch.manual_seed(0)
     cfg = TitansConfig.preset(preset, variant=variant)
     if cfg.variant not in ("transformer", "swa"):
@@ -106,7 +104,7 @@ def measure(preset: str, variant: str, seq: int, every: int) -> dict:
         return t
 
     tokens = torch.randint(0, cfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
-    records_grad, sdpa, rms = norms._records_grad, F.scaled_dot_product_attention, F.rms_norm
+    records_grad, sdpa = norms._records_grad, F.scaled_dot_product_attention
     norms._records_grad = lambda *t: False  # F.rms_norm / F.normalize's own autograd, as off CPU
 
     def fused_sdpa(q, k, v, attn_mask=None, **kw):
@@ -119,7 +117,7 @@ def measure(preset: str, variant: str, seq: int, every: int) -> dict:
             **kw,
         )
 
-    F.scaled_dot_product_attention, F.rms_norm = fused_sdpa, functools.partial(fused_rms_norm, rms=rms)
+    F.scaled_dot_product_attention, F.rms_norm = fused_sdpa, fused_rms_norm
     try:
         with (
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
@@ -128,7 +126,7 @@ def measure(preset: str, variant: str, seq: int, every: int) -> dict:
         ):
             logits, _ = model(tokens)
     finally:
-        norms._records_grad, F.scaled_dot_product_attention, F.rms_norm = records_grad, sdpa, rms
+        norms._records_grad, F.scaled_dot_product_attention, F.rms_norm = records_grad, sdpa, _RMS_NORM
         for h in hooks:
             h.remove()
     total = sum(by_module.values())
