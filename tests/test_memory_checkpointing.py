@@ -16,8 +16,8 @@ from titans import NeuralMemory
 from titans.ops import cpu_kernels
 from titans.ops.conv import causal_conv_silu
 from titans.ops.conv_ref import causal_conv_silu_ref
+from titans.ops.memory import HuberBias, neural_memory_chunked, neural_memory_ref
 from titans.ops.memory import chunk as ops_memory
-from titans.ops.memory import neural_memory_chunked, neural_memory_ref
 
 F64 = torch.float64
 
@@ -164,6 +164,122 @@ def test_cpu_kernels_propagate_non_finite_inputs():
         finite = torch.isfinite(ref)
         assert finite.any() and (~finite).any()
         torch.testing.assert_close(got[finite], ref[finite], rtol=1e-5, atol=1e-5)
+
+
+def listed(out) -> list:
+    """The op's (y, weights, momentum, surprise) as one list of tensors."""
+    return [out[0], *out[1], *out[2], out[3]]
+
+
+def fused_steps(monkeypatch) -> list[int]:
+    """Record each call of the fused no-grad chunk step (`chunk_step_forward`): the list of their depths."""
+    kernel = built_kernels()
+    calls = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(kernel, name)
+
+        def chunk_step_forward(self, *args):
+            calls.append(len(args[5]))
+            return kernel.chunk_step_forward(*args)
+
+    monkeypatch.setattr(ops_memory, "kernels", lambda: Recording())
+    return calls
+
+
+@pytest.mark.parametrize(
+    "depth,options",
+    [
+        (1, {}),
+        (1, {"residual": True, "surprise_clip": 0.3, "surprise_threshold": 0.2}),
+        (2, {}),
+        (2, {"activation": "gelu", "surprise_clip": 0.5}),
+        (2, {"activation": "relu", "surprise_threshold": 0.3}),
+        (2, {"residual": True, "max_norm": 0.9}),
+        (2, {"activation": "gelu", "anchor": True, "surprise_clip": 0.4}),
+    ],
+)
+@pytest.mark.parametrize("momentum,forgetting", [(True, True), (False, False)])
+def test_fused_no_grad_chunk_step_matches_reference(monkeypatch, depth, options, momentum, forgetting):
+    """Without autograd, on CPU, the memory's chunk steps run as one C++ call each (`chunk_step_forward`):
+    reads, surprise, final weights and momentum against the float64 reference under each option, and
+    against the torch-op step (kernels off) to float64 rounding. 45 tokens in chunks of 8 (a partial
+    chunk at the end), head dim 5, hidden 15, q/k/v views of wider tensors."""
+    args, w, s = random_problem(
+        2, 3, 45, 5, depth, expansion=3, seed=depth, momentum=momentum, forgetting=forgetting
+    )
+    q, k, v = (torch.cat([x, torch.randn_like(x)], -2)[..., :45, :] for x in args[:3])  # strided views
+    args = (q, k, v, *args[3:])
+    kw = {"chunk_size": 8, **options}
+    if kw.pop("anchor", False):
+        kw["anchor"] = tuple(0.5 * x for x in w)
+    calls = fused_steps(monkeypatch)
+    with torch.no_grad():
+        fused = listed(neural_memory_chunked(*args, w, s, **kw))
+    assert calls == [depth] * 5  # every complete chunk
+    for a, b in zip(fused, listed(neural_memory_ref(*args, w, s, **kw))):
+        assert_close_rel(a, b, 1e-10)
+    monkeypatch.setattr(ops_memory, "kernels", lambda: None)
+    with torch.no_grad():
+        torch_step = listed(neural_memory_chunked(*args, w, s, **kw))
+    for a, b in zip(fused, torch_step):
+        assert_close_rel(a, b, 1e-13)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "relu"])
+def test_fused_no_grad_chunk_step_float32_matches_float64(monkeypatch, activation):
+    """The fused step in float32 (ATen's float32 bmms, the loops' float32 sums) against the float64 run."""
+    args, w, s = random_problem(2, 3, 70, 12, 2, expansion=2, seed=9)
+    kw = {"chunk_size": 16, "activation": activation, "surprise_clip": 1.0}
+    calls = fused_steps(monkeypatch)
+    with torch.no_grad():
+        out64 = neural_memory_chunked(*args, w, s, **kw)
+        out32 = neural_memory_chunked(
+            *(a.float() for a in args), tuple(x.float() for x in w), tuple(x.float() for x in s), **kw
+        )
+    assert calls == [2] * 8
+    for a, b in zip(listed(out32), listed(out64)):
+        assert a.dtype == torch.float32 and torch.isfinite(a).all()
+        assert_close_rel(a.double(), b, 1e-5)
+
+
+def test_fused_no_grad_chunk_step_only_where_it_applies(monkeypatch):
+    """The fused step runs without autograd for the l2 loss at depth 1 and 2 only: with autograd, at depth
+    3 and with another inner loss (the rules' error maps) the torch-op step runs."""
+    calls = fused_steps(monkeypatch)
+    args, w, s = random_problem(1, 2, 24, 4, 2, seed=1)
+    neural_memory_chunked(*args, w, s, chunk_size=8)  # autograd records
+    with torch.no_grad():
+        args3, w3, s3 = random_problem(1, 2, 24, 4, 3, seed=1)
+        neural_memory_chunked(*args3, w3, s3, chunk_size=8)
+        huber = {"error": HuberBias(), "error_aux": torch.ones(1, 2, 24, dtype=F64)}
+        neural_memory_chunked(*args, w, s, chunk_size=8, **huber)
+        assert calls == []
+        neural_memory_chunked(*args, w, s, chunk_size=8)
+    assert calls == [2] * 3
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "relu"])
+def test_fused_no_grad_chunk_step_propagates_non_finite_inputs(monkeypatch, activation):
+    """Built with -ffast-math like the other kernels: a NaN or inf in a key, a value or a query must give
+    NaN and inf where the torch-op step gives them (the memory spreads one to everything it writes after),
+    and the same finite values elsewhere."""
+    args, w, s = random_problem(1, 2, 32, 4, 2, dtype=torch.float32, seed=4)
+    q, k, v = (x.clone() for x in args[:3])
+    k[0, 0, 11, 2], v[0, 1, 20, 1], q[0, 1, 3, 0] = float("nan"), float("inf"), float("nan")
+    args = (q, k, v, *args[3:])
+    calls = fused_steps(monkeypatch)
+    with torch.no_grad():
+        fused = neural_memory_chunked(*args, w, s, chunk_size=8, activation=activation, surprise_clip=0.5)
+        assert calls
+        monkeypatch.setattr(ops_memory, "kernels", lambda: None)
+        plain = neural_memory_chunked(*args, w, s, chunk_size=8, activation=activation, surprise_clip=0.5)
+    for got, ref in zip(listed(fused), listed(plain)):
+        assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.isinf(), ref.isinf())
+        finite = torch.isfinite(ref)
+        torch.testing.assert_close(got[finite], ref[finite], rtol=1e-5, atol=1e-5)
+    assert not torch.isfinite(fused[0]).all()
 
 
 def test_backward_matches_reference_without_cpu_kernels(monkeypatch):

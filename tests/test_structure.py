@@ -354,6 +354,7 @@ OP_INTERNALS_READERS = {
     "benchmarks/memory_kernel_ops.py": {"titans.ops.memory.triton_chunk"},  # counts its kernel launches
     "benchmarks/kernel_resources.py": {"titans.ops.memory.triton_chunk"},  # compiles its kernels
     "benchmarks/memory_profile.py": {"titans.ops.memory.chunk"},
+    "benchmarks/fused_chunk_step.py": {"titans.ops.memory.chunk"},  # switches its fused step off
 }
 
 

@@ -4,6 +4,8 @@
   in one pass per direction.
 - `state_mix_forward` / `_backward`: the chunk step's state update X' = mix @ X + U (titans.ops.memory),
   each direction in one pass over the state (and its gradient).
+- `chunk_step_forward`: the memory's chunk step without autograd (titans.ops.memory.chunk, depth 1 or 2,
+  the l2 inner loss), the element-wise work between its matmuls in fused loops.
 
 Each has a torch-op path beside it that computes the same (the reference its tests compare against); that
 path runs wherever `kernels()` is None: off CPU, with no C++ compiler, after a failed build, or with
@@ -43,7 +45,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
-SOURCES = ("bindings.cpp", "causal_conv.cpp", "state_mix.cpp")
+SOURCES = ("bindings.cpp", "causal_conv.cpp", "state_mix.cpp", "chunk_step.cpp")
 SOURCE_DIR = Path(__file__).with_name("csrc")
 # -ffast-math lets the exp in SiLU vectorise (glibc's vector math); the kernels avoid inf arithmetic, which
 # it assumes away (csrc/causal_conv.cpp). -march=native: built for this CPU, so the build's key carries the

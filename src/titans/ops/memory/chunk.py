@@ -23,6 +23,7 @@ from torch import Tensor
 
 from titans.ops.cpu_kernels import kernels
 from titans.ops.memory.common import (
+    ACTIVATIONS,
     act_backward,
     act_second,
     activate,
@@ -77,6 +78,14 @@ def _state_kernels(t: Tensor):
     if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64):
         return None
     return None if torch.compiler.is_compiling() else kernels()
+
+
+def _step_kernel(k: Tensor, error, states) -> object | None:
+    """The fused no-grad chunk step (`chunk_step_forward`) where it covers the call: the l2 inner loss,
+    memory depth 1 or 2, the state kernels' devices and dtypes, one dtype throughout; else None."""
+    if error is not None or len(states) not in (1, 2) or any(x.dtype != k.dtype for x in states):
+        return None
+    return _state_kernels(k)
 
 
 def _state_update(x: Tensor, mix: Tensor, a: Tensor, d: Tensor, coef: Tensor, out: Tensor | None) -> Tensor:
@@ -491,6 +500,9 @@ def run_chunks(
     # a state per chunk (tens of GiB over a long checkpointed sequence).
     buffers = None if torch.is_grad_enabled() else [[torch.empty_like(x) for x in states] for _ in range(2)]
     grads = _GradBuffers() if buffers is None else None
+    fused = None if buffers is None else _step_kernel(k, error, states)
+    codes = (ACTIVATIONS.index(activation), residual, -1.0 if clip is None else clip)
+    codes += (-1.0 if threshold is None else threshold,)
     auxs = [None] * mix.shape[1] if aux is None else aux.split(chunk_size, dim=1)
     for i, (kq_c, v_c, g_c, b_c, m_c, a_c) in enumerate(
         zip(kq.unbind(1), v.split(chunk_size, dim=1), gamma.unbind(1), beta.unbind(1), mix.unbind(1), auxs)
@@ -498,6 +510,9 @@ def run_chunks(
         args = (kq_c, v_c, g_c, b_c, m_c, activation, residual, clip, threshold)
         if buffers is None:
             y, norm, *states = _ChunkStep.apply(*args, (grads, i % 2), error, a_c, *states)
+        elif fused is not None:
+            y, norm = fused.chunk_step_forward(kq_c, v_c, g_c, b_c, m_c, states, buffers[i % 2], *codes)
+            states = buffers[i % 2]
         else:
             y, norm, states, _ = _chunk_forward(*args, states, out=buffers[i % 2], error=error, aux=a_c)
         # without autograd the in-place forms run as they are (torch.compile cannot trace the Functions'
