@@ -114,6 +114,21 @@ def time_runs(
     return times
 
 
+def time_alternating(
+    calls: dict[str, Callable[[], object]], reps: int, warmup: int = 0
+) -> dict[str, list[float]]:
+    """Wall-clock seconds of `reps` calls of each function, taking turns repetition by repetition (the
+    machine's load falls on all of them alike), after `warmup` untimed rounds."""
+    times = {name: [] for name in calls}
+    for rep in range(warmup + reps):
+        for name, fn in calls.items():
+            with Timer() as clock:
+                fn()
+            if rep >= warmup:
+                times[name].append(clock.wall)
+    return times
+
+
 def time_cuda(fn: Callable[[], object], reps: int, warmup: int = 2) -> list[float]:
     """Seconds of `reps` calls of fn on the current CUDA device, read with CUDA events (the GPU's own clock:
     host-side gaps between calls are not counted), after `warmup` untimed calls."""

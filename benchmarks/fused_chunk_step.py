@@ -25,7 +25,7 @@ import statistics
 
 import torch
 
-from bench_utils import Timer, machine_info, print_table, save_json
+from bench_utils import Timer, machine_info, print_table, save_json, time_alternating
 from titans import TitansConfig, TitansLM
 from titans.inference import prefill
 from titans.ops.memory import chunk as memory_chunk
@@ -97,14 +97,13 @@ def measure(variant: str, preset: str, batch: int, length: int, threads: int, re
     torch.manual_seed(0)
     model = TitansLM(cfg).eval()
     tokens = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(1))
-    times = {"torch": [], "fused": []}
     logits = {}
-    for rep in range(reps + 1):  # the first round warms up
-        for name in times:
-            with step(name == "fused"), Timer() as clock:
-                logits[name], _ = prefill(model, tokens)
-            if rep:
-                times[name].append(clock.wall)
+
+    def run(name: str):
+        with step(name == "fused"):
+            logits[name], _ = prefill(model, tokens)
+
+    times = time_alternating({name: lambda name=name: run(name) for name in ("torch", "fused")}, reps, 1)
     torch_s, fused_s = statistics.median(times["torch"]), statistics.median(times["fused"])
     return {
         "variant": variant,

@@ -29,7 +29,7 @@ import types
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench_utils import Timer, machine_info, print_table, save_json
+from bench_utils import machine_info, print_table, save_json, time_alternating
 from decode_ops import NO_KERNEL
 from titans import TitansConfig, TitansLM
 from titans.models.blocks import MACState
@@ -99,12 +99,8 @@ def measure(cfg, seq: int, steps: int) -> dict:
     built, twin = _models(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=torch.Generator().manual_seed(0))
     diff = (_step(built, tokens) - _step(twin, tokens)).abs().max().item()  # also the warm-up step
-    times = {"built": [], "per_segment": []}
-    for _ in range(steps):
-        for name, model in (("built", built), ("per_segment", twin)):
-            with Timer() as clock:
-                _step(model, tokens)
-            times[name].append(clock.wall)
+    steps_of = {"built": lambda: _step(built, tokens), "per_segment": lambda: _step(twin, tokens)}
+    times = time_alternating(steps_of, steps)
     built_s, twin_s = statistics.median(times["built"]), statistics.median(times["per_segment"])
     return {
         "seq": seq,

@@ -434,3 +434,39 @@ def test_mac_segment_loop_per_segment_form_equals_the_block(options):
             assert (a is None) == (b is None)
             if a is not None:
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+
+
+def test_fused_chunk_step_benchmark_times_both_steps(monkeypatch):
+    """`fused_chunk_step.py` at a small shape: the fused step runs only when switched on, both give the
+    same logits to float32 rounding, and the step alone is timed on both."""
+    from titans.ops import cpu_kernels
+
+    kernel = cpu_kernels.kernels()
+    if kernel is None:
+        pytest.skip("the CPU kernels could not be built here")
+    sys.path.insert(0, str(BENCH))
+    try:
+        import fused_chunk_step
+    finally:
+        sys.path.remove(str(BENCH))
+    calls = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(kernel, name)
+
+        def chunk_step_forward(self, *args):
+            calls.append(1)
+            return kernel.chunk_step_forward(*args)
+
+    monkeypatch.setattr(fused_chunk_step.memory_chunk, "kernels", lambda: Recording())
+    model = tiny_model("lmm", seed=1)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 40))
+    with fused_chunk_step.step(False):
+        fused_chunk_step.prefill(model, tokens)
+    assert not calls
+    fused_chunk_step.prefill(model, tokens)
+    assert calls
+    row = fused_chunk_step.measure("lmm", "tiny", 2, 40, 1, 1)
+    assert row["logits_max_abs_diff"] < 1e-4
+    assert row["torch_step_us"] > 0 and row["fused_step_us"] > 0 and row["speedup"] > 0

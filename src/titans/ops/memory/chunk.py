@@ -500,6 +500,8 @@ def run_chunks(
     # a state per chunk (tens of GiB over a long checkpointed sequence).
     buffers = None if torch.is_grad_enabled() else [[torch.empty_like(x) for x in states] for _ in range(2)]
     grads = _GradBuffers() if buffers is None else None
+    # without autograd on CPU a chunk is one C++ call where it applies (the torch-op step below runs about
+    # 40 small operators, whose per-call cost is most of a batch-1 prefill's time)
     fused = None if buffers is None else _step_kernel(k, error, states)
     codes = (ACTIVATIONS.index(activation), residual, -1.0 if clip is None else clip)
     codes += (-1.0 if threshold is None else threshold,)
