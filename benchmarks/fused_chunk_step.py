@@ -11,7 +11,7 @@ lookup, as `TITANS_CPU_KERNELS=0` would (without turning off the conv kernel bes
 Per variant (`--variants`, the `--preset` at random weights, byte vocabulary), per batch x length
 (`--shapes`), and per thread count (`--threads`): prefill tokens/s of each step (median of `--reps`) and
 their ratio, the step alone (microseconds, at the first memory layer's chunk of that shape), and the largest
-difference of the last position's logits between the two.
+difference of the last position's logits between the two, and of each from the same model run in float64.
 
     python benchmarks/fused_chunk_step.py [--variants mal,mac,mag,lmm] [--shapes 1x4096,8x1024,32x256]
         [--threads 1,2] [--reps 7] [--out fused_chunk_step_cpu]
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import statistics
 
 import torch
@@ -105,6 +106,8 @@ def measure(variant: str, preset: str, batch: int, length: int, threads: int, re
 
     times = time_alternating({name: lambda name=name: run(name) for name in ("torch", "fused")}, reps, 1)
     torch_s, fused_s = statistics.median(times["torch"]), statistics.median(times["fused"])
+    with step(True):  # the same model in float64 (the fused step there too): how far float32 is from it
+        exact, _ = prefill(copy.deepcopy(model).double(), tokens)
     return {
         "variant": variant,
         "batch": batch,
@@ -114,6 +117,8 @@ def measure(variant: str, preset: str, batch: int, length: int, threads: int, re
         "fused_tok_s": batch * length / fused_s,
         "speedup": torch_s / fused_s,
         "logits_max_abs_diff": (logits["torch"] - logits["fused"]).abs().max().item(),
+        "torch_vs_float64": (logits["torch"].double() - exact).abs().max().item(),
+        "fused_vs_float64": (logits["fused"].double() - exact).abs().max().item(),
         **step_us(model, tokens, reps),
         "times": times,
     }
@@ -152,6 +157,8 @@ def main() -> None:
         ("torch_step_us", "torch-op step us"),
         ("fused_step_us", "fused step us"),
         ("logits_max_abs_diff", "logits max diff"),
+        ("torch_vs_float64", "torch-op vs float64"),
+        ("fused_vs_float64", "fused vs float64"),
     ]
     print_table(rows, columns)
     print(f"wrote {save_json(args.out, {'args': vars(args), 'results': rows}, machine)}")
