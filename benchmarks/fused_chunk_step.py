@@ -14,7 +14,7 @@ their ratio, the step alone (microseconds, at the first memory layer's chunk of 
 difference of the last position's logits between the two, and of each from the same model run in float64.
 
     python benchmarks/fused_chunk_step.py [--variants mal,mac,mag,lmm] [--shapes 1x4096,8x1024,32x256]
-        [--threads 1,2] [--reps 7] [--out fused_chunk_step_cpu]
+        [--threads 1,2] [--reps 7] [--set KEY=VALUE ...] [--out fused_chunk_step_cpu]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import json
 import statistics
 
 import torch
@@ -77,7 +78,7 @@ def step_us(model: TitansLM, tokens: torch.Tensor, reps: int) -> dict:
         "torch": lambda: memory_chunk._chunk_forward(
             kq, v, gamma, beta, mix, activation, residual, clip, threshold, states, out=outs, **kwargs
         ),
-        "fused": lambda: kernel.chunk_step_forward(kq, v, gamma, beta, mix, states, outs, *codes),
+        "fused": lambda: kernel.chunk_step_forward(kq, v, gamma, beta, mix, states, outs, [], *codes),
     }
     times = {name: [] for name in calls}
     with torch.no_grad():
@@ -92,9 +93,11 @@ def step_us(model: TitansLM, tokens: torch.Tensor, reps: int) -> dict:
     return {f"{name}_step_us": statistics.median(t) for name, t in times.items()}
 
 
-def measure(variant: str, preset: str, batch: int, length: int, threads: int, reps: int) -> dict:
+def measure(
+    variant: str, preset: str, batch: int, length: int, threads: int, reps: int, overrides: dict | None = None
+) -> dict:
     torch.set_num_threads(threads)
-    cfg = TitansConfig.preset(preset, variant=variant, vocab_size=256)
+    cfg = TitansConfig.preset(preset, variant=variant, vocab_size=256, **(overrides or {}))
     torch.manual_seed(0)
     model = TitansLM(cfg).eval()
     tokens = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(1))
@@ -124,6 +127,13 @@ def measure(variant: str, preset: str, batch: int, length: int, threads: int, re
     }
 
 
+def _value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default="mal,mac,mag,lmm")
@@ -131,10 +141,18 @@ def main() -> None:
     p.add_argument("--shapes", default="1x4096,8x1024,32x256", help="batch x length, comma-separated")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a TitansConfig field for every model (a JSON value or a string), e.g. memory_forget_to=init",
+    )
     p.add_argument("--out", default="fused_chunk_step_cpu", help="a path, or a name in benchmarks/results/")
     args = p.parse_args()
     if memory_chunk.kernels() is None:
         raise SystemExit("the fused CPU kernels are not available (no compiler, or TITANS_CPU_KERNELS=0)")
+    overrides = {key: _value(value) for key, value in (item.split("=", 1) for item in args.set)}
     machine = machine_info()
     torch.set_flush_denormal(True)  # as the titans commands do
     print(f"prefill, preset {args.preset}, median of {args.reps}, alternating; {machine['cpu']}")
@@ -143,7 +161,7 @@ def main() -> None:
         for variant in args.variants.split(","):
             for shape in args.shapes.split(","):
                 batch, length = (int(x) for x in shape.split("x"))
-                rows.append(measure(variant, args.preset, batch, length, threads, args.reps))
+                rows.append(measure(variant, args.preset, batch, length, threads, args.reps, overrides))
                 speedup = rows[-1]["speedup"]
                 print(f"  {variant} {batch}x{length}, {threads} thread(s): x{speedup:.2f}", flush=True)
     columns = [

@@ -12,8 +12,8 @@ void state_mix_backward(torch::Tensor g, torch::Tensor x, torch::Tensor mix, c10
                         c10::optional<torch::Tensor> g_mix);
 std::vector<torch::Tensor> chunk_step_forward(torch::Tensor kq, torch::Tensor v, torch::Tensor gamma,
                                               torch::Tensor beta, torch::Tensor mix, std::vector<torch::Tensor> states,
-                                              std::vector<torch::Tensor> outs, int64_t activation, bool residual,
-                                              double clip, double threshold);
+                                              std::vector<torch::Tensor> outs, std::vector<torch::Tensor> anchors,
+                                              int64_t activation, bool residual, double clip, double threshold);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_conv_silu_forward", &forward, "causal depthwise conv + SiLU, forward");

@@ -8,8 +8,9 @@
 // arithmetic, is most of a long prefill's time.
 //
 // kq: (N, 2n, d) the chunk's keys then its queries; v: (N, n, d); gamma, beta: (N, n); mix: (N, 2, 2);
-// states, outs: per layer (N, 2, d_in, d_out), outs contiguous and not overlapping states. Writes each
-// layer's new state into outs and returns y (N, n, d) and the surprise norms (N, n).
+// states, outs: per layer (N, 2, d_in, d_out), outs contiguous and not overlapping states; anchors: none,
+// or per layer (N, d_in, d_out), what forgetting pulls W toward (W' += (1 - A_b) W_anchor, A_b = mix[0, 0]).
+// Writes each layer's new state into outs and returns y (N, n, d) and the surprise norms (N, n).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -77,12 +78,13 @@ void per_sequence(int64_t n_seq, int64_t work, const F& f) {
 
 std::vector<torch::Tensor> chunk_step_forward(torch::Tensor kq, torch::Tensor v, torch::Tensor gamma,
                                               torch::Tensor beta, torch::Tensor mix, std::vector<torch::Tensor> states,
-                                              std::vector<torch::Tensor> outs, int64_t activation, bool residual,
-                                              double clip, double threshold) {
+                                              std::vector<torch::Tensor> outs, std::vector<torch::Tensor> anchors,
+                                              int64_t activation, bool residual, double clip, double threshold) {
   // clip, threshold: < 0 for none
   const int64_t depth = static_cast<int64_t>(states.size());
   TORCH_CHECK(depth == 1 || depth == 2, "chunk_step_forward: memory depth 1 or 2, got ", depth);
   TORCH_CHECK(outs.size() == states.size(), "chunk_step_forward: one out per state");
+  TORCH_CHECK(anchors.empty() || anchors.size() == states.size(), "chunk_step_forward: one anchor per state");
   kq = dense_rows(kq);
   v = dense_rows(v);
   gamma = gamma.contiguous();
@@ -222,6 +224,21 @@ std::vector<torch::Tensor> chunk_step_forward(torch::Tensor kq, torch::Tensor v,
     torch::Tensor u = outs[l].view({N, 2 * d_in, d_out});
     at::bmm_out(u, scaled[l].transpose(1, 2), deltas[l]);
     state_mix_forward(states[l].contiguous().view({N, 2, d_in * d_out}), mix, outs[l].view({N, 2, d_in * d_out}));
+    if (anchors.empty()) continue;
+    // forgetting toward the anchor: W' += (1 - A_b) W_anchor, as `_anchor_`'s addcmul_
+    const torch::Tensor anchor = anchors[l].contiguous();
+    const int64_t P = d_in * d_out;
+    AT_DISPATCH_FLOATING_TYPES(kq.scalar_type(), "chunk_step_anchor", [&] {
+      const scalar_t* ap = anchor.data_ptr<scalar_t>();
+      const scalar_t* mp = mix.data_ptr<scalar_t>();
+      scalar_t* op = outs[l].data_ptr<scalar_t>();
+      per_sequence(N, P, [&](int64_t s) {
+        const scalar_t pull = scalar_t(1) - mp[s * 4];
+        const scalar_t* a_s = ap + s * P;
+        scalar_t* w_s = op + s * 2 * P;
+        for (int64_t i = 0; i < P; ++i) w_s[i] += a_s[i] * pull;
+      });
+    });
   }
   return {y, norm};
 }

@@ -503,8 +503,9 @@ def run_chunks(
     # without autograd on CPU a chunk is one C++ call where it applies (the torch-op step below runs about
     # 40 small operators, whose per-call cost is most of a batch-1 prefill's time)
     fused = None if buffers is None else _step_kernel(k, error, states)
-    codes = (ACTIVATIONS.index(activation), residual, -1.0 if clip is None else clip)
-    codes += (-1.0 if threshold is None else threshold,)
+    # the fused step's arguments after the chunk's tensors: the anchors (none: []) and the options as codes
+    options = ([] if anchor is None else [a.contiguous() for a in anchor], ACTIVATIONS.index(activation))
+    options += (residual, -1.0 if clip is None else clip, -1.0 if threshold is None else threshold)
     auxs = [None] * mix.shape[1] if aux is None else aux.split(chunk_size, dim=1)
     for i, (kq_c, v_c, g_c, b_c, m_c, a_c) in enumerate(
         zip(kq.unbind(1), v.split(chunk_size, dim=1), gamma.unbind(1), beta.unbind(1), mix.unbind(1), auxs)
@@ -512,14 +513,14 @@ def run_chunks(
         args = (kq_c, v_c, g_c, b_c, m_c, activation, residual, clip, threshold)
         if buffers is None:
             y, norm, *states = _ChunkStep.apply(*args, (grads, i % 2), error, a_c, *states)
-        elif fused is not None:
-            y, norm = fused.chunk_step_forward(kq_c, v_c, g_c, b_c, m_c, states, buffers[i % 2], *codes)
+        elif fused is not None:  # the anchor's pull too
+            y, norm = fused.chunk_step_forward(kq_c, v_c, g_c, b_c, m_c, states, buffers[i % 2], *options)
             states = buffers[i % 2]
         else:
             y, norm, states, _ = _chunk_forward(*args, states, out=buffers[i % 2], error=error, aux=a_c)
         # without autograd the in-place forms run as they are (torch.compile cannot trace the Functions'
         # mark_dirty: a graph break per call in a compiled decode step)
-        if anchor is not None:  # forgetting toward the anchor: W += (1 - A_b) W_anchor
+        if anchor is not None and fused is None:  # forgetting toward the anchor: W += (1 - A_b) W_anchor
             anchor_fn = _AnchorState.apply if buffers is None else _anchor_
             states = [anchor_fn(x, m_c[:, 0, 0], a) for x, a in zip(states, anchor)]
         if max_norm is not None:  # the bound at the chunk boundary, before the next chunk reads W
