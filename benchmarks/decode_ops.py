@@ -7,7 +7,8 @@ steps: a step that completes a memory chunk also writes it). Each step runs unde
 Counted per step:
 
 - on CPU, the leaf ATen operators that compute (views, reshapes and other metadata-only operators
-  excluded): each is at least one kernel launch on a GPU;
+  excluded), with the fused CPU kernels off (`TITANS_CPU_KERNELS=0`), as a GPU runs: each is at least one
+  kernel launch there, while a C++ kernel's work would not be counted;
 - on CUDA (`--device cuda`), the GPU kernels themselves.
 
 Reported: median and max over the cycle, per step and per block (the count divided by `depth`).
@@ -19,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench_utils import save_json
+from titans.ops.cpu_kernels import kernels
 
 # operators that only change a tensor's metadata (or allocate without writing): no kernel on a GPU
 NO_KERNEL = {
@@ -87,6 +90,9 @@ def main() -> None:
         "--json", default=None, help="write the rows here (a path, or a name in benchmarks/results/)"
     )
     args = p.parse_args()
+    if args.device == "cpu":  # count the torch-op paths a GPU runs, not the CPU's C++ kernels
+        os.environ["TITANS_CPU_KERNELS"] = "0"
+        kernels.cache_clear()
     torch.set_num_threads(1)
     rows = [measure(v, args) for v in args.variants.split(",")]
     what = "GPU kernels" if args.device == "cuda" else "compute operators (leaf ATen, views excluded)"
