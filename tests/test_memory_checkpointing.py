@@ -282,6 +282,41 @@ def test_fused_no_grad_chunk_step_propagates_non_finite_inputs(monkeypatch, acti
     assert not torch.isfinite(fused[0]).all()
 
 
+def test_fused_no_grad_chunk_step_refuses_mismatched_shapes():
+    """The C++ step indexes its inputs by their shapes: a mismatch is refused by name, never read past."""
+    kernel = built_kernels()
+    n_seq, n, d, h = 3, 4, 5, 7
+    good = {
+        "kq": torch.randn(n_seq, 2 * n, d),
+        "v": torch.randn(n_seq, n, d),
+        "gamma": torch.rand(n_seq, n),
+        "beta": torch.rand(n_seq, n),
+        "mix": torch.randn(n_seq, 2, 2),
+        "states": [torch.randn(n_seq, 2, d, h), torch.randn(n_seq, 2, h, d)],
+        "outs": [torch.empty(n_seq, 2, d, h), torch.empty(n_seq, 2, h, d)],
+        "anchors": [torch.randn(n_seq, d, h), torch.randn(n_seq, h, d)],
+    }
+
+    def call(**change):
+        args = {**good, **change}
+        return kernel.chunk_step_forward(*args.values(), 0, False, -1.0, -1.0)
+
+    y, norm = call()
+    assert y.shape == (n_seq, n, d) and norm.shape == (n_seq, n)
+    bad = [
+        {"v": torch.randn(n_seq, n + 1, d)},
+        {"gamma": torch.rand(n_seq, n - 1)},
+        {"mix": torch.randn(n_seq - 1, 2, 2)},
+        {"states": [torch.randn(n_seq, 2, d, h), torch.randn(n_seq, 2, h + 1, d)]},
+        {"outs": [torch.empty(n_seq, 2, d, h), torch.empty(n_seq, 2, d, h)]},
+        {"anchors": [torch.randn(n_seq, d, h), torch.randn(n_seq, h, d - 1)]},
+        {"states": [torch.randn(n_seq, 2, d, d)] * 3, "outs": [torch.empty(n_seq, 2, d, d)] * 3},  # depth 3
+    ]
+    for change in bad:
+        with pytest.raises(RuntimeError, match="chunk_step_forward"):
+            call(**change)
+
+
 def test_backward_matches_reference_without_cpu_kernels(monkeypatch):
     """The torch-op paths (off CPU, or where the kernels cannot be built) against the reference too."""
     monkeypatch.setattr("titans.ops.memory.chunk.kernels", lambda: None)

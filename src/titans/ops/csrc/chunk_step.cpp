@@ -91,12 +91,22 @@ std::vector<torch::Tensor> chunk_step_forward(torch::Tensor kq, torch::Tensor v,
   beta = beta.contiguous();
   mix = mix.contiguous();
   const int64_t N = kq.size(0), n = v.size(1), d = kq.size(2);
-  TORCH_CHECK(kq.size(1) == 2 * n, "chunk_step_forward: kq holds the chunk's keys then its queries");
+  // the loops index these by their shapes: a mismatch is refused here, never read past an end
+  TORCH_CHECK(kq.dim() == 3 && v.dim() == 3 && v.size(0) == N && v.size(2) == d && kq.size(1) == 2 * n,
+              "chunk_step_forward: kq (N, 2n, d) holds the chunk's keys then its queries, v (N, n, d)");
+  TORCH_CHECK(gamma.numel() == N * n && beta.numel() == N * n && mix.numel() == N * 4,
+              "chunk_step_forward: gamma, beta (N, n) and mix (N, 2, 2)");
   const auto opts = kq.options();
   std::vector<torch::Tensor> ws;
   for (int64_t l = 0; l < depth; ++l) {
+    const auto& x = states[l];
+    TORCH_CHECK(x.dim() == 4 && x.size(0) == N && x.size(1) == 2 && outs[l].sizes() == x.sizes() &&
+                    x.size(2) == (l == 0 ? d : states[l - 1].size(3)) && (l < depth - 1 || x.size(3) == d),
+                "chunk_step_forward: states and outs per layer (N, 2, d_in, d_out), from d back to d");
     TORCH_CHECK(outs[l].is_contiguous(), "chunk_step_forward: outs must be contiguous");
-    ws.push_back(states[l].select(1, 0));  // W_l (N, d_in, d_out)
+    TORCH_CHECK(anchors.empty() || anchors[l].numel() == N * x.size(2) * x.size(3),
+                "chunk_step_forward: anchors per layer (N, d_in, d_out)");
+    ws.push_back(x.select(1, 0));  // W_l (N, d_in, d_out)
   }
   const int64_t h = ws[0].size(2);  // layer 1's output width (d for depth 1)
 
