@@ -282,6 +282,28 @@ def test_fused_no_grad_chunk_step_propagates_non_finite_inputs(monkeypatch, acti
     assert not torch.isfinite(fused[0]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("activation", ["silu", "gelu", "relu"])
+def test_fused_no_grad_chunk_step_extreme_pre_activations(monkeypatch, dtype, activation):
+    """Hidden pre-activations in the thousands, past where exp(-z) overflows (-88.7 in float32,
+    -709.8 in float64): the fused step (built with -ffast-math, under which 1 / (1 + exp(-z)) is NaN there)
+    is finite and equals the torch-op step."""
+    args, w, s = random_problem(2, 2, 24, 16, 2, dtype=dtype, seed=11)
+    w = (w[0] * 3000, w[1] * 1e-3)
+    kw = {"chunk_size": 8, "activation": activation, "surprise_clip": 1.0}
+    calls = fused_steps(monkeypatch)
+    with torch.no_grad():
+        fused = listed(neural_memory_chunked(*args, w, s, **kw))
+        assert calls
+        monkeypatch.setattr(ops_memory, "kernels", lambda: None)
+        plain = listed(neural_memory_chunked(*args, w, s, **kw))
+    z = torch.einsum("bhtd,bhdk->bhtk", args[1], w[0]).abs().max()
+    assert z > 1e3  # past both overflow points
+    for got, ref in zip(fused, plain):
+        assert torch.isfinite(ref).all() and torch.isfinite(got).all()
+        assert_close_rel(got, ref, 1e-5 if dtype == torch.float32 else 1e-12)
+
+
 def test_fused_no_grad_chunk_step_refuses_mismatched_shapes():
     """The C++ step indexes its inputs by their shapes: a mismatch is refused by name, never read past."""
     kernel = built_kernels()

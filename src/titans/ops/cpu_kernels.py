@@ -46,6 +46,8 @@ from pathlib import Path
 from types import ModuleType
 
 SOURCES = ("bindings.cpp", "causal_conv.cpp", "state_mix.cpp", "chunk_step.cpp")
+# included by the sources (not compiled on their own): their bytes are part of the build's key too
+HEADERS = ("activations.h",)
 SOURCE_DIR = Path(__file__).with_name("csrc")
 # -ffast-math lets the exp in SiLU vectorise (glibc's vector math); the kernels avoid inf arithmetic, which
 # it assumes away (csrc/causal_conv.cpp). -march=native: built for this CPU, so the build's key carries the
@@ -107,13 +109,15 @@ def build_key(
 @dataclasses.dataclass(frozen=True)
 class Extension:
     """A C++ extension module built from `sources` in `source_dir` (each source defines nothing for
-    Python but through `PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)` or `PyInit_` of that name)."""
+    Python but through `PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)` or `PyInit_` of that name), which may
+    include `headers` from the same folder."""
 
     prefix: str
     source_dir: Path
     sources: tuple[str, ...]
     cflags: tuple[str, ...] = ()
     ldflags: tuple[str, ...] = ()
+    headers: tuple[str, ...] = ()
 
     def name(self) -> str:
         """`<prefix>_<build_key>`: the module's name, its folder's and its library's."""
@@ -121,7 +125,7 @@ class Extension:
 
         cxx = compiler()
         key = build_key(
-            [(self.source_dir / source).read_bytes() for source in self.sources],
+            [(self.source_dir / source).read_bytes() for source in (*self.sources, *self.headers)],
             self.cflags + self.ldflags,
             _cpu_fingerprint(),
             torch.__version__,
@@ -131,7 +135,7 @@ class Extension:
         return f"{self.prefix}_{key}"
 
 
-KERNELS = Extension(PREFIX, SOURCE_DIR, SOURCES, CFLAGS, LDFLAGS)
+KERNELS = Extension(PREFIX, SOURCE_DIR, SOURCES, CFLAGS, LDFLAGS, HEADERS)
 
 
 def extension_name() -> str:

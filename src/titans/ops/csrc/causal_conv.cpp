@@ -11,7 +11,12 @@
 #include <mutex>
 #include <vector>
 
+#include "activations.h"
+
 namespace {
+
+using titans::safe_sigmoid;
+using titans::silu_grad;
 
 // Offset of element (b, t, c0) in the output: plain (B, T, C), or split (P, B, H, T, d) with channel
 // groups of d contiguous channels (group g = p * H + h).
@@ -40,27 +45,6 @@ void pre_activation(const scalar_t* x, const scalar_t* tail, const scalar_t* wt,
     const scalar_t* w = wt + j * C;
     for (int64_t c = 0; c < C; ++c) pre[c] += static_cast<acc_t>(w[c]) * static_cast<acc_t>(row[c]);
   }
-}
-
-// sigmoid(z) from e = exp(-|z|) in (0, 1]: no exp ever overflows. The build's -ffast-math assumes no inf
-// arithmetic, so 1 / (1 + exp(-z)) with exp(-z) = inf (z below about -88.7 in float32) gives NaN there.
-template <typename acc_t>
-inline acc_t safe_sigmoid(acc_t z) {
-  const acc_t e = std::exp(-std::abs(z));
-  const acc_t r = acc_t(1) / (acc_t(1) + e);
-  return z >= acc_t(0) ? r : e * r;
-}
-
-// silu'(z) = s (1 + z (1 - s)), with 1 - s = sigmoid(-z) taken from the same e, not by subtraction: the
-// reciprocal that -ffast-math may approximate leaves s = 1 - ulp for large z, and z (1 - s) would then add
-// z * ulp (about 6e-4 at z = 1e4 in float32) to a derivative that is 1 there.
-template <typename acc_t>
-inline acc_t silu_grad(acc_t z) {
-  const acc_t e = std::exp(-std::abs(z));
-  const acc_t r = acc_t(1) / (acc_t(1) + e);
-  const bool pos = z >= acc_t(0);
-  const acc_t s = pos ? r : e * r, rest = pos ? e * r : r;
-  return s * (acc_t(1) + z * rest);
 }
 
 }  // namespace

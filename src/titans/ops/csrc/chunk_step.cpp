@@ -19,6 +19,8 @@
 #include <cstring>
 #include <vector>
 
+#include "activations.h"
+
 void state_mix_forward(torch::Tensor x, torch::Tensor mix, torch::Tensor out);
 
 namespace {
@@ -42,7 +44,7 @@ inline bool is_nan(double x) {
 
 template <typename T>
 inline T act(T x, int64_t a) {
-  if (a == kSilu) return x / (T(1) + std::exp(-x));
+  if (a == kSilu) return x * titans::safe_sigmoid(x);
   if (a == kGelu) return T(0.5) * x * (T(1) + std::erf(x * T(M_SQRT1_2)));
   return (is_nan(x) || !(x < T(0))) ? x : T(0);  // NaN stays NaN, as torch's relu leaves it
 }
@@ -50,10 +52,7 @@ inline T act(T x, int64_t a) {
 // act'(x)
 template <typename T>
 inline T act_grad(T x, int64_t a) {
-  if (a == kSilu) {
-    const T s = T(1) / (T(1) + std::exp(-x));
-    return s * (T(1) + x * (T(1) - s));
-  }
+  if (a == kSilu) return titans::silu_grad(x);
   if (a == kGelu) {
     return T(0.5) * (T(1) + std::erf(x * T(M_SQRT1_2))) + x * T(0.3989422804014327) * std::exp(T(-0.5) * x * x);
   }
