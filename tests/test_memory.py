@@ -225,9 +225,11 @@ def test_cpu_kernel_build_name_follows_sources_flags_cpu_torch_and_compiler(tmp_
     other = cpu_kernels.extension_name()
     assert other != name and other.startswith("titans_cpu_kernels_")
     # a header the sources include is part of the key too
-    header = edited / cpu_kernels.HEADERS[0]
-    header.write_text(header.read_text() + "\n// edited\n")
+    header, text = edited / cpu_kernels.HEADERS[0], (edited / cpu_kernels.HEADERS[0]).read_text()
+    header.write_text(text + "\n// edited\n")
     assert cpu_kernels.extension_name() not in (name, other)
+    header.write_text(text)
+    assert cpu_kernels.extension_name() == other
     # two versions in one extensions folder: each finds its own build, and only a missing one is built; a
     # stand-in for torch's build writes an (empty) library where torch would, and one for the import
     # takes its place
