@@ -25,6 +25,7 @@ import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench_utils import save_json
 from titans.ops.cpu_kernels import kernels
@@ -39,6 +40,17 @@ NO_KERNEL = {
     "aten::expand_as", "aten::result_type", "aten::_reshape_alias", "aten::item", "aten::_local_scalar_dense",
     "aten::is_nonzero", "aten::contiguous", "aten::set_", "aten::size", "aten::stride", "aten::dim",
 }  # fmt: skip
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the computing ATen operators dispatched inside it (leaf operators: composites arrive
+    decomposed; metadata-only ones, `NO_KERNEL`, left out)."""
+
+    ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += func._schema.name not in NO_KERNEL
+        return func(*args, **(kwargs or {}))
 
 
 def count_ops(prof, device: str) -> int:

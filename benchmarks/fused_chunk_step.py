@@ -3,14 +3,16 @@ on CPU: the step alone, and prefill through `titans.inference.prefill` as a user
 
 Without autograd (prefill, evaluation, the server's writes, eager decoding when a chunk completes) each
 complete chunk of the memory is one call of the fused step where it applies (the l2 inner loss, memory
-depth 1 or 2, float32/64 on CPU); the torch-op step (`titans.ops.memory.chunk._chunk_forward`) runs about
-40 small ATen operators a chunk. Both run in one process, taking turns repetition by repetition (the
-machine's load falls on both alike), the fused step switched off by patching the chunk module's kernel
-lookup, as `TITANS_CPU_KERNELS=0` would (without turning off the conv kernel beside it).
+depth 1 or 2, float32/64 on CPU); the torch-op step (`titans.ops.memory.chunk._chunk_forward`) runs 35
+small computing ATen operators a chunk at the tiny preset. Both run in one process, taking turns
+repetition by repetition (the machine's load falls on both alike), the fused step switched off by patching
+the chunk module's kernel lookup, as `TITANS_CPU_KERNELS=0` would (without turning off the conv kernel
+beside it).
 
 Per variant (`--variants`, the `--preset` at random weights, byte vocabulary), per batch x length
 (`--shapes`), and per thread count (`--threads`): prefill tokens/s of each step (median of `--reps`) and
-their ratio, the step alone (microseconds, at the first memory layer's chunk of that shape), and the largest
+their ratio, the step alone (microseconds, at the first memory layer's chunk of that shape, and the
+computing operators the torch-op step runs), and the largest
 difference of the last position's logits between the two, and of each from the same model run in float64.
 
     python benchmarks/fused_chunk_step.py [--variants mal,mac,mag,lmm] [--shapes 1x4096,8x1024,32x256]
@@ -27,7 +29,8 @@ import statistics
 
 import torch
 
-from bench_utils import Timer, machine_info, print_table, save_json, time_alternating
+from bench_utils import machine_info, print_table, save_json, time_alternating
+from decode_ops import OpCounter
 from titans import TitansConfig, TitansLM
 from titans.inference import prefill
 from titans.ops.memory import chunk as memory_chunk
@@ -64,7 +67,9 @@ def first_chunk_call(model: TitansLM, tokens: torch.Tensor) -> tuple:
 
 
 def step_us(model: TitansLM, tokens: torch.Tensor, reps: int) -> dict:
-    """Microseconds per chunk step, the torch-op one and the fused one, alternating in blocks of calls."""
+    """The chunk step alone, the torch-op one and the fused one, alternating in blocks of 200 calls:
+    microseconds per call, and the computing ATen operators one torch-op step runs (as `decode_ops.py`
+    counts them: views and other metadata-only operators left out)."""
     (kq, v, gamma, beta, mix, activation, residual, clip, threshold, states), kwargs = first_chunk_call(
         model, tokens
     )
@@ -73,24 +78,21 @@ def step_us(model: TitansLM, tokens: torch.Tensor, reps: int) -> dict:
         return {}
     outs = [torch.empty_like(x) for x in states]
     kwargs = {key: value for key, value in kwargs.items() if key != "out"}
-    codes = (memory_chunk.ACTIVATIONS.index(activation), residual, -1.0 if clip is None else clip, -1.0)
+    options = memory_chunk._step_options(activation, residual, clip, threshold, None)
     calls = {
         "torch": lambda: memory_chunk._chunk_forward(
             kq, v, gamma, beta, mix, activation, residual, clip, threshold, states, out=outs, **kwargs
         ),
-        "fused": lambda: kernel.chunk_step_forward(kq, v, gamma, beta, mix, states, outs, [], *codes),
+        "fused": lambda: kernel.chunk_step_forward(kq, v, gamma, beta, mix, states, outs, *options),
     }
-    times = {name: [] for name in calls}
     with torch.no_grad():
-        for _ in range(reps):
-            for name, fn in calls.items():
-                for _ in range(20):  # warm
-                    fn()
-                with Timer() as clock:
-                    for _ in range(200):
-                        fn()
-                times[name].append(clock.wall / 200 * 1e6)
-    return {f"{name}_step_us": statistics.median(t) for name, t in times.items()}
+        with OpCounter() as counter:
+            calls["torch"]()
+        blocks = {name: lambda fn=fn: [fn() for _ in range(200)] for name, fn in calls.items()}
+        times = time_alternating(blocks, reps, warmup=1)
+    return {f"{name}_step_us": statistics.median(t) / 200 * 1e6 for name, t in times.items()} | {
+        "torch_step_ops": counter.ops
+    }
 
 
 def measure(
@@ -174,6 +176,7 @@ def main() -> None:
         ("speedup", "speed-up"),
         ("torch_step_us", "torch-op step us"),
         ("fused_step_us", "fused step us"),
+        ("torch_step_ops", "torch-op step ops"),
         ("logits_max_abs_diff", "logits max diff"),
         ("torch_vs_float64", "torch-op vs float64"),
         ("fused_vs_float64", "fused vs float64"),

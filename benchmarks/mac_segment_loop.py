@@ -27,10 +27,9 @@ import statistics
 import types
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench_utils import machine_info, print_table, save_json, time_alternating
-from decode_ops import NO_KERNEL
+from decode_ops import OpCounter
 from titans import TitansConfig, TitansLM
 from titans.models.blocks import MACState
 
@@ -67,19 +66,8 @@ def _step(model, tokens):
     return logits.detach()
 
 
-class _Counter(TorchDispatchMode):
-    """Counts the computing ATen operators dispatched inside it (leaf operators: composites arrive
-    decomposed; metadata-only ones, `decode_ops.NO_KERNEL`, left out)."""
-
-    ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += func._schema.name not in NO_KERNEL
-        return func(*args, **(kwargs or {}))
-
-
 def _ops(model, tokens) -> int:
-    with _Counter() as counter:
+    with OpCounter() as counter:
         _step(model, tokens)
     return counter.ops
 

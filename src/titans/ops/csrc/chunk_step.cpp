@@ -4,8 +4,8 @@
 //
 // The matmuls are ATen's (bmm); what lies between them (activation, residual, error, act', the norms, the
 // clip and the gates' scaling of the write's inputs) is one loop per stage over each sequence's rows. The
-// torch-op step runs about 40 small operators a chunk, and at batch 1 their per-call cost, not their
-// arithmetic, is most of a long prefill's time.
+// torch-op step runs 35 small computing operators a chunk, and at batch 1 their per-call cost, not their
+// arithmetic, is most of its time.
 //
 // kq: (N, 2n, d) the chunk's keys then its queries; v: (N, n, d); gamma, beta: (N, n); mix: (N, 2, 2);
 // states, outs: per layer (N, 2, d_in, d_out), outs contiguous and not overlapping states; anchors: none,

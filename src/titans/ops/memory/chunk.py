@@ -88,6 +88,19 @@ def _step_kernel(k: Tensor, error, states) -> object | None:
     return _state_kernels(k)
 
 
+def _step_options(activation: str, residual: bool, clip, threshold, anchor) -> tuple:
+    """`chunk_step_forward`'s arguments after the chunk's tensors: the anchors ([] for none), the activation's
+    index in ACTIVATIONS, residual, and the clip and threshold (-1 for none)."""
+    anchors = [] if anchor is None else [a.contiguous() for a in anchor]
+    return (
+        anchors,
+        ACTIVATIONS.index(activation),
+        residual,
+        -1.0 if clip is None else clip,
+        -1.0 if threshold is None else threshold,
+    )
+
+
 def _state_update(x: Tensor, mix: Tensor, a: Tensor, d: Tensor, coef: Tensor, out: Tensor | None) -> Tensor:
     """X' = mix @ X + U per sequence, U = [sum_j c_W,j a_j^T d_j; sum_j c_S,j a_j^T d_j] (both weighted sums
     of the chunk's per-token outer products). x, out: (N, 2, d_in, d_out); mix: (N, 2, 2); a: (N, n, d_in);
@@ -500,12 +513,10 @@ def run_chunks(
     # a state per chunk (tens of GiB over a long checkpointed sequence).
     buffers = None if torch.is_grad_enabled() else [[torch.empty_like(x) for x in states] for _ in range(2)]
     grads = _GradBuffers() if buffers is None else None
-    # without autograd on CPU a chunk is one C++ call where it applies (the torch-op step below runs about
-    # 40 small operators, whose per-call cost is most of a batch-1 prefill's time)
+    # without autograd on CPU a chunk is one C++ call where it applies (the torch-op step below runs 35
+    # small operators, whose per-call cost is most of its time at batch 1)
     fused = None if buffers is None else _step_kernel(k, error, states)
-    # the fused step's arguments after the chunk's tensors: the anchors (none: []) and the options as codes
-    options = ([] if anchor is None else [a.contiguous() for a in anchor], ACTIVATIONS.index(activation))
-    options += (residual, -1.0 if clip is None else clip, -1.0 if threshold is None else threshold)
+    options = None if fused is None else _step_options(activation, residual, clip, threshold, anchor)
     auxs = [None] * mix.shape[1] if aux is None else aux.split(chunk_size, dim=1)
     for i, (kq_c, v_c, g_c, b_c, m_c, a_c) in enumerate(
         zip(kq.unbind(1), v.split(chunk_size, dim=1), gamma.unbind(1), beta.unbind(1), mix.unbind(1), auxs)
