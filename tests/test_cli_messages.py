@@ -42,6 +42,34 @@ def test_a_missing_file_reads_as_such(tmp_path, capsys):
     assert err.startswith("titans eval ppl: error: ") and "Errno" not in err and "nowhere" in err
 
 
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["train", "--device", "gpu", "--steps", "1"], "unknown device 'gpu'; choose auto, cpu, cuda"),
+        (["eval", "context", "--checkpoint", "nowhere", "--device", "gpu"], "unknown device 'gpu'"),
+        (["generate", "--checkpoint", "nowhere", "--device", "meta", "--prompt", "a"], "'meta' is not"),
+        (["train", "--data", "", "--steps", "1"], "the spec is empty"),
+        (["forecast", "train", "--threads", "0"], "--threads must be >= 1, got 0"),
+        (["forecast", "eval", "--run", "nowhere", "--threads", "0"], "--threads must be >= 1, got 0"),
+        (["dna", "study", "--threads", "0"], "--threads must be >= 1, got 0"),
+        (["dna", "study", "--seq-len", "1"], "DNABudget.seq_len must be an integer >= 2, got 1"),
+        (["dna", "study", "--eval-windows", "0"], "DNABudget.eval_windows must be a positive integer"),
+        (["dna", "study", "--batch-size", "0"], "DNABudget.batch_size must be a positive integer"),
+        (["dna", "study", "--window-len", "0"], "DNABudget.window_len must be a positive integer"),
+        (["dna", "study", "--pretrain-steps", "0"], "DNABudget.pretrain_steps must be a positive integer"),
+    ],
+)
+def test_bad_option_values_are_refused_before_any_work(capsys, monkeypatch, tmp_path, argv, want):
+    """A device torch cannot read (or this machine lacks), zero threads, an empty data spec and a DNA budget
+    that cannot train get the command's one-line error, before anything is read or trained (they raised
+    from inside torch or numpy, divided by zero, or read the current folder as the data)."""
+    monkeypatch.chdir(tmp_path)  # an empty data spec read the current folder
+    assert titans_main(argv) == 2
+    err = error_line(capsys)
+    assert err.startswith("titans ") and ": error: " in err and want in err, err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "results").exists()
+
+
 # ---------------------------------------------------------------------------------- did you mean
 @pytest.mark.parametrize(
     "argv, prog, want",

@@ -150,6 +150,42 @@ def test_genomic_benchmarks_format(tmp_path):
     assert load_labelled_sequences(f"hf:{folder}::test")[0] == ("ACGTTGCA", 1)
 
 
+@pytest.mark.parametrize(
+    "train_labels, test_labels, extra, want",
+    [
+        ([-1, 0], [-1, 0], [], "row 0: the label -1 is not a class id (an integer >= 0)"),
+        (["neg", "pos"], [0, 1], [], "row 0: the label 'neg' is not a class id"),
+        ([0, 1], [0, 2], [], "label(s) [2] never occur in --train"),
+        ([1, 1], [1, 1], [], "every row has the same label"),
+        ([0, 1], [0, 1], ["--length", "0"], "--length must be >= 1, got 0"),
+    ],
+)
+def test_dna_classify_refuses_labels_it_cannot_learn(
+    tmp_path, capsys, train_labels, test_labels, extra, want
+):
+    """Class ids are integers from 0, every test class occurs in training, and there are two classes: -1/0
+    read as one class ("num_classes must be >= 2"), an unseen test class was scored as always wrong, a
+    non-integer label named no file or row, and --length 0 meant the longest sequence."""
+    from titans.cli import main
+
+    def write(name, labels):
+        rows = [f"{'ACGT' * 4},{labels[i % len(labels)]}" for i in range(6)]
+        (tmp_path / name).write_text("seq,label\n" + "\n".join(rows) + "\n")
+        return str(tmp_path / name)
+
+    argv = [
+        "dna",
+        "classify",
+        "--train",
+        write("train.csv", train_labels),
+        "--test",
+        write("test.csv", test_labels),
+    ]
+    assert main([*argv, "--finetune-steps", "1", "--dim", "16", "--heads", "2", "--no-progress", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("titans dna classify: error: ") and want in err, err
+
+
 def test_dna_classify_cli(tmp_path):
     from titans.cli import main
 

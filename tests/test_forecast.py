@@ -183,6 +183,30 @@ def test_train_eval_and_cli(tmp_path):
     assert main(["forecast", "eval", "--run", str(out)]) == 0
 
 
+def test_eval_rebuilds_the_trained_model_and_names_a_damaged_file(tmp_path, capsys):
+    """`forecast eval` re-measures what `forecast train` measured: the seasonal-naive forecaster with its
+    trained period (eval built it with the default period of 24, silently); a damaged model.pt is named."""
+    from titans.cli import main
+
+    path = _write_csv(tmp_path / "ecl.csv", 700, ["MT_001", "MT_002"])
+    out = tmp_path / "run"
+    common = ["--series", str(path), "--lookback", "32", "--horizon", "8", "--no-progress"]
+    assert (
+        main(["forecast", "train", *common, "--model", "seasonal-naive", "--period", "12", "--out", str(out)])
+        == 0
+    )
+    trained = json.loads((out / "result.json").read_text())
+    capsys.readouterr()
+    assert main(["forecast", "eval", "--run", str(out)]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["mse"] == pytest.approx(trained["test_mse"], rel=1e-9)
+    assert again["mae"] == pytest.approx(trained["test_mae"], rel=1e-9)
+    (out / "model.pt").write_bytes((out / "model.pt").read_bytes()[:200])
+    assert main(["forecast", "eval", "--run", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("titans forecast eval: error: ") and "model.pt is damaged" in err
+
+
 def test_tmy3_from_pvlib():
     pytest.importorskip("pvlib")
     s = load_series("tmy3:greensboro")

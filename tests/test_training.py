@@ -15,8 +15,10 @@ from torch import nn
 from micro_train import MICRO_MODEL
 from micro_train import micro_config as shared_micro_config
 from titans.cli import main as titans_main
+from titans.data.tokenizers import load_tokenizer, train_bpe
 from titans.models.lm import TitansLM
 from titans.runtime.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
+from titans.runtime.loading import TOKENIZER_DIR, load_trained
 from titans.training.config import RESUMABLE_CHANGES, TrainConfig, parse_set
 from titans.training.model_io import load_model
 from titans.training.optim import lr_factor, parameter_groups
@@ -81,6 +83,49 @@ def test_resume_refuses_a_config_that_matters(tmp_path, cache_dir):
         Trainer(micro_config(tmp_path, cache_dir, steps=1))
     fresh = Trainer(micro_config(tmp_path, cache_dir, steps=1), overwrite=True)
     assert fresh.step == 0 and list_checkpoints(tmp_path) == []
+
+
+def test_resume_refuses_fewer_steps_than_done(tmp_path, cache_dir):
+    """A resume whose steps end before the checkpoint's step is refused (it rewrote config.json with the
+    smaller count beside weights of the later step); the same count, a finished run resumed, is fine."""
+    Trainer(micro_config(tmp_path, cache_dir, steps=2)).train()
+    with pytest.raises(ValueError, match="at step 2, past this config's 1 steps"):
+        Trainer(micro_config(tmp_path, cache_dir, steps=1), resume=True)
+    assert json.loads((tmp_path / "config.json").read_text())["steps"] == 2
+    assert Trainer(micro_config(tmp_path, cache_dir, steps=2), resume=True).step == 2
+
+
+def test_a_changed_tokenizer_file_is_refused_on_resume_and_replaced_by_the_copy_on_load(tmp_path, cache_dir):
+    """The tokenizer file a run was trained with, rewritten in place (same path, same vocabulary size):
+    resuming names the tokenizer (it failed on the data position instead), and loading the run for
+    evaluation takes the run's copy of the original (it scored with the rewritten one after a warning);
+    with no copy either, loading is refused."""
+    spec = tmp_path / "bpe.json"
+    train_bpe(["the quick brown fox jumps over the lazy dog. " * 50], 300, spec)
+    run = tmp_path / "run"
+    Trainer(micro_config(run, cache_dir, steps=1, tokenizer=str(spec))).train()
+    _, original = load_trained(run)
+    train_bpe(["def f(x):\n    return x + 1\n" * 80], 300, spec)  # another text, the same vocabulary size
+    assert load_tokenizer(spec).fingerprint != original.fingerprint
+    with pytest.raises(ValueError, match=r"tokenizer: .*bpe\.json' is not the tokenizer the checkpoint"):
+        Trainer(micro_config(run, cache_dir, steps=2, tokenizer=str(spec)), resume=True)
+    _, loaded = load_trained(run)
+    assert loaded.fingerprint == original.fingerprint
+    text = "def quick(fox): return the dog"
+    assert loaded.encode(text) == original.encode(text)
+    for copy in (run / TOKENIZER_DIR).iterdir():
+        copy.unlink()
+    with pytest.raises(ValueError, match="is not the one the checkpoint was trained with"):
+        load_trained(run)
+
+
+def test_a_warmup_longer_than_the_run_is_warned_about(tmp_path, cache_dir, caplog):
+    with caplog.at_level("WARNING", logger="titans.training.trainer"):
+        Trainer(micro_config(tmp_path / "a", cache_dir, steps=3, warmup_steps=2))
+    assert "warmup_steps" not in caplog.text
+    with caplog.at_level("WARNING", logger="titans.training.trainer"):
+        Trainer(micro_config(tmp_path / "b", cache_dir, steps=3, warmup_steps=10))
+    assert "warmup_steps=10 is longer than the run's 3 steps" in caplog.text
 
 
 def test_time_budget_stops_cleanly_with_a_checkpoint(tmp_path, cache_dir):
@@ -225,6 +270,23 @@ def test_cli_train_then_eval_ppl(tmp_path, cache_dir, capsys):
         == 0
     )
     assert "other.txt" in capsys.readouterr().out
+    # a window of 0 tokens is refused (it meant the training length)
+    assert titans_main([*ppl_args, "--seq-len", "0"]) == 2
+    assert "seq_len and batch_size must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_compare_refuses_configs_whose_models_differ(tmp_path, capsys):
+    """`--compare` runs must differ in variant and run_dir only: model overrides set the size (a 5M MAC
+    was compared with a 20K SWA)."""
+    paths = []
+    for name, model in (("a", {"dim": 64, "depth": 2}), ("b", {"dim": 32, "depth": 1})):
+        config = {"variant": "mac" if name == "a" else "swa", "model": model, "run_dir": str(tmp_path / name)}
+        (tmp_path / f"{name}.json").write_text(json.dumps(config))
+        paths.append(str(tmp_path / f"{name}.json"))
+    assert titans_main(["train", "--compare", *paths]) == 2
+    err = capsys.readouterr().err
+    assert "differs from" in err and "['model']" in err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_load_model_reproduces_the_trained_model(tmp_path, cache_dir):

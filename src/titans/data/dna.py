@@ -199,7 +199,17 @@ def load_labelled_sequences(
             tok.encode(seq)
         except ValueError as e:
             raise ValueError(f"labelled sequences {spec!r}, row {i}: {e}") from None
-        out.append((seq.upper(), int(row[label_field])))
+        label = row[label_field]
+        try:  # an integer class id (2.0 from a CSV column with gaps reads as one too)
+            ok = float(label) == int(float(label)) and int(float(label)) >= 0
+        except (TypeError, ValueError, OverflowError):
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"labelled sequences {spec!r}, row {i}: the label {label!r} is not a class id "
+                "(an integer >= 0)"
+            )
+        out.append((seq.upper(), int(float(label))))
     return out
 
 

@@ -271,6 +271,10 @@ def load_source(spec: str | TextSource, *, text_field: str = "text") -> TextSour
     if isinstance(spec, TextSource):
         return spec
     spec = str(spec)
+    if not spec.strip():  # Path("") is the current folder: never read it by accident
+        raise ValueError(
+            "text source: the spec is empty; give a file, folder, glob, builtin:, hf: or fasta: spec"
+        )
     if spec == "builtin:stdlib":
         root, files = stdlib_files()
         return FileSource(spec, root, files)

@@ -18,7 +18,6 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from titans.data.dna import DNATokenizer, dm3_sample_path, load_labelled_sequences, read_fasta
 from titans.dna.study import (
@@ -33,6 +32,7 @@ from titans.dna.study import (
 )
 from titans.dna.tasks import ClassificationSet, encode_records
 from titans.models.config import VARIANTS
+from titans.runtime.device import set_cpu_threads
 from titans.validation import did_you_mean
 
 
@@ -77,7 +77,8 @@ def _finished_runs(path: Path, budget: DNABudget, fasta: str, variants: list[str
 
 
 def cmd_study(args) -> int:
-    torch.set_num_threads(args.threads)
+    set_cpu_threads(args.threads)
+    _budget(args)  # a bad budget option is refused before the baselines run
     variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
@@ -164,8 +165,10 @@ def _labelled(spec: str, length: int | None) -> ClassificationSet:
     pairs = load_labelled_sequences(spec)
     if not pairs:
         raise ValueError(f"labelled sequences {spec!r}: no rows")
+    if length is not None and length < 1:
+        raise ValueError(f"--length must be >= 1, got {length}")
     tok = DNATokenizer()
-    n = length or max(len(s) for s, _ in pairs)
+    n = length if length is not None else max(len(s) for s, _ in pairs)
     # left-pad with N to a common length (shorter sequences) and keep the last n bases (longer ones)
     x = np.stack(
         [np.asarray(tok.encode(("N" * max(0, n - len(s)) + s)[-n:]), dtype=np.int64) for s, _ in pairs]
@@ -174,10 +177,20 @@ def _labelled(spec: str, length: int | None) -> ClassificationSet:
 
 
 def cmd_classify(args) -> int:
-    torch.set_num_threads(args.threads)
+    set_cpu_threads(args.threads)
     budget = _budget(args)
     train = _labelled(args.train, args.length)
     test = _labelled(args.test, train.x.shape[1])
+    # the classifier has one output per class id up to the largest training label
+    if len(np.unique(train.y)) < 2:
+        raise ValueError(
+            f"--train {args.train!r}: every row has the same label; classifying needs two classes"
+        )
+    unseen = sorted(set(test.y.tolist()) - set(train.y.tolist()))
+    if unseen:
+        raise ValueError(
+            f"--test {args.test!r}: label(s) {unseen} never occur in --train, so can never be predicted"
+        )
     if args.pretrain_fasta:
         lm, _ = pretrain(
             args.variant,

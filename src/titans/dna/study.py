@@ -38,6 +38,7 @@ from titans.dna.tasks import (
 from titans.models.lm import TitansLM
 from titans.training.early_stopping import EarlyStopping
 from titans.training.loop import TrainLoop
+from titans.validation import check_int
 
 VAL_EVERY_RECORD = 8  # of the training records, every eighth is a validation record
 
@@ -62,6 +63,19 @@ class DNABudget:
     val_every: int = 20  # classifier training: validation every this many steps (with a validation set)
     patience: int | None = None  # classifier training: early stopping after this many checks (None: never)
     time_budget: float | None = None  # classifier training: wall seconds at most (None: no limit)
+
+    def __post_init__(self) -> None:
+        # seq_len: a window predicts its tokens after the first, so it needs two
+        counts = ("pretrain_steps", "finetune_steps", "batch_size", "window_len", "dim", "depth", "heads")
+        for name in (*counts, "window", "eval_windows", "val_every"):
+            check_int(f"DNABudget.{name}", getattr(self, name))
+        check_int("DNABudget.seq_len", self.seq_len, 2)
+        check_int("DNABudget.patience", self.patience, none_ok=True)
+        for name in ("lr", "finetune_lr"):
+            if not getattr(self, name) > 0 or not math.isfinite(getattr(self, name)):
+                raise ValueError(f"DNABudget.{name} must be a positive number, got {getattr(self, name)!r}")
+        if self.time_budget is not None and not self.time_budget > 0:
+            raise ValueError(f"DNABudget.time_budget must be > 0 seconds or None, got {self.time_budget!r}")
 
 
 def pretrain(

@@ -11,10 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import torch
-
 from titans.evaluation.haystack import HAYSTACK_NAMES
-from titans.runtime.device import resolve_device
+from titans.runtime.device import resolve_device, set_cpu_threads
 from titans.training.config import parse_set
 
 
@@ -164,10 +162,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 def set_threads(args: argparse.Namespace) -> None:
     """The runtime options of every evaluation command: ``--threads``, and ``--device auto`` resolved."""
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    set_cpu_threads(args.threads)
     args.device = str(resolve_device(args.device))
 
 

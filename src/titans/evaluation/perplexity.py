@@ -59,7 +59,7 @@ def run_ppl(args) -> int:
     checkpoint = loaded.path
     device = resolve_device(args.device)
     model, cfg, tokenizer = load_model(loaded, map_location=device)
-    seq_len = args.seq_len or cfg.seq_len
+    seq_len = cfg.seq_len if args.seq_len is None else args.seq_len
     if args.data is None:
         stream = heldout_stream(cfg, tokenizer)
         data_desc = f"{cfg.data} (held-out split)"

@@ -23,6 +23,7 @@ from titans.data.series import load_series, split_series
 from titans.forecast.model import FORECAST_MODELS, build_forecaster
 from titans.forecast.seeds import aggregate_studies, aggregate_table, plot_aggregate
 from titans.forecast.train import ForecastRun, evaluate, plot_forecasts, run_record, train_forecaster
+from titans.runtime.device import set_cpu_threads
 from titans.validation import did_you_mean
 
 HORIZONS = (96, 192, 336, 720)
@@ -66,7 +67,7 @@ def _run(args, model: str, horizon: int) -> ForecastRun:
 
 
 def _split(args):
-    torch.set_num_threads(args.threads)
+    set_cpu_threads(args.threads)
     series = load_series(args.series, date_column=args.date_column)
     return split_series(series, lookback=args.lookback, protocol=args.protocol)
 
@@ -94,14 +95,19 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    torch.set_num_threads(args.threads)
+    set_cpu_threads(args.threads)
     path = Path(args.run) / "model.pt"
     if not path.is_file():
         raise FileNotFoundError(
             f"--run {args.run!r}: no model.pt there (give a folder written by `titans forecast train`)"
         )
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    rec = saved["record"]
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        rec = saved["record"]
+    except Exception as e:  # torch.load raises many types for a damaged file (OSError, pickle errors, ...)
+        raise ValueError(
+            f"--run {args.run!r}: model.pt is damaged or not a `titans forecast train` file"
+        ) from e
     run = ForecastRun(**{k: v for k, v in rec["run"].items() if k in ForecastRun.__dataclass_fields__})
     series = load_series(rec["series_spec"], date_column=rec.get("date_column"))
     split = split_series(series, lookback=rec["lookback"], protocol=rec["protocol"])
@@ -114,6 +120,8 @@ def cmd_eval(args) -> int:
         depth=run.depth,
         heads=run.heads,
         revin=run.revin,
+        period=run.period,
+        seed=run.seed,
     )
     model.load_state_dict(saved["state_dict"])
     m = evaluate(model, split.windows(run.horizon)[2])

@@ -1,4 +1,5 @@
-"""The device a command runs on, from its ``--device`` text, and its float32 matmul precision."""
+"""The device a command runs on, from its ``--device`` text, its CPU threads, and its float32 matmul
+precision."""
 
 from __future__ import annotations
 
@@ -7,12 +8,28 @@ from collections.abc import Iterator
 
 import torch
 
+CHOICES = "auto, cpu, cuda or cuda:N"
+
+
+def _available(device_type: str) -> bool:
+    """Whether torch has an accelerator of this type here (mps, xpu, ...); never for meta."""
+    backend = getattr(torch, device_type, None)
+    if device_type == "mps":
+        return torch.backends.mps.is_available()
+    return bool(getattr(backend, "is_available", lambda: False)())
+
 
 def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
-    """``auto`` -> cuda (this rank's GPU) when available, else cpu; any other spec as torch reads it."""
+    """``auto`` -> cuda (this rank's GPU) when available, else cpu; ``cpu``, ``cuda`` or ``cuda:N``; another
+    device type torch knows (e.g. ``mps``) only where this machine has it."""
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(spec)
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {spec!r}; choose {CHOICES}") from None
+    if device.type not in ("cpu", "cuda") and not _available(device.type):
+        raise ValueError(f"device {spec!r} is not available on this machine; choose {CHOICES}")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {spec!r}: CUDA is not available on this machine")
@@ -25,6 +42,15 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
                 " (torchrun --nproc_per_node), or pass --device cpu"
             )
     return device
+
+
+def set_cpu_threads(threads: int | None, option: str = "--threads") -> None:
+    """torch's intra-op CPU threads from a command's option (None: torch's default), refusing < 1."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"{option} must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager
@@ -40,4 +66,4 @@ def tf32(enabled: bool) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-__all__ = ["resolve_device", "tf32"]
+__all__ = ["resolve_device", "set_cpu_threads", "tf32"]

@@ -8,7 +8,8 @@ A checkpoint's ``meta.json`` config (written by the trainer) is
 ``{"train": TrainConfig dict, "model": TitansConfig dict, "tokenizer": {"spec", "name", "vocab_size",
 "fingerprint"}}``. The model is rebuilt from the saved ``TitansConfig`` itself (not from the preset name),
 so a checkpoint still loads if presets change later. A tokenizer given as a file is also copied into
-``run_dir/tokenizer/`` at training time; loading falls back to that copy when the original path is gone.
+``run_dir/tokenizer/`` at training time; loading falls back to that copy when the original path is gone
+or its contents have changed since (a tokenizer that differs, with no matching copy, is refused).
 ``titans.training.model_io.load_model`` adds the run's ``TrainConfig``.
 """
 
@@ -85,20 +86,32 @@ def load_checkpoint_from(path: str | Path) -> Checkpoint:
     return load_checkpoint(folder, map_location="cpu", verified=verified)
 
 
+def _fingerprint(tokenizer: Tokenizer) -> str:
+    return str(getattr(tokenizer, "fingerprint", ""))
+
+
 def tokenizer_from_record(record: dict[str, Any], checkpoint: Path | None = None) -> Tokenizer:
-    """Rebuild a checkpoint's tokenizer (from its spec, else from the run's copy) and check its vocabulary."""
+    """Rebuild a checkpoint's tokenizer and check it is the one it was trained with: from its spec, else
+    (the file gone, or its contents changed since) from the run's copy; a tokenizer whose contents differ
+    from the checkpoint's, with no matching copy, is refused."""
     spec = record.get("spec", DEFAULT_TOKENIZER)
+    copy = checkpoint.parent.parent / TOKENIZER_DIR / Path(spec).name if checkpoint else None
     try:
         tokenizer = load_tokenizer(spec)
     except FileNotFoundError:
-        copy = checkpoint.parent.parent / TOKENIZER_DIR / Path(spec).name if checkpoint else None
         if copy is None or not copy.is_file():
             raise
         tokenizer = load_tokenizer(copy)
     want = record.get("fingerprint")
-    have = str(getattr(tokenizer, "fingerprint", ""))
-    if want and have and want != have:
-        log.warning("tokenizer %r differs from the one the checkpoint was trained with", spec)
+    if want and _fingerprint(tokenizer) and want != _fingerprint(tokenizer):
+        kept = load_tokenizer(copy) if copy is not None and copy.is_file() else None
+        if kept is None or _fingerprint(kept) != want:
+            raise ValueError(
+                f"tokenizer {spec!r} is not the one the checkpoint was trained with (its contents differ) "
+                f"and the run holds no copy of it in its {TOKENIZER_DIR}/ folder: give the original file"
+            )
+        log.warning("tokenizer %r has changed since training; using the run's copy of the original", spec)
+        tokenizer = kept
     if int(record.get("vocab_size", tokenizer.vocab_size)) != tokenizer.vocab_size:
         raise ValueError(
             f"tokenizer {spec!r} has {tokenizer.vocab_size} symbols; the checkpoint was trained with "

@@ -104,7 +104,7 @@ def _train_one(cfg: TrainConfig, resume: bool, overwrite: bool) -> tuple[bool, i
 
 def _comparable(configs: list[TrainConfig], paths: list[str]) -> None:
     """Runs compared side by side must share data, tokenizer, budget, size and optimizer."""
-    free = {"variant", "model", "run_dir"}
+    free = {"variant", "run_dir"}  # model overrides too must match: they set the size
     base = configs[0].to_dict()
     for cfg, path in zip(configs[1:], paths[1:]):
         d = cfg.to_dict()

@@ -187,6 +187,15 @@ class Trainer:
         self.engine = D.wrap_model(self.model, self.info, fsdp=cfg.fsdp, carried=cfg.carry_state)
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
+        if cfg.warmup_steps > cfg.total_steps and self.info.is_main:
+            log.warning(
+                "warmup_steps=%d is longer than the run's %d steps: the lr never reaches its peak %g "
+                "(at most %.3g) and never decays",
+                cfg.warmup_steps,
+                cfg.total_steps,
+                cfg.lr,
+                cfg.lr * cfg.total_steps / cfg.warmup_steps,
+            )
         shard = dict(seed=cfg.seed, rank=self.info.rank, world_size=self.info.world_size)
         if cfg.carry_state:
             self.batches: TokenBatches = StreamBatches(
@@ -271,6 +280,16 @@ class Trainer:
             for k in self.config.resume_mismatches(saved["train"])
         ]
         detail += model_mismatches(self.model_config, saved["model"])  # the model built, not its spelling
+        # the same tokenizer spec can name a file whose contents changed since: it would tokenize the data
+        # (and the data position) differently
+        want = (saved.get("tokenizer") or {}).get("fingerprint")
+        have = str(getattr(self.tokenizer, "fingerprint", ""))
+        if want and have and want != have:
+            detail.append(
+                f"tokenizer: {self.config.tokenizer!r} is not the tokenizer the checkpoint was trained with "
+                f"(its contents differ; the run keeps a copy of a file tokenizer in its {TOKENIZER_DIR}/ "
+                "folder)"
+            )
         if detail:
             raise ValueError(f"cannot resume from {str(path)!r}: the config differs in {'; '.join(detail)}")
 
@@ -299,6 +318,12 @@ class Trainer:
             ]
         restore_rng_state(state["rng"])
         self.step = int(state["step"])
+        if self.step > self.config.total_steps:
+            raise ValueError(
+                f"cannot resume: the checkpoint is at step {self.step}, past this config's "
+                f"{self.config.total_steps} steps (steps and tokens may grow to extend a run, not end before "
+                "the steps it has done)"
+            )
         if self.batches.step != self.step:
             raise ValueError(f"checkpoint data position {self.batches.step} != its step {self.step}")
 
