@@ -206,14 +206,15 @@ def test_auto_tokenizer_encodes_as_ours(saved_folders, name):
 
 
 def test_special_tokens_and_pad_ids(saved_folders):
-    """pad_token_id is set for every folder (generate and the pipeline need one) and is what training
-    placed between documents: NUL for bytes, <pad> for DNA, the eos for a BPE."""
-    want = {"bytes": (0, None), "dna": (0, 1), "bpe": (0, 0)}
+    """pad_token_id is the tokenizer's pad token (<pad> for DNA), else its eos (a BPE's), else unset (bytes:
+    every byte is text, NUL included, and generate reads an id equal to the pad id as padding)."""
+    want = {"bytes": (None, None), "dna": (0, 1), "bpe": (0, 0)}
     for name, (folder, *_) in saved_folders.items():
         config = transformers.AutoConfig.from_pretrained(folder)
         gen = transformers.GenerationConfig.from_pretrained(folder)
         assert (config.pad_token_id, config.eos_token_id) == want[name], name
         assert (gen.pad_token_id, gen.eos_token_id) == want[name], name
+    assert transformers.AutoTokenizer.from_pretrained(saved_folders["bytes"][0]).pad_token_id is None
     dna = transformers.AutoTokenizer.from_pretrained(saved_folders["dna"][0])
     assert (dna.pad_token_id, dna.eos_token_id, dna.cls_token_id) == (0, 1, 2)
     with pytest.raises(Exception, match="UNK"):  # no silent gap for a letter outside the alphabet
@@ -358,3 +359,155 @@ def test_decode_graph_live_cache():
         hf.config.decode_graph = "graph"
         with pytest.raises(ValueError, match="decode_graph must be None or one of"):
             hf(a, past_key_values=cache)
+
+
+# ------------------------------------------------------------------ transformers conventions, kept or refused
+def test_loss_honours_num_items_in_batch(saved_dir):
+    """The Trainer passes `num_items_in_batch` to a forward that takes **kwargs and then leaves the loss
+    undivided by the gradient accumulation steps: the loss is the summed cross-entropy over the non-ignored
+    (shifted) labels divided by it, as transformers' causal LMs compute it; without it, the mean."""
+    _, model = saved_dir
+    hf = TitansForCausalLM.from_titans(model).eval()
+    x = tokens(2, 10)
+    labels = x.clone()
+    labels[0, :4] = -100
+    with torch.no_grad():
+        logits, _ = model(x)
+        by_tensor = hf(x, labels=labels, num_items_in_batch=torch.tensor(40)).loss
+        by_int = hf(x, labels=labels, num_items_in_batch=40).loss
+        mean = hf(x, labels=labels).loss
+    flat = (logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+    total = torch.nn.functional.cross_entropy(*flat, reduction="sum")
+    torch.testing.assert_close(by_tensor, total / 40, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(by_int, total / 40, atol=1e-6, rtol=1e-6)
+    assert labels[:, 1:].ne(-100).sum() == 15  # 18 shifted labels, 3 ignored
+    torch.testing.assert_close(mean, total / 15, atol=1e-6, rtol=1e-6)
+
+
+def test_trainer_gradient_accumulation_matches_one_batch(tmp_path):
+    """transformers' Trainer: one step over 4 rows as 2 batches of 2 accumulated gives the loss and the
+    update of one batch of 4."""
+    pytest.importorskip("accelerate")  # the Trainer's own dependency (in the `hf` extra)
+    data = [{"input_ids": r, "labels": r.clone()} for r in tokens(4, 12)]
+    runs = []
+    for batch, accumulate in ((4, 1), (2, 2)):
+        hf = TitansForCausalLM.from_titans(tiny_model("mac", train=True))
+        before = [p.detach().clone() for p in hf.parameters()]
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / f"ga{accumulate}"),
+            per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accumulate,
+            max_steps=1,
+            learning_rate=0.1,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            max_grad_norm=0,
+            weight_decay=0.0,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+        )
+        loss = transformers.Trainer(model=hf, args=args, train_dataset=data).train().training_loss
+        update = torch.cat([(p.detach() - b).flatten() for p, b in zip(hf.parameters(), before)])
+        runs.append((loss, update))
+    assert runs[1][0] == pytest.approx(runs[0][0], rel=1e-5)
+    torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-6, rtol=1e-4)
+
+
+PADDED = {"dna": ["ACG", "ACGTTGCA"], "bpe": ["def", "def hello(world):"]}
+
+
+@pytest.mark.parametrize("name", ["dna", "bpe"])
+def test_padded_batches_from_the_tokenizer_are_refused(saved_folders, name):
+    """The saved tokenizer returns the attention mask, so prompts of different lengths padded by it (and
+    by the pipeline's batching) are refused by the forward instead of running on pad tokens."""
+    folder, *_ = saved_folders[name]
+    tok = transformers.AutoTokenizer.from_pretrained(folder, padding_side="left")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    enc = tok(PADDED[name], padding=True, return_tensors="pt")
+    assert sorted(enc) == ["attention_mask", "input_ids"]
+    with torch.no_grad(), pytest.raises(ValueError, match="padded batches are not supported"):
+        hf(**enc)
+    with pytest.raises(ValueError, match="padded batches are not supported"):
+        hf.generate(**enc, max_new_tokens=3, do_sample=False)
+    pipe = transformers.pipeline("text-generation", model=hf, tokenizer=tok)
+    with pytest.raises(ValueError, match="padded batches are not supported"):
+        pipe(PADDED[name], max_new_tokens=3, do_sample=False, batch_size=2)
+    same = [PADDED[name][1]] * 2  # equal lengths: no padding, the batch runs
+    assert len(pipe(same, max_new_tokens=3, do_sample=False, batch_size=2)) == 2
+
+
+def test_a_nul_byte_is_text_not_padding(saved_folders):
+    """Every byte is text, NUL included: a byte folder has no pad id for generate to read a mask from, so a
+    prompt holding NUL generates as ours does; batching prompts, which needs a pad token, is refused."""
+    folder, model, tok, _ = saved_folders["bytes"]
+    prompt = "a\x00b"
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor([hf_tok(prompt)["input_ids"]])
+    assert ids[0].tolist() == tok.encode(prompt) == [97, 0, 98]
+    want = generate(model, ids, 6, greedy=True)
+    assert torch.equal(hf.generate(ids, max_new_tokens=6, do_sample=False), want)
+    pipe = transformers.pipeline("text-generation", model=str(folder), trust_remote_code=True)
+    got = pipe(prompt, max_new_tokens=6, do_sample=False)[0]["generated_text"]
+    assert got == prompt + tok.decode(want[0, 3:].tolist())
+    with pytest.raises(ValueError, match="padding token"):
+        hf_tok(["a", "abc"], padding=True)
+    with pytest.raises(ValueError, match="pad_token"):
+        pipe(["a", "abc"], max_new_tokens=2, do_sample=False, batch_size=2)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_resize_token_embeddings_keeps_the_configs_in_step(tmp_path, tie):
+    """resize_token_embeddings: the new ids are accepted, the Titans config (and the inner model's) has the
+    new size, and the saved folder loads back with the same logits."""
+    hf = TitansForCausalLM.from_titans(tiny_model("mac", tie_embeddings=tie)).eval()
+    hf.resize_token_embeddings(VOCAB + 9)
+    n = VOCAB + 9
+    assert hf.config.vocab_size == hf.config.titans["vocab_size"] == hf.model.config.vocab_size == n
+    assert hf.model.embed.weight.shape[0] == hf.model.head.weight.shape[0] == n
+    assert (hf.model.head.weight is hf.model.embed.weight) == tie
+    x = torch.tensor([[1, VOCAB + 5, 3, VOCAB + 8]])
+    with torch.no_grad():
+        want = hf(x).logits
+    assert want.shape == (1, 4, n)
+    hf.save_pretrained(tmp_path)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert again.config.to_titans() == hf.model.config
+    with torch.no_grad():
+        torch.testing.assert_close(again(x).logits, want, atol=1e-6, rtol=1e-6)
+
+
+def test_hidden_states_attentions_and_a_raw_state(saved_dir):
+    """output_hidden_states gives the embedding output and each block's output (the last after the final
+    norm, which the head reads), in forward and generate; output_attentions is refused (no attention
+    weights to return); a bare TitansState passed to generate is refused, naming TitansCache."""
+    _, model = saved_dir
+    hf = TitansForCausalLM.from_titans(model).eval()
+    x = tokens(2, 9)
+    with torch.no_grad():
+        out = hf(x, output_hidden_states=True)
+        logits, state = model(x)
+        first, _ = model.blocks[0](model.embed(x), None, None)
+    hidden = out.hidden_states
+    assert len(hidden) == len(model.blocks) + 1 and all(h.shape == (2, 9, model.config.dim) for h in hidden)
+    torch.testing.assert_close(hidden[0], model.embed(x).detach())
+    torch.testing.assert_close(hidden[1], first)
+    torch.testing.assert_close(model.head(hidden[-1]).detach(), logits)
+    torch.testing.assert_close(out.logits, logits)
+    assert hf(x).hidden_states is None
+    for graph in (None, "eager"):  # a decode step through the static decoder runs eagerly to give them
+        hf.config.decode_graph = graph
+        kwargs = dict(max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        gen = hf.generate(x, output_hidden_states=True, **kwargs)
+        assert len(gen.hidden_states) == 3 and len(gen.hidden_states[-1]) == len(model.blocks) + 1
+        assert torch.equal(gen.sequences, generate(model, x, 3, greedy=True))
+    hf.config.decode_graph = None
+    with pytest.raises(ValueError, match="output_attentions is not supported"):
+        hf(x, output_attentions=True)
+    with pytest.raises(ValueError, match="output_attentions is not supported"):
+        hf.generate(x, output_attentions=True, **kwargs)
+    for key in ("past_key_values", "cache"):
+        with pytest.raises(TypeError, match=r"TitansCache\(state\)"):
+            hf.generate(x[:, :1], max_new_tokens=2, **{key: state})

@@ -1,8 +1,9 @@
 """`save_pretrained(model, path, tokenizer)`: a folder that transformers users load with the Auto classes.
 
 The folder holds the weights and config (with `auto_map` and the remote code, see `TitansForCausalLM.
-save_pretrained`), the generation config (eos and pad ids from the tokenizer) and the tokenizer as a
-transformers fast tokenizer (`titans.hf.tokenization.to_hf_tokenizer`). From it:
+save_pretrained`), the generation config (eos and pad ids from the tokenizer, `special_token_ids`: no pad
+id for bytes, each of which is text) and the tokenizer as a transformers fast tokenizer
+(`titans.hf.tokenization.to_hf_tokenizer`). From it:
 
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)   # or after `import titans.hf`

@@ -16,18 +16,20 @@ keeps every cache valid). The logits equal the eager forward's to float rounding
 opt-in. Prompts (more than one token) run eagerly.
 
 Not supported (refused with a clear error): padded batches (an attention mask with zeros: Titans states
-are per-row streams), `inputs_embeds`.
+are per-row streams), `inputs_embeds`, `output_attentions` (no attention weights are kept), and a bare
+`TitansState` as generate's cache (wrap it in a `TitansCache`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -137,8 +139,11 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
     """A `TitansLM` (as `.model`) under the transformers API: from_pretrained, save_pretrained, generate.
 
     forward(input_ids (B, T), past_key_values (or cache)=None | TitansCache | TitansState, labels=None)
-        -> CausalLMOutputWithPast(loss, logits (B, T, vocab), past_key_values=TitansCache)
-    labels follow the transformers convention (same as input_ids, shifted inside; -100 is ignored).
+        -> CausalLMOutputWithPast(loss, logits (B, T, vocab), past_key_values=TitansCache, hidden_states)
+    labels follow the transformers convention (same as input_ids, shifted inside; -100 is ignored); the
+    loss is their mean, or with `num_items_in_batch` (the Trainer's) their sum divided by it.
+    output_hidden_states: depth + 1 tensors (B, T, dim), the embedding output and each block's output, the
+    last after the final norm (the head's input), as transformers' models give them.
     """
 
     config_class = TitansHFConfig
@@ -187,6 +192,30 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
             for name, text in REMOTE_CODE.items():
                 (Path(save_directory) / name).write_text(text)
 
+    def resize_token_embeddings(self, *args, **kwargs) -> nn.Embedding:
+        """transformers' resize (the embedding, and the head when untied), with the Titans configs following,
+        so that the model accepts the new ids and a saved folder loads at the new size."""
+        embed = super().resize_token_embeddings(*args, **kwargs)
+        n = self.model.embed.weight.shape[0]
+        # a new TitansConfig: the one the model was built from may be shared with other models
+        self.model.config = dataclasses.replace(self.model.config, vocab_size=n)
+        self.model._config_dict = None  # TitansLM.config_dict caches the dict states carry; built anew
+        self.config.titans = {**self.config.titans, "vocab_size": n}
+        self.config.vocab_size = n
+        self.__dict__.pop("_decoders", None)  # static decoders hold the old embedding and head
+        return embed
+
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`; a bare `TitansState` as the cache is refused (generate reads
+        attributes of the cache that only a `TitansCache` has)."""
+        for key in ("past_key_values", "cache"):
+            if isinstance(kwargs.get(key), TitansState):
+                raise TypeError(
+                    f"TitansForCausalLM.generate: {key} is a bare TitansState; wrap it as "
+                    f"{key}=TitansCache(state) (titans.hf.TitansCache)"
+                )
+        return super().generate(*args, **kwargs)
+
     def get_input_embeddings(self):
         return self.model.embed
 
@@ -209,6 +238,9 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         return_dict: bool | None = None,
         cache: TitansCache | TitansState | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        num_items_in_batch: Tensor | int | None = None,
         **kwargs,  # position_ids, cache_position, ...: positions live in the state
     ):
         # transformers >= 5.24 passes the cache as `cache`; earlier versions as `past_key_values`
@@ -219,6 +251,15 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("TitansForCausalLM: inputs_embeds is not supported; pass input_ids")
         if input_ids is None:
             raise ValueError("TitansForCausalLM: input_ids is required")
+        if output_attentions is None:
+            output_attentions = getattr(self.config, "output_attentions", False)
+        if output_attentions:
+            raise ValueError(
+                "TitansForCausalLM: output_attentions is not supported (the attention weights are not kept; "
+                "the memory has none)"
+            )
+        if output_hidden_states is None:
+            output_hidden_states = getattr(self.config, "output_hidden_states", False)
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             raise ValueError(
                 "TitansForCausalLM: padded batches are not supported (the attention mask has zeros); Titans "
@@ -245,28 +286,61 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
             and labels is None
             and use_cache
             and not torch.is_grad_enabled()
+            and not output_hidden_states  # the static step keeps no hidden states: those steps run eagerly
         ):
             logits, decoder = self._static_step(input_ids, cache, mode)
             logits, new_cache = logits[:, None], TitansCache.live(decoder, cache.base_position)
-            if return_dict is False:
-                return (logits, new_cache)
-            return CausalLMOutputWithPast(logits=logits, **{_OUTPUT_CACHE: new_cache})
+            out = CausalLMOutputWithPast(logits=logits, **{_OUTPUT_CACHE: new_cache})
+            return out.to_tuple() if return_dict is False else out
         state = cache.state
         if state is not None and input_ids.shape[0] > 1 and state_batch_size(state) == 1:
             state = expand_state(state, input_ids.shape[0])  # one read document, many rows
-        logits, new_state = self.model(input_ids, state)
+        logits, new_state, hidden_states = self._run(input_ids, state, output_hidden_states)
         loss = None
         if labels is not None:
+            # as transformers' causal LMs: the Trainer passes the count of labelled tokens over all the
+            # batches it accumulates, and then leaves the loss undivided by their number
+            reduction = "mean" if num_items_in_batch is None else "sum"
             loss = F.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                 labels[:, 1:].reshape(-1).to(logits.device),
                 ignore_index=-100,
+                reduction=reduction,
             )
+            if num_items_in_batch is not None:
+                if torch.is_tensor(num_items_in_batch):
+                    num_items_in_batch = num_items_in_batch.to(loss.device)
+                loss = loss / num_items_in_batch
         new_cache = cache.advanced(new_state) if use_cache else None
-        if return_dict is False:
-            out = (logits, new_cache) if new_cache is not None else (logits,)
-            return (loss, *out) if loss is not None else out
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_OUTPUT_CACHE: new_cache})
+        out = CausalLMOutputWithPast(
+            loss=loss, logits=logits, hidden_states=hidden_states, **{_OUTPUT_CACHE: new_cache}
+        )
+        return out.to_tuple() if return_dict is False else out
+
+    def _run(
+        self, input_ids: Tensor, state: TitansState | None, output_hidden_states: bool
+    ) -> tuple[Tensor, TitansState, tuple[Tensor, ...] | None]:
+        """The model on input_ids (B, T) -> (logits (B, T, vocab), state, hidden states or None): with
+        `output_hidden_states`, the embedding output, each block's output and the final norm's in place of
+        the last block's, each (B, T, dim), read by forward hooks (each module's first call: a checkpointed
+        block runs again in the backward pass)."""
+        if not output_hidden_states:
+            logits, new_state = self.model(input_ids, state)
+            return logits, new_state, None
+        modules = [self.model.embed, *self.model.blocks, self.model.norm]
+        seen: dict[int, Tensor] = {}
+
+        def keep(module: nn.Module, args, out) -> None:
+            seen.setdefault(id(module), out[0] if isinstance(out, tuple) else out)  # a block: (x, state)
+
+        hooks = [m.register_forward_hook(keep) for m in modules]
+        try:
+            logits, new_state = self.model(input_ids, state)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        hidden = [seen[id(m)] for m in modules]
+        return logits, new_state, (*hidden[:-2], hidden[-1])
 
     def _static_step(self, input_ids: Tensor, cache: TitansCache, mode: str) -> tuple[Tensor, StaticDecoder]:
         """input_ids (B, 1) from `cache` through the static decoder of (B, mode) -> (logits (B, vocab), the

@@ -5,19 +5,24 @@ tokenizer that gives the same ids as ours:
 
 - `ByteTokenizer`: a byte-level BPE with no merges whose 256 symbols have the ids of the bytes they stand
   for. It has no special tokens: every id is a byte of text (a special token would be matched in raw text,
-  so a real character would encode as it). `pad_token_id` is the NUL byte, the separator training placed
-  between documents (`titans.data.stream.separator_ids`); it is set in the model's config, not here.
+  so a real character would encode as it). Nor has it a pad token: transformers reads every id equal to
+  the pad id as padding, and a NUL byte is text. Batching prompts, which pads, is refused for want of one.
 - `DNATokenizer`: one token per base, either case, with `<pad>`, `<eos>` and `<cls>` as special tokens.
   Like ours it has no unknown token: a letter other than A, C, G, T, N is an error ("Missing [UNK]
   token"), never a silent gap.
 - `HFTokenizer` (a `tokenizers` JSON file, e.g. one written by `train_bpe`): the file itself, with its eos
   as eos and pad token.
 
+Each returns the attention mask with the ids (`model_input_names`), so a batch padded by the tokenizer or by
+the pipeline's batching reaches `TitansForCausalLM.forward` with its zeros, which it refuses (Titans states
+are per-row streams); there are no token type ids.
+
 SentencePiece and tiktoken files are refused with a ValueError that says so (transformers converts them
 through its own slow tokenizer classes, which need packages this wrapper does not install).
 
 `special_token_ids(tokenizer) -> dict` gives the `eos_token_id` / `pad_token_id` to write in the model's
-config, so that `generate` and `pipeline` pad and stop as our generation does.
+config, so that `generate` and `pipeline` stop as our generation does and read as padding only an id that
+never stands for text.
 """
 
 from __future__ import annotations
@@ -27,7 +32,6 @@ from typing import Any
 from transformers import PreTrainedTokenizerFast
 
 from titans.data.dna import BASES, SPECIALS, DNATokenizer
-from titans.data.stream import separator_ids
 from titans.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 
 
@@ -77,7 +81,9 @@ def _dna_tokenizer():
 
 def to_hf_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
     """A `PreTrainedTokenizerFast` that encodes text to the ids `tokenizer` gives (see module docstring)."""
-    common: dict[str, Any] = {"clean_up_tokenization_spaces": False, "model_input_names": ["input_ids"]}
+    # the mask travels with the ids so that the forward sees, and refuses, padding
+    model_input_names = ["input_ids", "attention_mask"]
+    common: dict[str, Any] = {"clean_up_tokenization_spaces": False, "model_input_names": model_input_names}
     if isinstance(tokenizer, ByteTokenizer):
         return PreTrainedTokenizerFast(tokenizer_object=_byte_tokenizer(), **common)
     if isinstance(tokenizer, DNATokenizer):
@@ -102,13 +108,21 @@ def to_hf_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
 
 
 def special_token_ids(tokenizer: Tokenizer) -> dict[str, int | None]:
-    """`eos_token_id` (the tokenizer's eos, or None) and `pad_token_id` (its pad token, else the document
-    separator training used) for the model's config."""
+    """`eos_token_id` (the tokenizer's eos, or None) and `pad_token_id` (its pad token, else its eos, else
+    None) for the model's config, the ids the transformers tokenizer has as eos and pad token.
+
+    The pad id is never one that stands for text (the NUL byte training placed between byte documents, or
+    the encoded blank line of a tokenizer without eos): `generate` builds its attention mask as
+    `input_ids != pad_token_id`, so such a prompt would read as padded and be refused.
+    """
     eos = tokenizer.eos_id
     pad = getattr(tokenizer, "pad_id", None)
     if pad is None:
-        pad = separator_ids(tokenizer)[0]
-    return {"eos_token_id": None if eos is None else int(eos), "pad_token_id": int(pad)}
+        pad = eos
+    return {
+        "eos_token_id": None if eos is None else int(eos),
+        "pad_token_id": None if pad is None else int(pad),
+    }
 
 
 __all__ = ["special_token_ids", "to_hf_tokenizer"]
