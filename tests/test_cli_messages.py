@@ -8,7 +8,9 @@ import argparse
 import json
 
 import pytest
+import torch
 
+from tiny_lm import save_tiny_run, tiny_model
 from titans.cli import build_parser
 from titans.cli import main as titans_main
 from titans.training.config import DATA_HELP, FIELD_HELP, TOKENIZER_HELP, TrainConfig, parse_set
@@ -48,6 +50,10 @@ def test_a_missing_file_reads_as_such(tmp_path, capsys):
         (["train", "--device", "gpu", "--steps", "1"], "unknown device 'gpu'; choose auto, cpu, cuda"),
         (["eval", "context", "--checkpoint", "nowhere", "--device", "gpu"], "unknown device 'gpu'"),
         (["generate", "--checkpoint", "nowhere", "--device", "meta", "--prompt", "a"], "'meta' is not"),
+        (
+            ["generate", "--checkpoint", "nowhere", "--prompt", "a", "--temperature", "nan"],
+            "--temperature must be a finite number >= 0 (0: greedy), got nan",
+        ),
         (["train", "--data", "", "--steps", "1"], "the spec is empty"),
         (["forecast", "train", "--threads", "0"], "--threads must be >= 1, got 0"),
         (["forecast", "eval", "--run", "nowhere", "--threads", "0"], "--threads must be >= 1, got 0"),
@@ -68,6 +74,25 @@ def test_bad_option_values_are_refused_before_any_work(capsys, monkeypatch, tmp_
     err = error_line(capsys)
     assert err.startswith("titans ") and ": error: " in err and want in err, err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("sampling", [["--greedy"], ["--temperature", "1", "--top-k", "10"]], ids=str)
+def test_generate_prints_no_token_of_non_finite_logits(tmp_path, capsys, sampling):
+    """A memory write that diverges while `titans generate` decodes: with --compile eager as without, the
+    tokens before it are printed, then the one-line error ("non-finite"); no token drawn from the NaN
+    logits (argmax printed NUL bytes, sampling raised multinomial's RuntimeError with a traceback)."""
+    # the first chunk write (after "ab" and two new tokens) overflows the memory's weights
+    overrides = dict(memory_max_lr=1e30, memory_theta_init=1e29, memory_surprise_clip=None)
+    model = tiny_model("lmm", dtype=torch.float32, vocab_size=256, **overrides)
+    save_tiny_run(tmp_path / "run", model)
+    args = ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "ab", "--max-new-tokens", "30"]
+    outs = []
+    for extra in ([], ["--compile", "eager"]):
+        assert titans_main([*args, *sampling, "--no-stop", "--device", "cpu", *extra]) == 2
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err and "non-finite" in err.strip().splitlines()[-1], err
+        outs.append(out)
+    assert outs[1] == outs[0] and len(outs[0]) > 2 and "\x00" not in outs[1]  # the prompt, then tokens
 
 
 # ---------------------------------------------------------------------------------- did you mean

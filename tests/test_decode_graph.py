@@ -260,6 +260,28 @@ def test_generate_compiled_refuses_a_non_finite_memory():
             generate(model, prompt[:, :1], 6, greedy=True, state=state, compiled=compiled)
 
 
+@pytest.mark.parametrize(
+    "sampling", [dict(greedy=True), dict(temperature=1.0), dict(temperature=0.8, top_k=10)], ids=str
+)
+def test_generate_compiled_refuses_logits_from_a_memory_that_diverges(sampling):
+    """A chunk write that diverges while decoding (the chunk the second new token completes): the eager
+    step's check refuses the next token at once; the static steps meet non-finite logits, which multinomial
+    refused with a RuntimeError (sampling) and argmax turned into token 0 (greedy, passed to on_token).
+    Both paths raise ValueError ("non-finite", which a session's guard reads), and on_token gets the same
+    tokens, none drawn from non-finite logits."""
+    model = _model("lmm")
+    for block in model.blocks:
+        block.memory.max_lr, block.memory.surprise_clip = 1e30, None
+    prompt = torch.randint(0, 64, (1, 2), generator=torch.Generator().manual_seed(2))
+    seen: dict[object, list[int]] = {}
+    for compiled in (False, "eager"):
+        for on_token in (None, lambda t, key=compiled: seen.setdefault(key, []).append(int(t))):
+            with pytest.raises(ValueError, match="non-finite"):
+                gen = torch.Generator().manual_seed(0)
+                generate(model, prompt, 8, compiled=compiled, on_token=on_token, generator=gen, **sampling)
+    assert len(seen[False]) == 3 and seen["eager"] == seen[False]
+
+
 def test_load_continues_from_another_state():
     model = _model("mag")
     with torch.no_grad():
@@ -293,6 +315,9 @@ def test_refusals():
     decoder = StaticDecoder(model, state, mode="eager")
     with pytest.raises(ValueError, match=r"tokens must be \(1, 1\)"):
         decoder.step(torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(TypeError, match="tokens must be integer ids, got dtype torch.float32"):
+        decoder.step(torch.tensor([[1.7]]))  # as the eager model refuses it (.long() truncated it to 1)
+    assert decoder.position == 3
 
 
 def test_cli_generate_compile_flag(tmp_path, capsys):

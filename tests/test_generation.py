@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,6 +72,27 @@ def test_sample_next_respects_top_k_and_top_p():
     assert torch.equal(sample_next(logits[:3], greedy=True), torch.zeros(3, dtype=torch.int64))
 
 
+def test_sampling_at_the_limits_of_float32():
+    """Settings that pass the checks sample as their limits do, in float32 logits: a temperature under the
+    smallest normal float32 (1e-39 is subnormal, 1e-45 rounds to the smallest subnormal, and the suite
+    flushes subnormals to 0) and a top_p that rounds to 0 are greedy; past float32's largest, the
+    temperature samples the top_k tokens uniformly, never others. A non-finite temperature is refused by
+    name (nan passed the check, inf sampled outside the top k)."""
+    model = tiny_model("mag", dtype=torch.float32)
+    prompt = tokens(2, 5)
+    greedy = generate(model, prompt, 6, greedy=True)
+    for kw in (dict(temperature=1e-39), dict(temperature=1e-45), dict(top_p=1e-300), dict(top_p=1e-40)):
+        assert torch.equal(generate(model, prompt, 6, generator=seeded(0), **kw), greedy), kw
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"temperature must be a finite number >= 0, got {bad}"):
+            generate(model, prompt, 3, temperature=bad, top_k=5)
+    logits = torch.randn(2000, VOCAB, generator=seeded(1))
+    top = logits.topk(5, dim=-1).indices
+    draw = sample_next(logits, temperature=1e300, top_k=5, generator=seeded(0))
+    assert (draw[:, None] == top).any(-1).all()
+    assert torch.equal(sample_next(logits, temperature=1e-45, generator=seeded(0)), logits.argmax(-1))
+
+
 def test_stop_tokens_stop_each_row_and_pad_it():
     model = tiny_model("mac")
     prompt = tokens(2, 6)
@@ -88,6 +110,9 @@ def test_stop_tokens_stop_each_row_and_pad_it():
     # stopping on the first token: only one new column
     first = generate(model, prompt, 20, greedy=True, stop_tokens=full[:, 6].tolist())
     assert first.shape[1] == 7
+    # integer-like ids: a numpy integer, a tensor of ids, a 0-d tensor
+    for ids in (np.int64(stop), torch.tensor([stop]), torch.tensor(stop), [np.int32(stop)]):
+        assert torch.equal(generate(model, prompt, 20, greedy=True, stop_tokens=ids), out)
 
 
 def test_return_state_continues_exactly():
@@ -140,8 +165,14 @@ def test_generate_refuses_bad_arguments():
     with pytest.raises(TypeError, match="integer token ids"):
         generate(model, prompt.double(), 3)
     assert generate(model, prompt.int(), 2, greedy=True).dtype == torch.int64
-    with pytest.raises(ValueError, match="stop_tokens"):
-        generate(model, prompt, 3, stop_tokens=[VOCAB])
+    with pytest.raises(
+        ValueError, match=rf"stop_tokens must be token ids in \[0, {VOCAB}\), got \[{VOCAB}\]"
+    ):
+        generate(model, prompt, 3, stop_tokens=torch.tensor([VOCAB]))
+    with pytest.raises(ValueError, match=r"stop_tokens must be token ids .*, got \[2.0, True\]"):
+        generate(model, prompt, 3, stop_tokens=[2.0, True])
+    with pytest.raises(ValueError, match="stop_tokens must be a token id or an iterable of ids, got 2.5"):
+        generate(model, prompt, 3, stop_tokens=2.5)
 
 
 # ----------------------------------------------------------------------------------------------- CLI

@@ -197,6 +197,20 @@ def test_guard_undoes_a_harmful_write_and_keeps_a_harmless_one(max_lr, clip):
     assert session.read(text(5, 3)).kept and session.position == 26
 
 
+@pytest.mark.parametrize("compiled", [False, "eager"])
+def test_guard_undoes_a_write_that_diverges_while_sampling(compiled):
+    """A write that diverges while the session generates, sampling: the static steps (compiled) refuse the
+    non-finite logits with the eager steps' ValueError ("non-finite"), not multinomial's RuntimeError, so
+    the guard undoes the write and freezes the session either way."""
+    model = tiny("lmm")
+    session = MemorySession(model, probe=text(8, 100))
+    _set_write_strength(model, 1e30, None)
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(FloatingPointError, match="the write diverged"):
+        session.generate(text(2, 2), 8, compiled=compiled, temperature=1.0, top_k=10, generator=gen)
+    assert session.frozen and [e.kind for e in session.events] == ["guard"] and session.position == 0
+
+
 def test_session_bytes_round_trip_and_damage():
     model = tiny()
     session = MemorySession(model, snapshots=2, probe=text(10, 9), guard_max_rise=10.0, piece_len=8)

@@ -14,6 +14,7 @@ so memory is bounded by the model's state, not the document; it prints tokens/s 
 from __future__ import annotations
 
 import argparse
+import math
 import resource
 import sys
 import time
@@ -112,8 +113,8 @@ def check_generate_args(args: argparse.Namespace) -> None:
         )
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ValueError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
         raise ValueError(f"--top-k must be >= 1, got {args.top_k}")
     if args.top_p is not None and not 0 < args.top_p <= 1:

@@ -76,6 +76,7 @@ from titans.models.state import TitansState
 MODES = ("eager", "compile", "cuda_graph")
 GUARDS = ("full", "state")
 MMS = ("blas", "pointwise")
+_TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)  # those `TitansLM.forward` takes
 # torch.compile's guards kept by guards="state": tensors (shape, dtype, device, strides) and torch's global
 # state; and every guard on the decoder's own objects (its buffers, lists, Python ints such as the memories'
 # offsets), which is everything rooted in the decoder that is not a module of the model
@@ -541,6 +542,8 @@ class StaticDecoder:
             raise ValueError(
                 f"StaticDecoder.step: tokens must be ({self.batch}, 1), got {tuple(tokens.shape)}"
             )
+        if tokens.dtype not in _TOKEN_DTYPES:  # .long() would truncate a float id
+            raise TypeError(f"StaticDecoder.step: tokens must be integer ids, got dtype {tokens.dtype}")
         phase = self._phase()
         if self.mode == "cuda_graph":
             logits = self._replay(phase, tokens)

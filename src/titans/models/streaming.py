@@ -22,6 +22,8 @@ padding): generate rows of different lengths in separate calls.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -154,8 +156,13 @@ def decode_step(model: TitansLM, tokens: Tensor, state: TitansState | None) -> t
 
 
 def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
-        raise ValueError(f"generate: temperature must be a number >= 0, got {temperature!r}")
+    if (
+        not isinstance(temperature, (int, float))
+        or isinstance(temperature, bool)
+        or not math.isfinite(temperature)
+        or temperature < 0
+    ):
+        raise ValueError(f"generate: temperature must be a finite number >= 0, got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"generate: top_k must be a positive int or None, got {top_k!r}")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
@@ -174,44 +181,103 @@ def sample_next(
     """Pick the next token of every row from logits (B, vocab) -> (B,) int64.
 
     greedy or temperature 0: argmax. Otherwise sample from softmax(logits / temperature) restricted to the
-    top_k most likely tokens and to the smallest set whose probability reaches top_p (nucleus).
+    top_k most likely tokens and to the smallest set whose probability reaches top_p (nucleus; it always
+    holds the most likely token). The logits must be finite: a row with a NaN or inf has no distribution
+    (`generate` checks them).
     """
     if greedy or temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    # each row's max at 0: dividing by a tiny temperature sends the others to -inf, never the max to inf
+    logits = logits - logits.amax(dim=-1, keepdim=True)
     if top_k is not None and top_k < logits.shape[-1]:
+        # before the temperature: a huge one makes the tempered logits equal, hiding which are the top k
         kept = torch.topk(logits, top_k, dim=-1)
         logits = torch.full_like(logits, float("-inf")).scatter(-1, kept.indices, kept.values)
+    # within the dtype's normal range: a subnormal temperature may be flushed to 0 (0 / 0 at the max), one
+    # past its largest rounds to inf (-inf / inf for the tokens top_k dropped)
+    info = torch.finfo(logits.dtype)
+    logits = logits / min(max(temperature, info.tiny), info.max)
     if top_p is not None and top_p < 1:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # probability of the more likely tokens
-        sorted_logits = sorted_logits.masked_fill(before >= top_p, float("-inf"))  # the first is always kept
+        drop = before >= top_p
+        drop[..., 0] = False  # the most likely token stays even where top_p rounds to 0 in the logits' dtype
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _stop_tensor(stop_tokens: int | Iterable[int] | None, vocab: int, device) -> Tensor | None:
+def _token_id(value: object) -> int | None:
+    """`value` as a token id (a Python or numpy integer, a 0-d integer tensor), else None (a bool, a float,
+    anything else)."""
+    if isinstance(value, Tensor) and value.dim() == 0:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+def _stop_tensor(stop_tokens: int | Iterable[int] | Tensor | None, vocab: int, device) -> Tensor | None:
+    """stop_tokens (an id, an iterable of ids, a tensor or array of ids) -> (n,) int64, or None."""
     if stop_tokens is None:
         return None
-    ids = [stop_tokens] if isinstance(stop_tokens, int) else list(stop_tokens)
-    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab]
+    if isinstance(stop_tokens, (Tensor, np.ndarray)):
+        stop_tokens = stop_tokens.tolist()  # Python numbers: an int for a 0-d tensor of an id
+    if _token_id(stop_tokens) is not None:
+        items = [stop_tokens]
+    elif isinstance(stop_tokens, Iterable) and not isinstance(stop_tokens, (str, bytes)):
+        items = list(stop_tokens)
+    else:
+        raise ValueError(
+            f"generate: stop_tokens must be a token id or an iterable of ids, got {stop_tokens!r}"
+        )
+    ids = [_token_id(item) for item in items]
+    bad = [item if i is None else i for item, i in zip(items, ids) if i is None or not 0 <= i < vocab]
     if bad:
         raise ValueError(f"generate: stop_tokens must be token ids in [0, {vocab}), got {bad}")
     return torch.tensor(ids, dtype=torch.int64, device=device) if ids else None
+
+
+def _non_finite(decoder) -> ValueError:
+    """The error for next-token logits with a NaN or +inf (or a row of -inf): a static decoder's own
+    (`check_finite` raises it) when its memory diverged, as the eager memory's check would have, else one
+    on the logits. Both say "non-finite", which a session's guard reads."""
+    if decoder is not None:
+        decoder.check_finite()
+    return ValueError(
+        "generate: the next-token logits hold a non-finite value (nan or inf): no token can be drawn from "
+        "them (inside a model, it usually means the parameters or the state have diverged)"
+    )
 
 
 def _sample_loop(
     model, prompt, logits, max_new_tokens, stops, on_token, return_state, sampling, *, state, decoder=None
 ) -> tuple[list[Tensor], TitansState | None]:
     """`generate`'s loop: sample, feed back (eagerly, or through `decoder`); returns (columns, state), the
-    state the eager steps' (a decoder's stays in its buffers)."""
+    state the eager steps' (a decoder's stays in its buffers).
+
+    Non-finite logits refuse the run (`_non_finite`). They are flagged on the device at every token and
+    the flag read on the host only before each `on_token` call (which reads the token anyway) and once at
+    the end: no token drawn from them is passed on or returned, and without `on_token` the check adds no
+    host sync per token (the static steps have none)."""
     batch, device = prompt.shape[0], prompt.device
     columns = [prompt]
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     pad = torch.zeros(batch, dtype=torch.int64, device=device)
+    finite = torch.ones((), dtype=torch.bool, device=device)  # no non-finite logits so far
+    sampled = not (sampling["greedy"] or sampling["temperature"] == 0)
     for step in range(max_new_tokens):
+        # a row's max is NaN where it holds a NaN, inf where it holds +inf (a reduction far cheaper than
+        # isfinite(logits).all() over a large vocabulary); a -inf among finite logits is a 0 probability
+        ok = torch.isfinite(logits.amax(dim=-1)).all()
+        finite &= ok
+        if sampled:
+            # multinomial refuses a non-finite row (on CUDA with a device-side assert, which ends the
+            # process's CUDA use): draw from uniform logits instead, a token that is never passed on
+            logits = torch.where(ok, logits, 0.0)
         token = sample_next(logits, **sampling)
         done = False
         if stops is not None:
@@ -222,6 +288,8 @@ def _sample_loop(
             done = bool(finished.all())
         columns.append(token[:, None])
         if on_token is not None:
+            if not finite:
+                raise _non_finite(decoder)
             on_token(token)
         last = done or step == max_new_tokens - 1
         if not last or return_state:  # the last token is only fed when the caller wants the state after it
@@ -231,6 +299,8 @@ def _sample_loop(
                 logits = decoder.step(token[:, None])
         if done:
             break
+    if not finite:
+        raise _non_finite(decoder)
     return columns, state
 
 
@@ -243,7 +313,7 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    stop_tokens: int | Iterable[int] | None = None,
+    stop_tokens: int | Iterable[int] | Tensor | None = None,
     generator: torch.Generator | None = None,
     state: TitansState | None = None,
     greedy: bool = False,
@@ -260,9 +330,9 @@ def generate(
         read earlier, `titans.models.state.load_state`); a batch-1 state is shared by all B rows.
     temperature / top_k / top_p / generator: sampling (see `sample_next`); greedy=True or temperature=0
         takes the argmax. A seeded `generator` reproduces samples.
-    stop_tokens: a row that emits one of these ids is finished; its later positions repeat that stop
-        token. Generation ends early once every row is finished, so the output may be shorter than
-        T + max_new_tokens.
+    stop_tokens: an id or ids (ints, numpy integers, a tensor or array of ids); a row that emits one is
+        finished and its later positions repeat that stop token. Generation ends early once every row is
+        finished, so the output may be shorter than T + max_new_tokens.
     return_state: also return the state after every returned token (prompt and generated), ready to
         continue; finished rows have consumed their padding stop tokens too.
     on_token: called with each new column (B,) as it is produced (streaming output).
@@ -270,6 +340,8 @@ def generate(
         "compile" compiles each step with torch.compile, "cuda_graph" replays CUDA graphs, "eager" runs the
         static step as it is; the same tokens as the default eager steps, up to float rounding.
     guards: with compiled, which of torch.compile's guards each step checks (`StaticDecoder`'s guards).
+    Next-token logits with a NaN or inf raise ValueError ("non-finite") before any token drawn from them
+    reaches `on_token` (see `_sample_loop`).
     Returns out (B, T + n) with out[:, :T] == prompt, or (out, state).
     """
     if not isinstance(prompt, Tensor) or prompt.dim() != 2:
