@@ -71,6 +71,26 @@ def test_a_bias_written_as_one_class_runs_in_the_memory(examples):
                 return g, None
 
 
+def test_a_part_without_dataclass_is_refused_by_the_rule():
+    """A part class written without @dataclass registers (the decorator runs after registration), but a
+    rule refuses it by name; it built a memory that failed at its first call, inside `dataclasses`."""
+
+    class PlainBias(Bias, kind="plain_for_test"):
+        def error_map(self, e, aux):
+            return 2 * e
+
+        def grad(self, g, e, aux):
+            return 2 * g, None
+
+    try:
+        with pytest.raises(
+            TypeError, match=r"bias part PlainBias is not a dataclass.*@dataclass\(frozen=True\)"
+        ):
+            MemoryRule(bias=PlainBias())
+    finally:
+        Bias.registry.pop("plain_for_test")
+
+
 def test_the_server_runs_on_a_store_added_as_one_class(examples, tmp_path):
     pytest.importorskip("fastapi", reason="the serve extra is not installed")
     httpx = pytest.importorskip("httpx", reason="the serve-test extra is not installed")

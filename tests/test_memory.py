@@ -18,7 +18,15 @@ from titans import MemoryState, NeuralMemory
 from titans.ops import cpu_kernels
 from titans.ops.conv import causal_conv_silu
 from titans.ops.conv_ref import causal_conv_silu_ref
-from titans.ops.memory import memory_forward, neural_memory_chunked, neural_memory_ref, segsum, suffix_sum
+from titans.ops.memory import (
+    memory_forward,
+    neural_memory,
+    neural_memory_chunked,
+    neural_memory_ref,
+    resolve_rule,
+    segsum,
+    suffix_sum,
+)
 
 F64 = torch.float64
 
@@ -542,11 +550,50 @@ def test_empty_input_gives_empty_output_and_the_state_unchanged():
         ({"eta_init": 1.5}, "eta_init"),
         ({"impl": "cuda"}, "impl"),
         ({"heads": -1}, "heads"),
+        ({"heads": 0}, "heads"),  # dim // heads: a ZeroDivisionError
+        ({"head_dim": 0}, "head_dim"),  # read as null: the width dim / heads
+        ({"surprise_clip": -1.0}, "surprise_clip"),  # the memory raised its own loss
+        ({"surprise_clip": float("nan")}, "surprise_clip"),  # NaN weights
+        ({"max_lr": 0.0}, "max_lr"),  # a ZeroDivisionError
+        ({"expansion": float("nan")}, "expansion"),
     ],
 )
 def test_bad_config_names_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         NeuralMemory(16, **kwargs)
+
+
+def test_a_state_of_another_dtype_is_refused_by_name():
+    """A float32 memory's state given to the same memory in float64 (and back): a TypeError naming both, not
+    a matmul's "expected scalar type Float but found Double" from inside the op."""
+    mem = NeuralMemory(16, heads=2, depth=2, chunk_size=4)
+    _, state = mem(torch.randn(2, 7, 16))
+    mem.double()
+    with pytest.raises(TypeError, match=r"state weights are torch.float32 .* this memory's torch.float64"):
+        mem(torch.randn(2, 5, 16, dtype=torch.float64), state)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"activation": "tanh"}, "activation must be one of"),  # ran relu forward, silu' backward
+        ({"chunk_size": 0}, "chunk_size must be a positive integer"),  # a ZeroDivisionError
+        ({"chunk_size": 2.0}, "chunk_size must be a positive integer"),
+        ({"surprise_clip": -1.0}, "surprise_clip must be None or a finite number > 0"),
+        ({"k": 5}, r"q, k, v and gates must agree on \(B, H, T\)"),
+    ],
+)
+@pytest.mark.parametrize("rule", ["titans", "moneta"])
+def test_the_op_entry_point_refuses_bad_arguments(change, message, rule):
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    change = dict(change)  # shared by both rules' cases
+    if "k" in change:
+        k = k[:, :, : change.pop("k")]
+    gates = torch.rand(1, 2, 8, 3 + len(resolve_rule(rule).extra_gates))
+    weights = tuple(torch.zeros(1, 2, 4, 4) for _ in range(1))
+    options = {"chunk_size": 4, "rule": rule, **change}
+    with pytest.raises(ValueError, match=message):
+        neural_memory(q, k, v, gates, weights, weights, **options)
 
 
 @pytest.mark.parametrize("activation", ["gelu", "silu"])

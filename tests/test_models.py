@@ -285,6 +285,27 @@ def test_config_without_gate_inits_loads_with_defaults():
         ({"mac_gate": "closed"}, "mac_gate"),
         ({"mac_norm_memory_tokens": "yes"}, "mac_norm_memory_tokens"),
         ({"memory_checkpoint_every": True}, "memory_checkpoint_every"),
+        # each of these built a model that ran: the memory raising its own loss (a negative clip or
+        # learning rate), a string read as true, a string or float read as block numbers, 0 read as null
+        ({"memory_surprise_clip": -1.0}, "memory_surprise_clip"),
+        ({"memory_surprise_clip": float("nan")}, "memory_surprise_clip"),
+        ({"memory_max_lr": -0.03, "memory_theta_init": -0.01}, "memory_max_lr"),
+        ({"memory_max_lr": 0.0}, "memory_max_lr"),
+        ({"memory_theta_init": 0.05}, "memory_theta_init=0.05 must be below memory_max_lr"),
+        ({"memory_write": "false"}, "memory_write must be a bool"),
+        ({"tie_embeddings": "false"}, "tie_embeddings must be a bool"),
+        ({"qk_norm": 0}, "qk_norm must be a bool"),
+        ({"depth": 13, "memory_layers": "12"}, "memory_layers must list block numbers"),
+        ({"memory_layers": [0.9]}, "memory_layers must list block numbers"),
+        ({"head_dim": 0}, "head_dim"),
+        ({"memory_heads": 0}, "memory_heads"),
+        ({"memory_head_dim": 0}, "memory_head_dim"),
+        ({"dim": 16, "heads": 2, "memory_heads": 32}, "memory_heads=32 leaves no width per head"),
+        # and these failed later, inside torch, naming no field
+        ({"init_std": -0.02}, "init_std"),
+        ({"norm_eps": float("nan")}, "norm_eps"),
+        ({"memory_conv_kernel": 2.5}, "memory_conv_kernel"),
+        ({"memory_expansion": float("nan")}, "memory_expansion"),
     ],
 )
 def test_bad_config_names_field(kwargs, field):

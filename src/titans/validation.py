@@ -81,10 +81,13 @@ def _declared(f: dataclasses.Field) -> list[str]:
 
 def check_bounds(obj: Any) -> None:
     """Raise a ValueError naming the field (``Class.field must be ..., got value``) for the first field of
-    the dataclass ``obj`` outside the bounds its metadata gives (`option`). A bounded value must be a
-    finite number (an int where the field is declared one); None passes where the type allows it."""
+    the dataclass ``obj`` outside the bounds its metadata gives (`option`), or declared ``bool`` and not
+    holding one (a string "false" is truthy). A bounded value must be a finite number (an int where the
+    field is declared one); None passes where the type allows it."""
     owner = type(obj).__name__
     for f in dataclasses.fields(obj):
+        if _declared(f) == ["bool"] and not isinstance(getattr(obj, f.name), bool):
+            raise ValueError(f"{owner}.{f.name} must be a bool (true or false), got {getattr(obj, f.name)!r}")
         if not any(k in f.metadata for k in _BOUNDS):
             continue
         value = getattr(obj, f.name)

@@ -213,15 +213,10 @@ class NeuralMemory(nn.Module):
         max_norm: float | None = None,
     ) -> None:
         super().__init__()
-        head_dim = head_dim or dim // heads
-        for name, val in (
-            ("dim", dim),
-            ("heads", heads),
-            ("head_dim", head_dim),
-            ("depth", depth),
-            ("chunk_size", chunk_size),
-        ):
+        for name, val in (("dim", dim), ("heads", heads), ("depth", depth), ("chunk_size", chunk_size)):
             check_int(f"NeuralMemory: {name}", val)
+        head_dim = dim // heads if head_dim is None else head_dim
+        check_int("NeuralMemory: head_dim", head_dim)
         if activation not in ACTIVATIONS:
             raise ValueError(f"NeuralMemory: activation must be one of {ACTIVATIONS}, got {activation!r}")
         if conv_kernel < 0:
@@ -229,6 +224,11 @@ class NeuralMemory(nn.Module):
         check_int("NeuralMemory: checkpoint_every", checkpoint_every, none_ok=True)
         check_threshold("NeuralMemory: surprise_threshold", surprise_threshold)
         check_max_norm("NeuralMemory: max_norm", max_norm)
+        check_max_norm("NeuralMemory: surprise_clip", surprise_clip)
+        if isinstance(max_lr, bool) or not isinstance(max_lr, (int, float)) or not 0 < max_lr < math.inf:
+            raise ValueError(f"NeuralMemory: max_lr must be a finite number > 0, got {max_lr!r}")
+        if not 0 < expansion < math.inf:
+            raise ValueError(f"NeuralMemory: expansion must be a finite number > 0, got {expansion!r}")
         if forget_to not in ("zero", "init"):
             raise ValueError(f"NeuralMemory: forget_to must be 'zero' or 'init', got {forget_to!r}")
         if impl not in ("chunked", "reference"):
@@ -344,6 +344,14 @@ class NeuralMemory(nn.Module):
         """Refuse a state that belongs to another configuration or batch, naming what differs."""
         if not isinstance(state, MemoryState):
             raise TypeError(f"NeuralMemory: state must be a MemoryState, got {type(state).__name__}")
+        like = self.init_weights[0]
+        held = state.weights[0] if state.weights else None
+        # under autocast the parameters stay float32 and so does the state: a dtype the model runs in
+        if held is not None and (held.device != like.device or held.dtype != like.dtype):
+            raise TypeError(
+                f"NeuralMemory: state weights are {held.dtype} on {held.device}, this memory's {like.dtype} "
+                f"on {like.device}: stream with the same dtype and device (cast the state with the model)"
+            )
         expected = [(batch_size, *w.shape) for w in self.init_weights]
         got = [tuple(w.shape) for w in state.weights]
         if got != expected:

@@ -61,7 +61,7 @@ class TitansConfig:
     dim: int = option(256, help="model width", min=1)
     depth: int = option(4, help="number of residual blocks", min=1)
     heads: int = option(4, help="attention heads", min=1)
-    head_dim: int | None = option(None, help="attention head width (null: dim / heads)")
+    head_dim: int | None = option(None, help="attention head width (null: dim / heads)", min=1)
     mlp_mult: float = option(
         4.0, help="SwiGLU width as a multiple of dim (2/3 of it, for a plain MLP's parameters)", above=0
     )
@@ -73,15 +73,15 @@ class TitansConfig:
         None, help="indices of the blocks that carry a neural memory (null: all)", memory_arg=None
     )
     # neural memory
-    memory_heads: int | None = option(None, help="memory heads (null: the attention heads)")
-    memory_head_dim: int | None = option(None, help="memory head width (null: dim / memory heads)")
+    memory_heads: int | None = option(None, help="memory heads (null: the attention heads)", min=1)
+    memory_head_dim: int | None = option(None, help="memory head width (null: dim / memory heads)", min=1)
     memory_depth: int = option(2, help="layers of the memory MLP (L_M)", min=1)
     memory_expansion: float = option(
-        2.0, help="hidden width of a deep memory MLP as a multiple of its head width"
+        2.0, help="hidden width of a deep memory MLP as a multiple of its head width", above=0
     )
     memory_activation: str = option("silu", help="activation of the memory MLP")
     memory_conv_kernel: int = option(
-        4, help="causal depthwise convolution width on queries, keys and values (0: none)"
+        4, help="causal depthwise convolution width on queries, keys and values (0: none)", min=0
     )
     memory_momentum: bool = option(True, help="surprise with momentum (eta); false: the plain gradient")
     memory_forgetting: bool = option(True, help="forgetting gate (alpha) on the memory weights")
@@ -95,8 +95,10 @@ class TitansConfig:
     )
     # inner learning rate: bound and initial value. Larger values (e.g. 1.0 / 0.1) make the outer
     # gradient through the memory grow exponentially with the number of chunks (docs/evaluations.md)
-    memory_max_lr: float = option(0.03, help="upper bound of the memory's inner learning rate theta")
-    memory_theta_init: float = option(0.01, help="initial inner learning rate theta")
+    memory_max_lr: float = option(0.03, help="upper bound of the memory's inner learning rate theta", above=0)
+    memory_theta_init: float = option(
+        0.01, help="initial inner learning rate theta, in (0, memory_max_lr)", above=0
+    )
     # momentum decay eta and forgetting alpha at initialisation (through the gate biases). A small alpha
     # (e.g. 1e-5) keeps a write for about 1/alpha tokens, which retrieval past the training length needs
     memory_eta_init: float = option(0.9, help="initial momentum decay eta, in (0, 1)", above=0, below=1)
@@ -104,7 +106,7 @@ class TitansConfig:
         0.01, help="initial forgetting alpha, in (0, 1) (small: writes are kept longer)", above=0, below=1
     )
     memory_surprise_clip: float | None = option(
-        1.0, help="each token's inner gradient is rescaled to at most this norm (null: no clip)"
+        1.0, help="each token's inner gradient is rescaled to at most this norm (null: no clip)", above=0
     )
     memory_residual: bool = option(False, help="the memory computes k + MLP(k) instead of MLP(k)")
     # False: a frozen memory, read and never written (no test-time learning, no forgetting): an ablation twin
@@ -204,10 +206,10 @@ class TitansConfig:
     )
     # attention and the rest
     qk_norm: bool = option(True, help="RMS-normalise queries and keys")
-    rope_base: float = option(10000.0, help="rotary position embedding base")
+    rope_base: float = option(10000.0, help="rotary position embedding base", above=0)
     tie_embeddings: bool = option(True, help="the output head shares the token embedding")
-    norm_eps: float = option(1e-6, help="epsilon of the RMS norms")
-    init_std: float = option(0.02, help="standard deviation of the initial weights")
+    norm_eps: float = option(1e-6, help="epsilon of the RMS norms", above=0)
+    init_std: float = option(0.02, help="standard deviation of the initial weights", min=0)
     name: str = option("custom", help="preset name (informational)", compare=False)
 
     def __post_init__(self) -> None:
@@ -227,7 +229,11 @@ class TitansConfig:
                 f"{self.variant} (the memory is written chunk by chunk inside each segment)"
             )
         if self.memory_layers is not None:
-            self.memory_layers = [int(i) for i in self.memory_layers]
+            layers = self.memory_layers
+            listed = isinstance(layers, (list, tuple))
+            if not listed or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
+                raise ValueError(f"TitansConfig.memory_layers must list block numbers, got {layers!r}")
+            self.memory_layers = list(layers)
             bad = [i for i in self.memory_layers if not 0 <= i < self.depth]
             if bad:
                 raise ValueError(f"TitansConfig.memory_layers {bad} out of range for depth={self.depth}")
@@ -237,17 +243,17 @@ class TitansConfig:
             )
         if self.mac_gate not in MAC_GATES:
             raise ValueError(f"TitansConfig.mac_gate must be one of {MAC_GATES}, got {self.mac_gate!r}")
-        for name in (
-            "mac_norm_memory_tokens",
-            "mac_norm_memory_input",
-            "mac_memory_residual",
-            "attn_output_gate",
-            "persistent_to_memory",
-            "mal_attn_persistent",
-        ):
-            val = getattr(self, name)
-            if not isinstance(val, bool):
-                raise ValueError(f"TitansConfig.{name} must be a bool, got {val!r}")
+        if self.memory_theta_init >= self.memory_max_lr:  # theta = max_lr * sigmoid(.) starts below max_lr
+            raise ValueError(
+                f"TitansConfig.memory_theta_init={self.memory_theta_init} must be below memory_max_lr="
+                f"{self.memory_max_lr}"
+            )
+        memory_heads = self.memory_heads or self.heads
+        if self.memory_head_dim is None and self.dim < memory_heads:
+            raise ValueError(
+                f"TitansConfig.memory_heads={memory_heads} leaves no width per head at dim={self.dim}; set "
+                "memory_head_dim or fewer memory_heads"
+            )
         try:
             self.memory_rule = resolve_rule(self.memory_rule).to_config()
         except (TypeError, ValueError) as e:

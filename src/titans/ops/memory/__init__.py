@@ -66,6 +66,7 @@ from titans.ops.memory.rules import (
 from titans.ops.memory.rules_ref import memory_rule_ref
 from titans.ops.memory.triton_chunk import DEPTHS as TRITON_DEPTHS
 from titans.ops.memory.triton_chunk import covered, device_reason, dot_precision, neural_memory_triton
+from titans.validation import check_int
 
 BACKENDS = ("torch", "triton", "reference")
 
@@ -122,6 +123,13 @@ def neural_memory(
     rule = resolve_rule(rule)
     if backend not in BACKENDS:
         raise ValueError(f"neural_memory: backend must be one of {BACKENDS}, got {backend!r}")
+    check_int("neural_memory: chunk_size", chunk_size)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"neural_memory: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    check_max_norm("neural_memory: surprise_clip", surprise_clip)
+    rows = {name: tuple(t.shape[:3]) for name, t in (("q", q), ("k", k), ("v", v), ("gates", gates))}
+    if len(set(rows.values())) > 1:
+        raise ValueError(f"neural_memory: q, k, v and gates must agree on (B, H, T), got {rows}")
     common = dict(
         chunk_size=chunk_size, activation=activation, residual=residual, surprise_clip=surprise_clip
     )

@@ -122,7 +122,8 @@ def check_threshold(name: str, value: float | None) -> None:
 
 
 def check_max_norm(name: str, value: float | None) -> None:
-    """Refuse a weight-norm bound that is not None or a finite number > 0, naming the option."""
+    """Refuse a bound (on the weights' norm, on a token's surprise) that is not None or a finite number > 0,
+    naming the option."""
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):

@@ -46,7 +46,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import ClassVar
 
 import torch
@@ -417,6 +417,13 @@ class MemoryRule:
                 raise TypeError(
                     f"MemoryRule: {name} must be one of {[k.__name__ for k in slot.registry.values()]}, "
                     f"got {type(part).__name__}"
+                )
+            # the decorator runs after the class is registered (__init_subclass__), so it is checked here:
+            # a part's fields are its configuration (to_dict, equality, the config's JSON)
+            if not is_dataclass(part):
+                raise TypeError(
+                    f"MemoryRule: {name} part {type(part).__name__} is not a dataclass; declare it with "
+                    "@dataclass(frozen=True)"
                 )
         if not isinstance(self.window, Window):
             raise TypeError(f"MemoryRule: window must be a Window, got {type(self.window).__name__}")
