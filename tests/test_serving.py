@@ -407,6 +407,18 @@ def edge_cases(served: Served, url: str) -> list[tuple[str, httpx.Response, int,
             422,
             "not UTF-8 JSON (byte 0xff",
         ),
+        (  # json.loads of bytes reads UTF-16 and UTF-32 too: the server reads UTF-8 only
+            "UTF-16 JSON",
+            post(f"{url}/read", headers=A, content=json.dumps({"text": "hi"}).encode("utf-16")),
+            422,
+            "not UTF-8 JSON (byte 0xff at byte 0)",
+        ),
+        (
+            "UTF-16 JSON without a byte order mark",  # valid UTF-8 bytes (NULs), not JSON as UTF-8
+            post(f"{url}/read", headers=A, content=json.dumps({"text": "hi"}).encode("utf-16-le")),
+            422,
+            "not valid JSON (Expecting property name enclosed in double quotes at character 1)",
+        ),
         (
             "deeply nested",
             deeply_nested(lambda: post(f"{url}/read", headers=A, content=b'{"text": ' + deep + b"}")),
@@ -613,12 +625,20 @@ def test_the_api_is_described(served):
             )
             if "{sid}" in path:
                 want |= {404} if method == "delete" else {404, 409}
-            if "requestBody" in op:  # a body too slow (408) or too large (413)
-                want |= {408, 413}
+            want |= {408, 413}  # a body too slow or too large: on every route, one without a body too
             assert want <= declared, (method, path, declared)
             for status in declared:
                 body = op["responses"][str(status)]["content"]["application/json"]["schema"]
                 assert body == error, (method, path, status, body)
+    # a route without a body answers the limits all the same (a body sent to it is read)
+    over = b"{" + b" " * (LIMITS.max_body_bytes + 1) + b"}"
+    for method, path in (
+        ("GET", "/v1/health"),
+        ("POST", "/v1/sessions"),
+        ("GET", f"/v1/sessions/{'0' * 32}/stats"),
+    ):
+        r = served.http.request(method, f"{served.url}{path}", headers=A, content=over)
+        assert r.status_code == 413 and "--max-body-bytes" in r.json()["detail"], (path, r.text)
     generate = paths["/v1/sessions/{sid}/generate"]["post"]["requestBody"]["content"]["application/json"]
     stream = paths["/v1/sessions/{sid}/generate/stream"]["post"]["requestBody"]["content"]["application/json"]
     assert stream["schema"] == generate["schema"]  # the same body, with the server's limit

@@ -8,6 +8,9 @@ Each server is `titans serve` in its own process on a free loopback port; the Re
 from __future__ import annotations
 
 import asyncio
+import importlib
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -22,6 +25,7 @@ import psutil  # noqa: E402
 
 from serving_support import ProcessServer, make_checkpoint, start_redis, stop_redis  # noqa: E402
 from titans.serving.stores import RedisStore, SQLiteStore, VersionConflict, open_store  # noqa: E402
+from titans.serving.workers import ProcessPool, WorkerDied  # noqa: E402
 
 KEY = "fault-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -230,6 +234,38 @@ def test_a_worker_process_that_dies_is_replaced(checkpoint, keys, tmp_path):
         assert 1 <= len(after) <= 2 and not {p.pid for p in after} & {p.pid for p in before}
     finally:
         server.stop()
+
+
+def test_worker_processes_finish_their_jobs_through_a_sigterm_and_are_not_replaced_after_close():
+    """A SIGTERM to the whole process group (systemd's default KillMode) reaches the workers too: they
+    ignore it, so the jobs in flight while the server drains still finish; and a worker lost once the
+    pool is closed (the server shutting down) fails its job without a new pool being started."""
+    pool = ProcessPool(2, importlib.import_module, "time")  # each worker's target: the time module
+
+    async def run() -> None:
+        await pool.start()
+        workers = list(pool._executor._processes)
+        job = asyncio.ensure_future(pool.call("sleep", 1.5))
+        await asyncio.sleep(0.3)
+        for pid in workers:  # as killpg would (this test's own group holds pytest)
+            os.kill(pid, signal.SIGTERM)
+        assert await job is None  # done, not WorkerDied
+        assert await pool.call("monotonic") > 0 and list(pool._executor._processes) == workers
+
+        executor = pool._executor
+        job = asyncio.ensure_future(pool.call("sleep", 30))
+        await asyncio.sleep(0.3)
+        pool.close()
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerDied):
+            await asyncio.wait_for(job, 30)
+        assert pool._executor is executor  # no new workers started while shutting down
+
+    try:
+        asyncio.run(run())
+    finally:
+        pool.close()
 
 
 def test_store_urls_are_checked(tmp_path):

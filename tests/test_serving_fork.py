@@ -3,7 +3,10 @@ a real uvicorn server on loopback, a real HTTP client, SQLite and Redis stores."
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,11 +16,13 @@ pytest.importorskip("httpx", reason="the serve-test extra is not installed")
 import httpx  # noqa: E402
 
 from serving_support import ThreadServer, make_checkpoint, start_redis, stop_redis  # noqa: E402
-from titans.inference.session import MemorySession  # noqa: E402
+from titans.data.tokenizers import ByteTokenizer  # noqa: E402
+from titans.inference.session import SESSION_MAGIC, MemorySession  # noqa: E402
 from titans.models.state import state_digest  # noqa: E402
 from titans.runtime.loading import load_trained  # noqa: E402
-from titans.serving.app import Limits, create_app  # noqa: E402
+from titans.serving.app import Limits, _sse, create_app  # noqa: E402
 from titans.serving.auth import hash_key  # noqa: E402
+from titans.serving.errors import ApiError  # noqa: E402
 from titans.serving.limits import Quotas  # noqa: E402
 from titans.serving.session import Engine  # noqa: E402
 from titans.serving.stores import RedisStore, SQLiteStore  # noqa: E402
@@ -148,6 +153,73 @@ def test_export_and_import_carry_a_session_bit_for_bit(server, http, engine):
     assert http.get(f"{url}/v1/sessions/{'0' * 32}/export", headers=A).status_code == 404
 
 
+def _resealed(data: bytes, edit) -> bytes:
+    """Session bytes with their JSON header replaced by edit(header) (a value, or bytes as they are) and
+    a checksum that matches: what a crafted import body can be."""
+    start = len(SESSION_MAGIC)
+    size = int.from_bytes(data[start : start + 8], "little")
+    header = json.loads(data[start + 8 : start + 8 + size])
+    head = edit(header)
+    head = head if isinstance(head, bytes) else json.dumps(head).encode()
+    body = SESSION_MAGIC + len(head).to_bytes(8, "little") + head + data[start + 8 + size : -32]
+    return body + hashlib.sha256(body).digest()
+
+
+def test_a_crafted_import_header_is_a_422_naming_the_field(server, http, engine):
+    """Bytes with a matching checksum and a header field missing, of the wrong type or out of range are
+    refused with a 422 whose fixed sentence names the field (no Python error text), on a connection that
+    serves the next request; no session is made. (They were 500s, or a 201 whose session answered every
+    later request 500.)"""
+    url = server.url
+    sid = new(http, url)
+    read(http, url, sid)
+    data = http.get(f"{url}/v1/sessions/{sid}/export", headers=A).content
+    usage = server.store.usage(hash_key(KEY_A))
+
+    def without(key):
+        return lambda h: {k: v for k, v in h.items() if k != key}
+
+    def setting(key, value):
+        return lambda h: {**h, key: value}
+
+    cases = {
+        "max_snapshots": without("max_snapshots"),
+        "probe": without("probe"),
+        "frozen": setting("frozen", "yes"),
+        "probe_loss": setting("probe_loss", "x"),
+        "events[0]": setting("events", [{}]),
+        "events": setting("events", 5),
+        "guard_max_rise": lambda h: json.dumps({**h, "guard_max_rise": float("nan")}).encode(),
+        "tokens_generated": lambda h: (
+            json.dumps(h).replace('"tokens_generated": 0', '"tokens_generated": 1e400', 1).encode()
+        ),
+        "reads": setting("reads", "x"),
+        "position": setting("position", -5),
+        "created": setting("created", "x"),
+        "piece_len": setting("piece_len", 0),
+        "snapshots[0]": setting("snapshots", [{"state": 99}]),
+        "not a JSON object": lambda h: [1, 2],
+        "not JSON": lambda h: b'{"format": [[[[' * 10000,
+        "format": setting("format", "1"),
+    }
+    for field, edit in cases.items():
+        r = http.post(f"{url}/v1/sessions/import", headers=A, content=_resealed(data, edit))
+        detail = r.json()["detail"]
+        assert r.status_code == 422, (field, r.status_code, detail)
+        assert detail.startswith("the body is not a session this server can load: session bytes: "), detail
+        assert field in detail and "Error" not in detail and "convert" not in detail, (field, detail)
+    # a state's bytes damaged under a matching checksum: a fixed sentence, not the decoder's words
+    start = len(SESSION_MAGIC)
+    head_end = start + 8 + int.from_bytes(data[start : start + 8], "little")
+    body = bytearray(data[:-32])
+    body[head_end + 40] ^= 0xFF
+    r = http.post(f"{url}/v1/sessions/import", headers=A, content=bytes(body) + hashlib.sha256(body).digest())
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"].endswith("one of its states is damaged"), r.text
+    assert server.store.usage(hash_key(KEY_A)) == usage  # nothing was stored
+    assert http.post(f"{url}/v1/sessions/import", headers=A, content=data).status_code == 201
+
+
 def events_of(response: httpx.Response) -> list[tuple[str, dict]]:
     events = []
     for block in response.text.strip().split("\n\n"):
@@ -211,3 +283,74 @@ def test_fork_and_stream_take_bodies_as_strict_as_the_other_routes(server, http)
         content = json.dumps(bad)  # "\\ud800" escaped: a lone surrogate as JSON writes it
         r = http.post(f"{url}/v1/sessions/{sid}/generate/stream", headers=A, content=content)
         assert r.status_code == 422 and r.json()["detail"].startswith("malformed request: "), (bad, r.text)
+
+
+def test_a_stream_whose_session_another_server_changed_ends_in_a_409_and_sends_no_token_twice(
+    server, http, monkeypatch
+):
+    """`change` applies a request again from the newer record when another server wrote the session in
+    between: a streamed generation whose tokens went out already must not stream a second generation.
+    It ends with an error event (409, nothing stored); the other server's write stays."""
+    url = server.url
+    sid = new(http, url)
+    read(http, url, sid)
+    store, put = server.store, server.store.put
+    competing = []
+
+    def put_after_another_server(sid_: str, data, *, expected_version: int) -> int:
+        if not competing:  # another server writes the session first (its own record, rewritten)
+            competing.append(put(sid_, store.get(sid_).data, expected_version=expected_version))
+        return put(sid_, data, expected_version=expected_version)
+
+    monkeypatch.setattr(store, "put", put_after_another_server)
+    before = stats(http, url, sid)
+    body = {"prompt": "The sea", "max_new_tokens": 12, "greedy": True, "stop_at_eos": False}
+    with http.stream("POST", f"{url}/v1/sessions/{sid}/generate/stream", headers=A, json=body) as r:
+        assert r.status_code == 200
+        r.read()
+    events = events_of(r)
+    assert [kind for kind, _ in events] == ["token"] * 12 + ["error"], events
+    error = events[-1][1]
+    assert error["status"] == 409 and "changed on another server" in error["detail"], error
+    after = stats(http, url, sid)
+    assert competing == [before["version"] + 1] and after["version"] == before["version"] + 1
+    assert after["state_sha256"] == before["state_sha256"] and after["position"] == before["position"]
+
+    # a plain generate is applied again from the newer record (nothing was sent yet): 200, stored once
+    competing.clear()
+    r = http.post(f"{url}/v1/sessions/{sid}/generate", headers=A, json=body)
+    assert r.status_code == 200 and r.json()["version"] == after["version"] + 2, r.text
+
+
+def test_streamed_token_texts_add_up_to_the_answer_that_ends_mid_character():
+    """A byte tokenizer splits a character over several tokens: a token that leaves one incomplete adds
+    no text yet, and when the answer ends mid-character the last token carries the rest (U+FFFD), so the
+    token texts add up to done's text in every case; one event per token, in order."""
+    tokenizer = ByteTokenizer()
+    engine = SimpleNamespace(tokenizer=tokenizer)
+
+    async def stream(ids: list[int], end: str = "done") -> list[tuple[str, dict]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        for token in ids[1:]:
+            queue.put_nowait(("token", token))
+        text = tokenizer.decode(ids)
+        queue.put_nowait(("done", {"text": text}) if end == "done" else ("error", ApiError(409, "x")))
+        first = ("token", ids[0])
+        out = [chunk async for chunk in _sse(engine, False, first, queue)]
+        return events_of(httpx.Response(200, content=b"".join(out)))
+
+    euro = list("€".encode())  # 3 bytes
+    for ids in (
+        [65, *euro],  # whole
+        [65, *euro[:2]],  # cut after 2 of 3 bytes
+        [*euro[:1]],  # one token, cut
+        [65, 0xFF],  # a byte no character starts with
+        [*euro, *euro[:1]],
+        [*euro[:2], 66],  # a cut character, then another: U+FFFD, then B
+    ):
+        events = asyncio.run(stream(ids))
+        tokens = [data for kind, data in events if kind == "token"]
+        assert [t["id"] for t in tokens] == ids and events[-1][0] == "done"
+        assert "".join(t["text"] for t in tokens) == events[-1][1]["text"] == tokenizer.decode(ids), ids
+    events = asyncio.run(stream([65, *euro[:2]], end="error"))  # an error: every token still sent once
+    assert [kind for kind, _ in events] == ["token"] * 3 + ["error"]

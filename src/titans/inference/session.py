@@ -28,6 +28,7 @@ Not thread-safe: one caller at a time per session (different sessions may run in
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import math
@@ -423,7 +424,7 @@ class MemorySession:
             "guard_max_rise": self.guard_max_rise,
             "piece_len": self.piece_len,
             "probe": None if self.probe is None else self.probe[0].tolist(),
-            "probe_loss": self._probe_loss,
+            "probe_loss": _finite_or_none(self._probe_loss),  # a cache: one not finite is measured again
             "events": [asdict(e) for e in self.events],
             "snapshots": [put(s) for s in (self._snapshots if snapshots else [])],
             "blobs": [len(b) for b in blobs],
@@ -460,34 +461,29 @@ class MemorySession:
             raise SessionFormatError("session bytes: corrupted or truncated (checksum mismatch)")
         start = len(SESSION_MAGIC)
         size = int.from_bytes(body[start : start + 8], "little")
-        try:
-            header = json.loads(bytes(body[start + 8 : start + 8 + size]))
-            if header.get("format") != SESSION_FORMAT:
-                raise SessionFormatError(f"session bytes: format {header.get('format')!r} is not supported")
-            blobs, pos = [], start + 8 + size
-            for n in header["blobs"]:  # views of `data` (immutable bytes): a state is copied when decoded
-                blobs.append(body[pos : pos + n])
-                pos += n
-            if pos != len(body):
-                raise SessionFormatError("session bytes: blob sizes do not add up")
+        if start + 8 + size > len(body):
+            raise SessionFormatError("session bytes: damaged header (its size runs past the end)")
+        header = _session_header(bytes(body[start + 8 : start + 8 + size]), model.config.vocab_size)
+        blobs, pos = [], start + 8 + size
+        for n in header["blobs"]:  # views of `data` (immutable bytes): a state is copied when decoded
+            blobs.append(body[pos : pos + n])
+            pos += n
+        if pos != len(body):
+            raise SessionFormatError("session bytes: blob sizes do not add up")
 
-            def get(entry: dict[str, Any]) -> _Kept:
-                index = entry["state"]
-                return _Kept(
-                    None,
-                    b"" if index is None else blobs[index],
-                    int(entry.get("position", 0)),
-                    int(entry.get("reads", 0)),
-                    int(entry.get("tokens_generated", 0)),
-                    float(entry.get("created", 0.0)),
-                )
+        def get(entry: dict[str, Any]) -> _Kept:
+            index = entry["state"]
+            return _Kept(
+                None,
+                b"" if index is None else blobs[index],
+                entry.get("position", 0),
+                entry.get("reads", 0),
+                entry.get("tokens_generated", 0),
+                float(entry.get("created", 0.0)),
+            )
 
-            current = get(header)
-            snapshots = [get(s) for s in header["snapshots"]]
-        except (ValueError, KeyError, TypeError, IndexError) as e:
-            if isinstance(e, SessionFormatError):
-                raise
-            raise SessionFormatError(f"session bytes: damaged header ({e})") from e
+        current = get(header)
+        snapshots = [get(s) for s in header["snapshots"]]
         session = cls(
             model,
             snapshots=header["max_snapshots"],
@@ -505,7 +501,7 @@ class MemorySession:
         session._current = current
         session._snapshots = snapshots  # decoded when rolled back to
         session.events = [SessionEvent(**e) for e in header["events"]]
-        session._probe_loss = header["probe_loss"]
+        session._probe_loss = None if header["probe_loss"] is None else float(header["probe_loss"])
         return session
 
     # ---------------------------------------------------------------------------------------- internals
@@ -636,6 +632,111 @@ class MemorySession:
         report = memory_report(self.model, stats, self._state_or_empty())
         self.last_report = report
         return ReadResult(tokens.shape[1], self.position, loss, report, kept, event, stats)
+
+
+# ------------------------------------------------------------------------------------------ the header
+_COUNT_MAX = (1 << 63) - 1  # counters, sizes and ids as an int64 holds them
+_KEPT_FIELDS = ("position", "reads", "tokens_generated")  # counts; with "state" and "created", per state
+_EVENT_FIELDS = {f.name for f in dataclasses.fields(SessionEvent)}
+
+
+def _damaged(field: str, rule: str) -> SessionFormatError:
+    """The error of a header field that breaks its rule (the field named, its value never quoted)."""
+    return SessionFormatError(f"session bytes: damaged header ({field} must be {rule})")
+
+
+def _is_count(value: Any, minimum: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= _COUNT_MAX
+
+
+def _is_number(value: Any, finite: bool = True) -> bool:
+    """A JSON number (not a boolean), finite when asked; an integer too large for a float is none."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        value = float(value)
+    except OverflowError:
+        return False
+    return math.isfinite(value) or not finite
+
+
+def _session_header(raw: bytes, vocab_size: int) -> dict[str, Any]:
+    """The JSON header of session bytes, every field checked for its type and range (SessionFormatError
+    naming the first one that is not as `to_parts` writes it): what `from_bytes` builds the session from
+    can then only fail on the states' own bytes."""
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested too deeply
+        raise SessionFormatError("session bytes: damaged header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise SessionFormatError("session bytes: damaged header (not a JSON object)")
+    fmt = header.get("format")
+    if not _is_count(fmt):
+        raise _damaged("format", "an integer")
+    if fmt != SESSION_FORMAT:
+        raise SessionFormatError(
+            f"session bytes: format {fmt} is not supported (this version reads format {SESSION_FORMAT})"
+        )
+    for name in ("blobs", "snapshots", "events"):
+        if not isinstance(header.get(name), list):
+            raise _damaged(name, "a list")
+    if not all(_is_count(n) for n in header["blobs"]):
+        raise _damaged("blobs", "a list of sizes (integers >= 0)")
+    blobs = len(header["blobs"])
+    kept = [("the current state", header)]
+    for i, entry in enumerate(header["snapshots"]):
+        if not isinstance(entry, dict):
+            raise _damaged(f"snapshots[{i}]", "an object")
+        kept.append((f"snapshots[{i}]", entry))
+    for where, entry in kept:
+        if "state" not in entry:
+            raise _damaged(f"{where}: state", "present (a blob index or null)")
+        index = entry["state"]
+        if index is not None and not (_is_count(index) and index < blobs):
+            raise _damaged(f"{where}: state", f"null or the index of one of the {blobs} blobs")
+        for name in _KEPT_FIELDS:
+            if name in entry and not _is_count(entry[name]):
+                raise _damaged(f"{where}: {name}", "an integer >= 0")
+        if index is None and entry.get("position", 0) != 0:  # nothing read yet
+            raise _damaged(f"{where}: position", "0 where there is no state")
+        if "created" in entry and not (_is_number(entry["created"]) and entry["created"] >= 0):
+            raise _damaged(f"{where}: created", "a time (a finite number >= 0)")
+    for name in ("max_snapshots", "piece_len", "probe", "guard_max_rise", "frozen", "probe_loss"):
+        if name not in header:
+            raise _damaged(name, "present")
+    if not _is_count(header["max_snapshots"]):
+        raise _damaged("max_snapshots", "an integer >= 0")
+    if not _is_count(header["piece_len"], minimum=1):
+        raise _damaged("piece_len", "an integer >= 1")
+    probe = header["probe"]
+    if probe is not None and not (
+        isinstance(probe, list) and len(probe) >= 2 and all(_is_count(t) and t < vocab_size for t in probe)
+    ):
+        raise _damaged("probe", f"null or a list of at least 2 token ids in [0, {vocab_size})")
+    if not (_is_number(header["guard_max_rise"]) and header["guard_max_rise"] >= 0):
+        raise _damaged("guard_max_rise", "a finite number >= 0")
+    if not isinstance(header["frozen"], bool):
+        raise _damaged("frozen", "true or false")
+    if header["probe_loss"] is not None and not _is_number(header["probe_loss"]):
+        raise _damaged("probe_loss", "a finite number or null")
+    for i, event in enumerate(header["events"]):
+        if not (
+            isinstance(event, dict) and {"kind", "reason", "position", "time"} <= set(event) <= _EVENT_FIELDS
+        ):
+            raise _damaged(
+                f"events[{i}]", "an object of kind, reason, position, time, probe_before, probe_after"
+            )
+        if not (isinstance(event["kind"], str) and isinstance(event["reason"], str)):
+            raise _damaged(f"events[{i}]: kind and reason", "texts")
+        if not _is_count(event["position"]):
+            raise _damaged(f"events[{i}]: position", "an integer >= 0")
+        if not _is_number(event["time"]):
+            raise _damaged(f"events[{i}]: time", "a finite number")
+        for name in ("probe_before", "probe_after"):  # a guard's losses: NaN or infinity when it diverged
+            value = event.get(name)
+            if value is not None and not _is_number(value, finite=False):
+                raise _damaged(f"events[{i}]: {name}", "a number or null")
+    return header
 
 
 __all__ = [

@@ -37,13 +37,16 @@ import functools
 import hmac
 import json
 import logging
+import multiprocessing
 import pickle
 import random
 import re
+import threading
 import time
 import uuid
-from collections.abc import Callable
-from contextlib import asynccontextmanager
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -56,8 +59,9 @@ from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from titans.inference.session import MemorySession
+from titans.inference.session import MemorySession, SessionFormatError
 from titans.models.decode_graph import decode_cycle
+from titans.models.state import StateFileError
 from titans.runtime.sampling import SAMPLING
 from titans.serving.auth import ANONYMOUS, bearer_key, hash_key, key_problem
 from titans.serving.errors import STATUS_MEANINGS, ApiError, redact
@@ -328,12 +332,104 @@ async def _nothing() -> Message:
     return {"type": "http.disconnect"}
 
 
+class KeyFirst:
+    """ASGI middleware: a request to the session routes without a valid key is answered 401 before its
+    body is read (the body limit and timeout inside read it whole first, up to --max-import-bytes for an
+    import: a client without a key could make the server hold that much)."""
+
+    def __init__(self, app: ASGIApp, owner: Callable[[str | None], str]) -> None:
+        self.app, self.owner = app, owner
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path", "").startswith("/v1/sessions"):
+            # the first Authorization header, as the route's own check reads it
+            header = next((v for k, v in scope.get("headers") or [] if k == b"authorization"), None)
+            try:
+                self.owner(None if header is None else header.decode("latin-1"))
+            except ApiError as e:  # the same 401 as the routes' own check, the body left unread
+                response = _json_error(e.status, e.detail, {**(e.headers or {}), "Connection": "close"})
+                await response(scope, _nothing, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class Utf8Body:
+    """ASGI middleware: a JSON body is read as UTF-8 only, although FastAPI's `json.loads` of the bytes
+    would read UTF-16 and UTF-32 too. Checked when the body's last chunk is read: its UnicodeDecodeError
+    (or JSONDecodeError) goes where FastAPI's own errors of a body it cannot parse go, a 422 naming the
+    byte (`_body_problem`). `skip`: the paths whose body is not JSON (import)."""
+
+    def __init__(self, app: ASGIApp, skip: frozenset[str] = frozenset()) -> None:
+        self.app, self.skip = app, skip
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.skip:
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []  # at most --max-body-bytes (the body limit is outside)
+
+        async def checked() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    # strict, but for a lone surrogate's bytes (ED A0 80), as json.loads reads them: the
+                    # field that holds one is named by its own check
+                    text = b"".join(chunks).decode("utf-8", "surrogatepass")
+                    chunks.clear()
+                    if "\x00" in text[:4]:  # what json.loads takes for UTF-16 or UTF-32 (no BOM)
+                        json.loads(text)  # no JSON text holds a NUL: its error says where it fails
+            return message
+
+        await self.app(scope, checked, send)
+
+
 # ------------------------------------------------------------------------------------------ the service
+# a worker process's store connections: one for its job, one for the owner check beside it (docs: the
+# server holds --store-pool + WORKER_STORE_POOL x --workers at most)
+WORKER_STORE_POOL = 2
+ROOM_STRIPES = 64  # locks a server's keys share for their quota checks (a key's: by a hash of it)
+ROOM_WAIT_S = 60.0  # longer than any store write; past it the check goes on unserialised (see RoomLocks)
+
+
+class RoomLocks:
+    """Serialise a key's quota checks with the writes they allow within a server: a create, fork or
+    import (`check_room` on the sessions count, then the new record) or a change's stored bytes (then its
+    write) waits for the key's other ones, so that concurrent requests of one key cannot each pass the
+    check and together go past the limit. `locks`: threading locks, or multiprocessing ones shared by the
+    worker processes (and the server's own, which runs the streamed generations); a key takes
+    locks[crc32(key) % n] (the same in every process). Held only around the store's count and write, never
+    the model's work."""
+
+    def __init__(self, locks: list[Any]) -> None:
+        self.locks = locks
+
+    @contextmanager
+    def hold(self, owner: str) -> Iterator[None]:
+        lock = self.locks[zlib.crc32(owner.encode()) % len(self.locks)]
+        # a worker process killed while it held the lock never gives it back: wait long, then go on (the
+        # limit may be passed, as between servers) rather than refuse the key's creates for good
+        if not lock.acquire(timeout=ROOM_WAIT_S):
+            log.warning("a key's quota lock was not free for %g s: checked without it", ROOM_WAIT_S)
+            yield
+            return
+        try:
+            yield
+        finally:
+            lock.release()
+
+
 class SessionService:
     """The operations behind the routes: load, check ownership and integrity, apply, persist."""
 
     def __init__(
-        self, engine: Engine, store: SessionStore, limits: Limits, workers: int, quotas: Quotas | None = None
+        self,
+        engine: Engine,
+        store: SessionStore,
+        limits: Limits,
+        workers: int,
+        quotas: Quotas | None = None,
+        room: RoomLocks | None = None,
     ) -> None:
         self.engine, self.store, self.limits = engine, store, limits
         self.quotas = quotas or Quotas()
@@ -342,11 +438,15 @@ class SessionService:
         per_key = self.quotas.workers_per_key or max(1, workers // 2)
         self.fair = FairLimiter(workers, per_key)
         self.sweeper = Sweeper(store, self.quotas.session_ttl_s)
+        self.room = room or RoomLocks([threading.Lock() for _ in range(ROOM_STRIPES)])
         self.processes: ProcessPool | None = None  # `use_processes`: the named operations run there
 
     def use_processes(self, n: int, torch_threads: int) -> None:
         """Run the named operations (`call`) in `n` worker processes, each with a copy of the engine and its
-        own connections to the store (opened from its URL); streamed generations stay in this process."""
+        own connections to the store (opened from its URL); streamed generations stay in this process. The
+        quota locks are shared by them all (`RoomLocks`)."""
+        locks = [multiprocessing.get_context("spawn").Lock() for _ in range(ROOM_STRIPES)]
+        self.room = RoomLocks(locks)
         payload = _ChildSetup(
             pickle.dumps(self.engine),
             self.store.url,
@@ -354,6 +454,7 @@ class SessionService:
             self.quotas,
             torch_threads,
             log.getEffectiveLevel(),
+            locks,
         )
         self.processes = ProcessPool(n, _child_service, payload)
 
@@ -427,15 +528,17 @@ class SessionService:
     def _insert(self, owner: str, parts: list[bytes | memoryview]) -> dict[str, Any]:
         """A new session of `owner` holding `parts` (`MemorySession.to_parts`, or `session_parts` of
         session bytes) under a fresh id."""
-        check_room(self.quotas, self.store.usage(owner), new_sessions=1, new_bytes=_stored_size(parts))
-        for _ in range(8):
-            sid = uuid.uuid4().hex
-            try:
-                record = self.store.create(sid, owner, parts)
-            except SessionExists:
-                continue
-            log.info("session %s created", sid)
-            return {"id": sid, "version": record.version}
+        size = _stored_size(parts)
+        with self.room.hold(owner):  # the count checked is the count until the record is in
+            check_room(self.quotas, self.store.usage(owner), new_sessions=1, new_bytes=size)
+            for _ in range(8):
+                sid = uuid.uuid4().hex
+                try:
+                    record = self.store.create(sid, owner, parts)
+                except SessionExists:
+                    continue
+                log.info("session %s created", sid)
+                return {"id": sid, "version": record.version}
         raise ApiError(503, "could not pick a free session id")
 
     def change(self, sid: str, owner: str, op: Callable[[MemorySession], dict[str, Any]]) -> dict[str, Any]:
@@ -450,11 +553,13 @@ class SessionService:
                 raise ApiError(422, f"session {sid} was not changed: {e}") from e
             # the record was checked whole (its sha256): its parts' digests hold; only new parts are hashed
             parts = KnownParts(parts, parts.sha256, known_digests(parts, record.data, record.parts))
-            if self.quotas.max_bytes is not None:
-                grown = _stored_size(parts) - record.size
-                check_room(self.quotas, self.store.usage(owner), new_bytes=grown)
+            room = self.room.hold(owner) if self.quotas.max_bytes is not None else nullcontext()
             try:
-                version = self.store.put(sid, parts, expected_version=record.version)
+                with room:  # the bytes checked are the bytes until this write is in
+                    if self.quotas.max_bytes is not None:
+                        grown = _stored_size(parts) - record.size
+                        check_room(self.quotas, self.store.usage(owner), new_bytes=grown)
+                    version = self.store.put(sid, parts, expected_version=record.version)
             except VersionConflict:
                 time.sleep(random.uniform(0, 0.002 * (attempt + 1)))  # let the other writer finish
                 continue
@@ -498,8 +603,20 @@ class SessionService:
         """A new session of `owner` from bytes `MemorySession.to_bytes` wrote (for this model)."""
         try:
             session = self.engine.load(data)
-        except (ValueError, TypeError) as e:  # SessionFormatError, or a session of another model
-            raise ApiError(422, f"the body is not a session this server can load: {e}") from e
+        except SessionFormatError as e:  # the session's own checks: fixed sentences naming the field
+            raise ApiError(422, f"the body is not a session this server can load: {e}") from None
+        except StateFileError as e:  # a state's bytes (its error may quote a library's own text)
+            log.info("an imported state does not decode: %s", redact(str(e)))
+            raise ApiError(
+                422, "the body is not a session this server can load: one of its states is damaged"
+            ) from None
+        except (ValueError, TypeError) as e:  # a state that decodes, of a model with another config
+            log.info("an imported session does not fit the model: %s", redact(str(e)))
+            raise ApiError(
+                422,
+                "the body is not a session this server can load: its states are of another model (another "
+                "configuration than this server's)",
+            ) from None
         result = self._insert(owner, session_parts(data))
         log.info("session %s imported", result["id"])
         return {**result, "position": session.position, "reads": session.reads}
@@ -596,6 +713,7 @@ class _ChildSetup:
     quotas: Quotas
     torch_threads: int
     log_level: int  # the server's: its worker logs what it would
+    room_locks: list[Any]  # `RoomLocks`: shared with the server (they cross at the process's spawn only)
 
 
 def _child_service(setup: _ChildSetup) -> SessionService:
@@ -608,7 +726,8 @@ def _child_service(setup: _ChildSetup) -> SessionService:
     reuse_freed_memory()
     engine: Engine = pickle.loads(setup.engine)
     warm_up(engine)
-    return SessionService(engine, open_store(setup.store_url, pool_size=2), setup.limits, 1, setup.quotas)
+    store = open_store(setup.store_url, pool_size=WORKER_STORE_POOL)
+    return SessionService(engine, store, setup.limits, 1, setup.quotas, RoomLocks(setup.room_locks))
 
 
 def _stored_size(parts: list[bytes]) -> int:
@@ -782,15 +901,20 @@ def create_app(
             '"..."}`, a sentence naming the problem.'
         ),
         lifespan=lifespan,
+        # every route: the body limit and the body timeout read a body whatever the route (a GET too)
+        responses=error_responses(408, 413),
     )
     app.state.service = service
     app.state.readiness = readiness
+    app.add_middleware(Utf8Body, skip=frozenset({"/v1/sessions/import"}))  # the body as the app reads it
     app.add_middleware(BodyTimeout, timeout_s=service.quotas.body_timeout_s)  # inside the body limit
     app.add_middleware(
         BodyLimit,
         max_bytes=limits.max_body_bytes,
         larger={"/v1/sessions/import": (limits.max_import_bytes, "--max-import-bytes")},
     )
+    if key_hashes is not None:
+        app.add_middleware(KeyFirst, owner=_owner_from(key_hashes))  # outside them all
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -873,7 +997,6 @@ def create_app(
     owner_dep = Depends(_owner_from(key_hashes))
     generate_body = _generate_body(limits.max_new_tokens)
     on_session = error_responses(404, 409, 422)  # 422: a path id that is not a session id is a 404 instead
-    with_body = error_responses(408, 413)  # a body that arrives too slowly, or one over the limit
 
     @sessions.post(
         "",
@@ -922,7 +1045,7 @@ def create_app(
         "/{sid}/read",
         summary="the memory reads (learns) a text",
         operation_id="read_session",
-        responses={**on_session, **with_body},
+        responses=on_session,
     )
     async def read(sid: str, body: ReadBody, owner: str = owner_dep) -> Changed:
         return Changed(**await locked(sid, owner, ("read", sid, owner, body.text)))
@@ -938,7 +1061,7 @@ def create_app(
         "/{sid}/generate",
         summary="read a prompt into the memory, then continue it",
         operation_id="generate_in_session",
-        responses={**on_session, **with_body},
+        responses=on_session,
     )(generate)
 
     @sessions.get(
@@ -981,7 +1104,7 @@ def create_app(
         "/{sid}/rollback",
         summary="restore a snapshot, bit for bit",
         operation_id="rollback_session",
-        responses={**on_session, **with_body},
+        responses=on_session,
     )
     async def rollback(sid: str, body: RollbackBody, owner: str = owner_dep) -> Changed:
         return Changed(**await locked(sid, owner, ("rollback", sid, owner, body.snapshot)))
@@ -1039,7 +1162,6 @@ def add_session_routes(
     events), on the `sessions` router (its prefix /v1/sessions, its readiness check and its errors)."""
     engine = service.engine
     on_session = error_responses(404, 409, 422)
-    with_body = error_responses(408, 413)
     streams: set[asyncio.Future] = set()  # streamed generations still running (held against collection)
 
     @sessions.post(
@@ -1050,7 +1172,6 @@ def add_session_routes(
         responses={
             201: {"model": Forked, "description": "the new session"},
             **on_session,
-            **with_body,
         },
     )
     async def fork(sid: str, body: ForkBody | None = None, owner: str = owner_dep) -> Forked:
@@ -1094,7 +1215,6 @@ def add_session_routes(
         responses={
             201: {"model": Imported, "description": "the new session"},
             **error_responses(422),
-            **with_body,
         },
     )
     async def import_session(request: Request, owner: str = owner_dep) -> Imported:
@@ -1104,14 +1224,26 @@ def add_session_routes(
     async def generate_stream(sid: str, body: GenerateBody, owner: str = owner_dep) -> StreamingResponse:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
+        sent = False  # a token has gone to the client
 
         def on_token(token: int) -> None:
+            nonlocal sent
+            sent = True
             loop.call_soon_threadsafe(events.put_nowait, ("token", token))
 
         def work() -> dict[str, Any]:
             ids = service.tokens(body.prompt, "prompt")
 
             def op(session: MemorySession) -> dict[str, Any]:
+                if sent:
+                    # `change` runs op again from the newer record when another server wrote the session
+                    # in between: a second generation would stream its tokens after the first one's, so
+                    # that the client's text would not be the one stored
+                    raise ApiError(
+                        409,
+                        f"session {sid} was changed on another server while this generation was streamed; "
+                        "nothing was stored: send it again",
+                    )
                 return generate_json(
                     engine, session, ids, body.max_new_tokens, **sampling(body), on_token=on_token
                 )
@@ -1151,16 +1283,19 @@ def add_session_routes(
                 "content": {"text/event-stream": {"schema": _SSE_EVENT}},
             },
             **on_session,
-            **with_body,
         },
     )(generate_stream)
 
 
 async def _sse(engine: Engine, stop_at_eos: bool, first: tuple[str, Any], events: asyncio.Queue):
     """Server-sent events: ``token`` ({"id", "text"}: the text it adds), then ``done`` (the generate
-    route's answer, once the session is stored) or ``error`` ({"status", "detail"})."""
+    route's answer, once the session is stored) or ``error`` ({"status", "detail"}). The token texts add
+    up to done's text: a token that adds no text yet (a character still incomplete, or the end-of-text
+    token) is sent when the next one comes, and the last such one carries the rest of the answer (the
+    text ended mid-character)."""
     ids: list[int] = []
     text = ""
+    held: int | None = None  # the last token, sent with "" or with the answer's rest
     eos = engine.tokenizer.eos_id if stop_at_eos else None
     item = first
     while True:
@@ -1172,11 +1307,22 @@ async def _sse(engine: Engine, stop_at_eos: bool, first: tuple[str, Any], events
                 decoded = engine.tokenizer.decode([t for t in ids if t != eos])
                 if not decoded.endswith("\ufffd"):  # a character still incomplete waits for its bytes
                     piece, text = decoded[len(text) :], decoded
-            yield _event("token", {"id": value, "text": piece})
+            if held is not None:
+                yield _event("token", {"id": held, "text": ""})
+                held = None
+            if piece:
+                yield _event("token", {"id": value, "text": piece})
+            else:
+                held = value
         elif kind == "done":
+            if held is not None:  # the answer's text past the last whole character (U+FFFD where cut)
+                rest = value["text"][len(text) :] if value["text"].startswith(text) else ""
+                yield _event("token", {"id": held, "text": rest})
             yield _event("done", value)
             return
         else:
+            if held is not None:
+                yield _event("token", {"id": held, "text": ""})
             if isinstance(value, ApiError):
                 status, detail = value.status, value.detail
             elif isinstance(value, TooBusy):  # the key's stored bytes: the memory was not written
@@ -1203,11 +1349,13 @@ __all__ = [
     "Forked",
     "GenerateBody",
     "Imported",
+    "KeyFirst",
     "Limits",
     "MIN_TEMPERATURE",
     "MIN_TOP_P",
     "ReadBody",
     "RollbackBody",
+    "Utf8Body",
     "add_session_routes",
     "create_app",
     "sampling",

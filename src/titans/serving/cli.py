@@ -234,7 +234,12 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="seconds an idle keep-alive connection stays open",
     )
-    p.add_argument("--store-pool", type=int, default=8, help="connections to the store at most")
+    p.add_argument(
+        "--store-pool",
+        type=int,
+        default=8,
+        help="connections to the store at most in the server process (each worker process opens 2 more)",
+    )
     p.add_argument(
         "--max-import-bytes",
         type=int,

@@ -6,9 +6,10 @@
         ...
 
 - sessions and stored bytes per key: checked before a session is created or changed (`check_room`); a
-  request that would go past them is refused with nothing changed. Servers sharing a store each check
-  the store's count, so concurrent requests of one key may pass a limit by at most their number
-  (bounded by `max_concurrent` per server).
+  request that would go past them is refused with nothing changed. Within a server a key's checks and
+  the writes they allow run one at a time (`titans.serving.app.RoomLocks`); servers sharing a store each
+  check the store's count, so concurrent requests of one key on several servers may pass a limit by at
+  most their number (bounded by `max_concurrent` per server).
 - concurrent work per key: requests of one key in this server at once (running, or waiting for a
   worker or for their session); one more is refused at once. The workers themselves are shared fairly
   (`FairLimiter`): waiting keys take turns, those running fewer than `workers_per_key` first.

@@ -11,8 +11,10 @@ on 1).
 The caller decides what runs when (locks, fairness): `call` only hands a job to a free process, so at
 most `n` jobs should be in flight. Arguments, results and exceptions cross as pickles; an exception
 raised by the job is raised by `call`. A process that dies (killed, out of memory) fails the jobs it
-held with `WorkerDied`, and the pool is rebuilt for the next job. The processes end with this one, even
-when it is killed with SIGKILL (Linux: the parent-death signal).
+held with `WorkerDied`, and the pool is rebuilt for the next job (not once `close` was called). The
+processes ignore SIGINT and SIGTERM (a signal to the whole process group stops the server, which then
+finishes its jobs and closes the pool) and end with this one, even when it is killed with SIGKILL (Linux:
+the parent-death signal).
 """
 
 from __future__ import annotations
@@ -75,7 +77,11 @@ _BUILD: tuple[Callable[[Any], Any], Any] | None = None  # in a worker process: b
 def _init(build: Callable[[Any], Any], payload: Any) -> None:
     global _BUILD
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops its workers
+    # Ctrl-C, or a SIGTERM sent to the whole process group (systemd's default KillMode, a shell's job
+    # control), stops the server, which finishes the requests in flight on its workers, then stops them
+    # (or the parent-death signal does, if it is killed)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     _BUILD = (build, payload)
 
 
@@ -108,6 +114,7 @@ class ProcessPool:
             raise ValueError(f"ProcessPool: n must be >= 1, got {n}")
         self.n, self._build, self._payload = n, build, payload
         self._lock = threading.Lock()
+        self._closed = False
         self._executor = self._new()
 
     def _new(self) -> concurrent.futures.ProcessPoolExecutor:
@@ -133,13 +140,19 @@ class ProcessPool:
             return await asyncio.wrap_future(executor.submit(fn, *args))
         except BrokenProcessPool as e:
             with self._lock:
-                if self._executor is executor:  # the first job to see it rebuilds the pool
+                if self._executor is executor:  # the first job to see it ends the pool's other workers
+                    # the executor ends them with SIGTERM, which they ignore (`_init`): SIGKILL instead
+                    others = list((executor._processes or {}).values())
                     executor.shutdown(wait=False, cancel_futures=True)
-                    self._executor = self._new()
+                    for process in others:
+                        process.kill()
+                    if not self._closed:  # and rebuilds the pool, unless the server is shutting down
+                        self._executor = self._new()
             raise WorkerDied("a worker process of the server ended while it served this request") from e
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._executor.shutdown(wait=False, cancel_futures=True)
 
 
