@@ -39,13 +39,18 @@ TOKENIZER_DIR = "tokenizer"
 DEFAULT_TOKENIZER = "bytes"
 
 
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """What identifies a tokenizer's contents ("" where it has no fingerprint)."""
+    return str(getattr(tokenizer, "fingerprint", ""))
+
+
 def tokenizer_record(spec: str, tokenizer: Tokenizer) -> dict[str, Any]:
     """What a checkpoint stores about its tokenizer."""
     return {
         "spec": str(spec),
         "name": tokenizer.name,
         "vocab_size": int(tokenizer.vocab_size),
-        "fingerprint": str(getattr(tokenizer, "fingerprint", "")),
+        "fingerprint": tokenizer_fingerprint(tokenizer),
     }
 
 
@@ -86,10 +91,6 @@ def load_checkpoint_from(path: str | Path) -> Checkpoint:
     return load_checkpoint(folder, map_location="cpu", verified=verified)
 
 
-def _fingerprint(tokenizer: Tokenizer) -> str:
-    return str(getattr(tokenizer, "fingerprint", ""))
-
-
 def tokenizer_from_record(record: dict[str, Any], checkpoint: Path | None = None) -> Tokenizer:
     """Rebuild a checkpoint's tokenizer and check it is the one it was trained with: from its spec, else
     (the file gone, or its contents changed since) from the run's copy; a tokenizer whose contents differ
@@ -103,9 +104,9 @@ def tokenizer_from_record(record: dict[str, Any], checkpoint: Path | None = None
             raise
         tokenizer = load_tokenizer(copy)
     want = record.get("fingerprint")
-    if want and _fingerprint(tokenizer) and want != _fingerprint(tokenizer):
+    if want and tokenizer_fingerprint(tokenizer) and want != tokenizer_fingerprint(tokenizer):
         kept = load_tokenizer(copy) if copy is not None and copy.is_file() else None
-        if kept is None or _fingerprint(kept) != want:
+        if kept is None or tokenizer_fingerprint(kept) != want:
             raise ValueError(
                 f"tokenizer {spec!r} is not the one the checkpoint was trained with (its contents differ) "
                 f"and the run holds no copy of it in its {TOKENIZER_DIR}/ folder: give the original file"
@@ -167,6 +168,7 @@ __all__ = [
     "load_trained",
     "load_weights",
     "resolve_checkpoint",
+    "tokenizer_fingerprint",
     "tokenizer_from_record",
     "tokenizer_record",
 ]

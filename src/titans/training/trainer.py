@@ -57,7 +57,13 @@ from titans.runtime.checkpoint import (
     save_checkpoint,
 )
 from titans.runtime.device import tf32
-from titans.runtime.loading import TOKENIZER_DIR, keep_tokenizer_copy, load_weights, tokenizer_record
+from titans.runtime.loading import (
+    TOKENIZER_DIR,
+    keep_tokenizer_copy,
+    load_weights,
+    tokenizer_fingerprint,
+    tokenizer_record,
+)
 from titans.training import distributed as D
 from titans.training.config import TrainConfig, model_mismatches, sample_prompt_for
 from titans.training.cuda_graphs import GraphedMicroStep
@@ -283,7 +289,7 @@ class Trainer:
         # the same tokenizer spec can name a file whose contents changed since: it would tokenize the data
         # (and the data position) differently
         want = (saved.get("tokenizer") or {}).get("fingerprint")
-        have = str(getattr(self.tokenizer, "fingerprint", ""))
+        have = tokenizer_fingerprint(self.tokenizer)
         if want and have and want != have:
             detail.append(
                 f"tokenizer: {self.config.tokenizer!r} is not the tokenizer the checkpoint was trained with "
