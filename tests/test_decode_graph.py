@@ -333,3 +333,69 @@ def test_cli_generate_compile_flag(tmp_path, capsys):
         assert titans_main([*args, "--greedy", "--no-stop", "--device", "cpu", *extra]) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] and len(outs[0]) > 2
+
+
+# chunk 3, segment 6, window 5: 13 steps from a 7-token prompt cross four chunk ends, two segment ends and
+# the window's wrap, at positions that are no multiple of 4 or 8
+AWKWARD = dict(chunk_size=3, segment_len=6, window=5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_static_step_under_autocast_equals_eager(variant):
+    """Under bf16 autocast the attention's new keys and values come in bf16 (index_copy_ refused them into
+    float32 buffers): the buffers take the state's dtypes, as the eager caches hold them, and a write is
+    cast to them. Fed the eager step's greedy tokens, the static step's logits and state are the eager
+    step's to bf16 accuracy, and the eager model continues from the decoder's state (a float32 cache was
+    refused). The memory reads in its state's dtype, as the eager op does: without attention (lmm) the
+    logits agree to float32 accuracy (a bf16 read was 3e-3 off)."""
+    model = _model(variant, **AWKWARD)
+    tol = 1e-5 if variant == "lmm" else 2e-2
+    prompt = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, state = model(prompt)
+        decoder = StaticDecoder(model, state, mode="eager")
+        for _ in range(13):
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            logits, state = model(token, state)
+            torch.testing.assert_close(decoder.step(token).float(), logits[:, -1].float(), rtol=0, atol=tol)
+        got = decoder.state()
+        a, b = _tensors(got.layers), _tensors(state.layers)
+        assert [(t.shape, t.dtype) for t in a] == [(t.shape, t.dtype) for t in b]
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x.float(), y.float(), rtol=2e-2, atol=2e-2)
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        torch.testing.assert_close(
+            model(token, got)[0].float(), model(token, state)[0].float(), rtol=0, atol=tol
+        )
+
+
+def test_decoders_under_autocast_and_without_keep_their_dtypes():
+    """A state streamed under autocast and one without get decoders of their own from the pool (their
+    buffers hold the state's dtypes), and loading a decoder with a state of other dtypes is refused by name:
+    copy_ rounded a float32 state into bf16 buffers."""
+    model = _model("mag", **AWKWARD)
+    prompt = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
+    token = prompt[:, -1:]
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, half = model(prompt)
+            with checkout(model, half, "eager") as first:
+                first.step(token)
+        _, state = model(prompt)
+        with checkout(model, state, "eager") as second:
+            assert second is not first
+            torch.testing.assert_close(
+                second.step(token), model(token, state)[0][:, -1], rtol=1e-5, atol=1e-5
+            )
+        with pytest.raises(
+            ValueError, match="state holds torch.float32 where this decoder holds torch.bfloat16"
+        ):
+            first.load(state)
+
+
+@pytest.mark.parametrize("variant", ["mac", "mag", "swa"])
+def test_static_step_float64_attends_in_float64(variant):
+    """A float64 model's static attention scores in float64, not float32 (which left the logits ~1e-9 off
+    the eager step's): the static and eager steps agree to float64 rounding."""
+    decoder = _compare(_model(variant, **AWKWARD).double(), "eager", tol=1e-12)
+    assert decoder.state().position == 7 + 13

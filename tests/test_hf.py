@@ -361,6 +361,20 @@ def test_decode_graph_live_cache():
             hf(a, past_key_values=cache)
 
 
+def test_decode_graph_with_and_without_autocast():
+    """One wrapper decoding with and without bf16 autocast: a state made under autocast holds bf16 tensors,
+    so it gets its own decoder (loading it into the float32 one is refused), and going back to float32
+    gives the same tokens as before."""
+    hf = TitansForCausalLM.from_titans(tiny_model("mac")).eval()
+    hf.config.decode_graph = "eager"
+    prompt = tokens(1, 9)
+    first = hf.generate(prompt, max_new_tokens=10, do_sample=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hf.generate(prompt, max_new_tokens=10, do_sample=False)
+    assert torch.equal(hf.generate(prompt, max_new_tokens=10, do_sample=False), first)
+    assert len(hf._decoders) == 2
+
+
 # ------------------------------------------------------------------ transformers conventions, kept or refused
 def test_loss_honours_num_items_in_batch(saved_dir):
     """The Trainer passes `num_items_in_batch` to a forward that takes **kwargs and then leaves the loss

@@ -95,3 +95,38 @@ def test_l2_normalize_in_float32_keeps_no_float32_copy(dtype):
         assert torch.equal(*(torch.autograd.grad(y, x, g)[0] for y in (got, want)))
         rows = x.numel() // x.shape[-1]
         assert sum(saved.values()) == x.untyped_storage().nbytes() + 2 * rows * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_rms_norm_default_eps_is_the_same_with_and_without_autograd(dtype, with_weight):
+    """eps None is `F.rms_norm`'s default on both paths: for a bf16 / fp16 x that is float32's epsilon (it
+    computes in float32), which the no-grad path took while the recording one took x's own (bf16: 7.8e-3),
+    so a bf16 model scored tokens differently in training and in generation. Rows of small values show it
+    (eps is most of their mean square)."""
+    torch.manual_seed(4)
+    x = torch.randn(3, 5, 7).to(dtype)
+    x[0, 1] = (torch.randn(7) * 1e-2).to(dtype)
+    x[2, 3, 1:] = 0
+    x[2, 3, 0] = 1e-3
+    w = (torch.rand(7) + 0.5).to(dtype) if with_weight else None
+    want = F.rms_norm(x, (7,), w)
+    with torch.no_grad():
+        plain = rms_norm(x, w)
+    leaves = [x.clone().requires_grad_(), None if w is None else w.clone().requires_grad_()]
+    recorded = rms_norm(*leaves)
+    torch.testing.assert_close(plain, want, rtol=0, atol=0)  # F.rms_norm itself
+    torch.testing.assert_close(recorded.detach(), want)  # the fused backward's forward: rounding apart
+    assert recorded.grad_fn is not None and "RMSNorm" in type(recorded.grad_fn).__name__
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rms_norm_default_eps_keeps_float32_and_float64_results(dtype):
+    """For float32 and float64 the explicit eps is x's own epsilon, as before: the no-grad path's results
+    are `F.rms_norm`'s without an eps to the bit (the library's float32 numbers depend on it)."""
+    torch.manual_seed(5)
+    x, w = torch.randn(2, 9, 13, dtype=dtype), torch.randn(13, dtype=dtype)
+    x[1, 4] *= 1e-4
+    with torch.no_grad():
+        for weight in (w, None):
+            assert torch.equal(rms_norm(x, weight), F.rms_norm(x, (13,), weight))

@@ -34,7 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreT
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from titans.hf.configuration import TitansHFConfig
-from titans.models.decode_graph import MODES, DecoderPool, StaticDecoder
+from titans.models.decode_graph import MODES, DecoderPool, StaticDecoder, state_dtypes
 from titans.models.lm import TitansLM
 from titans.models.state import TitansState, expand_state, select_rows, state_batch_size
 
@@ -348,12 +348,15 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
         current holder, if any, first copies its state out, so it stays valid)."""
         decoders = self.__dict__.setdefault("_decoders", DecoderPool())
         like = next(self.model.parameters())
-        key = (input_ids.shape[0], mode, like.device, like.dtype)
-        decoder = decoders.get(key)
-        if decoder is None or not (cache._decoder is decoder and cache.is_live()):
+        decoder = cache._decoder if cache.is_live() else None
+        same = decoder is not None and decoder.model is self.model and decoder.mode == mode
+        if not (same and decoder.batch == input_ids.shape[0]):
             state = cache.state
             if input_ids.shape[0] > 1 and state_batch_size(state) == 1:
                 state = expand_state(state, input_ids.shape[0])  # one read document, many rows
+            # and the state's dtypes: a decoder's buffers take them (autocast's, for a state made under it)
+            key = (input_ids.shape[0], mode, like.device, like.dtype, state_dtypes(state))
+            decoder = decoders.get(key)
             if decoder is None:
                 decoder = decoders[key] = StaticDecoder(self.model, state, mode)
             else:

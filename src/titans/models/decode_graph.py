@@ -130,18 +130,19 @@ def _attend(
     each key kept where its mask (n_i,) is True. Returns (B, H, 1, D)."""
     pk, pv = attn._persistent_kv()
     b = q.shape[0]
+    dt = torch.promote_types(q.dtype, torch.float32)  # at least float32: a float64 model's stays float64
     scale = attn._softmax_scale
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     k, v, mask = torch.cat(keys, 2), torch.cat(values, 2), torch.cat(masks)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.matmul(q.to(dt), k.to(dt).transpose(-1, -2)) * scale
     if pk is not None:
         by = q_persistent if attn.persistent_rope == "none" else q
-        p_scores = torch.matmul(by.float(), pk.float().unsqueeze(0).transpose(-1, -2)) * scale
+        p_scores = torch.matmul(by.to(dt), pk.to(dt).unsqueeze(0).transpose(-1, -2)) * scale
         scores = torch.cat([p_scores, scores], dim=-1)
         v = torch.cat([pv.unsqueeze(0).expand(b, -1, -1, -1).to(v.dtype), v], dim=2)
         mask = torch.cat([mask.new_ones(pk.shape[1]), mask])
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, -1), v.float()).to(q.dtype)
+    return torch.matmul(torch.softmax(scores, -1), v.to(dt)).to(q.dtype)
 
 
 # ------------------------------------------------------------------------------------- layer states
@@ -165,12 +166,15 @@ class _WindowAttention(_Static):
             )
         self.attn, w = attn, attn.window
         shape = (batch, attn.heads, w, attn.head_dim)
-        self.k, self.v = like.new_zeros(shape), like.new_zeros(shape)
+        # in the state's dtype (autocast's, if it was prefilled under autocast: the eager step's caches are),
+        # so that `export` gives back what the eager steps hold
+        dtype = like.dtype if state is None else state.k.dtype
+        self.k, self.v = like.new_zeros(shape, dtype=dtype), like.new_zeros(shape, dtype=dtype)
         if state is not None and state.k.shape[2]:
             n = state.k.shape[2]
             slots = torch.arange(state.position - n, state.position, device=like.device) % w
-            self.k[:, :, slots] = state.k.to(like.dtype)
-            self.v[:, :, slots] = state.v.to(like.dtype)
+            self.k[:, :, slots] = state.k
+            self.v[:, :, slots] = state.v
 
     def step(self, x: Tensor, pos: Tensor) -> Tensor:
         attn, w = self.attn, self.attn.window
@@ -178,8 +182,9 @@ class _WindowAttention(_Static):
         q, q_heads = _queries(attn, x, positions)
         k, v = _keys_values(attn, x, positions)
         slot = positions % w
-        self.k.index_copy_(2, slot, k)
-        self.v.index_copy_(2, slot, v)
+        # k, v come in autocast's dtype under autocast, the parameters' without: the buffers' may be either
+        self.k.index_copy_(2, slot, k.to(self.k.dtype))
+        self.v.index_copy_(2, slot, v.to(self.v.dtype))
         mask = torch.arange(w, device=x.device) <= pos  # before the ring wraps, the later slots are empty
         return attn._output(_attend(attn, q, [self.k], [self.v], [mask], q_heads), x)
 
@@ -195,12 +200,13 @@ class _SegmentAttention(_Static):
     def __init__(self, attn: SegmentAttention, state: SegmentAttentionState | None, batch: int, like: Tensor):
         self.attn, c = attn, attn.segment_len
         shape = (batch, attn.heads, c, attn.head_dim)
-        self.k, self.v, self.ctx_k, self.ctx_v = (like.new_zeros(shape) for _ in range(4))
+        dtype = like.dtype if state is None else state.k.dtype  # the state's, as `_WindowAttention`'s
+        self.k, self.v, self.ctx_k, self.ctx_v = (like.new_zeros(shape, dtype=dtype) for _ in range(4))
         if state is not None:
             n = state.k.shape[2]
             for buf, src in ((self.k, state.k), (self.v, state.v), (self.ctx_k, state.ctx_k)):
-                buf[:, :, :n] = src.to(like.dtype)
-            self.ctx_v[:, :, :n] = state.ctx_v.to(like.dtype)
+                buf[:, :, :n] = src
+            self.ctx_v[:, :, :n] = state.ctx_v
 
     def step(self, x: Tensor, ctx: Tensor, pos: Tensor) -> Tensor:
         attn, c = self.attn, self.attn.segment_len
@@ -209,7 +215,7 @@ class _SegmentAttention(_Static):
         k, v = _keys_values(attn, x, local)
         ctx_k, ctx_v = _keys_values(attn, ctx, local)
         for buf, new in ((self.k, k), (self.v, v), (self.ctx_k, ctx_k), (self.ctx_v, ctx_v)):
-            buf.index_copy_(2, local, new)
+            buf.index_copy_(2, local, new.to(buf.dtype))  # as `_WindowAttention.step`
         mask = torch.arange(c, device=x.device) <= local  # slots past the token: the last segment's
         o = _attend(attn, q, [self.ctx_k, self.k], [self.ctx_v, self.v], [mask, mask], q_heads)
         return attn._output(o, x)
@@ -257,7 +263,13 @@ class _Memory(_Static):
         q, k, v, tail = mem.project(x, self.tail)
         if tail is not None:
             self.tail.copy_(tail)
-        y = mem.read(q, tuple(self.weights))
+        if torch.is_autocast_enabled(q.device.type):
+            # as the eager op reads (`neural_memory`): in the state's dtype, not autocast's, so y and the
+            # output norm's eps are the eager step's
+            with torch.autocast(q.device.type, enabled=False):
+                y = mem.read(q.to(self.weights[0].dtype), tuple(self.weights))
+        else:
+            y = mem.read(q, tuple(self.weights))
         if mem.write:
             slot = (pos.view(1) + self.offset) % mem.chunk_size + self.hist
             self.pk.index_copy_(2, slot, k.to(self.pk.dtype))
@@ -473,6 +485,13 @@ class StaticDecoder:
             raise ValueError("StaticDecoder.load: the state's memory positions are offset differently")
         for layer, new in zip(self.layers, other.layers):
             for buf, src in zip(_layer_buffers(layer), _layer_buffers(new)):
+                if buf.dtype != src.dtype:  # copy_ would round a float32 state into bf16 buffers
+                    raise ValueError(
+                        f"StaticDecoder.load: the state holds {src.dtype} where this decoder holds "
+                        f"{buf.dtype} (streamed under another autocast): build a decoder for it"
+                    )
+        for layer, new in zip(self.layers, other.layers):
+            for buf, src in zip(_layer_buffers(layer), _layer_buffers(new)):
                 buf.copy_(src)
             if layer.memory is not None:
                 layer.memory.rows0 = new.memory.rows0
@@ -647,13 +666,15 @@ def checkout(
 ) -> Iterator[StaticDecoder]:
     """A `StaticDecoder` of `model` loaded with `state`, the caller's alone until the block ends.
 
-    Decoders are kept on the model, a free list per (batch size, mode, device, dtype, guards): a block takes
-    one (or builds one when all are taken: concurrent callers, e.g. a server's worker threads, each get
-    their own buffers) and gives it back at its end. The compiled steps are shared by every decoder of a model
+    Decoders are kept on the model, a free list per (batch size, mode, device, dtype, guards, the state's
+    dtypes: autocast's in a state streamed under autocast): a block takes one (or builds one when all are
+    taken: concurrent callers, e.g. a server's worker threads, each get their own buffers) and gives it back
+    at its end. The compiled steps are shared by every decoder of a model
     (torch.compile's cache is per code, its guards pass for any decoder of the same shapes), so a new
     decoder compiles nothing; a CUDA graph is captured per decoder. `guards`: `StaticDecoder`'s."""
     like = next(model.parameters())
-    key = (_state_batch(state), mode, like.device, like.dtype, guards)
+    # and the state's dtypes: a decoder's buffers take them (autocast's, for a state streamed under autocast)
+    key = (_state_batch(state), mode, like.device, like.dtype, guards, state_dtypes(state))
     with _pool_lock:
         free = _pool(model).setdefault(key, [])
         decoder = free.pop() if free else None
@@ -686,6 +707,14 @@ def _layer_buffers(layer: _Layer) -> list[Tensor]:
     return out + list(layer.segment_weights or [])
 
 
+def state_dtypes(state: TitansState) -> tuple[str, ...]:
+    """The dtypes of a state's tensors, sorted (a decoder's buffers take them)."""
+    dtypes: set[str] = set()
+    for layer in state.layers:
+        map_tensors(layer, lambda t: dtypes.add(str(t.dtype)) or t)
+    return tuple(sorted(dtypes))
+
+
 def _state_batch(state: TitansState) -> int:
     sizes: set[int] = set()
     for layer in state.layers:
@@ -695,4 +724,4 @@ def _state_batch(state: TitansState) -> int:
     return sizes.pop()
 
 
-__all__ = ["MODES", "DecoderPool", "StaticDecoder", "checkout", "decode_cycle"]
+__all__ = ["MODES", "DecoderPool", "StaticDecoder", "checkout", "decode_cycle", "state_dtypes"]

@@ -124,15 +124,18 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float | None = None) -> Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight over the last dim: `F.rms_norm(x, (d,), weight, eps)` (eps None:
-    the dtype's machine epsilon, as there), with a fused backward on CPU when autograd records (otherwise,
-    and off CPU, `F.rms_norm` itself)."""
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim: `F.rms_norm(x, (d,), weight, eps)`, with a
+    fused backward on CPU when autograd records (otherwise, and off CPU, `F.rms_norm` itself).
+
+    eps None: `F.rms_norm`'s default on every path, the machine epsilon of the dtype it computes in (at least
+    float32: float32's for a bf16 / fp16 x, not x's own), passed explicitly so that the fused backward's
+    forward takes it too: a bf16 model then scores tokens alike with and without autograd recording."""
+    if eps is None:
+        eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
     if x.device.type != "cpu" or not _records_grad(x, weight):
         if weight is not None and weight.dtype != x.dtype:  # bf16 x: keeps the fused kernel (layers/norm.py)
             weight = weight.to(x.dtype)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    if eps is None:
-        eps = torch.finfo(x.dtype).eps
     return _RMSNorm.apply(x, weight, eps)
 
 

@@ -81,6 +81,21 @@ def triton_reason(
     return reason
 
 
+def _reference(fn, *args, **options):
+    """A reference's run: it takes its inner gradients by autograd, so it records even under no_grad (and
+    then hands back its outputs without the graph, as the other backends do there)."""
+    if torch.is_grad_enabled():
+        return fn(*args, **options)
+    with torch.enable_grad():
+        y, weights, momentum, surprise = fn(*args, **options)
+    return (
+        y.detach(),
+        tuple(w.detach() for w in weights),
+        tuple(s.detach() for s in momentum),
+        surprise.detach(),
+    )
+
+
 def neural_memory(
     q: Tensor,
     k: Tensor,
@@ -118,7 +133,11 @@ def neural_memory(
     surprise_threshold, max_norm, anchor: as `neural_memory_chunked`'s; max_norm and anchor with the
         "titans" rule only.
 
-    Returns y (B, H, T, d), weights and momentum after the last complete chunk, surprise (B, H, T).
+    q, k, v may be of another dtype than the state (bf16 with a float32 state): every backend computes in
+    the state's dtype.
+
+    Returns y (B, H, T, d), weights and momentum after the last complete chunk, surprise (B, H, T), y and
+    surprise in the state's dtype.
     """
     rule = resolve_rule(rule)
     if backend not in BACKENDS:
@@ -133,6 +152,10 @@ def neural_memory(
     common = dict(
         chunk_size=chunk_size, activation=activation, residual=residual, surprise_clip=surprise_clip
     )
+    if backend != "triton":
+        # the memory runs in its state's dtype, as the kernels run bf16 / fp16 q, k, v with a float32 state:
+        # y and the surprise come out in it, the gradients in the inputs' dtypes
+        q, k, v = (x.to(weights[0].dtype) for x in (q, k, v))
     if not rule.is_titans:
         titans_only = {"max_norm": max_norm, "anchor": anchor}
         used = sorted(name for name, value in titans_only.items() if value is not None)
@@ -141,7 +164,7 @@ def neural_memory(
             raise ValueError(f"neural_memory: {what} runs rule='titans' only, got rule={rule.to_config()!r}")
         options = dict(rule=rule, history=history, surprise_threshold=surprise_threshold, **common)
         if backend == "reference":
-            return memory_rule_ref(q, k, v, gates, weights, momentum, **options)
+            return _reference(memory_rule_ref, q, k, v, gates, weights, momentum, **options)
         return memory_rule_chunked(
             q, k, v, gates, weights, momentum, checkpoint_every=checkpoint_every, **options
         )
@@ -159,7 +182,7 @@ def neural_memory(
         return neural_memory_triton(*args, checkpoint_every=checkpoint_every, **common)
     options = dict(surprise_threshold=surprise_threshold, max_norm=max_norm, anchor=anchor, **common)
     if backend == "reference":
-        return neural_memory_ref(*args, **options)
+        return _reference(neural_memory_ref, *args, **options)
     return neural_memory_chunked(*args, checkpoint_every=checkpoint_every, **options)
 
 
