@@ -150,9 +150,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _message(error: BaseException) -> str:
-    """The error's text; a missing file reads as such, not as Python's "[Errno 2] ..." form."""
-    if isinstance(error, FileNotFoundError) and error.filename is not None and error.strerror:
-        return f"{error.strerror.lower()}: {str(error.filename)!r}"
+    """The error's text; an OS error on a file names the file ("no space left on device: 'run/x.jsonl'"),
+    not Python's "[Errno 28] ..." form."""
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        where = repr(str(error.filename))
+        if error.filename2 is not None:  # a rename or link: both ends
+            where += f" -> {str(error.filename2)!r}"
+        return f"{error.strerror.lower()}: {where}"
     return str(error)
 
 

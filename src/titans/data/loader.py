@@ -7,7 +7,9 @@ random order of the windows; the global batch at step ``s`` holds samples ``s*B 
 endless sequence. Everything is drawn from generators seeded by ``(seed, epoch)``, so the batch at step
 ``s`` depends only on (stream, seed, batch_size, seq_len, s): resuming at step ``s`` reproduces exactly
 what an uninterrupted run sees, and no window repeats within an epoch. ``state_dict()`` holds the next
-step plus the settings, which ``load_state_dict`` checks. Sharding: rank ``r`` of ``world_size`` gets
+step plus the settings and the stream's digests (``TokenStream.digest``: its tokens, and the held-out
+split's), which ``load_state_dict`` checks: a run resumed on text edited since (even to the same token
+count) is refused. Sharding: rank ``r`` of ``world_size`` gets
 rows ``r::world_size`` of the same global batch, so the ranks together see exactly the batch one process
 would.
 
@@ -46,7 +48,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from titans.data.stream import TokenStream
+from titans.data.stream import TokenStream, token_digest
 
 log = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -115,6 +117,10 @@ class TokenBatches:
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self.rank, self.world_size = rank, world_size
         self.step = step
+        # (this stream's tokens, the held-out split's) digests; the first is computed when first needed
+        self._digests = (
+            (tokens.digest, tokens.split_digests[1]) if isinstance(tokens, TokenStream) else ("", "")
+        )
         self.windows_per_epoch = (n - 1) // seq_len
         self._slack = (n - 1) - self.windows_per_epoch * seq_len  # room to shift the window grid
         self._epoch_plan = lru_cache(maxsize=4)(self._plan)
@@ -152,22 +158,45 @@ class TokenBatches:
         return batch
 
     def state_dict(self) -> dict:
-        """The next step and the settings it is valid for (plain ints: safe in any checkpoint)."""
+        """The next step, the settings it is valid for and the digests of the stream (``"stream"``) and of
+        the held-out split beside it (``"heldout"``, "" when unknown); plain ints and strings, safe in any
+        checkpoint."""
+        if not self._digests[0]:
+            self._digests = (token_digest(self.tokens), self._digests[1])
         return {
             "step": self.step,
             "seed": self.seed,
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
             "n_tokens": int(self.tokens.shape[0]),
+            "stream": self._digests[0],
+            "heldout": self._digests[1],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at ``state["step"]``; refuses a state made with other settings or another stream."""
+        """Resume at ``state["step"]``; refuses a state made with other settings or another stream (a
+        state without digests, from an older checkpoint, is checked by its token count)."""
         mine = self.state_dict()
-        for key in ("seed", "batch_size", "seq_len", "n_tokens"):
+        for key in ("seed", "batch_size", "seq_len"):
             if key in state and state[key] != mine[key]:
                 raise ValueError(
                     f"data state mismatch: checkpoint has {key}={state[key]}, this loader has {mine[key]}"
+                )
+        fix = (
+            "the data was edited, or documents added or removed, since the checkpoint was written (or this "
+            "version of titans reads the source otherwise: docs/training.md, 'What --data reads'); restore "
+            "the data the run trained on, or start a new run (--overwrite, or another --run-dir)"
+        )
+        n_saved = state.get("n_tokens", mine["n_tokens"])
+        if n_saved != mine["n_tokens"]:
+            raise ValueError(
+                f"data state mismatch: the training text is not the checkpoint's (checkpoint n_tokens="
+                f"{n_saved}, now {mine['n_tokens']}): {fix}"
+            )
+        for key, what in (("stream", "training"), ("heldout", "held-out")):
+            if state.get(key) and mine[key] and state[key] != mine[key]:
+                raise ValueError(
+                    f"data state mismatch: the {what} text is not the checkpoint's (its tokens differ): {fix}"
                 )
         self.step = int(state["step"])
 

@@ -9,14 +9,24 @@ Source specs understood by ``load_source(spec, *, text_field="text")``:
   file, id = path relative to the stdlib folder, sorted. The default training corpus.
 - ``builtin:prose``: Moby-Dick chapters + State of the Union addresses (see ``titans.data.corpus``).
 - a text file (any suffix; ``.gz`` is decompressed): one document, id = the file name.
-- a directory: every non-empty ``*.txt``, ``*.md`` and ``*.py`` file below it, recursively, hidden
-  folders, ``__pycache__`` and ``site-packages`` skipped; one document per file, id = relative path, sorted.
-- a glob (``corpus/**/*.rst``; ``**`` recurses): the matching files, as for a directory.
-- a ``.jsonl`` file: one document per non-blank line, text in field ``text_field``; id ``line-<n>``.
+- a directory: every non-empty ``*.txt``, ``*.md`` and ``*.py`` file below it, recursively, following
+  symlinked folders (each real folder read once); hidden files and folders (``.name``: editor lock and swap
+  files among them), ``__pycache__``, ``site-packages`` and broken symlinks skipped; one document per file,
+  id = relative path, sorted.
+- a glob (``corpus/**/*.rst``; ``**`` recurses, into symlinked folders too; ``*`` does not match hidden
+  names): the matching files, sorted, each real file once, each read by its kind as if named alone: a
+  ``.jsonl`` / ``.jsonl.gz`` file gives its records, id ``<relative path>:line-<n>``; any other file is
+  one document, id = relative path (``.gz`` decompressed). A path that exists is a path, even when its
+  name holds ``*``, ``?`` or ``[``.
+- a ``.jsonl`` (or gzipped ``.jsonl.gz``) file: one document per non-blank line, text in field
+  ``text_field``; id ``line-<n>``. Ids are line numbers, so a record inserted or removed above others moves
+  them across the held-out split: add records at the end (``titans eval ppl`` and ``--resume`` refuse data
+  that changed since the run).
 - ``hf:NAME[:CONFIG][:SPLIT]``: a Hugging Face dataset via ``datasets.load_dataset`` (local folders and
   the local cache work offline); a folder written by ``Dataset.save_to_disk`` is read with
   ``datasets.load_from_disk``. SPLIT defaults to ``train``; use ``hf:NAME::SPLIT`` for a split without a
-  config. One document per row, text in column ``text_field``; id ``row-<i>``. Needs ``titans[datasets]``.
+  config. One document per row, text in column ``text_field``; id ``row-<i>`` (a row number, as for
+  ``.jsonl``). Needs ``titans[datasets]``.
 - ``fasta:PATH`` (plain or gzipped FASTA; ``fasta:builtin`` is the Drosophila sample shipped in
   ``titans/data/genomes``): one document per record, id = its header, text = its sequence in upper case
   (``titans.data.dna``; use it with the ``dna`` tokenizer).
@@ -25,7 +35,11 @@ Public API (names are stable): ``Document``, ``TextSource`` (``spec``, ``fingerp
 ``document_ids()``, ``documents()``), ``FileSource``, ``JsonlSource``, ``HFDatasetSource``,
 ``InMemorySource`` (``from_texts``), ``load_source``, ``stdlib_files``.
 
-Documents are decoded as UTF-8 with invalid bytes replaced (U+FFFD); line endings are kept as they are.
+Documents are decoded as UTF-8 with invalid bytes replaced (U+FFFD), and so are lone UTF-16 surrogates
+that a JSON string escapes (``"\\ud83d"``, half an emoji); line endings are kept as they are. Empty
+documents (an empty file, a record with an empty text) are no documents: ``document_ids()`` and
+``documents()`` leave them out, so the held-out split never picks one. A damaged ``.gz`` file is a
+ValueError naming it.
 """
 
 from __future__ import annotations
@@ -34,18 +48,26 @@ import glob
 import gzip
 import hashlib
 import json
+import logging
 import os
+import re
 import sysconfig
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from titans.validation import did_you_mean
 
 DEFAULT_SUFFIXES = (".txt", ".md", ".py")
 _SKIP_DIRS = {"__pycache__", "site-packages", "dist-packages"}
 _BUILTINS = ("builtin:stdlib", "builtin:prose")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_GZIP_ERRORS = (OSError, EOFError, zlib.error)  # bad header (BadGzipFile), truncated, corrupt stream
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,11 +107,48 @@ def _sha(parts: Sequence[str]) -> str:
     return h.hexdigest()
 
 
+def _gzip_error(path: Path, e: BaseException) -> ValueError:
+    return ValueError(f"{str(path)!r} is not a readable gzip file ({type(e).__name__}: {e}); "
+                      "re-download or re-compress it")  # fmt: skip
+
+
 def _read_text(path: Path) -> str:
     data = path.read_bytes()
     if path.suffix == ".gz":
-        data = gzip.decompress(data)
+        try:
+            data = gzip.decompress(data)
+        except _GZIP_ERRORS as e:
+            raise _gzip_error(path, e) from None
     return data.decode("utf-8", errors="replace")
+
+
+def _has_text(path: Path) -> bool:
+    """Whether a file holds any text (a ``.gz`` file: any decompressed byte); a broken symlink holds none."""
+    try:
+        if path.stat().st_size == 0:
+            return False
+    except FileNotFoundError:
+        return False
+    if path.suffix != ".gz":
+        return True
+    try:
+        with gzip.open(path) as f:
+            return f.read(1) != b""
+    except _GZIP_ERRORS as e:
+        raise _gzip_error(path, e) from None
+
+
+def _valid_text(text: str) -> str:
+    """``text`` with lone surrogates (which UTF-8 cannot encode) replaced by U+FFFD."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
+    return text
+
+
+def _is_jsonl(path: Path) -> bool:
+    return path.name.endswith((".jsonl", ".jsonl.gz"))
 
 
 class InMemorySource(TextSource):
@@ -97,7 +156,8 @@ class InMemorySource(TextSource):
 
     def __init__(self, spec: str, docs: Sequence[Document], fingerprint: str | None = None):
         self.spec = spec
-        self._docs = tuple(docs)
+        # an empty text is no document; a lone surrogate (from a caller's string) becomes U+FFFD
+        self._docs = tuple(Document(d.id, _valid_text(d.text)) for d in docs if d.text)
         self._fingerprint = fingerprint or _sha([x for d in self._docs for x in (d.id, d.text)])
 
     @classmethod
@@ -116,14 +176,17 @@ class InMemorySource(TextSource):
 
 
 class FileSource(TextSource):
-    """One document per file; ids are paths relative to ``root`` (POSIX separators)."""
+    """One document per file, ids = paths relative to ``root`` (POSIX separators); a ``.jsonl`` /
+    ``.jsonl.gz`` file among them gives its records, ids ``<relative path>:line-<n>`` (see
+    ``JsonlSource``). Files without text are left out."""
 
-    def __init__(self, spec: str, root: Path, files: Sequence[Path]):
-        if not files:
-            raise ValueError(f"text source {spec!r}: no files found")
+    def __init__(self, spec: str, root: Path, files: Sequence[Path], text_field: str = "text"):
         self.spec = spec
         self.root = root
-        self.files = list(files)
+        self.text_field = text_field
+        self.files = [f for f in files if _has_text(f)]
+        if not self.files:
+            raise ValueError(f"text source {spec!r}: no files with text found")
 
     def _id(self, path: Path) -> str:
         return path.relative_to(self.root).as_posix()
@@ -133,18 +196,31 @@ class FileSource(TextSource):
         for f in self.files:
             st = f.stat()
             parts += [self._id(f), str(st.st_size), str(st.st_mtime_ns)]
+        if any(_is_jsonl(f) for f in self.files):  # which field is read changes the documents
+            parts.append(self.text_field)
         return _sha(parts)
 
     def document_ids(self) -> list[str]:
-        return [self._id(f) for f in self.files]
+        ids = []
+        for f in self.files:
+            if _is_jsonl(f):
+                ids += [f"{self._id(f)}:{i}" for i in JsonlSource(f, self.text_field).document_ids()]
+            else:
+                ids.append(self._id(f))
+        return ids
 
     def documents(self) -> Iterator[Document]:
         for f in self.files:
-            yield Document(self._id(f), _read_text(f))
+            if _is_jsonl(f):
+                for doc in JsonlSource(f, self.text_field).documents():
+                    yield Document(f"{self._id(f)}:{doc.id}", doc.text)
+            else:
+                yield Document(self._id(f), _read_text(f))
 
 
 class JsonlSource(TextSource):
-    """One document per non-blank line of a JSON-lines file; text in field ``text_field``."""
+    """One document per non-blank line of a JSON-lines file (plain, or gzipped when its name ends in
+    ``.gz``) whose field ``text_field`` holds a non-empty text; id ``line-<n>``."""
 
     def __init__(self, path: Path, text_field: str = "text"):
         self.spec = str(path)
@@ -156,13 +232,18 @@ class JsonlSource(TextSource):
         return _sha([str(self.path.resolve()), str(st.st_size), str(st.st_mtime_ns), self.text_field])
 
     def _lines(self) -> Iterator[tuple[int, str]]:
-        with open(self.path, encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    yield lineno, line
+        opener = gzip.open if self.path.suffix == ".gz" else open
+        with opener(self.path, "rt", encoding="utf-8", errors="replace") as f:
+            try:
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        yield lineno, line
+            except _GZIP_ERRORS as e:
+                raise _gzip_error(self.path, e) from None
 
     def document_ids(self) -> list[str]:
-        return [f"line-{n}" for n, _ in self._lines()]
+        # the records must be read: one with an empty text is no document
+        return [d.id for d in self.documents()]
 
     def documents(self) -> Iterator[Document]:
         for lineno, line in self._lines():
@@ -178,7 +259,8 @@ class JsonlSource(TextSource):
                     f"{self.spec!r} line {lineno}: field {self.text_field!r} is "
                     f"{type(text).__name__}, not a string"
                 )
-            yield Document(f"line-{lineno}", text)
+            if text:
+                yield Document(f"line-{lineno}", _valid_text(text))
 
 
 def load_hf_split(spec: str, what: str):
@@ -225,22 +307,52 @@ class HFDatasetSource(TextSource):
         return self._fingerprint
 
     def document_ids(self) -> list[str]:
-        return [f"row-{i}" for i in range(len(self.dataset))]
+        # a row with an empty (or missing) text is no document; Arrow finds them without reading every
+        # text into Python (a hub dataset can hold billions of bytes)
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        column = self.dataset.with_format("arrow")[self.text_field]
+        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+            return [d.id for d in self.documents()]
+        keep = pc.fill_null(pc.greater(pc.utf8_length(column), 0), False)
+        return [f"row-{i}" for i in np.flatnonzero(keep.to_numpy(zero_copy_only=False))]
 
     def documents(self) -> Iterator[Document]:
         i = 0
         for batch in self.dataset.iter(batch_size=1000):
             for text in batch[self.text_field]:
-                yield Document(f"row-{i}", text if isinstance(text, str) else "")
+                if isinstance(text, str) and text:
+                    yield Document(f"row-{i}", text)
                 i += 1
 
 
-def _walk_files(root: Path, suffixes: Sequence[str], skip_hidden: bool) -> list[Path]:
+def _walk_files(root: Path, suffixes: Sequence[str], skip_hidden: bool, follow_links: bool) -> list[Path]:
+    """Files below ``root`` whose names end in one of ``suffixes``, sorted by relative path. Broken
+    symlinks are skipped; ``follow_links``: symlinked folders are walked too, each real folder once (a link
+    back up the tree is not followed)."""
     found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not (skip_hidden and d.startswith("."))]
-        found += [Path(dirpath, f) for f in filenames if f.endswith(tuple(suffixes))]
-    found = [p for p in found if p.stat().st_size > 0]  # empty files hold no document
+    seen = {os.path.realpath(root)}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=follow_links):
+        keep = []
+        for d in sorted(dirnames):
+            if d in _SKIP_DIRS or (skip_hidden and d.startswith(".")):
+                continue
+            if follow_links:
+                real = os.path.realpath(os.path.join(dirpath, d))
+                if real in seen:
+                    continue
+                seen.add(real)
+            keep.append(d)
+        dirnames[:] = keep
+        for name in filenames:
+            if not name.endswith(tuple(suffixes)) or (skip_hidden and name.startswith(".")):
+                continue
+            path = Path(dirpath, name)
+            if not path.exists():
+                log.warning("text source: skipping %s, a broken symlink", path)
+            elif path.is_file():
+                found.append(path)
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
@@ -249,12 +361,13 @@ def stdlib_files() -> tuple[Path, list[Path]]:
     root = Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
         raise FileNotFoundError(f"builtin:stdlib: the standard library folder {str(root)!r} does not exist")
-    return root, _walk_files(root, (".py",), skip_hidden=False)
+    # the default corpus: read exactly as it always was (no symlinked folders), so its split never moves
+    return root, _walk_files(root, (".py",), skip_hidden=False, follow_links=False)
 
 
-def _glob_source(spec: str) -> FileSource:
-    files = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file())
-    if not files:
+def _glob_source(spec: str, text_field: str) -> FileSource:
+    found = [Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file()]
+    if not found:
         raise FileNotFoundError(f"text source {spec!r}: the glob matches no files")
     # ids are relative to the folder before the first component holding a glob character
     plain = []
@@ -263,7 +376,16 @@ def _glob_source(spec: str) -> FileSource:
             break
         plain.append(part)
     root = Path(*plain) if plain else Path(".")
-    return FileSource(spec, root, sorted(files, key=lambda p: p.relative_to(root).as_posix()))
+    files, seen = [], set()
+    for f in sorted(found, key=lambda p: p.relative_to(root).as_posix()):
+        # a file reached again through a symlinked folder (``**`` follows links, loops too) is read once
+        real = os.path.realpath(f)
+        if real not in seen:
+            seen.add(real)
+            files.append(f)
+    if not any(_has_text(f) for f in files):
+        raise ValueError(f"text source {spec!r}: the glob matches only empty files")
+    return FileSource(spec, root, files, text_field=text_field)
 
 
 def load_source(spec: str | TextSource, *, text_field: str = "text") -> TextSource:
@@ -293,11 +415,12 @@ def load_source(spec: str | TextSource, *, text_field: str = "text") -> TextSour
         from titans.data.dna import fasta_source  # dna imports this module: import it on use
 
         return fasta_source(spec)
-    if any(c in spec for c in "*?["):
-        return _glob_source(spec)
     path = Path(spec).expanduser()
+    if any(c in spec for c in "*?[") and not os.path.lexists(path):  # an existing path is a path
+        return _glob_source(spec, text_field)
     if path.is_dir():
-        files = _walk_files(path, DEFAULT_SUFFIXES, skip_hidden=True)
+        files = _walk_files(path, DEFAULT_SUFFIXES, skip_hidden=True, follow_links=True)
+        files = [f for f in files if _has_text(f)]
         if not files:
             raise ValueError(
                 f"text source {spec!r}: the directory has no {'/'.join('*' + s for s in DEFAULT_SUFFIXES)} "
@@ -305,7 +428,7 @@ def load_source(spec: str | TextSource, *, text_field: str = "text") -> TextSour
             )
         return FileSource(spec, path, files)
     if path.is_file():
-        if path.suffix == ".jsonl":
+        if _is_jsonl(path):
             return JsonlSource(path, text_field=text_field)
         return FileSource(spec, path.parent, [path])
     raise FileNotFoundError(

@@ -2,9 +2,14 @@
 
 A document is held out when a stable hash of its id (BLAKE2b of ``salt + id``, read as a number in
 [0, 1)) is below ``heldout_fraction``. The decision depends on nothing but the id, so it is the same on
-every machine and run, and adding documents to a source never moves existing ones across the split.
-Both sides are guaranteed non-empty: if the hash puts every document on one side, the document with the
-lowest (highest) score moves to the held-out (training) side.
+every machine and run, and documents added to a source do not move the others across the split, as long
+as (1) their ids stay the same: true of files (id = path) and of records appended at the end of a
+``.jsonl`` file or dataset, not of records inserted above others (their ids are line / row numbers, see
+``titans.data.sources``), and (2) the fallback below is not involved. Both sides are guaranteed non-empty:
+if the hash puts every document on one side, the document with the lowest (highest) score moves to the
+held-out (training) side; in a source that small a document added later can take that place (a new lowest
+score), moving the old one back. Runs record digests of both splits (``titans.data.stream``), so
+``--resume`` and ``titans eval ppl`` refuse data whose split has changed since.
 
 A source with a single document cannot be split by id: then the held-out text is the document's
 contiguous tail (its last ``heldout_fraction`` of characters, cut at a line start when one is there), and

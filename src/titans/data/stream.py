@@ -10,6 +10,15 @@ and all 256 byte values are text, so documents are separated by the NUL byte (id
 which never occurs in the prose or Python sources used here. A non-byte tokenizer without an eos uses the
 encoding of a blank line (``"\\n\\n"``).
 
+Empty documents are left out by the sources (``titans.data.sources``), so the split never holds out only
+empty text.
+
+Digests: ``TokenStream.digest`` is a SHA-256 of a split's tokens (``token_digest``), and
+``TokenStream.split_digests`` the (train, held-out) pair of the build it belongs to. Training checkpoints
+record them (``TokenBatches.state_dict``), so ``--resume`` and ``titans eval ppl`` can tell when the text
+was edited, or documents added or removed, since the run (a cheap source fingerprint cannot: a copied folder
+has new modification times).
+
 Byte count (for bits-per-byte): ``TokenStream.n_bytes`` is the UTF-8 byte count of the text the stream
 encodes, counting each separator as one byte. For the byte tokenizer this equals the token count exactly.
 
@@ -17,12 +26,15 @@ Cache: with ``cache=True`` the arrays are stored under ``cache_dir/tokens/<name>
 ``heldout.npy``, ``meta.json``), where the key hashes the source fingerprint, the tokenizer fingerprint,
 the split settings and the format version; a second run memory-maps them. Entries are written to a temp
 folder and renamed into place, so a crash never leaves a half-written entry; a damaged entry is rebuilt.
+A cache folder that cannot be written (read-only, no space, a file in its place) is warned about, and the
+run goes on without it.
 ``default_cache_dir()`` is ``$TITANS_CACHE_DIR``, else ``$XDG_CACHE_HOME/titans``, else ``~/.cache/titans``.
 Under torchrun, let rank 0 call ``load_token_streams`` first and the other ranks after a barrier (they then
 read the cache); ranks that race all tokenize, and the first finished entry wins.
 
 Public API (names are stable): ``TokenStream``, ``TokenStreams``, ``load_token_streams``,
-``separator_ids``, ``encode_documents``, ``token_dtype``, ``default_cache_dir``, ``BYTE_SEPARATOR``.
+``separator_ids``, ``encode_documents``, ``token_dtype``, ``token_digest``, ``default_cache_dir``,
+``BYTE_SEPARATOR``.
 """
 
 from __future__ import annotations
@@ -59,6 +71,8 @@ class TokenStream:
     ``tokens``: (n_tokens,) uint16 or int32, possibly a read-only memory map.
     ``n_bytes``: UTF-8 bytes of the encoded text (separators count one byte each).
     ``document_ids``: the documents in the stream, in order.
+    ``digest``: ``token_digest(tokens)`` ("" when not computed); ``split_digests``: the (train, held-out)
+    digests of the split this stream is one side of (("", "") when not from ``load_token_streams``).
     """
 
     tokens: np.ndarray
@@ -67,6 +81,8 @@ class TokenStream:
     split: str
     source: str
     tokenizer: str
+    digest: str = ""
+    split_digests: tuple[str, str] = ("", "")
 
     @property
     def n_tokens(self) -> int:
@@ -83,6 +99,13 @@ class TokenStream:
 class TokenStreams(NamedTuple):
     train: TokenStream
     heldout: TokenStream
+
+
+def token_digest(tokens: np.ndarray) -> str:
+    """SHA-256 (hex) of a token array's values and dtype: equal digests, equal streams."""
+    h = hashlib.sha256(str(np.dtype(tokens.dtype)).encode())
+    h.update(memoryview(np.ascontiguousarray(tokens)).cast("B"))
+    return h.hexdigest()
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -140,6 +163,7 @@ class _SplitBuilder:
 
 
 def _build(source: TextSource, tokenizer: Tokenizer, heldout_fraction: float, salt: str) -> dict:
+    # document_ids() leaves empty documents out, so they are never the only held-out ones
     split = split_documents(source.document_ids(), heldout_fraction, salt=salt, source=source.spec)
     heldout = set(split.heldout_ids)
     dtype = token_dtype(tokenizer.vocab_size)
@@ -161,7 +185,7 @@ def _build(source: TextSource, tokenizer: Tokenizer, heldout_fraction: float, sa
     chars = 0
     for doc in source.documents():
         if not doc.text:
-            continue  # an empty document would contribute only a separator
+            continue  # (sources yield none) an empty document would contribute only a separator
         if split.tail_fraction is not None:
             head, tail = split_tail(doc.text, split.tail_fraction)
             pending += [("train", doc.id, head), ("heldout", doc.id, tail)]
@@ -179,7 +203,8 @@ def _build(source: TextSource, tokenizer: Tokenizer, heldout_fraction: float, sa
             raise ValueError(
                 f"text source {source.spec!r} has no text for the {name} split (empty documents)"
             )
-        result[name] = (np.concatenate(b.parts), b.n_bytes, b.ids)
+        tokens = np.concatenate(b.parts)
+        result[name] = (tokens, b.n_bytes, b.ids, token_digest(tokens))
     return result
 
 
@@ -192,24 +217,41 @@ def _read_cache(entry: Path, tokenizer_name: str, spec: str) -> TokenStreams | N
             tokens = np.load(entry / f"{name}.npy", mmap_mode="r")
             if tokens.shape != (info["n_tokens"],):
                 raise ValueError(f"{name}.npy has shape {tokens.shape}, meta.json says {info['n_tokens']}")
-            streams[name] = TokenStream(
-                tokens, int(info["n_bytes"]), tuple(info["document_ids"]), name, spec, tokenizer_name
-            )
-        return TokenStreams(**streams)
+            # entries written before digests were recorded: hash the tokens now
+            digest = info.get("digest") or token_digest(tokens)
+            streams[name] = (tokens, int(info["n_bytes"]), tuple(info["document_ids"]), digest)
+        return _streams(streams, spec, tokenizer_name)
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("token cache %s is damaged (%s); rebuilding it", entry, e)
         return None
 
 
+def _streams(built: dict, spec: str, tokenizer_name: str) -> TokenStreams:
+    """TokenStreams from {split: (tokens, n_bytes, ids, digest)}."""
+    digests = (built["train"][3], built["heldout"][3])
+    return TokenStreams(
+        **{
+            name: TokenStream(tokens, n_bytes, tuple(ids), name, spec, tokenizer_name, digest, digests)
+            for name, (tokens, n_bytes, ids, digest) in built.items()
+        }
+    )
+
+
 def _write_cache(entry: Path, built: dict, meta: dict, replace_damaged: bool) -> None:
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=entry.parent))
-    ordinary_mode(tmp)  # mkdtemp's folder is private; the cache entry is an ordinary folder
-    try:
+    tmp = None
+    try:  # the cache only saves time: any failure to write it is a warning
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=entry.parent))
+        ordinary_mode(tmp)  # mkdtemp's folder is private; the cache entry is an ordinary folder
         meta = dict(meta, splits={})
-        for name, (tokens, n_bytes, ids) in built.items():
+        for name, (tokens, n_bytes, ids, digest) in built.items():
             np.save(tmp / f"{name}.npy", tokens)
-            meta["splits"][name] = {"n_tokens": int(tokens.shape[0]), "n_bytes": n_bytes, "document_ids": ids}
+            meta["splits"][name] = {
+                "n_tokens": int(tokens.shape[0]),
+                "n_bytes": n_bytes,
+                "document_ids": ids,
+                "digest": digest,
+            }
         (tmp / "meta.json").write_text(json.dumps(meta))
         if replace_damaged:
             shutil.rmtree(entry, ignore_errors=True)
@@ -222,7 +264,8 @@ def _write_cache(entry: Path, built: dict, meta: dict, replace_damaged: bool) ->
     except OSError as e:
         log.warning("could not write token cache %s (%s); continuing without it", entry, e)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_token_streams(
@@ -257,7 +300,7 @@ def load_token_streams(
         Path(cache_dir or default_cache_dir()) / "tokens" / f"{_slug(src.spec)}-{_slug(tokenizer.name)}-{key}"
     )
     damaged = False
-    if cache and entry.is_dir():
+    if cache and _is_dir(entry):
         cached = _read_cache(entry, tokenizer.name, src.spec)
         if cached is not None:
             return cached
@@ -266,9 +309,11 @@ def load_token_streams(
     built = _build(src, tokenizer, heldout_fraction, salt)
     if cache:
         _write_cache(entry, built, meta, replace_damaged=damaged)
-    return TokenStreams(
-        **{
-            name: TokenStream(tokens, n_bytes, tuple(ids), name, src.spec, tokenizer.name)
-            for name, (tokens, n_bytes, ids) in built.items()
-        }
-    )
+    return _streams(built, src.spec, tokenizer.name)
+
+
+def _is_dir(path: Path) -> bool:
+    try:  # a folder that cannot be searched holds no cache entry we can use
+        return path.is_dir()
+    except OSError:
+        return False

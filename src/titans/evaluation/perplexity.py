@@ -1,28 +1,45 @@
 """`titans eval ppl`: held-out loss, perplexity and bits per byte of a saved checkpoint.
 
-    titans eval ppl --checkpoint C [--data SPEC] [--seq-len N] [--windows K]
+    titans eval ppl --checkpoint C [--data SPEC] [--seq-len N] [--windows K] [--allow-changed-data]
 
 scores a checkpoint's own held-out split, or all of the text named by ``--data`` (see
 ``titans.data.sources``), with ``titans.training.perplexity.evaluate_perplexity`` (the function the
 trainer's own evaluations use), prints the result and writes it as JSON.
+
+The held-out split is rebuilt from the run's data as it is now, and checked against the digests the
+checkpoint recorded (``TokenBatches.state_dict``; an older checkpoint records only the training token
+count): data edited, added to or removed from since the run would be split otherwise, and a "held-out"
+score could include text the model trained on. Such data is refused, or scored with a warning under
+``--allow-changed-data``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from titans.data.loader import EvalWindows
 from titans.data.sources import load_source
-from titans.data.stream import TokenStream, encode_documents, load_token_streams, separator_ids, token_dtype
+from titans.data.stream import (
+    TokenStream,
+    TokenStreams,
+    encode_documents,
+    load_token_streams,
+    separator_ids,
+    token_dtype,
+)
 from titans.data.tokenizers import Tokenizer
 from titans.runtime.device import resolve_device
 from titans.runtime.loading import load_checkpoint_from
 from titans.training import perplexity as _heldout
 from titans.training.model_io import load_model
+
+log = logging.getLogger(__name__)
 
 
 def whole_source_stream(spec: str, tokenizer: Tokenizer, text_field: str = "text") -> TokenStream:
@@ -42,15 +59,48 @@ def whole_source_stream(spec: str, tokenizer: Tokenizer, text_field: str = "text
     return TokenStream(tokens, n_bytes, tuple(ids), "all", source.spec, tokenizer.name)
 
 
-def heldout_stream(cfg, tokenizer: Tokenizer) -> TokenStream:
-    """The held-out split a training run (its `TrainConfig`) set aside, as that run split and tokenized it."""
-    return load_token_streams(
+def data_changes(streams: TokenStreams, data_state: dict[str, Any] | None) -> str | None:
+    """How the data now differs from what a checkpoint's data state (``TokenBatches.state_dict``) records,
+    or None when it does not, as far as the record tells: by the held-out digest (the same held-out text
+    scores the same, whatever became of the training text), else, for a checkpoint from before digests,
+    by the training token count."""
+    state = data_state or {}
+    if state.get("heldout") and streams.heldout.digest:
+        same = state["heldout"] == streams.heldout.digest
+        return None if same else "the held-out tokens differ from the ones the run held out"
+    if "n_tokens" in state and int(state["n_tokens"]) != streams.train.n_tokens:
+        return f"the training split has {streams.train.n_tokens} tokens, the run's had {state['n_tokens']}"
+    return None
+
+
+def heldout_stream(
+    cfg, tokenizer: Tokenizer, data_state: dict[str, Any] | None = None, allow_changed: bool = False
+) -> TokenStream:
+    """The held-out split a training run (its `TrainConfig`) set aside, as that run split and tokenized it.
+
+    ``data_state``: the checkpoint's ``trainer_state["data"]``; when the data differs from it (see the
+    module docstring) a ValueError, or with ``allow_changed`` a warning. None: not checked.
+    """
+    streams = load_token_streams(
         cfg.data,
         tokenizer,
         heldout_fraction=cfg.heldout_fraction,
         cache_dir=cfg.cache_dir,
         text_field=cfg.text_field,
-    ).heldout
+    )
+    change = data_changes(streams, data_state) if data_state is not None else None
+    if change is not None:
+        what = (
+            f"the data {cfg.data!r} changed since the run ({change}), so its held-out split is no longer "
+            "the run's: the documents held out now may include text the model trained on"
+        )
+        if not allow_changed:
+            raise ValueError(
+                f"{what}; restore the run's data, score other text with --data, or pass --allow-changed-data "
+                "to score it anyway"
+            )
+        log.warning("%s; scoring it anyway (--allow-changed-data)", what)
+    return streams.heldout
 
 
 def run_ppl(args) -> int:
@@ -61,7 +111,8 @@ def run_ppl(args) -> int:
     model, cfg, tokenizer = load_model(loaded, map_location=device)
     seq_len = cfg.seq_len if args.seq_len is None else args.seq_len
     if args.data is None:
-        stream = heldout_stream(cfg, tokenizer)
+        data_state = loaded.trainer_state.get("data") or {}
+        stream = heldout_stream(cfg, tokenizer, data_state, allow_changed=args.allow_changed_data)
         data_desc = f"{cfg.data} (held-out split)"
     else:
         stream = whole_source_stream(args.data, tokenizer, text_field=args.text_field)
@@ -92,6 +143,12 @@ def add_ppl_parser(evals) -> None:
         "--data", default=None, help="text source to score in full (default: the checkpoint's held-out split)"
     )
     p.add_argument("--text-field", default="text", help="JSONL / dataset text field for --data")
+    p.add_argument(
+        "--allow-changed-data",
+        action="store_true",
+        help="score the held-out split even when the run's data changed since the run (it may then hold "
+        "training text; a warning says so)",
+    )
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: the training seq_len)")
     p.add_argument("--windows", type=int, default=64, help="number of windows, spread over the text")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")

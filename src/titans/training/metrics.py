@@ -53,8 +53,13 @@ class MetricsLogger:
             return
         row: dict[str, Any] = {"split": split, "step": int(step)}
         row.update({k: _plain(v) for k, v in values.items()})
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+        except OSError as e:  # a full disk: name the file (a write error on an open file names none)
+            if e.filename is not None or e.errno is None:
+                raise
+            raise OSError(e.errno, e.strerror, str(self.path)) from e
         if self._tb is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
