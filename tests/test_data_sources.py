@@ -263,7 +263,7 @@ def test_heldout_stream_refuses_data_changed_since_the_run(tmp_path, caplog):
     assert "scoring it anyway" in caplog.text
 
 
-def test_eval_ppl_and_resume_refuse_a_run_whose_data_changed(tmp_path, capsys):
+def test_eval_ppl_context_and_resume_refuse_a_run_whose_data_changed(tmp_path, capsys):
     path = write_jsonl(tmp_path / "data.jsonl", records(40))
     run = tmp_path / "run"
     cfg = micro_config(run, tmp_path / "cache", data=str(path), heldout_fraction=0.2, batch_size=2, steps=1,
@@ -278,6 +278,12 @@ def test_eval_ppl_and_resume_refuse_a_run_whose_data_changed(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "changed since the run" in err and "data.jsonl" in err, err
     assert titans_main([*ppl, "--allow-changed-data"]) == 0
     capsys.readouterr()
+    # eval context scores the same held-out split: refused alike
+    context = ["eval", "context", "--checkpoint", str(run), "--length", "16", "--windows", "1", "--no-frozen",
+               "--device", "cpu", "--out", str(tmp_path / "ctx.json")]  # fmt: skip
+    for per_document in ([], ["--per-document"]):
+        assert titans_main([*context, *per_document]) == 2
+        assert "changed since the run" in capsys.readouterr().err
     # resuming it on the changed data is refused too
     with pytest.raises(ValueError, match="training text is not the checkpoint's"):
         Trainer(TrainConfig(**{**cfg.to_dict(), "steps": 2}), resume=True)

@@ -8,6 +8,8 @@ import json
 import pytest
 
 from titans.cli import main as titans_main
+from titans.data.tokenizers import ByteTokenizer
+from titans.evaluation.babilong import babilong_grid
 from titans.evaluation.scoring import AccuracyTable
 from titans.evaluation.seeds import aggregate_tables, format_seed_table
 
@@ -44,7 +46,13 @@ def test_babilong_seeds_trains_one_model_per_seed_on_the_same_samples(tmp_path, 
     runs = {s: json.loads((tmp_path / f"bl_seed{s}.json").read_text()) for s in (3, 1)}
     assert [r["metadata"]["model"]["training"]["recipe"]["seed"] for r in runs.values()] == [3, 1]
     answers = [[(x["length"], x["answer"]) for x in r["metadata"]["samples"]] for r in runs.values()]
-    assert answers[0] == answers[1]  # the same stories for every seed
+    assert answers[0] == answers[1]  # the same stories for every seed: those of --seed (0), not seed 3's
+    drawn = babilong_grid(ByteTokenizer(), [400, 430], ["qa1"], samples_per_cell=3, seed=0, num_facts=2)
+    assert answers[0] == [(s.length, s.answer) for s in drawn]
+    assert answers[0] != [
+        (s.length, s.answer)
+        for s in babilong_grid(ByteTokenizer(), [400, 430], ["qa1"], samples_per_cell=3, seed=3, num_facts=2)
+    ]
     summary = json.loads((tmp_path / "bl_seeds.json").read_text())
     assert summary["seeds"] == [3, 1]
     for cell in summary["cells"]:

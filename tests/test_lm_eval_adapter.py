@@ -123,6 +123,31 @@ def test_rolling_equals_full_sequence_loglikelihood():
     assert got_w < 0 and math.isfinite(got_w) and first > got_w
 
 
+@pytest.mark.parametrize("max_length", [10, 16, 33])
+def test_max_length_reads_what_lm_eval_s_hf_model_reads(max_length):
+    """lm-eval's HF model feeds (context + continuation)[-(max_length + 1):][:-1]: max_length tokens. Every
+    rolling window (the last, partial one too) is then scored whole, and the total equals lm-eval's own
+    windows scored directly."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    model = tiny_model("mac", seed=2)
+    lm = TitansEvalLM(model=model, tokenizer=TOK, dtype="float64", max_length=max_length)
+    text = "The kitchen is north of the garden. Mary went to the hallway. John is here."
+    tokens = TOK.encode(text)
+    windows = get_rolling_token_windows(
+        token_list=tokens, prefix_token=lm.prefix[-1], max_seq_len=max_length, context_len=1
+    )
+    want = sum(reference(model, *make_disjoint_window(w))[0] for w in windows)
+    [got] = lm.loglikelihood_rolling([req("loglikelihood_rolling", (text,))])
+    assert got == pytest.approx(want, rel=1e-9, abs=1e-9)
+    # loglikelihood: the last max_length + 1 tokens of context + continuation
+    context, continuation = text[:50], text[50:56]
+    whole = (TOK.encode(context) + TOK.encode(continuation))[-(max_length + 1) :]
+    [(lp, greedy)] = lm.loglikelihood([req("loglikelihood", (context, continuation))])
+    want_lp, want_greedy = reference(model, whole[:-6], whole[-6:])
+    assert lp == pytest.approx(want_lp, rel=1e-9, abs=1e-9) and greedy == want_greedy
+
+
 def test_bad_model_args_are_named():
     model = tiny_model("lmm")
     with pytest.raises(ValueError, match="dtype"):

@@ -1,12 +1,15 @@
 """File modes for what the library writes through `tempfile` (atomic writes: write a temporary file or
 folder, then rename it into place). `tempfile` creates them private (0600 files, 0700 folders); the final
 files should have the mode an ordinary ``open()`` / ``mkdir()`` gives: 0666 / 0777 less the process umask.
-And safetensors files written byte-reproducibly (`save_safetensors`).
+A text file written atomically (`write_text_atomic`), and safetensors files written byte-reproducibly
+(`save_safetensors`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -27,6 +30,34 @@ def ordinary_mode(path: str | Path) -> None:
     """Give a file made by `tempfile` the mode ``open()`` would have given it (a folder: ``mkdir()``)."""
     base = 0o777 if Path(path).is_dir() else 0o666
     os.chmod(path, base & ~current_umask())
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` all or nothing: a temporary file in the same folder, flushed to
+    disk, then renamed over ``path``. A write that fails part-way (a full disk) leaves the previous file as
+    it was, never a truncated one; the file gets the mode ``open()`` would have given it."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        ordinary_mode(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None and e.errno is not None:  # a write: name the file
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
+    with contextlib.suppress(OSError):  # the rename itself to disk; not every file system opens folders
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    return path
 
 
 def _canonical_header(header: bytes) -> bytes | None:

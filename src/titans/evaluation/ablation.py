@@ -36,9 +36,8 @@ from titans.evaluation.args import (
     str_list,
 )
 from titans.evaluation.lm_study import add_lm_args, lm_train_config, run_root
-from titans.evaluation.recipe import build_model, niah_samples, task_config
+from titans.evaluation.recipe import build_model, evaluate_lengths, niah_samples, task_config
 from titans.evaluation.reporting import write_study
-from titans.evaluation.runner import evaluate
 from titans.evaluation.scoring import new_figure, render_table, save_figure
 from titans.evaluation.task_training import train_on_task
 from titans.models.variants import VARIANT_SPECS
@@ -78,13 +77,16 @@ def run_row(args: argparse.Namespace, name: str, overrides: dict[str, Any], root
         task_cfg = task_config(args, "niah", kind="passkey", haystack=None)
         history = train_on_task(model, tokenizer, task_cfg, max_seconds=args.task_time_budget)
         samples = niah_samples(tokenizer, args, args.eval_lengths)
-        res = evaluate(model, tokenizer, samples, by="depth", batch_size=args.eval_batch_size)
+        # as `eval niah`: --eval-batch-size, --prefill-chunk, and --max-attention-length's skipped lengths
+        res, _, skipped = evaluate_lengths(model, tokenizer, samples, by="depth", args=args, label=name)
         record.update(
-            niah_accuracy=res.table.overall,
-            niah_by_length={str(length): res.table.row_accuracy(length) for length in res.table.rows},
+            niah_accuracy=None if res is None else res.table.overall,
+            niah_by_length={} if res is None else {str(n): res.table.row_accuracy(n) for n in res.table.rows},
+            niah_skipped_lengths=skipped,
             niah_final_task_loss=history[-1]["loss_avg"] if history else None,
         )
-        print(f"[{name}] NIAH accuracy {100 * res.table.overall:.1f}%")
+        if res is not None:
+            print(f"[{name}] NIAH accuracy {100 * res.table.overall:.1f}%")
     record["seconds"] = time.perf_counter() - t0
     return record
 

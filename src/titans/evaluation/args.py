@@ -9,6 +9,7 @@ tokenizer, gate inits), ``add_recipe_args`` (the fine-tuning recipe, ``TaskTrain
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from titans.evaluation.haystack import HAYSTACK_NAMES
@@ -32,6 +33,34 @@ def int_list(text: str) -> list[int]:
 
 def float_list(text: str) -> list[float]:
     return _number_list(text, float, "numbers", "number")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _finite(text: str, ok, want: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+    if not (math.isfinite(value) and ok(value)):  # NaN compares false: "nan" would pass a bare bound
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    return _finite(text, lambda v: v > 0, "a finite number > 0")
+
+
+def nonnegative_float(text: str) -> float:
+    return _finite(text, lambda v: v >= 0, "a finite number >= 0")
 
 
 def str_list(text: str) -> list[str]:
@@ -115,13 +144,13 @@ def add_recipe_args(
     g.add_argument("--curriculum", type=float, default=0.5, help="share of steps over which lengths grow")
     g.add_argument(
         "--curriculum-loss",
-        type=float,
+        type=positive_float,
         default=None,
         help="adaptive curriculum: grow lengths by 25%% whenever the running answer loss is below this",
     )
     g.add_argument(steps_flag, dest="steps", type=int, default=default_steps, help="fine-tuning steps")
     g.add_argument("--batch-size", type=int, default=8, help="fine-tuning batch")
-    g.add_argument("--lr", type=float, default=3e-3, help="fine-tuning peak learning rate")
+    g.add_argument("--lr", type=positive_float, default=3e-3, help="fine-tuning peak learning rate")
     g.add_argument("--warmup-steps", type=int, default=20, help="fine-tuning warm-up steps")
     g.add_argument(
         "--hold-lr",
@@ -129,7 +158,9 @@ def add_recipe_args(
         help="keep the peak learning rate until the curriculum reaches --train-length, then decay (cosine) "
         "over the remaining steps",
     )
-    g.add_argument("--lm-loss-weight", type=float, default=0.0, help="add the LM loss of all tokens x this")
+    g.add_argument(
+        "--lm-loss-weight", type=nonnegative_float, default=0.0, help="add the LM loss of all tokens x this"
+    )
     g.add_argument(
         "--train-haystack",
         type=haystack_list,
@@ -139,19 +170,21 @@ def add_recipe_args(
     )
     g.add_argument(
         "--train-distractors",
-        type=float,
+        type=nonnegative_float,
         default=0.0,
         metavar="PER_1K",
         help="pass-key training: decoy numbers per 1,000 haystack tokens (half of them the key with a digit "
         "or two changed), to keep the key apart from a haystack's own numbers",
     )
-    g.add_argument("--time-budget", type=float, default=None, metavar="MINUTES", help="stop training early")
+    g.add_argument(
+        "--time-budget", type=positive_float, default=None, metavar="MINUTES", help="stop training early"
+    )
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--samples", type=int, default=4, help="samples per table cell")
-    p.add_argument("--eval-batch-size", type=int, default=8, help="prompts decoded together")
-    p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per forward call")
+    p.add_argument("--samples", type=positive_int, default=4, help="samples per table cell")
+    p.add_argument("--eval-batch-size", type=positive_int, default=8, help="prompts decoded together")
+    p.add_argument("--prefill-chunk", type=positive_int, default=2048, help="prompt tokens per forward call")
     p.add_argument(
         "--max-attention-length",
         type=int,

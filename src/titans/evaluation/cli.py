@@ -18,7 +18,6 @@ files (``reporting``).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from titans.data.tokenizers import load_tokenizer
@@ -41,6 +40,7 @@ from titans.evaluation.perplexity import add_ppl_parser
 from titans.evaluation.recipe import (
     babilong_samples,
     build_model,
+    check_save_folder,
     evaluate_lengths,
     load_task_model,
     niah_samples,
@@ -50,9 +50,10 @@ from titans.evaluation.recipe import (
     train_with_recipe,
 )
 from titans.evaluation.reporting import command_line, output_paths, report_table
-from titans.evaluation.scoring import AccuracyTable, format_table
+from titans.evaluation.scoring import AccuracyTable, format_table, write_json
 from titans.evaluation.seeds import aggregate_tables, format_seed_table
 from titans.models.config import VARIANTS
+from titans.runtime.checkpoint import META_FILE, list_checkpoints
 
 # ---------------------------------------------------------------------------------------------------------
 # titans eval niah
@@ -115,9 +116,11 @@ def run_babilong(args: argparse.Namespace) -> int:
     return 0
 
 
-def _babilong_once(args: argparse.Namespace, samples: list | None = None) -> tuple[Path, AccuracyTable, list]:
-    """Obtain (train) one model, evaluate it on ``samples`` (default: drawn with ``--seed``), write its
-    result file; returns (its path, its table, the samples)."""
+def _babilong_once(
+    args: argparse.Namespace, samples: list | None = None, sample_seed: int | None = None
+) -> tuple[Path, AccuracyTable, list]:
+    """Obtain (train) one model, evaluate it on ``samples`` (default: drawn with ``sample_seed``, default
+    ``--seed``), write its result file; returns (its path, its table, the samples)."""
     model, tokenizer, info = obtain_model(
         args,
         lambda: task_config(
@@ -125,7 +128,7 @@ def _babilong_once(args: argparse.Namespace, samples: list | None = None) -> tup
         ),
     )
     if samples is None:
-        samples = babilong_samples(tokenizer, args, args.lengths)
+        samples = babilong_samples(tokenizer, args, args.lengths, seed=sample_seed)
     result, kept, skipped = evaluate_lengths(
         model, tokenizer, samples, by="task", args=args, label="babilong"
     )
@@ -161,6 +164,9 @@ def _run_babilong_seeds(args: argparse.Namespace) -> int:
         raise ValueError("--seeds trains one model per seed: give --train-recipe")
     base = argparse.Namespace(**vars(args))
     stem = args.name or f"babilong_{'_'.join(args.tasks)}_{args.variant}"
+    if base.save_model:  # every seed's folder, before the first seed trains
+        for seed in args.seeds:
+            check_save_folder(f"{base.save_model}_seed{seed}", f"--save-model (seed {seed})", note=False)
     files, tables, samples = [], [], None
     for seed in args.seeds:
         run = argparse.Namespace(**vars(base))
@@ -168,15 +174,15 @@ def _run_babilong_seeds(args: argparse.Namespace) -> int:
         if base.save_model:
             run.save_model = f"{base.save_model}_seed{seed}"
         print(f"=== seed {seed}")
-        path, table, samples = _babilong_once(run, samples)
+        # the samples are drawn once, with --seed (run.seed is the training seed)
+        path, table, samples = _babilong_once(run, samples, sample_seed=base.seed)
         files.append(str(path))
         tables.append(table)
     summary = aggregate_tables(args.seeds, tables)
     json_path, _ = output_paths(argparse.Namespace(out=args.out, name=f"{stem}_seeds"), "babilong", "")
-    json_path.parent.mkdir(parents=True, exist_ok=True)
     payload = {**summary, "task": "babilong", "tasks": args.tasks, "sample_seed": args.seed}
     payload.update(per_seed_files=files, command=command_line(args))
-    json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    write_json(json_path, payload)
     print(f"BABILong over seeds {args.seeds}: mean accuracy % [min-max]")
     print(format_seed_table(summary))
     print(f"wrote {json_path}")
@@ -222,6 +228,14 @@ def run_tasks(args: argparse.Namespace) -> int:
         args.haystack = haystack
         samples = babilong_samples(tokenizer, args, args.eval_lengths)
         by = "task"
+    for variant in args.variants:  # every folder checked before the first variant trains or is evaluated
+        saved = Path(args.from_models or ".") / variant
+        if args.from_models and not ((saved / META_FILE).is_file() or list_checkpoints(saved)):
+            raise ValueError(
+                f"--from-models {args.from_models}: no {variant} model ({saved} has no checkpoint)"
+            )
+        if args.save_models:
+            check_save_folder(Path(args.save_models) / variant, f"--save-models ({variant})")
     combined = AccuracyTable(row_name="length", col_name="variant")
     per_variant: dict[str, dict] = {}
     for variant in args.variants:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -46,9 +45,9 @@ from titans.data.split import split_documents, split_tail
 from titans.data.stream import TokenStream, encode_documents
 from titans.data.tokenizers import Tokenizer
 from titans.evaluation.args import set_threads, str_list
-from titans.evaluation.perplexity import heldout_stream, whole_source_stream
+from titans.evaluation.perplexity import add_changed_data_arg, heldout_stream, whole_source_stream
 from titans.evaluation.reporting import command_line, plot_or_skip
-from titans.evaluation.scoring import new_figure, render_table, save_figure
+from titans.evaluation.scoring import new_figure, render_table, save_figure, write_json
 from titans.models.lm import TitansLM
 from titans.runtime.checkpoint import Checkpoint, CheckpointError
 from titans.runtime.loading import load_checkpoint_from, load_weights, tokenizer_from_record
@@ -424,7 +423,8 @@ def evaluate_context(
     """Score every model (label -> model, or a function loading it, called when its turn comes and dropped
     after) on the same windows. With ``frozen``, the first model's frozen twin is scored right after it,
     labelled "<variant> frozen twin" (skipped for a model without memory). ``on_curve`` sees each curve as
-    it is finished (progress)."""
+    it is finished (progress). A NaN or infinite loss (the model's outputs are not finite) is a ValueError
+    naming the model, the window and the position."""
     if not models:
         raise ValueError("evaluate_context: no models to score")
     result = ContextResult(windows.length, windows.count)
@@ -443,12 +443,25 @@ def evaluate_context(
                 m, windows.inputs, windows.targets, piece, batch_size=batch_size, device=device
             )
             seconds = time.perf_counter() - t0
+            _check_finite(name, losses, windows)
             curve = context_curve(name, losses, variant=m.config.variant, frozen=is_twin, seconds=seconds)
             result.curves.append(curve)
             if on_curve is not None:
                 on_curve(curve)
         del model, todo
     return result
+
+
+def _check_finite(label: str, losses: np.ndarray, windows: ContextWindows) -> None:
+    """A NaN or infinite loss means the model's outputs are not finite: an error, not a curve of NaN."""
+    bad = ~np.isfinite(losses)
+    if bad.any():
+        w, p = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{label}: the next-token loss is {losses[w, p]} at position {p} of window {w} "
+            f"({windows.origins[w]}): the model's outputs are not finite (NaN or inf logits); "
+            f"{int(bad.sum())} of {bad.size} positions"
+        )
 
 
 def format_context_table(result: ContextResult) -> str:
@@ -533,16 +546,20 @@ def check_context_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--labels must be distinct and non-empty, got {args.labels}")
 
 
-def _load_windows(args: argparse.Namespace, cfg, tokenizer: Tokenizer) -> tuple[ContextWindows, str]:
-    """The windows ``--data`` / ``--per-document`` ask for, and a description of the text."""
+def _load_windows(
+    args: argparse.Namespace, cfg, tokenizer: Tokenizer, data_state: dict
+) -> tuple[ContextWindows, str]:
+    """The windows ``--data`` / ``--per-document`` ask for, and a description of the text. ``data_state``:
+    the checkpoint's record of its data, against which its held-out split is checked (`heldout_stream`)."""
     if args.data is None:  # the checkpoint's held-out split, as `titans eval ppl` scores it
         desc, what = f"{cfg.data} (held-out split)", f"the held-out split of {cfg.data!r}"
+        # built (cached) also for --per-document: it checks the split is still the run's
+        stream = heldout_stream(cfg, tokenizer, data_state, allow_changed=args.allow_changed_data)
         if args.per_document:
             docs = source_documents(
                 cfg.data, tokenizer, text_field=cfg.text_field, heldout_fraction=cfg.heldout_fraction
             )
             return document_windows(docs, args.length, args.windows, what=what), desc
-        stream = heldout_stream(cfg, tokenizer)
         return context_windows(stream, args.length, args.windows, what=what), desc
     what = f"text source {args.data!r}"
     if args.per_document:
@@ -568,7 +585,7 @@ def run_context(args: argparse.Namespace) -> int:
                 f"with {_describe(tokenizer)}: losses over different tokens cannot be compared"
             )
         compares.append((run, other))
-    win, data_desc = _load_windows(args, cfg, tokenizer)
+    win, data_desc = _load_windows(args, cfg, tokenizer, loaded.trainer_state.get("data") or {})
     if win.count < win.requested:
         print(
             f"note: {data_desc} has room for {win.count} windows of {win.length} tokens, not {win.requested}"
@@ -620,8 +637,7 @@ def run_context(args: argparse.Namespace) -> int:
         **result.to_dict(),  # length, windows, buckets, models, curve bins, writing - frozen
         "command": command_line(args),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    write_json(out, payload)
     print("next-token loss (nats/token) by position")
     print(format_context_table(result))
     title = f"{data_desc}: {win.count} windows x {win.length} tokens"
@@ -642,6 +658,7 @@ def add_parser(evals) -> None:
         "--data", default=None, help="text source to use in full (default: the checkpoint's held-out split)"
     )
     p.add_argument("--text-field", default="text", help="JSONL / dataset text field for --data")
+    add_changed_data_arg(p)
     p.add_argument("--length", type=int, default=65536, help="tokens per window (positions scored)")
     p.add_argument("--windows", type=int, default=8, help="windows (spread over the text) or documents")
     p.add_argument(

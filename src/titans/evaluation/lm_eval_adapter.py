@@ -27,8 +27,10 @@ How the requests run on the stateful model (``titans.models.streaming``):
   context, one token per step, until a stop string (``until``), the tokenizer's eos or ``max_gen_toks``.
 
 An empty context is the document separator the model was trained with (``titans.data.stream.separator_ids``:
-the eos token, or byte 0 for bytes). ``max_length`` keeps the last ``max_length`` tokens of a context
-(of context + continuation for ``loglikelihood``); without it nothing is cut.
+the eos token, or byte 0 for bytes). ``max_length`` is the most tokens the model reads for one request, as
+in lm-eval's HF model: ``loglikelihood`` keeps the last ``max_length + 1`` tokens of context + continuation
+(the model reads all but the last, which is only predicted; at least one context token stays), generation
+the last ``max_length - max_gen_toks`` of the context; without it nothing is cut.
 """
 
 from __future__ import annotations
@@ -219,8 +221,9 @@ class TitansEvalLM(LM):
             if not cont:
                 results[i] = (0.0, True)
                 continue
-            if self.max_length is not None:
-                ctx = ctx[-max(1, self.max_length - len(cont)) :]
+            if self.max_length is not None:  # as lm-eval's HF model: (ctx + cont)[-(max_length + 1):]
+                # reads max_length tokens (the last is only predicted), so a rolling window is whole
+                ctx = ctx[-max(1, self.max_length + 1 - len(cont)) :]
             groups[tuple(ctx)][len(cont)].append(i)
         for ctx, by_length in groups.items():
             # the context but its last token lives in the state: the scored call starts at that token

@@ -15,8 +15,8 @@ score could include text the model trained on. Such data is refused, or scored w
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from titans.data.stream import (
     token_dtype,
 )
 from titans.data.tokenizers import Tokenizer
+from titans.evaluation.scoring import write_json
 from titans.runtime.device import resolve_device
 from titans.runtime.loading import load_checkpoint_from
 from titans.training import perplexity as _heldout
@@ -120,6 +121,11 @@ def run_ppl(args) -> int:
     windows = EvalWindows(stream, seq_len=seq_len, num_windows=args.windows, batch_size=args.batch_size)
     autocast = torch.bfloat16 if device.type == "cuda" else None
     result = _heldout.evaluate_perplexity(model, windows, device=device, autocast_dtype=autocast)
+    if not math.isfinite(result.loss):
+        raise ValueError(
+            f"{data_desc}: the loss is {result.loss}: the model's outputs are not finite (NaN or inf "
+            "logits); nothing written"
+        )
     report = {"checkpoint": str(checkpoint), "data": data_desc, **result.to_dict()}
     bpb = f"{result.bpb:.4f}" if result.bpb is not None else "n/a"
     print(
@@ -127,10 +133,19 @@ def run_ppl(args) -> int:
         f"loss {result.loss:.4f}  ppl {result.ppl:.3f}  bpb {bpb}"
     )
     out = Path(args.out) if args.out else checkpoint.parent.parent / "eval_ppl.json"  # the run folder
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out, report)
     print(f"wrote {out}")
     return 0
+
+
+def add_changed_data_arg(p) -> None:
+    """``--allow-changed-data``, for the commands that rebuild a run's held-out split (`heldout_stream`)."""
+    p.add_argument(
+        "--allow-changed-data",
+        action="store_true",
+        help="score the held-out split even when the run's data changed since the run (it may then hold "
+        "training text; a warning says so)",
+    )
 
 
 def add_ppl_parser(evals) -> None:
@@ -143,12 +158,7 @@ def add_ppl_parser(evals) -> None:
         "--data", default=None, help="text source to score in full (default: the checkpoint's held-out split)"
     )
     p.add_argument("--text-field", default="text", help="JSONL / dataset text field for --data")
-    p.add_argument(
-        "--allow-changed-data",
-        action="store_true",
-        help="score the held-out split even when the run's data changed since the run (it may then hold "
-        "training text; a warning says so)",
-    )
+    add_changed_data_arg(p)
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: the training seq_len)")
     p.add_argument("--windows", type=int, default=64, help="number of windows, spread over the text")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")

@@ -12,7 +12,9 @@ and the evaluation samples with the model run on them (``niah_samples``, ``babil
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -30,7 +32,7 @@ from titans.evaluation.runner import evaluate
 from titans.evaluation.task_training import TaskTrainConfig, train_on_task
 from titans.models import TitansConfig, TitansLM
 from titans.models.config import PRESETS
-from titans.runtime.checkpoint import save_checkpoint
+from titans.runtime.checkpoint import META_FILE, list_checkpoints, save_checkpoint
 from titans.runtime.loading import load_checkpoint_from, tokenizer_record
 from titans.training.config import TrainConfig
 from titans.training.model_io import load_model
@@ -145,6 +147,32 @@ def _summary(task_cfg, history: list[dict]) -> dict:
     }
 
 
+def _recipe_checkpoint(path: Path) -> bool:
+    """Whether a checkpoint was written by ``save_task_model`` (its config records the recipe)."""
+    try:
+        return "task_training" in json.loads((path / META_FILE).read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def check_save_folder(path: str | Path, flag: str = "--save-model", note: bool = True) -> None:
+    """Before training into ``path``: an earlier recipe run's model there is replaced once this run saves
+    its own (``note``: say so); checkpoints of any other kind (a ``titans train`` run's) are refused, as
+    replacing would delete them."""
+    existing = list_checkpoints(path)
+    foreign = [p.name for p in existing if not _recipe_checkpoint(p)]
+    if foreign:
+        raise ValueError(
+            f"{flag} {path} holds checkpoints that no recipe run saved ({', '.join(foreign)}; a `titans "
+            "train` run's?): saving there would delete them; choose another folder"
+        )
+    if existing and note:
+        print(
+            f"note: {flag} {path} holds the model of an earlier run ({existing[-1].name}); this run's model "
+            "replaces it once saved"
+        )
+
+
 def save_task_model(
     path: str | Path,
     model,
@@ -153,7 +181,9 @@ def save_task_model(
     summary: dict,
     tokenizer_info: dict | None = None,
 ) -> Path:
-    """Save a recipe-trained model as a trainer checkpoint (``model_io.load_model`` reads it back)."""
+    """Save a recipe-trained model as a trainer checkpoint (``model_io.load_model`` reads it back), then
+    delete every other checkpoint in ``path``: the folder holds, and loads, exactly this model. (An earlier
+    run's model at a later step would otherwise be the one it loads.)"""
     cfg = model.config
     preset = cfg.name if cfg.name in PRESETS else "tiny"
     train_cfg = TrainConfig(
@@ -173,9 +203,13 @@ def save_task_model(
         "task_training": {k: v for k, v in summary.items() if k != "history"},
     }
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return save_checkpoint(
+    saved = save_checkpoint(
         path, summary["steps_done"], model_state=state, trainer_state={}, config=config, keep_last=1
     )
+    for other in list_checkpoints(path):  # only once this one is safely written
+        if other != saved:
+            shutil.rmtree(other)
+    return saved
 
 
 def load_task_model(path: str | Path, device: str) -> tuple[Any, Any, dict]:
@@ -224,6 +258,8 @@ def obtain_model(args: argparse.Namespace, task_cfg_factory) -> tuple[Any, Any, 
         model = build_model(args, args.variant, tokenizer.vocab_size)
         info = {"model_config": model.config.to_dict(), "parameters": model.num_parameters()}
     task_cfg = task_cfg_factory()
+    if args.save_model:
+        check_save_folder(args.save_model)
     earlier = (
         {"fine_tuned_from": str(args.checkpoint), "earlier": info.get("training")} if args.checkpoint else {}
     )
@@ -268,14 +304,15 @@ def niah_samples(tokenizer, args, lengths: list[int]):
     )
 
 
-def babilong_samples(tokenizer, args, lengths: list[int]):
+def babilong_samples(tokenizer, args, lengths: list[int], seed: int | None = None):
+    """The BABILong evaluation samples, drawn with ``seed`` (default ``--seed``)."""
     return babilong_grid(
         tokenizer,
         lengths,
         args.tasks,
         haystack=args.haystack,
         samples_per_cell=args.samples,
-        seed=args.seed,
+        seed=args.seed if seed is None else seed,
         num_facts=args.num_facts,
     )
 

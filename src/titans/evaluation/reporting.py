@@ -10,11 +10,10 @@ is skipped with one line saying why.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from pathlib import Path
 
-from titans.evaluation.scoring import AccuracyTable, format_table, plot_heatmap, write_results
+from titans.evaluation.scoring import AccuracyTable, format_table, plot_heatmap, write_json, write_results
 
 
 def output_paths(args: argparse.Namespace, task: str, default_name: str) -> tuple[Path, Path]:
@@ -70,9 +69,7 @@ def write_study(
 ) -> None:
     """A study's ending: the JSON (rows + command line), the figure, and the table on stdout."""
     json_path, png_path = output_paths(args, task, default_name)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"rows": rows, "command": command_line(args)}
-    json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    write_json(json_path, {"rows": rows, "command": command_line(args)})
     print(title)
     print(table)
     drawn = plot_or_skip(lambda: plot(rows, png_path, title), png_path)

@@ -70,17 +70,27 @@ def prefill(model: StreamingModel, prompt: Tensor, *, prefill_chunk: int = 2048)
 def greedy_generate(
     model: StreamingModel, prompt: Tensor, max_new_tokens: int, *, prefill_chunk: int = 2048
 ) -> Tensor:
-    """Greedy continuation of ``prompt`` (B, T): returns the (B, max_new_tokens) generated ids."""
+    """Greedy continuation of ``prompt`` (B, T): returns the (B, max_new_tokens) generated ids.
+
+    Logits that are NaN or infinite are a ValueError: their argmax is no answer the model gave (a NaN row
+    decodes as token 0), so it must not be scored as one."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     last, state = prefill(model, prompt, prefill_chunk=prefill_chunk)
     out = []
+    finite = torch.ones((), dtype=torch.bool, device=last.device)  # checked once, after the loop: no syncs
     for i in range(max_new_tokens):
+        finite &= torch.isfinite(last).all()
         token = last.argmax(-1, keepdim=True)  # (B, 1)
         out.append(token)
         if i + 1 < max_new_tokens:  # the last token's logits are never needed
             logits, state = model(token, state=state)
             last = logits[:, -1]
+    if not bool(finite):
+        raise ValueError(
+            f"the model's logits are not finite (NaN or inf) on a prompt of {prompt.shape[1]} tokens: "
+            "no answer can be decoded from them"
+        )
     return torch.cat(out, dim=1)
 
 

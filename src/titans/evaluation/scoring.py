@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from titans._fs import write_text_atomic
+
 _ARTICLES = {"a", "an", "the"}
 
 
@@ -195,12 +197,35 @@ def table_from_samples(
 # Output: JSON, text, heat map.
 
 
+def _non_finite(value: Any, where: str = "") -> str | None:
+    """Where the first NaN or infinite number in a JSON-able value is ("models.mac.bucket_loss[3]")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where or "the value"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _non_finite(item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}".lstrip("."))
+        if found is not None:
+            return found
+    return None
+
+
+def write_json(json_path: str | Path, payload: Any) -> Path:
+    """Write ``payload`` as strict JSON (what any JSON reader parses: no NaN or Infinity; other objects as
+    their ``str``), atomically (``write_text_atomic``: a failed write leaves the previous file whole). A
+    NaN or infinite number is refused, naming where it is: a result file holds numbers, not NaN."""
+    path = Path(json_path)
+    try:
+        text = json.dumps(payload, indent=2, default=str, allow_nan=False)
+    except ValueError:
+        where = _non_finite(json.loads(json.dumps(payload, default=str)))
+        raise ValueError(f"{path} not written: {where or 'a number'} is not finite (NaN or inf)") from None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_text_atomic(path, text + "\n")
+
+
 def write_results(json_path: str | Path, table: AccuracyTable, **metadata: Any) -> Path:
     """Write the table (and any JSON-able metadata: model, task, seed...) to ``json_path``."""
-    path = Path(json_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**table.to_dict(), "metadata": metadata}, indent=2) + "\n")
-    return path
+    return write_json(json_path, {**table.to_dict(), "metadata": metadata})
 
 
 def read_results(json_path: str | Path) -> tuple[AccuracyTable, dict]:

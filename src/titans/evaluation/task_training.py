@@ -28,6 +28,7 @@ it fine-tunes a model it is handed, in place, in float32 and in one process.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -120,6 +121,13 @@ class TaskTrainConfig:
             check_int(f"TaskTrainConfig.{name}", getattr(self, name))
         if not 0.0 <= self.curriculum <= 1.0:
             raise ValueError(f"TaskTrainConfig.curriculum must lie in [0, 1], got {self.curriculum}")
+        # NaN fails every comparison: a bare `< 0` test would let it through, to a NaN loss at step 0
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"TaskTrainConfig.lr must be a finite number > 0, got {self.lr!r}")
+        if not (math.isfinite(self.lm_loss_weight) and self.lm_loss_weight >= 0):
+            raise ValueError(
+                f"TaskTrainConfig.lm_loss_weight must be a finite number >= 0, got {self.lm_loss_weight!r}"
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)

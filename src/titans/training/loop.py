@@ -18,9 +18,9 @@ What the loop does for all of them:
 - ``optimizer_step``: clip the gradient norm to ``grad_clip`` (None: measure it only), step the optimizer
   and the schedule, clear the gradients;
 - every ``log_every`` steps (and after the last): the per-step losses of the interval (averaged over ranks
-  under torchrun, one collective), their mean refused with ``FloatingPointError`` naming the step when it
-  is NaN or inf, logged to ``metrics`` (loss, lr, tokens and tokens/s when ``tokens_per_step`` is given,
-  the gradient norm) and to the progress bar;
+  under torchrun, one collective), their mean refused with ``TrainingDiverged`` (a ``FloatingPointError``
+  and a ``ValueError``) naming the step when it is NaN or inf, logged to ``metrics`` (loss, lr, tokens
+  and tokens/s when ``tokens_per_step`` is given, the gradient norm) and to the progress bar;
 - a time budget and SIGTERM / SIGINT (``titans.training.signals``): stop after the current step, the same
   step on every rank, then write the checkpoint; ``LoopResult.stopped_by`` names the signal;
 - a stop requested by a callback (``loop.request_stop(reason)``, e.g. early stopping from ``evaluate``):
@@ -75,6 +75,12 @@ def optimizer_step(
         scheduler.step()
     optimizer.zero_grad(set_to_none=set_to_none)
     return grad_norm.detach()
+
+
+class TrainingDiverged(FloatingPointError, ValueError):
+    """The training loss became NaN or inf. A FloatingPointError (what callers catch), and a ValueError,
+    so that the command line reports it as one line naming the step, as it does bad settings (the usual
+    cause: a learning rate or loss weight too large), not as a traceback."""
 
 
 @dataclass
@@ -295,7 +301,7 @@ class TrainLoop:
         mean = sum(losses) / len(losses)
         if not math.isfinite(mean):
             hint = f"; {self.failure_hint()}" if self.failure_hint is not None else ""
-            raise FloatingPointError(f"training loss became {mean} by step {self.step}{hint}")
+            raise TrainingDiverged(f"training loss became {mean} by step {self.step}{hint}")
         values: dict[str, float] = {"loss": mean, "lr": lr}
         postfix = {"loss": f"{mean:.4f}"}
         if self.tokens_per_step is not None:
@@ -343,4 +349,4 @@ def _progress(enabled: bool, total: int, initial: int, desc: str | None = None, 
     )
 
 
-__all__ = ["LoopResult", "TrainLoop", "optimizer_step"]
+__all__ = ["LoopResult", "TrainLoop", "TrainingDiverged", "optimizer_step"]
