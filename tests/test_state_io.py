@@ -137,6 +137,24 @@ def test_state_from_another_config_is_refused(tmp_path):
     load_state(path, model=tiny_model("mac", seed=5))  # same config, other weights: accepted
 
 
+@pytest.mark.parametrize("variant", ["mac", "lmm"])
+def test_state_of_another_dtype_is_refused_by_name(variant, tmp_path):
+    """A float64 state into a float32 (or bf16) model of the same config: refused when loaded, naming both
+    dtypes (MAC read the weights before any check and failed inside the op); cast, it runs."""
+    _, state = prefill(tiny_model(variant), tokens(1, 10))
+    path = save_state(state, tmp_path / "s.safetensors")
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_model(variant, dtype=dtype)
+        with pytest.raises(ValueError, match=rf"s\.safetensors.*torch\.float64, this model's {dtype}"):
+            load_state(path, model=model)
+        with pytest.raises(ValueError, match="memory weights are torch.float64"):
+            model(tokens(1, 3), load_state(path))
+    model = tiny_model(variant, dtype=torch.float32)
+    cast = map_state(load_state(path), lambda t: t.float() if t.is_floating_point() else t)
+    logits, _ = model(tokens(1, 3), cast)
+    assert torch.isfinite(logits).all()
+
+
 @pytest.fixture
 def saved(tmp_path):
     model = tiny_model("mag")

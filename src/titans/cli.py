@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     # setting). Memory weights that get no writes decay geometrically into subnormals, which x86 CPUs
     # process many times slower: without this a long stream slows down as it goes (3.9x by 200K tokens,
     # benchmarks/subnormal_stream.py).
+    # numpy reads its float limits when numpy.ma loads (np.percentile loads it); with subnormals already
+    # flushed it would warn, on every command that reaches it, that the smallest subnormal is zero
+    import numpy.ma  # noqa: F401
     import torch
 
     torch.set_flush_denormal(True)

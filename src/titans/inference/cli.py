@@ -14,6 +14,7 @@ so memory is bounded by the model's state, not the document; it prints tokens/s 
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import resource
 import sys
@@ -42,7 +43,13 @@ def peak_rss_mib() -> float:
 def read_text_blocks(path: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> Iterator[str]:
     """The text of `path` ("-" for stdin) in blocks of about `block_chars` characters, each ending at a line
     end (so a tokenizer sees whole lines); block_chars <= 0 reads the whole file as one block."""
-    stream = sys.stdin if path == "-" else open(path, encoding="utf-8", errors="replace")  # noqa: SIM115
+    if path == "-":
+        # stdin read as a file is: invalid UTF-8 bytes become U+FFFD (Python's own stdin would pass them on
+        # as lone surrogates, which no tokenizer encodes)
+        raw = getattr(sys.stdin, "buffer", None)
+        stream = sys.stdin if raw is None else io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
+    else:
+        stream = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115
     try:
         if block_chars <= 0:
             yield stream.read()
@@ -62,8 +69,10 @@ def read_text_blocks(path: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> Itera
         if carry:
             yield carry
     finally:
-        if stream is not sys.stdin:
+        if path != "-":
             stream.close()
+        elif stream is not sys.stdin:
+            stream.detach()  # leaves sys.stdin's buffer open
 
 
 def run_read(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from titans.layers.memory import MemoryStats, NeuralMemory
+from titans.layers.memory import MemoryState, MemoryStats, NeuralMemory
 from titans.layers.norm import RMSNorm
 from titans.layers.residual import is_residual_output
 from titans.layers.state_tree import map_tensors
@@ -197,6 +197,20 @@ class TitansLM(nn.Module):
             raise ValueError(
                 f"TitansLM: state has {len(state.layers)} layers, this model has {len(self.blocks)}"
             )
+        for block, layer in zip(self.blocks, state.layers):
+            # the memory's weights are in its parameters' dtype (under autocast too); MAC reads them before
+            # its memory's own check would run. (The device is checked when the state is used: a state may
+            # be loaded onto another device than the model's, to be looked at.)
+            memory = getattr(block, "memory", None)
+            held = layer if isinstance(layer, MemoryState) else getattr(layer, "memory", None)  # LMM: itself
+            if memory is None or held is None or not held.weights:
+                continue
+            got, like = held.weights[0], memory.init_weights[0]
+            if got.dtype != like.dtype:
+                raise ValueError(
+                    f"TitansLM: the state's memory weights are {got.dtype}, this model's {like.dtype}: cast "
+                    f"the state to the model's dtype (titans.inference.map_state) or the model to the state's"
+                )
         if batch_size is not None:
             sizes: set[int] = set()  # every state tensor is batch-first
             map_tensors(state.layers, lambda t: sizes.add(t.shape[0]) or t)
