@@ -1,9 +1,11 @@
-"""`torchrun --nproc_per_node 2` (gloo on CPU) takes the same steps as one process on the whole batch."""
+"""`torchrun --nproc_per_node 2` (gloo on CPU) takes the same steps as one process on the whole batch, and a
+run resumes with FSDP switched on or off (the optimizer state converted between its two saved forms)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -140,3 +142,161 @@ def test_ddp_trains_a_frozen_memory(tmp_path):
         assert gates and all(p.grad is None for p in gates)
     finally:
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- resuming across fsdp on/off
+# The trainer keeps the optimizer state keyed by parameter name under FSDP and by position without it; a
+# resume that switches fsdp converts it. The two modes take the same steps to float rounding (the ranks'
+# and one process's gradient sums round differently), so a switched resume matches the uninterrupted run to
+# that tolerance, and the converted optimizer state equals the saved one exactly.
+
+RESUME = dict(steps=4, ckpt_every=2, keep_last=3)  # checkpoints at steps 2 and 4; resumed from step 2
+
+# Run under torchrun by the single -> FSDP case: resume (with FSDP), check that the sharded optimizer state
+# gathered back equals the checkpoint's (saved by position) tensor for tensor, then train on.
+FSDP_RESUME_SCRIPT = """
+import sys
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from titans.runtime.checkpoint import load_checkpoint
+from titans.training import distributed as D
+from titans.training.config import TrainConfig
+from titans.training.trainer import Trainer
+
+trainer = Trainer(TrainConfig.from_file(sys.argv[1]), resume=True)
+saved = load_checkpoint(trainer.last_checkpoint).trainer_state["optimizer"]
+assert D.optimizer_state_form(saved) == "position"
+want = D.optimizer_state_by_name(saved, D.optimizer_param_names(trainer.model, trainer.optimizer))
+opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+got = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=opts)  # on rank 0
+if trainer.info.is_main:
+    assert got["state"].keys() == want["state"].keys()
+    for name, moments in want["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(got["state"][name][key], value), (name, key)
+    print("optimizer state loaded exactly")
+trainer.train(handle_signals=False)
+del trainer
+D.shutdown()
+"""
+
+
+def torchrun(cfg_file: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = subprocess.run(cmd + [*args, str(cfg_file)], capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Four steps without FSDP (one process) and with FSDP (two ranks), checkpointed at steps 2 and 4."""
+    root = tmp_path_factory.mktemp("fsdp_resume")
+    cache = root / "cache"
+    Trainer(config(root / "single", cache, **RESUME)).train(handle_signals=False)
+    config(root / "fsdp", cache, fsdp=True, **RESUME).save(root / "fsdp.json")
+    torchrun(root / "fsdp.json", "-m", "titans", "train", "--no-progress", "--config")
+    return root, cache
+
+
+def stopped_at_2(root: Path, source: str, name: str) -> Path:
+    """A copy of run ``source`` as if stopped after step 2 (its step-4 checkpoint removed)."""
+    run_dir = root / name
+    shutil.copytree(root / source, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
+    return run_dir
+
+
+@pytest.mark.parametrize("case", ["fsdp->single", "fsdp->ddp", "single->fsdp"])
+def test_resume_switches_fsdp(uninterrupted, case):
+    """A run checkpointed with FSDP resumes without it (one process; two DDP ranks) and the reverse, to the
+    losses and weights of the uninterrupted runs (before the conversion, fsdp could not change on resume)."""
+    from titans.runtime.checkpoint import latest_checkpoint, load_checkpoint
+    from titans.training import distributed as D
+
+    root, cache = uninterrupted
+    source, target = case.split("->")
+    run_dir = stopped_at_2(root, source, case.replace("->", "_to_"))
+    cfg = config(run_dir, cache, fsdp=target == "fsdp", **RESUME)
+    saved = load_checkpoint(latest_checkpoint(run_dir)).trainer_state["optimizer"]  # at step 2
+    if target == "single":
+        trainer = Trainer(cfg, resume=True)
+        assert trainer.step == 2
+        # the optimizer holds exactly the saved moments, each at its parameter
+        names = D.optimizer_param_names(trainer.model, trainer.optimizer)
+        want = D.optimizer_state_by_position(saved, names)["state"]
+        got = trainer.optimizer.state_dict()["state"]
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[i][k], v) for i in want for k, v in want[i].items())
+        trainer.train(handle_signals=False)
+    elif target == "ddp":
+        cfg.save(root / f"{case}.json")
+        proc = torchrun(
+            root / f"{case}.json", "-m", "titans", "train", "--no-progress", "--resume", "--config"
+        )
+        assert "resumed" in proc.stdout and "world size 2" in proc.stdout
+    else:
+        cfg.save(root / f"{case}.json")
+        script = root / "fsdp_resume.py"
+        script.write_text(FSDP_RESUME_SCRIPT)
+        proc = torchrun(root / f"{case}.json", str(script))
+        assert "optimizer state loaded exactly" in proc.stdout
+    assert D.optimizer_state_form(saved) == ("name" if source == "fsdp" else "position")
+
+    losses, heldout = train_losses(run_dir)
+    for reference in ("single", "fsdp"):  # the two uninterrupted runs agree to rounding; so does the resume
+        ref_losses, ref_heldout = train_losses(root / reference)
+        assert len(losses) == 4
+        assert losses == pytest.approx(ref_losses, abs=1e-5), reference
+        assert heldout == pytest.approx(ref_heldout, abs=1e-5), reference
+        ref_state = load_model(root / reference)[0].state_dict()
+        for name, tensor in load_model(run_dir)[0].state_dict().items():
+            assert (tensor - ref_state[name]).abs().max().item() <= 5e-5, (reference, name)
+
+
+def test_optimizer_state_forms_convert_both_ways():
+    """By position (``optimizer.state_dict()``) <-> by name (FSDP's full state dict), losslessly; a state
+    for other parameters is refused."""
+    from titans.training import distributed as D
+    from titans.training.optim import build_optimizer
+
+    model = tiny_model("mac", dtype=torch.float32, train=True)
+    optimizer = build_optimizer(model, TrainConfig())
+    model(torch.randint(0, 61, (2, 13)))[0].logsumexp(-1).mean().backward()
+    optimizer.step()
+    names = D.optimizer_param_names(model, optimizer)
+    # every parameter once, each group in the order of the model's named_parameters (which FSDP2 keeps)
+    order = [n for n, _ in model.named_parameters()]
+    assert sorted(n for g in names for n in g) == sorted(order)
+    assert all(group == [n for n in order if n in group] for group in names)
+    by_position = optimizer.state_dict()
+    by_name = D.optimizer_state_by_name(by_position, names)
+    assert D.optimizer_state_form(by_position) == "position" and D.optimizer_state_form(by_name) == "name"
+    assert {n for g in by_name["param_groups"] for n in g["params"]} == set(by_name["state"])
+    back = D.optimizer_state_by_position(by_name, names)
+    assert back["param_groups"] == by_position["param_groups"]
+    assert back["state"].keys() == by_position["state"].keys()
+    assert all(back["state"][i][k] is v for i, s in by_position["state"].items() for k, v in s.items())
+    # a group listed in another order maps by name, not by place
+    shuffled = {
+        **by_name,
+        "param_groups": [{**g, "params": g["params"][::-1]} for g in by_name["param_groups"]],
+    }
+    assert D.optimizer_state_by_position(shuffled, names)["state"].keys() == back["state"].keys()
+    other = {
+        **by_name,
+        "param_groups": [
+            by_name["param_groups"][0],
+            {**by_name["param_groups"][1], "params": ["x", *by_name["param_groups"][1]["params"][1:]]},
+        ],
+    }
+    with pytest.raises(ValueError, match="other parameters"):
+        D.optimizer_state_by_position(other, names)
+    with pytest.raises(ValueError, match="groups of"):
+        D.optimizer_state_by_name({**by_position, "param_groups": by_position["param_groups"][:1]}, names)
+
+
+def test_fsdp_may_change_on_resume():
+    assert TrainConfig(fsdp=True).resume_mismatches(TrainConfig().to_dict()) == []
+    assert TrainConfig().resume_mismatches(TrainConfig(fsdp=True).to_dict()) == []

@@ -53,13 +53,15 @@ DTYPES = ("auto", "float32", "bfloat16")
 
 # Fields that may change between a run and its resume: they do not change what is learned from which data
 # (logging, budgets, where to write). `steps`/`tokens` may grow to extend a run (the cosine schedule is then
-# recomputed for the new total from the resumed step on). Every other field must match the checkpoint.
+# recomputed for the new total from the resumed step on). `fsdp` may switch on or off (the steps are the
+# same; the trainer converts the optimizer state between the forms the two save). Every other field must
+# match the checkpoint.
 RESUMABLE_CHANGES = frozenset(
     {
         "steps", "tokens", "time_budget_min", "log_every", "eval_every", "ckpt_every", "keep_last", "run_dir",
         "device", "dtype", "threads", "grad_accum", "progress", "tensorboard", "cache_dir", "eval_windows",
         "eval_batch_size", "sample_tokens", "sample_prompt", "sample_temperature", "sample_top_k", "plot",
-        "cuda_graphs", "compile", "tf32", "gradient_checkpointing",
+        "cuda_graphs", "compile", "tf32", "gradient_checkpointing", "fsdp",
     }
 )  # fmt: skip
 

@@ -10,7 +10,9 @@ Wrapping (``wrap_model``):
 - FSDP (``fsdp=True``; for presets that do not fit one device): PyTorch's FSDP2 ``fully_shard`` on every
   residual block and then on the whole model, so parameters, gradients and optimizer state are sharded
   and each block's weights are gathered only while it runs. Checkpoints still hold full (unsharded)
-  tensors, gathered with ``torch.distributed.checkpoint.state_dict`` (see ``titans.training.trainer``).
+  tensors, gathered with ``torch.distributed.checkpoint.state_dict`` (see ``titans.training.trainer``);
+  the optimizer state is keyed by parameter name there, by position without FSDP, and a resume that
+  switches fsdp on or off converts it (``optimizer_state_by_name`` / ``optimizer_state_by_position``).
   Meant for CUDA; on CPU it is only useful to check the code path.
 """
 
@@ -179,3 +181,85 @@ def no_sync(model: nn.Module, skip: bool) -> contextlib.AbstractContextManager:
     if skip and hasattr(model, "no_sync"):
         return model.no_sync()
     return contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------------------- optimizer state forms
+# Checkpoints hold the optimizer state in one of two forms: without FSDP ``optimizer.state_dict()``, whose
+# ``state`` and ``param_groups[i]["params"]`` name each parameter by its position in the optimizer's groups
+# (0, 1, ... across the groups in turn), and under FSDP the full state of
+# ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``, which names it by its name in
+# ``model.named_parameters()`` (FSDP2 keeps the module's names). The tensors are the same full tensors in
+# both; a resume that switches fsdp on or off converts the form (`optimizer_state_by_name` /
+# `optimizer_state_by_position`), so the run goes on with the very same moments.
+
+
+def optimizer_param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Per group of ``optimizer``, the names of its parameters in ``model``, in the group's order (the
+    names ``get_optimizer_state_dict`` keys them by: ``named_parameters``, a shared tensor under its first
+    name)."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    if any(id(p) not in name_of for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("the optimizer holds parameters that are not the model's")
+    return [[name_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+
+
+def optimizer_state_form(state: dict[str, Any]) -> str:
+    """How a saved optimizer state names its parameters: "name" (FSDP's full state dict) or "position"
+    (``optimizer.state_dict()``)."""
+    ids = [p for g in state["param_groups"] for p in g["params"]] + list(state["state"])
+    if ids and all(isinstance(p, str) for p in ids):
+        return "name"
+    if all(isinstance(p, int) for p in ids):
+        return "position"
+    raise ValueError("the checkpoint's optimizer state names its parameters neither by name nor by position")
+
+
+def _check_groups(saved: list[list[Any]], names: list[list[str]]) -> None:
+    sizes, want = [len(g) for g in saved], [len(g) for g in names]
+    if sizes != want:
+        raise ValueError(
+            f"the checkpoint's optimizer has groups of {sizes} parameters, this run's of {want}: it was "
+            "written for another model"
+        )
+
+
+def optimizer_state_by_name(state: dict[str, Any], names: list[list[str]]) -> dict[str, Any]:
+    """``state`` in the form FSDP loads (``set_optimizer_state_dict(..., full_state_dict=True)``): keyed
+    by parameter name. ``names``: `optimizer_param_names` of the optimizer it is for. A state already in
+    that form is returned as it is."""
+    if optimizer_state_form(state) == "name":
+        return state
+    saved = [list(g["params"]) for g in state["param_groups"]]
+    _check_groups(saved, names)
+    # positions map to parameters as optimizer.load_state_dict maps them: in the groups' order
+    name_at = dict(zip((p for g in saved for p in g), (n for g in names for n in g)))
+    return {
+        "state": {name_at[k]: v for k, v in state["state"].items()},
+        "param_groups": [{**g, "params": [name_at[p] for p in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def optimizer_state_by_position(state: dict[str, Any], names: list[list[str]]) -> dict[str, Any]:
+    """``state`` in the form ``optimizer.load_state_dict`` takes: keyed by position in the groups of the
+    optimizer whose parameter names are ``names`` (`optimizer_param_names`). A state already in that form
+    is returned as it is; one keyed by name must name, group by group, the same parameters."""
+    if optimizer_state_form(state) == "position":
+        return state
+    saved = [list(g["params"]) for g in state["param_groups"]]
+    _check_groups(saved, names)
+    for i, (theirs, ours) in enumerate(zip(saved, names)):
+        if set(theirs) != set(ours):
+            odd = sorted(set(theirs) ^ set(ours))[:4]
+            raise ValueError(
+                f"the checkpoint's optimizer group {i} holds other parameters than this run's ({odd}): it "
+                "was written for another model"
+            )
+    position = {n: i for i, n in enumerate(n for g in names for n in g)}
+    return {
+        "state": {position[k]: v for k, v in state["state"].items()},
+        # each group lists its parameters in this optimizer's order, so that load_state_dict, which pairs
+        # the listed positions with the group's parameters in turn, gives every state to its parameter
+        "param_groups": [
+            {**g, "params": [position[n] for n in ours]} for g, ours in zip(state["param_groups"], names)
+        ],
+    }

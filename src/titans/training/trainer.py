@@ -300,14 +300,18 @@ class Trainer:
             raise ValueError(f"cannot resume from {str(path)!r}: the config differs in {'; '.join(detail)}")
 
     def _load_trainer_state(self, state: dict[str, Any]) -> None:
+        # the optimizer state is keyed by parameter name when an FSDP run wrote it, by position otherwise
+        # (`_state_dicts`); either loads in either mode, converted to the form this one reads
+        names = D.optimizer_param_names(self.model, self.optimizer)
         if self.config.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+            by_name = D.optimizer_state_by_name(state["optimizer"], names)
             set_optimizer_state_dict(
-                self.model, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
+                self.model, self.optimizer, by_name, options=StateDictOptions(full_state_dict=True)
             )
         else:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(D.optimizer_state_by_position(state["optimizer"], names))
         self.scheduler.load_state_dict(state["scheduler"])
         # The lr of the next step from the schedule of *this* config (it differs from the saved one only
         # when `steps`/`tokens` changed to extend the run); identical to the saved lr otherwise.
@@ -335,7 +339,9 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------- saving
     def _state_dicts(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Full (unsharded) model and optimizer state; under FSDP a collective (every rank calls it)."""
+        """Full (unsharded) model and optimizer state; under FSDP a collective (every rank calls it). The
+        optimizer state names each parameter by its name under FSDP, by its position otherwise; a resume
+        in the other mode converts it (`_load_trainer_state`)."""
         if self.config.fsdp:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
