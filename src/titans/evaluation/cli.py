@@ -53,7 +53,8 @@ from titans.evaluation.reporting import command_line, output_paths, report_table
 from titans.evaluation.scoring import AccuracyTable, format_table, write_json
 from titans.evaluation.seeds import aggregate_tables, format_seed_table
 from titans.models.config import VARIANTS
-from titans.runtime.checkpoint import META_FILE, list_checkpoints
+from titans.runtime.checkpoint import CheckpointError
+from titans.runtime.loading import resolve_checkpoint
 
 # ---------------------------------------------------------------------------------------------------------
 # titans eval niah
@@ -229,11 +230,11 @@ def run_tasks(args: argparse.Namespace) -> int:
         samples = babilong_samples(tokenizer, args, args.eval_lengths)
         by = "task"
     for variant in args.variants:  # every folder checked before the first variant trains or is evaluated
-        saved = Path(args.from_models or ".") / variant
-        if args.from_models and not ((saved / META_FILE).is_file() or list_checkpoints(saved)):
-            raise ValueError(
-                f"--from-models {args.from_models}: no {variant} model ({saved} has no checkpoint)"
-            )
+        if args.from_models:
+            try:  # as `load_task_model` will find it
+                resolve_checkpoint(Path(args.from_models) / variant)
+            except (OSError, CheckpointError) as e:
+                raise ValueError(f"--from-models {args.from_models}: no {variant} model ({e})") from None
         if args.save_models:
             check_save_folder(Path(args.save_models) / variant, f"--save-models ({variant})")
     combined = AccuracyTable(row_name="length", col_name="variant")
