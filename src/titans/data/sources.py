@@ -420,8 +420,7 @@ def load_source(spec: str | TextSource, *, text_field: str = "text") -> TextSour
         return _glob_source(spec, text_field)
     if path.is_dir():
         files = _walk_files(path, DEFAULT_SUFFIXES, skip_hidden=True, follow_links=True)
-        files = [f for f in files if _has_text(f)]
-        if not files:
+        if not files:  # (files without text are left out by FileSource)
             raise ValueError(
                 f"text source {spec!r}: the directory has no {'/'.join('*' + s for s in DEFAULT_SUFFIXES)} "
                 "files (pass a glob such as 'DIR/**/*.rst' for other kinds)"
