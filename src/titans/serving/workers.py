@@ -23,9 +23,11 @@ import asyncio
 import concurrent.futures
 import ctypes
 import multiprocessing
+import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -101,8 +103,12 @@ def _run(name: str, args: tuple) -> Any:
     return getattr(_target(), name)(*args)
 
 
-def _ready() -> bool:
-    return _target() is not None
+def _ready() -> int:
+    """Build the target; this process's id. It takes a moment, so that `start`'s jobs at once spread over
+    the processes rather than all going to the first one up."""
+    _target()
+    time.sleep(0.05)
+    return os.getpid()
 
 
 class ProcessPool:
@@ -126,8 +132,12 @@ class ProcessPool:
         )
 
     async def start(self) -> None:
-        """Start every process (n jobs at once: a process each) and wait until each has built its target."""
-        await asyncio.gather(*(self._submit(_ready) for _ in range(self.n)))
+        """Start every process and wait until each has built its target (and so ignores SIGINT / SIGTERM):
+        rounds of n jobs at once until every process has run one (a process slow to start under load would
+        otherwise leave its jobs to the others)."""
+        seen: set[int] = set()
+        while len(seen) < self.n:
+            seen.update(await asyncio.gather(*(self._submit(_ready) for _ in range(self.n))))
 
     async def call(self, name: str, *args: Any) -> Any:
         """target.name(*args) in a free process."""
