@@ -335,10 +335,16 @@ async def _nothing() -> Message:
 class KeyFirst:
     """ASGI middleware: a request to the session routes without a valid key is answered 401 before its
     body is read (the body limit and timeout inside read it whole first, up to --max-import-bytes for an
-    import: a client without a key could make the server hold that much)."""
+    import: a client without a key could make the server hold that much).
 
-    def __init__(self, app: ASGIApp, owner: Callable[[str | None], str]) -> None:
-        self.app, self.owner = app, owner
+    A body of at most `keep_open_bytes` is then read and dropped by the HTTP server, and the connection
+    serves the client's next request. A larger or chunked body, or one the client waits to send
+    (`Expect: 100-continue`), is not read: the answer closes the connection. Closing is kept for those
+    only, because closing a socket while request bytes are still arriving makes the kernel reset the
+    connection, which can cost the client the 401 it was being sent."""
+
+    def __init__(self, app: ASGIApp, owner: Callable[[str | None], str], keep_open_bytes: int) -> None:
+        self.app, self.owner, self.keep_open_bytes = app, owner, keep_open_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("path", "").startswith("/v1/sessions"):
@@ -347,10 +353,19 @@ class KeyFirst:
             try:
                 self.owner(None if header is None else header.decode("latin-1"))
             except ApiError as e:  # the same 401 as the routes' own check, the body left unread
-                response = _json_error(e.status, e.detail, {**(e.headers or {}), "Connection": "close"})
-                await response(scope, _nothing, send)
+                headers = dict(e.headers or {})
+                if not self._body_is_small(scope):
+                    headers["Connection"] = "close"
+                await _json_error(e.status, e.detail, headers)(scope, _nothing, send)
                 return
         await self.app(scope, receive, send)
+
+    def _body_is_small(self, scope: Scope) -> bool:
+        headers = dict(scope.get("headers") or [])
+        if b"transfer-encoding" in headers or headers.get(b"expect", b"").lower() == b"100-continue":
+            return False
+        length = headers.get(b"content-length", b"0").strip()
+        return length.isdigit() and int(length) <= self.keep_open_bytes
 
 
 class Utf8Body:
@@ -914,7 +929,9 @@ def create_app(
         larger={"/v1/sessions/import": (limits.max_import_bytes, "--max-import-bytes")},
     )
     if key_hashes is not None:
-        app.add_middleware(KeyFirst, owner=_owner_from(key_hashes))  # outside them all
+        app.add_middleware(  # outside them all
+            KeyFirst, owner=_owner_from(key_hashes), keep_open_bytes=limits.max_body_bytes
+        )
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
