@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 
 import numpy as np
 import pytest
@@ -16,7 +17,14 @@ from titans.data.sources import load_source
 from titans.data.tokenizers import load_tokenizer
 from titans.dna.model import SequenceClassifier, dna_config, lm_bits_per_base
 from titans.dna.study import DNABudget, finetune, fresh_lm, mean_loss, run_study, summarise_seeds
-from titans.dna.tasks import ClassificationSet, markov_bits_per_base, proximal_distal, split_records
+from titans.dna.tasks import (
+    ClassificationSet,
+    encode_records,
+    lm_windows,
+    markov_bits_per_base,
+    proximal_distal,
+    split_records,
+)
 from titans.models.lm import TitansLM
 
 FASTA = """>chr1 first record
@@ -117,7 +125,7 @@ def test_builtin_sample_and_proximal_distal_task():
 def test_markov_reference_beats_uniform_on_skewed_sequence():
     rng = np.random.default_rng(0)
     seqs = [rng.choice([3, 6], size=600, p=[0.9, 0.1]) for _ in range(4)]  # mostly A
-    bits = markov_bits_per_base(seqs[:3], seqs[3:], order=1, seq_len=100)
+    bits = markov_bits_per_base(seqs[:3], lm_windows(seqs[3:], 100), order=1)
     assert 0.3 < bits < 0.7  # entropy of (0.9, 0.1) is 0.47 bits, far below log2(5)
 
 
@@ -320,3 +328,160 @@ def test_dna_study_resume_keeps_finished_seeds(tmp_path, capsys):
     assert main(["dna", "study", *tiny.split(), "--seeds", "0", "--resume", "--finetune-lr", "1e-3"]) == 0
     assert "kept from" not in capsys.readouterr().out
     assert json.loads((out / "dna.json").read_text())["runs"][0]["budget"]["finetune_lr"] == 1e-3
+
+
+def _study_without_training(monkeypatch, records, budget):
+    """``run_study`` with the training and scoring stubbed out (seconds): (results, what it was given:
+    the LM's training sequences and test windows, the classification train / val / test sets)."""
+    import titans.dna.study as study
+
+    seen: dict = {}
+
+    def pretrain(variant, train, budget, progress=False, **kw):
+        seen["train_seqs"] = train
+        return fresh_lm(variant, budget), [0.0]
+
+    def bits(lm, windows):
+        seen["test_windows"] = windows
+        return 0.0
+
+    def tune(lm, train, budget, progress=False, *, val=None, **kw):
+        seen["train"], seen["val"] = train, val
+        return None, {"train_seconds": 0.0}
+
+    def accuracy(clf, data, batch_size=64):
+        seen["test"] = data
+        return 0.0
+
+    for name, fn in (("pretrain", pretrain), ("lm_bits_per_base", bits), ("finetune", tune)):
+        monkeypatch.setattr(study, name, fn)
+    monkeypatch.setattr(study, "accuracy", accuracy)
+    res = run_study(records, ["swa"], budget, log=lambda m: None, scratch=False)
+    return res, seen
+
+
+def _random_records(n: int, length: int = 80, seed: int = 3) -> list[FastaRecord]:
+    rng = np.random.default_rng(seed)
+    return [FastaRecord(f"r{i}", "".join(rng.choice(list("ACGT"), length))) for i in range(n)]
+
+
+def test_study_keeps_a_repeated_record_or_window_in_one_split(monkeypatch):
+    """A record repeated in the file (transcripts sharing a start) and a record sharing only its proximal
+    window with a training record: neither reaches val or test, so no val / test sequence was trained on."""
+    records = _random_records(40)
+    records[4] = FastaRecord("r4", records[0].sequence)  # record 4 (a test record) repeats record 0
+    records[9] = FastaRecord("r9", records[1].sequence)  # and record 9 repeats record 1
+    # record 14 (test) ends like record 2 (train): the same proximal window, another distal one
+    records[14] = FastaRecord("r14", records[14].sequence[:-24] + records[2].sequence[-24:])
+    records[38] = FastaRecord("r38", records[3].sequence)  # record 38 (val) repeats record 3
+    res, seen = _study_without_training(monkeypatch, records, _tiny_budget())
+    assert res["records"] == {"train": 28, "val": 3, "test": 6}
+    assert res["dropped"]["records_identical_to_an_earlier_split"] == {"val": 1, "test": 2}
+    assert res["dropped"]["task_windows_identical_to_an_earlier_split"] == {"val": 0, "test": 1}
+    assert res["classification"] == {"train": 56, "val": 6, "test": 11, "test_positive_fraction": 5 / 11}
+    rows = {name: {x.tobytes() for x in seen[name].x} for name in ("train", "val", "test")}
+    assert (
+        not rows["train"] & rows["val"]
+        and not rows["train"] & rows["test"]
+        and not rows["val"] & rows["test"]
+    )
+    train_windows = {w.tobytes() for s in seen["train_seqs"] for w in lm_windows([s], 32)}
+    assert not train_windows & {w.tobytes() for w in seen["test_windows"]}
+
+
+def test_study_of_the_builtin_sample_drops_nothing(monkeypatch):
+    """The built-in sample has no repeated record: its split (371 / 53 / 106 records) and windows."""
+    res, seen = _study_without_training(monkeypatch, read_fasta(dm3_sample_path()), DNABudget(eval_windows=4))
+    assert res["records"] == {"train": 371, "val": 53, "test": 106}
+    assert res["classification"] == {"train": 740, "val": 106, "test": 212, "test_positive_fraction": 0.5}
+    assert res["dropped"]["records_identical_to_an_earlier_split"] == {"val": 0, "test": 0}
+    assert res["dropped"]["task_windows_repeated_within_the_split"] == {"train": 2, "val": 0, "test": 0}
+
+
+def test_study_leaves_records_too_short_for_the_task_to_the_language_model(monkeypatch):
+    records = _random_records(40)
+    short = _random_records(1, length=40, seed=9)[0]  # shorter than 2 x window_len = 48, longer than seq_len
+    records[0] = FastaRecord("short", short.sequence)
+    res, seen = _study_without_training(monkeypatch, records, _tiny_budget())
+    assert res["dropped"]["records_too_short_for_the_task"] == {"train": 1, "val": 0, "test": 0}
+    assert res["classification"]["train"] == 54  # 27 records of the 28 with a pair
+    assert any(np.array_equal(s, encode_records([records[0]])[0]) for s in seen["train_seqs"])
+
+
+def test_markov_reference_is_scored_on_the_language_models_windows(monkeypatch):
+    """The order-0 reference from add-one base counts on exactly the windows the models are scored on."""
+    res, seen = _study_without_training(monkeypatch, _random_records(40, length=200), _tiny_budget())
+    windows = seen["test_windows"]
+    assert len(windows) == 4 < len(lm_windows(encode_records(split_records(_random_records(40, 200))[1]), 32))
+    counts = np.ones(8)
+    for s in seen["train_seqs"]:
+        counts += np.bincount(s, minlength=8)
+    p = counts[3:8] / counts[3:8].sum()
+    want = -np.mean(np.log2(p[windows[:, 1:] - 3]))
+    assert res["reference"]["markov0_bits_per_base"] == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [4, 7, 8])
+def test_dna_study_refuses_too_few_records(tmp_path, capsys, n):
+    from titans.cli import main
+
+    rng = np.random.default_rng(0)
+    fasta = tmp_path / "g.fa"
+    fasta.write_text("".join(f">r{i}\n{''.join(rng.choice(list('ACGT'), 600))}\n" for i in range(n)))
+    argv = "--variants swa --pretrain-steps 1 --finetune-steps 1 --eval-windows 2 --seq-len 64 --dim 16"
+    argv += f" --heads 2 --depth 1 --no-progress --fasta {fasta} --out {tmp_path / 'out'}"
+    assert main(["dna", "study", *argv.split()]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    want = "the DNA study needs at least 9 FASTA records (every 5th is a test record, every 8th of the rest"
+    assert err == f"titans dna study: error: {want} a validation record), got {n}"
+
+
+def test_study_refuses_a_test_split_left_empty_by_repeats(monkeypatch):
+    records = _random_records(9)
+    records[4] = FastaRecord("r4", records[0].sequence)  # the only test record repeats a train record
+    with pytest.raises(
+        ValueError, match="no test record left: all 1 are identical to records of an earlier split"
+    ):
+        _study_without_training(monkeypatch, records, _tiny_budget())
+    assert _study_without_training(monkeypatch, _random_records(9), _tiny_budget())[0]["records"] == {
+        "train": 7,
+        "val": 1,
+        "test": 1,
+    }
+
+
+def test_labelled_sequences_refuse_missing_or_empty_sequences(tmp_path):
+    """An empty cell, a JSON null or "" is refused naming the row and column, not read as "NAN"; the
+    sequence "NA" (N then A) is read as written."""
+    (tmp_path / "na.csv").write_text("seq,label\nACGT,1\nNA,0\n")
+    assert load_labelled_sequences(str(tmp_path / "na.csv")) == [("ACGT", 1), ("NA", 0)]
+    cases = {
+        "empty.csv": ("seq,label\nACGT,1\n,0\n", "row 1: column 'seq' is empty"),
+        "null.jsonl": (
+            '{"seq": "ACGT", "label": 1}\n{"seq": null, "label": 0}\n',
+            "row 1: column 'seq' is missing",
+        ),
+        "blank.jsonl": ('{"seq": "", "label": 1}\n', "row 0: column 'seq' is empty"),
+        "number.jsonl": (
+            '{"seq": "ACGT", "label": 1}\n{"seq": 12, "label": 0}\n',
+            "row 1: column 'seq' is not a sequence (12)",
+        ),
+    }
+    for name, (text, want) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=re.escape(want)):
+            load_labelled_sequences(str(tmp_path / name))
+
+
+def test_dna_classify_reports_test_sequences_cut_to_the_training_length(tmp_path, capsys):
+    from titans.cli import main
+
+    (tmp_path / "train.csv").write_text("seq,label\nACGTACGT,1\nGGGGCCCC,0\n")
+    (tmp_path / "test.csv").write_text("seq,label\nTTTTTTTTTTTTTTTTGGGGCCCC,1\nACG,0\nACGTACGTA,1\n")
+    argv = f"dna classify --train {tmp_path / 'train.csv'} --test {tmp_path / 'test.csv'} --variant swa"
+    argv += " --finetune-steps 1 --batch-size 2 --dim 16 --heads 2 --depth 1 --window 16 --no-progress"
+    assert main(argv.split()) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["length"] == 8 and doc["train_cut"] == 0 and doc["test_cut"] == 2
+    assert "warning: 2 of the 3 --test sequences are longer than 8 bases" in err

@@ -471,3 +471,64 @@ def test_seed_aggregate_counts_best_and_within_one_se_and_refuses_mixed_studies(
     twice["runs"].append(twice["runs"][0])
     with pytest.raises(ValueError, match="a at horizon 96 appears twice"):
         aggregate_studies([twice])
+
+
+def test_seed_aggregate_refuses_runs_on_other_data_or_splits():
+    """Seeds of one study share the data: the same file, channels, length, split protocol and borders."""
+    from titans.forecast.seeds import aggregate_studies
+
+    def doc(seed: int, **data) -> dict:
+        base = {
+            "source": "data/ETTh1.csv",
+            "channels": ["a", "b"],
+            "steps_total": 14400,
+            "protocol": "ett-hour",
+            "borders": [[0, 8640], [8544, 11520], [11424, 14400]],
+        }
+        runs = [
+            {
+                "series": "ETTh1",
+                "lookback": 96,
+                **base,
+                **data,
+                "run": {"model": m, "horizon": 24, "seed": seed},
+                "test_mse": 0.5 + seed / 10,
+                "test_mae": 0.4,
+                "parameters": 10,
+                "best_step": 3,
+                "best_seconds": 1.0,
+            }
+            for m in ("linear", "lmm")
+        ]
+        return {"series": "ETTh1", "budget": {"lr": 1e-3, "seed": seed}, "runs": runs}
+
+    assert aggregate_studies([doc(0), doc(1)])["seeds"] == [0, 1]
+    other = {
+        "source": ("data/other/ETTh1.csv", r"source: 'data/ETTh1.csv' vs 'data/other/ETTh1.csv'"),
+        "protocol": ("ratio", r"protocol: 'ett-hour' vs 'ratio'"),
+        "borders": ([[0, 10080], [9984, 11520], [11424, 14400]], r"borders: \[\[0, 8640\]"),
+        "steps_total": (14000, "steps_total: 14400 vs 14000"),
+        "channels": (["a"], r"channels: \['a', 'b'\] vs \['a'\]"),
+    }
+    for field, (value, want) in other.items():
+        with pytest.raises(
+            ValueError, match=r"study 1 is not the same study as study 0 but for the seed: .*" + want
+        ):
+            aggregate_studies([doc(0), doc(1, **{field: value})])
+    # one seed's inputs merged (horizons run apart) must be on the same data too
+    mixed = doc(1)
+    mixed["runs"][1]["protocol"] = "ratio"
+    with pytest.raises(ValueError, match="the runs of ETTh1 lookback 96 are not on the same data: protocol"):
+        aggregate_studies([doc(0), mixed])
+
+
+def test_patchtst_takes_a_lookback_of_16_or_less():
+    """The patch is shorter than the window (PatchTST needs two patches); a lookback of 1 is refused."""
+    _needs("patchtst")
+    from titans.forecast.baselines import PatchTSTAdapter
+
+    for lookback in (2, 8, 16, 17):
+        model = PatchTSTAdapter(lookback, 4, 2, dim=16, depth=1, heads=2)
+        assert model(torch.randn(3, lookback, 2)).shape == (3, 4, 2)
+    with pytest.raises(ValueError, match="patchtst: --lookback must be >= 2"):
+        PatchTSTAdapter(1, 4, 2, dim=16, depth=1, heads=2)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -186,7 +187,10 @@ def load_labelled_sequences(
         path = Path(spec).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"labelled sequences {spec!r}: no such file")
-        frame = pd.read_json(path, lines=True) if path.suffix == ".jsonl" else pd.read_csv(path)
+        if path.suffix == ".jsonl":
+            frame = pd.read_json(path, lines=True, dtype=False)
+        else:  # every cell as written: an empty cell or "NA" is not turned into NaN (or "NAN")
+            frame = pd.read_csv(path, dtype={seq_field: str}, keep_default_na=False)
         rows, columns = frame.to_dict("records"), set(frame.columns)
     missing = [c for c in (seq_field, label_field) if c not in columns]
     if missing:
@@ -194,7 +198,15 @@ def load_labelled_sequences(
     tok = DNATokenizer()
     out = []
     for i, row in enumerate(rows):
-        seq = str(row[seq_field])
+        seq = row[seq_field]
+        if not isinstance(seq, str) or not seq:
+            if isinstance(seq, str):
+                what = "empty"
+            elif seq is None or (isinstance(seq, float) and math.isnan(seq)):
+                what = "missing (null)"
+            else:
+                what = f"not a sequence ({seq!r})"
+            raise ValueError(f"labelled sequences {spec!r}, row {i}: column {seq_field!r} is {what}")
         try:
             tok.encode(seq)
         except ValueError as e:

@@ -161,7 +161,10 @@ def study_table(doc: dict) -> str:
     )
 
 
-def _labelled(spec: str, length: int | None) -> ClassificationSet:
+def _labelled(spec: str, length: int | None) -> tuple[ClassificationSet, int]:
+    """The labelled sequences of ``spec`` at one length (``length``, or the longest sequence's): a shorter
+    sequence left-padded with N, a longer one cut to its last ``length`` bases; (the set, how many were
+    cut)."""
     pairs = load_labelled_sequences(spec)
     if not pairs:
         raise ValueError(f"labelled sequences {spec!r}: no rows")
@@ -173,14 +176,24 @@ def _labelled(spec: str, length: int | None) -> ClassificationSet:
     x = np.stack(
         [np.asarray(tok.encode(("N" * max(0, n - len(s)) + s)[-n:]), dtype=np.int64) for s, _ in pairs]
     )
-    return ClassificationSet(x, np.asarray([label for _, label in pairs], dtype=np.int64))
+    cut = sum(len(s) > n for s, _ in pairs)
+    return ClassificationSet(x, np.asarray([label for _, label in pairs], dtype=np.int64)), cut
 
 
 def cmd_classify(args) -> int:
     set_cpu_threads(args.threads)
     budget = _budget(args)
-    train = _labelled(args.train, args.length)
-    test = _labelled(args.test, train.x.shape[1])
+    train, train_cut = _labelled(args.train, args.length)
+    length = train.x.shape[1]
+    test, test_cut = _labelled(args.test, length)
+    source = "--length" if args.length is not None else "the longest --train sequence"
+    for option, cut, total in (("--train", train_cut, len(train.y)), ("--test", test_cut, len(test.y))):
+        if cut:
+            print(
+                f"warning: {cut} of the {total} {option} sequences are longer than {length} bases "
+                f"({source}) and were cut to their last {length} bases",
+                file=sys.stderr,
+            )
     # the classifier has one output per class id up to the largest training label
     if len(np.unique(train.y)) < 2:
         raise ValueError(
@@ -207,6 +220,9 @@ def cmd_classify(args) -> int:
                 "variant": args.variant,
                 "train": len(train.y),
                 "test": len(test.y),
+                "length": length,
+                "train_cut": train_cut,
+                "test_cut": test_cut,
                 "test_accuracy": accuracy(clf, test),
             },
             indent=2,

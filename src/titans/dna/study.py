@@ -4,9 +4,13 @@ measure test accuracy (``titans.dna.tasks``); beside each, the same classifier t
 pre-training) under the same rules. Order-k Markov chains and a GC-content threshold are the reference
 points that need no network.
 
-Records are split three ways: every fifth record is a test record; of the rest, every eighth is a
-validation record, held out of pre-training and fine-tuning alike, whose proximal / distal windows decide
-early stopping. Both trainings run on the package's training loop (``titans.training.loop.TrainLoop``):
+Records are split three ways (``split_study_records``): every fifth record is a test record; of the rest,
+every eighth is a validation record, held out of pre-training and fine-tuning alike, whose proximal /
+distal windows decide early stopping. A val or test record identical to a record of an earlier split
+(train, then val) is dropped, and a proximal / distal window identical to one of an earlier split is left
+out of the later one (``titans.dna.tasks``), so no val or test sequence was seen in training; the numbers
+dropped are in the results (``dropped``). Records too short for the proximal / distal pair are left out
+of the task only. Both trainings run on the package's training loop (``titans.training.loop.TrainLoop``):
 AdamW without weight decay, the gradient norm clipped to 1, a NaN or inf loss stopped with an error naming
 the step. Classifier training follows the convergence rules of forecasting
 (``titans.training.early_stopping``): the validation cross-entropy every ``val_every`` steps, early stopping
@@ -28,11 +32,12 @@ from titans.data.dna import FastaRecord
 from titans.dna.model import SequenceClassifier, dna_config, lm_bits_per_base
 from titans.dna.tasks import (
     ClassificationSet,
+    drop_repeated_records,
     encode_records,
-    lm_windows,
     markov_bits_per_base,
-    proximal_distal,
+    proximal_distal_splits,
     sample_lm_batch,
+    spaced_windows,
     split_records,
 )
 from titans.models.lm import TitansLM
@@ -226,6 +231,42 @@ def gc_threshold_accuracy(train: ClassificationSet, test: ClassificationSet) -> 
     return float(((sign * (gc(test.x) - t) > 0) == (test.y == 1)).mean())
 
 
+def min_study_records() -> int:
+    """The fewest records whose split (``split_study_records``) leaves no part empty."""
+    n = 1
+    while True:
+        train, test = split_records(list(range(n)))
+        train, val = split_records(train, VAL_EVERY_RECORD)
+        if train and val and test:
+            return n
+        n += 1
+
+
+def split_study_records(
+    records: list[FastaRecord],
+) -> tuple[list[FastaRecord], list[FastaRecord], list[FastaRecord], dict[str, int]]:
+    """(train, val, test, dropped): every fifth record a test record, every eighth of the rest a validation
+    record; a val record identical to a train record and a test record identical to a train or val record
+    are dropped (``dropped``: how many of each). Refuses, naming the counts, a split left empty."""
+    least = min_study_records()
+    if len(records) < least:
+        raise ValueError(
+            f"the DNA study needs at least {least} FASTA records (every 5th is a test record, every "
+            f"{VAL_EVERY_RECORD}th of the rest a validation record), got {len(records)}"
+        )
+    train, test = split_records(records)
+    train, val = split_records(train, VAL_EVERY_RECORD)
+    val, val_dropped = drop_repeated_records(val, train)
+    test, test_dropped = drop_repeated_records(test, train, val)
+    for name, kept, dropped in (("val", val, val_dropped), ("test", test, test_dropped)):
+        if not kept:
+            raise ValueError(
+                f"the DNA study has no {name} record left: all {dropped} are identical to records of an "
+                f"earlier split ({len(records)} records in all)"
+            )
+    return train, val, test, {"val": val_dropped, "test": test_dropped}
+
+
 def run_study(
     records: list[FastaRecord],
     variants: list[str],
@@ -237,20 +278,35 @@ def run_study(
 ) -> dict:
     """Every variant pre-trained and fine-tuned at ``budget`` and (``scratch``) trained from scratch as a
     classifier under the same rules; the JSON-ready results."""
-    train_recs, test_recs = split_records(records)
-    train_recs, val_recs = split_records(train_recs, VAL_EVERY_RECORD)
+    train_recs, val_recs, test_recs, dropped = split_study_records(records)
     train_seqs, test_seqs = encode_records(train_recs), encode_records(test_recs)
-    test_windows = lm_windows(test_seqs, budget.seq_len)
-    if len(test_windows) > budget.eval_windows:  # evenly spaced, so every part of the test records counts
-        test_windows = test_windows[np.linspace(0, len(test_windows) - 1, budget.eval_windows).astype(int)]
-    cls_train, cls_val, cls_test = (
-        proximal_distal(train_recs, budget.window_len),
-        proximal_distal(val_recs, budget.window_len),
-        proximal_distal(test_recs, budget.window_len),
+    # the language models and the Markov reference are scored on the same evenly spaced test windows
+    test_windows = spaced_windows(test_seqs, budget.seq_len, budget.eval_windows)
+    (cls_train, cls_val, cls_test), left_out = proximal_distal_splits(
+        [train_recs, val_recs, test_recs], budget.window_len
     )
+    for i, (name, recs, task) in enumerate(
+        (("train", train_recs, cls_train), ("val", val_recs, cls_val), ("test", test_recs, cls_test))
+    ):
+        if not len(task.y):
+            raise ValueError(
+                f"the proximal / distal task has no {name} window: {left_out['short_records'][i]} of the "
+                f"{len(recs)} {name} records are shorter than 2 x window_len={budget.window_len} bases, "
+                f"{left_out['seen_in_earlier_split'][i]} windows repeat an earlier split's"
+            )
     out: dict = {
         "budget": asdict(budget),
         "records": {"train": len(train_recs), "val": len(val_recs), "test": len(test_recs)},
+        "dropped": {
+            "records_identical_to_an_earlier_split": dropped,
+            "task_windows_identical_to_an_earlier_split": dict(
+                zip(("val", "test"), left_out["seen_in_earlier_split"][1:])
+            ),
+            "task_windows_repeated_within_the_split": dict(
+                zip(("train", "val", "test"), left_out["repeated_in_split"])
+            ),
+            "records_too_short_for_the_task": dict(zip(("train", "val", "test"), left_out["short_records"])),
+        },
         "lm_test_windows": int(len(test_windows)),
         "classification": {
             "train": int(len(cls_train.y)),
@@ -260,7 +316,7 @@ def run_study(
         },
         "reference": {
             **{
-                f"markov{k}_bits_per_base": markov_bits_per_base(train_seqs, test_seqs, k, budget.seq_len)
+                f"markov{k}_bits_per_base": markov_bits_per_base(train_seqs, test_windows, k)
                 for k in (0, 2, 5)
             },
             "gc_threshold_accuracy": gc_threshold_accuracy(cls_train, cls_test),
@@ -268,6 +324,15 @@ def run_study(
         },
         "variants": {},
     }
+    short = sum(left_out["short_records"])
+    val_seen, test_seen = left_out["seen_in_earlier_split"][1:]
+    if dropped["val"] or dropped["test"] or val_seen or test_seen or short:
+        log(
+            f"dropped: {dropped['val']} val and {dropped['test']} test records identical to records of an "
+            f"earlier split; {val_seen} val and {test_seen} test proximal / distal windows identical to an "
+            f"earlier split's; {short} records shorter than 2 x window_len={budget.window_len} left out of "
+            "the proximal / distal task (kept for the language model)"
+        )
     log("reference: " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in out["reference"].items()))
     for variant in variants:
         t0 = time.perf_counter()
@@ -385,8 +450,10 @@ __all__ = [
     "fresh_lm",
     "mean_loss",
     "gc_threshold_accuracy",
+    "min_study_records",
     "plot_study",
     "pretrain",
     "run_study",
+    "split_study_records",
     "summarise_seeds",
 ]

@@ -8,9 +8,12 @@ record the 2,000 bases upstream of a transcription start, in the direction of tr
     label 0 "distal": the first ``length`` bases (1,750-2,000 bases upstream for length 250).
 
 Labels come from the gene annotation, not from a model. They are noisy where genes lie close together
-(a distal window can fall in a neighbouring gene's promoter). Windows with identical sequence (transcripts
-that share a start) are kept once, and train/test are split by record, the same split as the language
-model's, so no test record was seen in pre-training.
+(a distal window can fall in a neighbouring gene's promoter). Records shorter than 2 x ``length`` have no
+such pair and are left out of the task. Train/val/test are split by record, the same split as the language
+model's; a val or test record identical to a record of an earlier split (train, then val) is dropped
+(``drop_repeated_records``), and the task's windows are built in the order train, val, test with one set
+of the windows kept so far, so a window with the sequence of an earlier one (transcripts that share a
+start) is kept once, in the earliest split: no val or test sequence was seen in training.
 """
 
 from __future__ import annotations
@@ -34,6 +37,16 @@ def split_records(
     return train, test
 
 
+def drop_repeated_records(
+    records: list[FastaRecord], *earlier: list[FastaRecord]
+) -> tuple[list[FastaRecord], int]:
+    """``records`` without those whose sequence is that of a record in one of the ``earlier`` lists;
+    (the records kept, the number dropped)."""
+    seen = {r.sequence for recs in earlier for r in recs}
+    kept = [r for r in records if r.sequence not in seen]
+    return kept, len(records) - len(kept)
+
+
 def encode_records(records: list[FastaRecord]) -> list[np.ndarray]:
     tok = DNATokenizer()
     return [np.asarray(tok.encode(r.sequence), dtype=np.int64) for r in records]
@@ -46,6 +59,15 @@ def lm_windows(seqs: list[np.ndarray], seq_len: int) -> np.ndarray:
     if not rows:
         raise ValueError(f"no sequence is at least seq_len={seq_len} bases long")
     return np.stack(rows)
+
+
+def spaced_windows(seqs: list[np.ndarray], seq_len: int, count: int) -> np.ndarray:
+    """At most ``count`` of ``lm_windows(seqs, seq_len)``, evenly spaced so every part of the sequences
+    counts: the held-out windows the study scores the language models and the Markov reference on."""
+    windows = lm_windows(seqs, seq_len)
+    if len(windows) > count:
+        windows = windows[np.linspace(0, len(windows) - 1, count).astype(int)]
+    return windows
 
 
 def sample_lm_batch(
@@ -66,33 +88,59 @@ class ClassificationSet:
 
 
 def proximal_distal(records: list[FastaRecord], length: int = 250) -> ClassificationSet:
-    """The proximal / distal task (see the module docstring)."""
+    """The proximal / distal task of ``records`` (see the module docstring); records shorter than
+    2 x ``length`` are left out."""
+    (task,), _ = proximal_distal_splits([records], length)
+    return task
+
+
+def proximal_distal_splits(
+    splits: list[list[FastaRecord]], length: int = 250
+) -> tuple[list[ClassificationSet], dict[str, list[int]]]:
+    """The proximal / distal task of each split, built in the order given (train, val, test) with one set
+    of the windows kept so far: a window identical to one already kept, in an earlier split or earlier in
+    its own, is left out. Returns the tasks and, per split, the counts left out: ``short_records``
+    (records shorter than 2 x ``length``), ``seen_in_earlier_split`` and ``repeated_in_split`` (windows)."""
     tok = DNATokenizer()
     seen: set[str] = set()
-    xs, ys = [], []
-    for r in records:
-        if len(r.sequence) < 2 * length:
-            raise ValueError(f"record {r.name!r} has {len(r.sequence)} bases, fewer than 2 x length={length}")
-        for seq, label in ((r.sequence[-length:], 1), (r.sequence[:length], 0)):
-            if seq in seen:
+    tasks = []
+    counts: dict[str, list[int]] = {"short_records": [], "seen_in_earlier_split": [], "repeated_in_split": []}
+    for records in splits:
+        earlier, here = seen, set()
+        xs, ys = [], []
+        short = in_earlier = repeated = 0
+        for r in records:
+            if len(r.sequence) < 2 * length:
+                short += 1
                 continue
-            seen.add(seq)
-            xs.append(tok.encode(seq))
-            ys.append(label)
-    return ClassificationSet(np.asarray(xs, dtype=np.int64), np.asarray(ys, dtype=np.int64))
+            for seq, label in ((r.sequence[-length:], 1), (r.sequence[:length], 0)):
+                if seq in earlier:
+                    in_earlier += 1
+                elif seq in here:
+                    repeated += 1
+                else:
+                    here.add(seq)
+                    xs.append(tok.encode(seq))
+                    ys.append(label)
+        seen = earlier | here
+        x = np.asarray(xs, dtype=np.int64).reshape(len(xs), length)
+        tasks.append(ClassificationSet(x, np.asarray(ys, dtype=np.int64)))
+        for key, n in zip(counts, (short, in_earlier, repeated)):
+            counts[key].append(n)
+    return tasks, counts
 
 
-def markov_bits_per_base(train: list[np.ndarray], test: list[np.ndarray], order: int, seq_len: int) -> float:
-    """Bits per base of an order-``order`` Markov chain (add-one counts) on the test windows of length
-    ``seq_len``, scored on the same positions as the language models (each window's bases after its first,
-    each with at most ``order`` bases of context inside the window)."""
+def markov_bits_per_base(train: list[np.ndarray], windows: np.ndarray, order: int) -> float:
+    """Bits per base of an order-``order`` Markov chain (add-one counts from ``train``) on the test
+    ``windows`` (N, seq_len), the language models' windows (``spaced_windows``), scored on the same
+    positions: each window's bases after its first, each with at most ``order`` bases of context inside
+    the window."""
     k = 8  # token ids < 8
     counts = np.ones((order + 1,) + (k,) * (order + 1))
     for s in train:
         for o in range(order + 1):
             idx = tuple(s[i : len(s) - o + i] for i in range(o + 1))
             np.add.at(counts[o][(0,) * (order - o)], idx, 1)
-    windows = lm_windows(test, seq_len)
     total = 0.0
     n = 0
     for w in windows:
@@ -108,10 +156,13 @@ def markov_bits_per_base(train: list[np.ndarray], test: list[np.ndarray], order:
 
 __all__ = [
     "ClassificationSet",
+    "drop_repeated_records",
     "encode_records",
     "lm_windows",
     "markov_bits_per_base",
     "proximal_distal",
+    "proximal_distal_splits",
     "sample_lm_batch",
+    "spaced_windows",
     "split_records",
 ]

@@ -66,8 +66,12 @@ class PatchTSTAdapter(nn.Module):
             raise ImportError("the patchtst baseline needs transformers: pip install 'titans[hf]'") from e
         if dim % heads:
             raise ValueError(f"patchtst: dim ({dim}) must be divisible by heads ({heads})")
+        if lookback < 2:
+            raise ValueError(
+                f"patchtst: --lookback must be >= 2 (a patch shorter than the window), got {lookback}"
+            )
         self.lookback, self.horizon, self.channels = lookback, horizon, channels
-        patch = min(16, lookback)
+        patch = min(16, lookback - 1)  # PatchTST needs a patch shorter than the window (two patches at least)
         config = PatchTSTConfig(
             num_input_channels=channels,
             context_length=lookback,

@@ -4,7 +4,8 @@
     print(aggregate_table(agg))
 
 Each input is the JSON ``titans forecast study`` writes for one series and one seed. Every seed must be
-the same study but for the seed (same series, lookback, models, horizons and budget) and no run may
+the same study but for the seed (same series, lookback, models, horizons and budget, and the same data:
+source, channels, length, split protocol and borders, ``DATA_FIELDS``) and no run may
 appear twice, so a mean never mixes settings or counts one run twice; the inputs of one seed with
 disjoint runs (horizons 96 and 720 in one study, 192 and 336 in another) are merged into one study.
 Per (series, lookback, horizon, model) the aggregate holds, for the test MSE and MAE, the per-seed
@@ -66,6 +67,24 @@ def _check(doc: object, where: str) -> None:
         keys.add(key)
 
 
+DATA_FIELDS = ("source", "channels", "steps_total", "protocol", "borders")  # a run's data and split
+
+
+def _data_of(doc: dict, where: str) -> dict:
+    """Per (series, lookback): the data a study's runs were measured on (``DATA_FIELDS``); refuses runs of
+    one (series, lookback) on different data."""
+    data: dict = {}
+    for r in doc["runs"]:
+        key = f"{r['series']} lookback {r['lookback']}"
+        fields = {k: r.get(k) for k in DATA_FIELDS}
+        if data.setdefault(key, fields) != fields:
+            diff = [
+                f"{k}: {data[key][k]!r} vs {fields[k]!r}" for k in DATA_FIELDS if data[key][k] != fields[k]
+            ]
+            raise ValueError(f"{where}: the runs of {key} are not on the same data: {'; '.join(diff)}")
+    return data
+
+
 def _seed_of(doc: dict, where: str) -> int:
     seeds = {r["run"]["seed"] for r in doc["runs"]}
     if len(seeds) != 1:
@@ -118,18 +137,24 @@ def aggregate_studies(docs: list[dict], names: list[str] | None = None) -> dict:
     docs, names = _merge_seeds(docs, names)
     seeds = [_seed_of(d, w) for d, w in zip(docs, names)]
 
-    def setting(doc: dict) -> dict:
+    def setting(doc: dict, where: str) -> dict:
         budget = {k: v for k, v in doc.get("budget", {}).items() if k != "seed"}
         cells = sorted(_key(r) for r in doc["runs"])
-        return {"budget": budget, "cells": cells}
+        return {"budget": budget, "cells": cells, "data": _data_of(doc, where)}
 
-    ref = setting(docs[0])
+    ref = setting(docs[0], names[0])
     for doc, where in zip(docs[1:], names[1:]):
-        other = setting(doc)
+        other = setting(doc, where)
         diff = [
             f"{k}: {ref['budget'].get(k)!r} vs {other['budget'].get(k)!r}"
             for k in sorted(set(ref["budget"]) | set(other["budget"]))
             if ref["budget"].get(k) != other["budget"].get(k)
+        ]
+        diff += [
+            f"{key} {k}: {ref['data'][key][k]!r} vs {other['data'][key][k]!r}"
+            for key in sorted(set(ref["data"]) & set(other["data"]))
+            for k in DATA_FIELDS
+            if ref["data"][key][k] != other["data"][key][k]
         ]
         diff += [
             f"run {c} in one only"
@@ -257,4 +282,4 @@ def plot_aggregate(path: str | Path, agg: dict, metric: str = "mse") -> None:
     plt.close(fig)
 
 
-__all__ = ["METRICS", "aggregate_studies", "aggregate_table", "plot_aggregate"]
+__all__ = ["DATA_FIELDS", "METRICS", "aggregate_studies", "aggregate_table", "plot_aggregate"]
