@@ -18,6 +18,7 @@ from titans.dna.study import DNABudget, finetune, pretrain
 from titans.dna.tasks import encode_records, proximal_distal, split_records
 from titans.evaluation.task_training import TaskTrainConfig, train_on_task
 from titans.models import TitansConfig, TitansLM
+from titans.training.early_stopping import EarlyStopping
 from titans.training.loop import TrainLoop, optimizer_step
 
 TOK = ByteTokenizer()
@@ -140,6 +141,47 @@ def test_an_evaluation_callback_stops_the_loop_with_request_stop():
     loop.total_steps = 8  # a later run starts without the old request
     again = loop.run()
     assert again.step == 8 and again.stopped_by is None and evaluated == [2, 4, 6]
+
+
+@pytest.mark.parametrize("stop", ["signal", "budget"])
+def test_a_stop_at_an_eval_step_skips_that_evaluation_and_checkpoints(stop):
+    """A signal or a time budget is decided right after the step, before its periodic evaluation: the
+    step the loop stops after gets its checkpoint and no evaluation from the loop (the caller evaluates it
+    once, after the checkpoint), also when it is an `eval_every` step."""
+    calls: list[str] = []
+
+    def on_step(step, loss, grad_norm, aux):
+        if stop == "signal" and step == 1:
+            signal.raise_signal(signal.SIGINT)  # recorded by the loop's handler; step 2 finishes
+
+    _, loop = _linear_loop(
+        on_step=on_step,
+        eval_every=2 if stop == "signal" else 1,
+        evaluate=lambda step: calls.append(f"evaluate@{step}"),
+        ckpt_every=100,
+        checkpoint=lambda step: calls.append(f"checkpoint@{step}"),
+        time_budget_s=0.0 if stop == "budget" else None,
+        handle_signals=stop == "signal",
+    )
+    done = loop.run()
+    last = 2 if stop == "signal" else 1
+    assert done.stopped_early and done.step == last
+    assert done.stopped_by == ("SIGINT" if stop == "signal" else None)
+    assert calls == [f"checkpoint@{last}"]
+
+
+def test_early_stopping_checks_the_step_a_time_budget_stopped_at_once():
+    """`EarlyStopping.finish` checks the last step when the loop did not: a time budget that stops the
+    loop at an `eval_every` step leaves that check to it, made once."""
+    model, loop = _linear_loop(eval_every=1, evaluate=lambda step: stopper.check(step), time_budget_s=0.0)
+    measured: list[int] = []
+    stopper = EarlyStopping(model, lambda: measured.append(loop.step) or float(len(measured)), patience=3)
+    stopper.loop = loop
+    stopper.check(0)
+    done = loop.run()
+    assert done.step == 1 and done.stopped_early
+    assert stopper.finish(done) == "time budget"
+    assert [s for s, _ in stopper.history] == [0, 1] and measured == [0, 1]
 
 
 def test_the_loop_refuses_a_half_given_set_of_parts():

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,11 +23,17 @@ from titans.models.lm import TitansLM
 from titans.runtime.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 from titans.runtime.loading import TOKENIZER_DIR, load_trained
 from titans.training.config import RESUMABLE_CHANGES, TrainConfig, parse_set
+from titans.training.metrics import read_metrics, truncate_metrics
 from titans.training.model_io import load_model
 from titans.training.optim import lr_factor, parameter_groups
 from titans.training.trainer import Trainer
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+ENV = {
+    **os.environ,
+    "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    "OMP_NUM_THREADS": "1",
+}
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +145,107 @@ def test_time_budget_stops_cleanly_with_a_checkpoint(tmp_path, cache_dir):
     assert Trainer(micro_config(tmp_path, cache_dir, steps=50), resume=True).step == result.step
 
 
+def _record_calls(trainer: Trainer, calls: list[str]) -> None:
+    """Record each evaluation and checkpoint of ``trainer`` as ``evaluate@STEP`` / ``checkpoint@STEP``."""
+    evaluate, save = trainer.evaluate, trainer.save_checkpoint
+    trainer.evaluate = lambda: calls.append(f"evaluate@{trainer.step}") or evaluate()
+    trainer.save_checkpoint = lambda: calls.append(f"checkpoint@{trainer.step}") or save()
+
+
+@pytest.mark.parametrize("stop", ["signal", "budget"])
+def test_a_stop_at_an_eval_step_checkpoints_first_and_evaluates_once(tmp_path, cache_dir, stop):
+    """A signal or the time budget that stops a run after an `eval_every` step: the checkpoint of that step
+    comes first, then one evaluation of it (one eval row in metrics.jsonl), not the periodic one before
+    the checkpoint and the final one after it."""
+    cfg = micro_config(
+        tmp_path,
+        cache_dir,
+        steps=10,
+        eval_every=2 if stop == "signal" else 1,
+        time_budget_min=1e-9 if stop == "budget" else None,
+    )
+    trainer = Trainer(cfg)
+    calls: list[str] = []
+    _record_calls(trainer, calls)
+    train_step = trainer.train_step
+
+    def step(s: int):
+        if stop == "signal" and s == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # recorded by the trainer's handler; step 2 finishes
+        return train_step(s)
+
+    trainer.train_step = step
+    result = trainer.train()
+    last = 2 if stop == "signal" else 1
+    assert result.step == last and result.stopped_early
+    assert result.stopped_by == ("SIGINT" if stop == "signal" else None)
+    assert calls == [f"checkpoint@{last}", f"evaluate@{last}"]
+    evals = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["split"] == "eval"]
+    assert evals == [last]
+
+
+@pytest.mark.parametrize("during", ["checkpoint", "evaluate"])
+def test_a_signal_after_the_last_step_stops_the_run_without_a_sample(tmp_path, cache_dir, during):
+    """A signal during the final checkpoint or evaluation (after the last step, where the loop no longer
+    looks for one) stops the run as one during training does: `stopped_by` in the result and the report,
+    no sample."""
+    trainer = Trainer(micro_config(tmp_path, cache_dir, steps=2, sample_tokens=8))
+    real = getattr(trainer, "save_checkpoint" if during == "checkpoint" else "evaluate")
+
+    def signalled():
+        os.kill(os.getpid(), signal.SIGINT)
+        return real()
+
+    setattr(trainer, "save_checkpoint" if during == "checkpoint" else "evaluate", signalled)
+    result = trainer.train()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert result.step == 2 and not result.stopped_early
+    assert result.stopped_by == "SIGINT" and result.sample is None
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["stopped_by"] == "SIGINT" and report["sample"] is None and report["eval"]["bpb"] > 0
+    assert latest_checkpoint(tmp_path).name == "step_00000002"
+
+
+def test_a_sigterm_during_the_sample_ends_the_compare_with_status_143(tmp_path, cache_dir):
+    """`titans train --compare A B`, SIGTERM while A writes its end-of-training sample (a long one): the
+    sample is abandoned, A's report says stopped_by SIGTERM, the command exits 143 at once and B is not
+    trained."""
+    paths = []
+    for variant in ("mac", "swa"):
+        cfg = micro_config(tmp_path / variant, cache_dir, variant=variant, steps=2, sample_tokens=200_000)
+        cfg.save(tmp_path / f"{variant}.json")
+        paths.append(str(tmp_path / f"{variant}.json"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "titans", "train", "--compare", *paths, "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    metrics = tmp_path / "mac" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    # the final evaluation's row: the run is past its last step, in the sample (or just before it)
+    while not any(r["split"] == "eval" for r in read_metrics(metrics)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"the run did not reach its final evaluation:\n{out[-2000:]}\n{err[-3000:]}")
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("still running 60 s after the SIGTERM (the sample went on)")
+    assert proc.returncode == 143, err[-3000:]
+    report = json.loads((tmp_path / "mac" / "report.json").read_text())
+    assert report["stopped_by"] == "SIGTERM" and report["step"] == 2 and report["sample"] is None
+    assert err.strip().splitlines()[-1].startswith("titans: stopped by SIGTERM at step 2; checkpoint saved")
+    assert "Traceback" not in err and "sample:" not in out
+    assert "training swa" not in out and not (tmp_path / "swa").exists()
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_damaged_checkpoint_is_refused_and_resume_falls_back(tmp_path, cache_dir, damage):
     cfg = micro_config(tmp_path, cache_dir, steps=4, ckpt_every=2)
@@ -194,6 +304,73 @@ def test_config_errors_name_the_problem(tmp_path, cache_dir):
     missing = tmp_path / "no-such-corpus.txt"
     with pytest.raises(FileNotFoundError, match="no-such-corpus.txt"):
         Trainer(micro_config(tmp_path / "run", cache_dir, data=str(missing)))
+
+
+def test_a_list_field_takes_a_single_value_on_the_command_line():
+    """`--set curriculum_steps=600` (one number for a list field, as docs/training.md writes it) is the
+    list [600], as `600,` and `[600]` are; a value that is no item of the list is still refused."""
+    sets = parse_set(["curriculum_steps=600", "curriculum_seq_lens=512", "model.memory_layers=1"])
+    assert sets == {"curriculum_steps": [600], "curriculum_seq_lens": [512], "model.memory_layers": [1]}
+    assert (
+        parse_set(["curriculum_steps=600,"])
+        == parse_set(["curriculum_steps=[600]"])
+        == {"curriculum_steps": [600]}
+    )
+    cfg = TrainConfig.from_file(None, {**sets, "seq_len": 256, "batch_size": 16})
+    assert (cfg.curriculum_steps, cfg.curriculum_seq_lens, cfg.model["memory_layers"]) == ([600], [512], [1])
+    for bad in ("curriculum_steps=true", "curriculum_steps=1.5", "curriculum_steps=x"):
+        with pytest.raises(ValueError, match=r"--set curriculum_steps: expected a list\[int\]"):
+            parse_set([bad])
+
+
+def test_adamw_settings_out_of_range_are_refused_naming_the_field(tmp_path, capsys):
+    """beta1 / beta2 in [0, 1) and eps > 0 are checked with the config, naming the field, before any data
+    is read or any run folder made."""
+    for field, value, bound in (
+        ("beta1", 1.5, r"in \[0, 1\)"),
+        ("beta1", 1.0, r"in \[0, 1\)"),
+        ("beta2", -0.5, r"in \[0, 1\)"),
+        ("eps", -1.0, "> 0"),
+        ("eps", 0.0, "> 0"),
+    ):
+        with pytest.raises(ValueError, match=rf"TrainConfig\.{field} must be a number {bound}, got {value}"):
+            TrainConfig(**{field: value})
+    assert TrainConfig(beta1=0.0, beta2=0.999, eps=1e-12).beta2 == 0.999
+    run_dir = tmp_path / "run"
+    data = tmp_path / "missing.txt"  # never opened: the config is refused first
+    assert titans_main(["train", "--set", "beta2=1.2", "--data", str(data), "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "TrainConfig.beta2 must be a number in [0, 1), got 1.2" in err and "missing.txt" not in err
+    assert not run_dir.exists()
+
+
+def test_truncating_the_metrics_on_resume_never_loses_them(tmp_path):
+    """`truncate_metrics` (a resume drops the rows after its checkpoint) writes a new file and renames it
+    over the old: a write that fails part-way (a full disk; here a file size limit) leaves every row."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"split": "train", "step": s, "loss": 5.0 - s / 100, "lr": 1e-3} for s in range(1, 201)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = path.read_bytes()
+    script = (
+        "import resource, signal, sys\n"
+        "from titans.training.metrics import truncate_metrics\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.RLIM_INFINITY))\n"
+        "try:\n"
+        "    truncate_metrics(sys.argv[1], 150)\n"
+        "except OSError as e:\n"
+        "    print('refused', e.errno, e.filename)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(path)], capture_output=True, text=True, env=ENV, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert path.read_bytes() == before  # all 200 rows
+    assert proc.stdout.split() == ["refused", str(errno.EFBIG), str(path)]
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary file left
+    truncate_metrics(path, 150)
+    assert [r["step"] for r in read_metrics(path)] == list(range(1, 151))
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.json")), ids=str)

@@ -155,7 +155,10 @@ def add_ppl_parser(evals) -> None:
         "--checkpoint", required=True, help="a checkpoint folder or a run folder (newest checkpoint)"
     )
     p.add_argument(
-        "--data", default=None, help="text source to score in full (default: the checkpoint's held-out split)"
+        "--data",
+        default=None,
+        help="text source to score: --windows windows spread over it (default: the checkpoint's held-out "
+        "split)",
     )
     p.add_argument("--text-field", default="text", help="JSONL / dataset text field for --data")
     add_changed_data_arg(p)

@@ -11,7 +11,9 @@ Precedence: defaults < --config file < explicit flags < --set key=value (``model
 
 SIGTERM or SIGINT (Ctrl-C) during training: the run finishes its step, writes a checkpoint and its report,
 and the command exits with status 128 + the signal's number (143, 130) after a line saying where the
-checkpoint is; ``--resume`` continues exactly. A second signal stops at once (``titans.training.signals``).
+checkpoint is; ``--resume`` continues exactly. One after the last step (during the final checkpoint,
+evaluation or sample) ends the same way, without a sample. Either way ``--compare`` trains none of the
+configs after it. A second signal stops at once (``titans.training.signals``).
 """
 
 from __future__ import annotations

@@ -16,11 +16,12 @@ Resuming: fields in ``RESUMABLE_CHANGES`` may differ between a run and its resum
 is refused, naming the field (``TrainConfig.resume_mismatches``). The model is compared as the resulting
 `TitansConfig` (preset, variant and ``model`` overrides applied), not as the overrides that produced it.
 
-Optimizer (paper §5.1): AdamW, peak lr 4e-4, linear warmup then cosine decay to ``min_lr_ratio * lr``,
-weight decay 0.1, gradient clipping at 1.0. Weight decay applies to the weight matrices of linear and
-convolution layers only; never to embeddings (and the head tied to them), norms, biases, gate scalars,
-persistent-memory tokens or the memory's learned initial weights W_0 (decaying W_0 would pull the memory
-toward an empty start for no modelling reason).
+Optimizer (paper §5.1): AdamW, peak lr 4e-4, linear warmup then a cosine decay toward
+``min_lr_ratio * lr`` (reached at step ``total_steps``, one past the last step:
+``titans.training.optim.lr_factor``), weight decay 0.1, gradient clipping at 1.0. Weight decay applies to
+the weight matrices of linear and convolution layers only; never to embeddings (and the head tied to
+them), norms, biases, gate scalars, persistent-memory tokens or the memory's learned initial weights W_0
+(decaying W_0 would pull the memory toward an empty start for no modelling reason).
 """
 
 from __future__ import annotations
@@ -141,14 +142,20 @@ class TrainConfig:
     )
     # optimizer (AdamW, cosine with warmup)
     lr: float = option(4e-4, help="peak learning rate (AdamW)", above=0)
-    min_lr_ratio: float = option(0.1, help="the cosine schedule ends at min_lr_ratio * lr", min=0, max=1)
+    min_lr_ratio: float = option(
+        0.1,
+        help="the cosine schedule decays toward min_lr_ratio * lr, reached at step total_steps (one past "
+        "the last step)",
+        min=0,
+        max=1,
+    )
     warmup_steps: int = option(100, help="linear warm-up steps", min=0)
     weight_decay: float = option(
         0.1, help="AdamW weight decay of weight matrices (not embeddings, norms, biases, gates)", min=0
     )
-    beta1: float = option(0.9, help="AdamW beta1")
-    beta2: float = option(0.95, help="AdamW beta2")
-    eps: float = option(1e-8, help="AdamW epsilon")
+    beta1: float = option(0.9, help="AdamW beta1, in [0, 1)", min=0, below=1)
+    beta2: float = option(0.95, help="AdamW beta2, in [0, 1)", min=0, below=1)
+    eps: float = option(1e-8, help="AdamW epsilon, > 0", above=0)
     grad_clip: float | None = option(1.0, help="gradient norm clipping (null: none)", above=0)
     # runtime
     seed: int = option(0, help="seed of the initial weights, the batch order and the sample")

@@ -7,6 +7,8 @@ value checked against it, and a one-line description for listings.
 
 Types understood: ``int``, ``float`` (an int is fine, a bool is not a number), ``bool`` (true / false),
 ``str``, ``list[...]`` of those, ``dict[str, Any]`` (a JSON object) and ``X | None`` (``null`` for None).
+On the command line a list is JSON (``[400, 600]``), comma-separated (``400,600``) or a single item
+(``600``, the list ``[600]``).
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ def parse_text(tp: Any, text: str) -> tuple[bool, Any]:
         return True, None
     origin = typing.get_origin(inner)
     if origin is list or origin is dict or inner is Any:
-        # lists as JSON ([1, 2]) or comma-separated (1,2); objects as JSON
+        # lists as JSON ([1, 2]), comma-separated (1,2) or one item (600: [600]); objects as JSON
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
@@ -154,6 +156,10 @@ def parse_text(tp: Any, text: str) -> tuple[bool, Any]:
             (item,) = typing.get_args(inner) or (Any,)
             parts = [parse_text(item, p) for p in text.split(",") if p.strip()]
             return all(ok for ok, _ in parts), [v for _, v in parts]
+        if origin is list and value is not None and not isinstance(value, (list, dict)):
+            (item,) = typing.get_args(inner) or (Any,)
+            ok, one = parse_text(item, text)  # a single item, read as the comma-separated items are
+            return ok, [one]
         return _check(inner, value)
     return _parse_scalar(inner, text)
 

@@ -22,7 +22,10 @@ What the loop does for all of them:
   and a ``ValueError``) naming the step when it is NaN or inf, logged to ``metrics`` (loss, lr, tokens
   and tokens/s when ``tokens_per_step`` is given, the gradient norm) and to the progress bar;
 - a time budget and SIGTERM / SIGINT (``titans.training.signals``): stop after the current step, the same
-  step on every rank, then write the checkpoint; ``LoopResult.stopped_by`` names the signal;
+  step on every rank, then write the checkpoint; ``LoopResult.stopped_by`` names the signal. The stop is
+  decided right after the step, so a step the loop stops after gets no periodic ``evaluate`` (nor
+  ``checkpoint``) from the loop: the checkpoint comes first, and a caller that evaluates after ``run``
+  (the LM trainer, ``EarlyStopping.finish``) evaluates that step once;
 - a stop requested by a callback (``loop.request_stop(reason)``, e.g. early stopping from ``evaluate``):
   the same, after the current step; ``LoopResult.stopped_by`` is the reason;
 - on CUDA, float32 matrix products in TF32 while it runs (``tf32``, default on; torch's flags come back
@@ -249,21 +252,25 @@ class TrainLoop:
                 if self.step % self.log_every == 0 or self.step == end:
                     last_logged = self._log(pending, lr, grad_norm, interval_time)
                     pending, interval_time = [], 0.0
-                if self.eval_every is not None and self.step % self.eval_every == 0 and self.step < end:
-                    self.evaluate(self.step)
-                if self.ckpt_every is not None and self.step % self.ckpt_every == 0 and self.step < end:
-                    self.checkpoint(self.step)
-                    saved_step = self.checkpointed_at = self.step
+                # A budget or a signal is decided right after the step, before its periodic evaluation:
+                # a stop skips it, writes the checkpoint first (below, after the loop) and leaves the
+                # evaluation of that step to the caller (one, after the checkpoint). Every rank, every
+                # step: all stop after the same step (a signal reaches them at different moments).
                 budget = self.time_budget_s
                 over = budget is not None and time.perf_counter() - session_start >= budget
-                # every rank, every step: all stop after the same step (a signal reaches them at
-                # different moments)
                 if self.info is not None:
                     over, signum = D.agree_to_stop(over, signals.signum, self.info)
                 else:
                     signum = signals.signum
-                requested = self.stop_reason
-                if (over or signum or requested) and self.step < end:
+                stopping = bool(over or signum) and self.step < end
+                if not stopping:
+                    if self.eval_every is not None and self.step % self.eval_every == 0 and self.step < end:
+                        self.evaluate(self.step)
+                    if self.ckpt_every is not None and self.step % self.ckpt_every == 0 and self.step < end:
+                        self.checkpoint(self.step)
+                        saved_step = self.checkpointed_at = self.step
+                requested = self.stop_reason  # from on_step, after_log or this step's evaluate
+                if (stopping or requested) and self.step < end:
                     stopped_early = True
                     if signum:
                         stopped_by = signal_name(signum)

@@ -15,6 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from titans._fs import write_text_atomic
+
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
@@ -97,12 +99,13 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 def truncate_metrics(path: str | Path, last_step: int) -> None:
     """Drop rows after ``last_step`` (written after the checkpoint a run resumes from), so a resumed run
-    does not log the same steps twice."""
+    does not log the same steps twice. The kept rows go to a temporary file in the same folder, renamed
+    over ``path`` (``write_text_atomic``): a full disk or a kill part-way leaves the whole old file."""
     path = Path(path)
     if not path.is_file():
         return
     keep = [r for r in read_metrics(path) if int(r.get("step", 0)) <= last_step]
-    path.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 def plot_losses(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path | None:

@@ -1,4 +1,5 @@
-"""AdamW with decoupled weight decay on weight matrices only, and a warmup + cosine learning-rate schedule.
+"""AdamW with decoupled weight decay on weight matrices only, and a warmup + cosine learning-rate schedule
+(``lr_factor``: it decays toward ``min_lr_ratio * lr``, reached one step past the last).
 
 Decay / no-decay split (see ``titans.training.config``): the ``weight`` of every ``nn.Linear`` and
 ``nn.Conv1d`` is decayed; nothing else is — embeddings (and a head tied to them), norm weights, biases,
@@ -41,8 +42,11 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """Multiplier of the peak lr for optimizer step ``step`` (0-based): linear warmup over
-    ``warmup_steps`` (the first step already has lr / warmup_steps), then a cosine from 1 down to
-    ``min_lr_ratio`` at ``total_steps``, flat after it."""
+    ``warmup_steps`` (the first step already has lr / warmup_steps), then a cosine from 1 decaying toward
+    ``min_lr_ratio``, which it reaches at step ``total_steps``: one past the run's last step
+    (``total_steps - 1``), so no step of the run takes that lr. Flat after it. This is nanoGPT's
+    schedule: warmup ``(step + 1) / warmup_steps``, then the cosine of progress
+    ``(step - warmup_steps) / (total_steps - warmup_steps)``."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))

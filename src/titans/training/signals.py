@@ -48,13 +48,15 @@ class StopSignals:
 
     ``enabled=False`` or use outside the main thread (where Python cannot install handlers): a no-op,
     ``signum`` stays None. A signal whose handler is SIG_IGN is left ignored. ``announce``: write a line
-    to stderr when a signal arrives (rank 0 only).
+    to stderr when a signal arrives (rank 0 only), saying ``next_steps``.
     """
 
     def __init__(self, *, enabled: bool = True, announce: bool = True):
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.announce = announce
         self.signum: int | None = None
+        # what the announcement says happens next (a trainer past its last step sets its own)
+        self.next_steps = "finishing the current step, then saving a checkpoint"
         self._first = 0.0
         self._previous: dict[int, Any] = {}
 
@@ -81,7 +83,7 @@ class StopSignals:
             self.signum, self._first = signum, now
             if self.announce:
                 _say(
-                    f"titans: got {name}: finishing the current step, then saving a checkpoint "
+                    f"titans: got {name}: {self.next_steps} "
                     f"(send {name} again to stop at once, without one)\n"
                 )
             return

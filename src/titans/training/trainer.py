@@ -29,8 +29,8 @@ import contextlib
 import errno
 import json
 import logging
-import os
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from titans._fs import write_text_atomic
 from titans.data.loader import CurriculumBatches, EvalWindows, StreamBatches, TokenBatches
 from titans.data.stream import load_token_streams
 from titans.data.tokenizers import load_tokenizer
@@ -79,7 +80,7 @@ from titans.training.metrics import (
 )
 from titans.training.optim import build_optimizer, build_scheduler
 from titans.training.perplexity import PerplexityResult, autocast_context, evaluate_perplexity
-from titans.training.signals import StopSignals
+from titans.training.signals import StopSignals, signal_name
 
 log = logging.getLogger(__name__)
 REPORT_FILE = "report.json"
@@ -102,7 +103,8 @@ class TrainResult:
     stopped_early: bool
     checkpoint: str | None
     sample: str | None = None
-    stopped_by: str | None = None  # the signal that stopped the run early ("SIGTERM", "SIGINT")
+    # the signal that stopped the run ("SIGTERM", "SIGINT"); also one that came after its last step
+    stopped_by: str | None = None
     step_losses: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -530,7 +532,9 @@ class Trainer:
 
         ``handle_signals`` (main thread only): a SIGTERM or SIGINT during training stops the run after the
         current step, with a checkpoint, the final evaluation and the report, and sets
-        ``TrainResult.stopped_by``; a second one stops at once (``titans.training.signals``)."""
+        ``TrainResult.stopped_by``; a second one stops at once (``titans.training.signals``). One that
+        arrives after the last step (during the final checkpoint, evaluation, plot or sample) sets
+        ``stopped_by`` too, and there is no sample (one under way is abandoned)."""
         with tf32(self.config.tf32), StopSignals(enabled=handle_signals, announce=self.info.is_main) as sig:
             return self._train(stop_at, sig)
 
@@ -564,6 +568,7 @@ class Trainer:
             tf32=cfg.tf32,
         )
         done = loop.run(stop_at, signals=signals)
+        signals.next_steps = "training is done and checkpointed; finishing the report, without a sample"
         self.step = done.step
         last_logged, train_time, stopped_by = done.last_logged, done.train_time_s, done.stopped_by
         final_eval = self.evaluate()
@@ -592,11 +597,21 @@ class Trainer:
             self.metrics.close()
             if cfg.plot:
                 plot_losses(self.run_dir / METRICS_FILE, self.run_dir / PLOT_FILE, title=self._title())
-            if cfg.sample_tokens > 0 and stopped_by is None:  # a stopped run should end promptly
-                result.sample = self.sample()
+            # a stopped run ends promptly: no sample, and a signal during the sample ends it
+            if cfg.sample_tokens > 0 and stopped_by is None and signals.signum is None:
+                result.sample = self.sample(lambda: signals.signum is not None)
+        if stopped_by is None:
+            # a signal after the last step (during the final checkpoint, evaluation, plot or sample) stops
+            # the run as one during training does: recorded in the report, exit status 128 + its number,
+            # no sample, no next run of --compare. The ranks agree on it (one all_reduce), as after a step
+            _, signum = D.agree_to_stop(False, signals.signum, info)
+            if signum:
+                stopped_by = result.stopped_by = signal_name(signum)
+                result.sample = None
+        if info.is_main:
             report = {"config": cfg.to_dict(), **result.to_dict()}
             report["eval"] = final_eval.to_dict()
-            _write_atomic(self.run_dir / REPORT_FILE, json.dumps(report, indent=2) + "\n")
+            write_text_atomic(self.run_dir / REPORT_FILE, json.dumps(report, indent=2) + "\n")
         return result
 
     def _title(self) -> str:
@@ -636,8 +651,10 @@ class Trainer:
             (loop.write if loop is not None else print)(line)
 
     # ---------------------------------------------------------------------------------------- sample
-    def sample(self) -> str | None:
-        """A continuation of ``sample_prompt`` from the trained model (rank 0, not under FSDP)."""
+    def sample(self, stop: Callable[[], bool] | None = None) -> str | None:
+        """A continuation of ``sample_prompt`` from the trained model (rank 0, not under FSDP). ``stop``:
+        asked after every token; when it says true the sample is abandoned and None returned (a stop
+        signal)."""
         cfg = self.config
         if cfg.fsdp:
             print("(no sample under FSDP: the sharded model needs every rank to run it)")
@@ -646,18 +663,32 @@ class Trainer:
         prompt = torch.tensor([ids], dtype=torch.long, device=self.device)
         generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         model = D.unwrap(self.engine)
+
+        def check(token: torch.Tensor) -> None:
+            if stop():
+                raise _SampleStopped
+
         model.eval()
-        with torch.no_grad(), autocast_context(self.device, self.autocast_dtype), self._uncompiled():
-            out = generate(
-                model,
-                prompt,
-                cfg.sample_tokens,
-                temperature=cfg.sample_temperature,
-                top_k=cfg.sample_top_k,
-                generator=generator,
-            )
-        model.train()
+        try:
+            with torch.no_grad(), autocast_context(self.device, self.autocast_dtype), self._uncompiled():
+                out = generate(
+                    model,
+                    prompt,
+                    cfg.sample_tokens,
+                    temperature=cfg.sample_temperature,
+                    top_k=cfg.sample_top_k,
+                    generator=generator,
+                    on_token=None if stop is None else check,
+                )
+        except _SampleStopped:
+            return None
+        finally:
+            model.train()
         return self.sample_prompt + self.tokenizer.decode(out[0, prompt.shape[1] :].tolist())
+
+
+class _SampleStopped(Exception):
+    """Raised between two tokens of `Trainer.sample` to abandon it."""
 
 
 def _check_split_lengths(n_train: int, n_heldout: int, cfg: TrainConfig) -> None:
@@ -680,17 +711,6 @@ def _check_split_lengths(n_train: int, n_heldout: int, cfg: TrainConfig) -> None
             f"heldout_fraction (--set heldout_fraction=...){hint}, lower seq_len (--seq-len), or give "
             "more text"
         )
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` in one step: a full disk or a kill leaves the old file or the new."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def clear_run(run_dir: Path) -> None:
