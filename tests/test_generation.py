@@ -96,6 +96,30 @@ def test_sampling_at_the_limits_of_float32():
     assert torch.equal(sample_next(logits, temperature=1e-45, generator=seeded(0)), logits.argmax(-1))
 
 
+def test_sample_next_refuses_bad_options():
+    """sample_next checks its options as generate does, naming itself: top_k < 1, a NaN or negative
+    temperature (not silently greedy), top_p outside (0, 1] or a bool; numpy numbers are numbers."""
+    logits = torch.tensor([[5.0, 0.0, -5.0, 1.0]])
+    cases = [
+        (dict(top_k=0), "top_k must be a positive int or None, got 0"),
+        (dict(top_k=-1), "top_k must be a positive int or None, got -1"),
+        (dict(top_k=True), "top_k must be a positive int or None, got True"),
+        (dict(temperature=float("nan")), "temperature must be a finite number >= 0, got nan"),
+        (dict(temperature=-1.0), "temperature must be a finite number >= 0, got -1.0"),
+        (dict(top_p=-0.5), r"top_p must be a number in \(0, 1\] or None, got -0.5"),
+        (dict(top_p=7), r"top_p must be a number in \(0, 1\] or None, got 7"),
+        (dict(top_p=True), r"top_p must be a number in \(0, 1\] or None, got True"),
+    ]
+    for kw, message in cases:
+        with pytest.raises(ValueError, match=f"^sample_next: {message}$"):
+            sample_next(logits, generator=seeded(0), **kw)
+    want = sample_next(logits, temperature=0.5, top_k=2, top_p=0.9, generator=seeded(3))
+    got = sample_next(
+        logits, temperature=np.float32(0.5), top_k=np.int64(2), top_p=np.float64(0.9), generator=seeded(3)
+    )
+    assert torch.equal(got, want)
+
+
 def test_stop_tokens_stop_each_row_and_pad_it():
     model = tiny_model("mac")
     prompt = tokens(2, 6)
@@ -176,6 +200,39 @@ def test_generate_refuses_bad_arguments():
         generate(model, prompt, 3, stop_tokens=[2.0, True])
     with pytest.raises(ValueError, match="stop_tokens must be a token id or an iterable of ids, got 2.5"):
         generate(model, prompt, 3, stop_tokens=2.5)
+
+
+def test_generate_checks_every_option_up_front():
+    """compiled and guards are checked whatever max_new_tokens and compiled (not only when a static decoder
+    is built); top_p refuses a bool as the other options do; numpy numbers are accepted as numbers."""
+    model = tiny_model("lmm")
+    prompt = tokens(1, 3)
+    modes = r"\('eager', 'compile', 'cuda_graph'\)"
+    for n in (0, 1, 3):
+        for bad in ("bogus", None, 1, ""):
+            with pytest.raises(
+                ValueError, match=f"^generate: compiled must be False, True or one of {modes}"
+            ):
+                generate(model, prompt, n, compiled=bad)
+        with pytest.raises(
+            ValueError, match=r"^generate: guards must be one of \('full', 'state'\), got 'x'"
+        ):
+            generate(model, prompt, n, guards="x")
+    with pytest.raises(ValueError, match=r"^generate: top_p must be a number in \(0, 1\] or None, got True"):
+        generate(model, prompt, 3, top_p=True)
+    with pytest.raises(ValueError, match="^generate: top_k must be a positive int or None, got 2.0"):
+        generate(model, prompt, 3, top_k=2.0)
+    want = generate(model, prompt, 5, temperature=0.5, top_k=5, top_p=0.9, generator=seeded(7))
+    got = generate(
+        model,
+        prompt,
+        np.int64(5),
+        temperature=np.float32(0.5),
+        top_k=np.int64(5),
+        top_p=np.float32(0.9),
+        generator=seeded(7),
+    )
+    assert torch.equal(got, want)
 
 
 # ----------------------------------------------------------------------------------------------- CLI

@@ -127,6 +127,24 @@ def test_loss_and_refusals(saved_dir):
         hf(x, past_key_values=(torch.zeros(1),))
 
 
+def test_empty_input_ids_are_refused_as_our_generate_refuses_them(saved_dir):
+    """input_ids of no tokens (with or without a state) is refused by name, in the forward and so in
+    transformers' generate, with our generate's reason (not empty logits, then an IndexError)."""
+    path, model = saved_dir
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    _, state = prefill(model, tokens(1, 9))
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    message = "^TitansForCausalLM: input_ids is empty; give at least one token"
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        hf(empty, cache=TitansCache(state))
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        hf(empty)
+    with pytest.raises(ValueError, match=message):
+        hf.generate(empty, cache=TitansCache(state), max_new_tokens=3)
+    with pytest.raises(ValueError, match="generate: the prompt is empty; give at least one token"):
+        generate(model, empty, 3, state=state)
+
+
 def test_activation_checkpointing_from_transformers(saved_dir):
     """`activation_checkpointing_enable()` (what the Trainer's `gradient_checkpointing=True` calls) turns on
     the model's block recomputation, with transformers' checkpoint function and options, and the loss and
@@ -219,6 +237,53 @@ def test_special_tokens_and_pad_ids(saved_folders):
     assert (dna.pad_token_id, dna.eos_token_id, dna.cls_token_id) == (0, 1, 2)
     with pytest.raises(Exception, match="UNK"):  # no silent gap for a letter outside the alphabet
         dna("ACXG")
+
+
+def test_dna_tokenizer_treats_special_names_in_text_as_ours_does(saved_folders):
+    """Text that spells "<eos>", "<pad>" or "<cls>" is not a special token: ours refuses its '<', and so
+    does the saved tokenizer (no base); decoding drops special ids, as ours does."""
+    folder, _, tok, _ = saved_folders["dna"]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
+    for text in ("AC<eos>G", "AC<pad>G", "<cls>A"):
+        with pytest.raises(ValueError, match="unknown letter '<'"):
+            tok.encode(text)
+        with pytest.raises(Exception, match="UNK"):
+            hf_tok(text)
+    for ids in ([1, 3, 4], [2, 3, 0, 4, 1], [0, 1, 2], [5, 6, 7]):
+        assert hf_tok.decode(ids) == tok.decode(ids), ids
+    assert hf_tok.decode([1, 3, 4]) == "AC"
+    assert hf_tok("acgtN")["input_ids"] == tok.encode("acgtN")
+
+
+def test_bpe_file_with_a_template_post_processor_encodes_as_ours(tmp_path):
+    """A tokenizers file whose post-processor adds a BOS: ours never adds special tokens, and the saved
+    transformers tokenizer (add_special_tokens=True by default) gives the same ids, so transformers'
+    generate from its ids continues as ours does."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import processors
+
+    import titans.hf
+    from titans.data.tokenizers import HFTokenizer, train_bpe
+
+    bpe = train_bpe(["def hello(world):\n    return world + 1\n"] * 40, 300, tmp_path / "bpe.json")
+    rust = RustTokenizer.from_file(str(bpe.path))
+    rust.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A <|endoftext|>", special_tokens=[("<|endoftext|>", 0)]
+    )
+    rust.save(str(tmp_path / "bos.json"))
+    tok = HFTokenizer(tmp_path / "bos.json")
+    model = shared_model("mac", vocab_size=tok.vocab_size, dtype=torch.float32, seed=3)
+    titans.hf.save_pretrained(model, tmp_path / "hf", tok)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "def hello(world)"
+    ids = hf_tok(text)["input_ids"]
+    assert ids == tok.encode(text) and 0 not in ids
+    assert hf_tok.decode(ids) == tok.decode(ids) == text
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    prompt = hf_tok(text, return_tensors="pt").input_ids
+    want = generate(model, torch.tensor([tok.encode(text)]), 5, greedy=True, stop_tokens=tok.eos_id)
+    got = hf.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert got[0, : want.shape[1]].tolist() == want[0].tolist()
 
 
 @pytest.mark.parametrize("name", ["bytes", "dna", "bpe"])

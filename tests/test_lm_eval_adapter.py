@@ -161,6 +161,28 @@ def test_bad_model_args_are_named():
         lm.generate_until([req("generate_until", ("Hi", {"num_beams": 4}))])
 
 
+def test_generation_options_as_transformers_reads_them():
+    """top_k=0 is transformers' "no top-k filter" (the same draws as top_k=None); sampling options out of
+    range and a repetition_penalty other than 1.0 are refused by name before anything runs, not ignored."""
+    lm = TitansEvalLM(model=tiny_model("lmm", dtype=torch.float32), tokenizer=TOK)
+
+    def run(**kw):
+        torch.manual_seed(5)
+        return lm.generate_until([req("generate_until", ("Hi", {"max_gen_toks": 6, **kw}))])[0]
+
+    assert run(do_sample=True, top_k=0) == run(do_sample=True)
+    assert run(repetition_penalty=1.0) == run()
+    cases = [
+        (dict(repetition_penalty=1.3), "repetition_penalty is not supported .*got 1.3"),
+        (dict(do_sample=True, temperature=-1.0), "temperature must be a finite number >= 0, got -1.0"),
+        (dict(do_sample=True, top_p=1.5), r"top_p must be a number in \(0, 1\] or None, got 1.5"),
+        (dict(do_sample=True, top_k=-2), "top_k must be a positive int or None, got -2"),
+    ]
+    for kw, message in cases:
+        with pytest.raises(ValueError, match=f"^titans lm-eval model: {message}"):
+            run(**kw)
+
+
 # ----------------------------------------------------------------------------------- lm-eval end to end
 
 TASK_YAML = """\

@@ -138,6 +138,24 @@ def test_prefill_refuses_bad_input():
     assert last is None and state is None
 
 
+def test_list_pieces_must_hold_integer_ids():
+    """A list piece is read as the values it holds: floats and bools are refused as a float tensor is (not
+    truncated to 1, 2 or read as 0 / 1), a list of strings is a TypeError naming the piece; int lists and
+    an empty list still read."""
+    model = tiny_model("lmm")
+    for bad, dtype in (([[1.7, 2.2, 3.9]], "float"), ([[True, False]], "bool"), ((1.0, 2.0), "float")):
+        with pytest.raises(TypeError, match=f"piece 0 must hold integer token ids, got dtype torch.{dtype}"):
+            next(iter_pieces([bad], 8))
+        with pytest.raises(TypeError, match="piece 1 must hold integer token ids"):
+            prefill(model, [[[1, 2]], bad])
+    with pytest.raises(TypeError, match=r"prefill: piece 0 is not a list of integer token ids \("):
+        prefill(model, [["a", "b"]])
+    with pytest.raises(TypeError, match="piece 2 is not a list of integer token ids"):
+        prefill(model, [[1], [2], [[1, 2], [3]]])
+    assert next(iter_pieces([[[1, 2, 3]], [4]], 8)).tolist() == [[1, 2, 3, 4]]
+    assert next(iter_pieces([[], (5, 6)], 8)).tolist() == [[5, 6]]
+
+
 def state_tensors(state) -> list[torch.Tensor]:
     """Every tensor of a model state, in a fixed order."""
     from titans.layers.state_tree import map_tensors

@@ -23,8 +23,10 @@ How the requests run on the stateful model (``titans.models.streaming``):
 - ``loglikelihood_rolling``: the whole text after the document separator, read through the state in pieces,
   every token scored once. With ``max_length`` it follows lm-eval's rolling windows instead (each window
   read afresh, every token predicted once with up to ``max_length`` tokens of context).
-- ``generate_until``: greedy decoding (or sampling with ``do_sample``/``temperature``) from the prefilled
-  context, one token per step, until a stop string (``until``), the tokenizer's eos or ``max_gen_toks``.
+- ``generate_until``: greedy decoding (or sampling with ``do_sample``/``temperature``/``top_k``/``top_p``)
+  from the prefilled context, one token per step, until a stop string (``until``), the tokenizer's eos or
+  ``max_gen_toks``. ``top_k`` 0 is no top-k filter, as in transformers; out-of-range options and a
+  ``repetition_penalty`` other than 1.0 (not implemented) are refused with a ValueError.
 
 An empty context is the document separator the model was trained with (``titans.data.stream.separator_ids``:
 the eos token, or byte 0 for bytes). ``max_length`` is the most tokens the model reads for one request, as
@@ -52,7 +54,7 @@ from titans.data.stream import separator_ids
 from titans.data.tokenizers import Tokenizer
 from titans.models.lm import TitansLM
 from titans.models.state import TitansState, expand_state
-from titans.models.streaming import decode_step, default_piece_len, prefill, sample_next
+from titans.models.streaming import _check_sampling, decode_step, default_piece_len, prefill, sample_next
 from titans.runtime.device import resolve_device
 from titans.training.model_io import load_model
 
@@ -275,11 +277,19 @@ class TitansEvalLM(LM):
         do_sample = bool(kwargs.pop("do_sample", False))
         temperature = float(kwargs.pop("temperature", 1.0 if do_sample else 0.0))
         top_k = kwargs.pop("top_k", None)
+        if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k == 0:
+            top_k = None  # transformers' top_k=0: no top-k filter
         top_p = kwargs.pop("top_p", None)
-        for ignored in ("repetition_penalty",):
-            kwargs.pop(ignored, None)
+        penalty = kwargs.pop("repetition_penalty", None)
+        if penalty is not None and penalty != 1.0:
+            raise ValueError(
+                "titans lm-eval model: repetition_penalty is not supported (only 1.0, no penalty), "
+                f"got {penalty!r}"
+            )
         if kwargs:
             raise ValueError(f"titans lm-eval model: unsupported generation options {sorted(kwargs)}")
+        # the options' ranges, before the context is read (sample_next checks them again at each token)
+        temperature, top_k, top_p = _check_sampling(temperature, top_k, top_p, "titans lm-eval model")
         greedy = not do_sample or temperature == 0
         tokens = self.tokenizer.encode(context) if context else list(self.prefix)
         if self.max_length is not None:

@@ -251,6 +251,11 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("TitansForCausalLM: inputs_embeds is not supported; pass input_ids")
         if input_ids is None:
             raise ValueError("TitansForCausalLM: input_ids is required")
+        if input_ids.dim() == 2 and input_ids.shape[1] == 0:
+            raise ValueError(
+                "TitansForCausalLM: input_ids is empty; give at least one token (the next-token logits come "
+                "from the last input token, a saved state does not hold them)"
+            )
         if output_attentions is None:
             output_attentions = getattr(self.config, "output_attentions", False)
         if output_attentions:

@@ -9,9 +9,11 @@ tokenizer that gives the same ids as ours:
   the pad id as padding, and a NUL byte is text. Batching prompts, which pads, is refused for want of one.
 - `DNATokenizer`: one token per base, either case, with `<pad>`, `<eos>` and `<cls>` as special tokens.
   Like ours it has no unknown token: a letter other than A, C, G, T, N is an error ("Missing [UNK]
-  token"), never a silent gap.
+  token"), never a silent gap. Text that spells a special token ("<eos>") is text too, so an error, and
+  decoding drops the special ids, as ours does.
 - `HFTokenizer` (a `tokenizers` JSON file, e.g. one written by `train_bpe`): the file itself, with its eos
-  as eos and pad token.
+  as eos and pad token, less its post-processor (ours never adds the BOS/EOS of a template; transformers'
+  add_special_tokens=True would).
 
 Each returns the attention mask with the ids (`model_input_names`), so a batch padded by the tokenizer or by
 the pipeline's batching reaches `TitansForCausalLM.forward` with its zeros, which it refuses (Titans states
@@ -75,7 +77,8 @@ def _dna_tokenizer():
     # lower case is soft-masking, the same base
     tok.normalizer = normalizers.Sequence([normalizers.Replace(b.lower(), b) for b in BASES])
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    # decoding drops the special tokens, as ours does (they stand for no base)
+    tok.decoder = decoders.Sequence([*(decoders.Replace(s, "") for s in SPECIALS), decoders.Fuse()])
     return tok
 
 
@@ -88,14 +91,26 @@ def to_hf_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
         return PreTrainedTokenizerFast(tokenizer_object=_byte_tokenizer(), **common)
     if isinstance(tokenizer, DNATokenizer):
         pad, eos, cls = SPECIALS
+        # split_special_tokens: text that spells "<eos>" is ordinary text (an error: '<' is no base), as ours
         return PreTrainedTokenizerFast(
-            tokenizer_object=_dna_tokenizer(), pad_token=pad, eos_token=eos, cls_token=cls, **common
+            tokenizer_object=_dna_tokenizer(),
+            pad_token=pad,
+            eos_token=eos,
+            cls_token=cls,
+            split_special_tokens=True,
+            **common,
         )
     if isinstance(tokenizer, HFTokenizer):
+        from tokenizers import Tokenizer as RustTokenizer
+
         eos = None if tokenizer.eos_id is None else tokenizer._tok.id_to_token(tokenizer.eos_id)
+        # no post-processor: ours encodes without special tokens (no BOS/EOS from a template), and
+        # transformers' add_special_tokens=True would otherwise add them
+        rust = RustTokenizer.from_file(str(tokenizer.path))
+        rust.post_processor = None
         # split_special_tokens: text that spells "<|endoftext|>" is ordinary text, as in HFTokenizer
         return PreTrainedTokenizerFast(
-            tokenizer_file=str(tokenizer.path),
+            tokenizer_object=rust,
             eos_token=eos,
             pad_token=eos,
             split_special_tokens=True,

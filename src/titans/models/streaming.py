@@ -58,7 +58,11 @@ def _as_piece(item, batch_size: int | None, index: int) -> Tensor:
     elif isinstance(item, np.ndarray):
         t = torch.from_numpy(np.ascontiguousarray(item))
     elif isinstance(item, (list, tuple)):
-        t = torch.tensor(item, dtype=torch.int64)
+        # no dtype: int64 would truncate floats and turn bools into 0 / 1 (the check below refuses them)
+        try:
+            t = torch.tensor(item)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"prefill: piece {index} is not a list of integer token ids ({e})") from None
     else:
         kind = type(item).__name__
         raise TypeError(f"prefill: piece {index} is a {kind}; expected a tensor, array or list")
@@ -155,18 +159,31 @@ def decode_step(model: TitansLM, tokens: Tensor, state: TitansState | None) -> t
     return logits[:, -1], state
 
 
-def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+def _check_sampling(
+    temperature: float, top_k: int | None, top_p: float | None, caller: str = "generate"
+) -> tuple[float, int | None, float | None]:
+    """Refuse sampling options outside their ranges (a ValueError starting with `caller`); returns them as
+    Python numbers (numpy scalars are numbers too)."""
     if (
-        not isinstance(temperature, (int, float))
+        not isinstance(temperature, numbers.Real)
         or isinstance(temperature, bool)
         or not math.isfinite(temperature)
         or temperature < 0
     ):
-        raise ValueError(f"generate: temperature must be a finite number >= 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"generate: top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"generate: top_p must be in (0, 1] or None, got {top_p!r}")
+        raise ValueError(f"{caller}: temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and (
+        isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1
+    ):
+        raise ValueError(f"{caller}: top_k must be a positive int or None, got {top_k!r}")
+    if top_p is not None and (
+        isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1
+    ):
+        raise ValueError(f"{caller}: top_p must be a number in (0, 1] or None, got {top_p!r}")
+    return (
+        float(temperature),
+        None if top_k is None else int(top_k),
+        None if top_p is None else float(top_p),
+    )
 
 
 def sample_next(
@@ -183,8 +200,10 @@ def sample_next(
     greedy or temperature 0: argmax. Otherwise sample from softmax(logits / temperature) restricted to the
     top_k most likely tokens and to the smallest set whose probability reaches top_p (nucleus; it always
     holds the most likely token). The logits must be finite: a row with a NaN or inf has no distribution
-    (`generate` checks them).
+    (`generate` checks them). Options out of range (a negative or NaN temperature, top_k < 1, top_p outside
+    (0, 1]) raise ValueError, as in `generate`.
     """
+    temperature, top_k, top_p = _check_sampling(temperature, top_k, top_p, "sample_next")
     if greedy or temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -338,8 +357,10 @@ def generate(
     on_token: called with each new column (B,) as it is produced (streaming output).
     compiled: decode through fixed state buffers (`titans.models.decode_graph.StaticDecoder`): True or
         "compile" compiles each step with torch.compile, "cuda_graph" replays CUDA graphs, "eager" runs the
-        static step as it is; the same tokens as the default eager steps, up to float rounding.
-    guards: with compiled, which of torch.compile's guards each step checks (`StaticDecoder`'s guards).
+        static step as it is; the same tokens as the default eager steps, up to float rounding. False (the
+        default): eager steps. Any other value is refused, whatever max_new_tokens.
+    guards: with compiled, which of torch.compile's guards each step checks (`StaticDecoder`'s guards:
+        "full" or "state"); checked even without compiled.
     Next-token logits with a NaN or inf raise ValueError ("non-finite") before any token drawn from them
     reaches `on_token` (see `_sample_loop`).
     Returns out (B, T + n) with out[:, :T] == prompt, or (out, state).
@@ -352,10 +373,21 @@ def generate(
             "generate: the prompt is empty; give at least one token (the next-token logits come from the "
             "last prompt token, a saved state does not hold them)"
         )
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, numbers.Integral)
+        or max_new_tokens < 0
+    ):
         raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
     vocab = model.config.vocab_size
-    _check_sampling(temperature, top_k, top_p)
+    temperature, top_k, top_p = _check_sampling(temperature, top_k, top_p)
+    from titans.models.decode_graph import GUARDS, MODES, checkout  # same layer; it imports the blocks
+
+    if not (isinstance(compiled, bool) or (isinstance(compiled, str) and compiled in MODES)):
+        raise ValueError(f"generate: compiled must be False, True or one of {MODES}, got {compiled!r}")
+    if not (isinstance(guards, str) and guards in GUARDS):
+        raise ValueError(f"generate: guards must be one of {GUARDS}, got {guards!r}")
     device = next(model.parameters()).device
     if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
         raise TypeError(f"generate: prompt must hold integer token ids, got dtype {prompt.dtype}")
@@ -371,8 +403,6 @@ def generate(
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, greedy=greedy)
     loop = (model, prompt, logits, max_new_tokens, stops, on_token, return_state, sampling)
     if compiled and max_new_tokens > int(not return_state):
-        from titans.models.decode_graph import checkout  # same layer; it imports the blocks
-
         with checkout(model, state, "compile" if compiled is True else compiled, guards) as decoder:
             columns, _ = _sample_loop(*loop, state=None, decoder=decoder)
             decoder.check_finite()  # the steps skip the eager memory's per-token check
