@@ -593,16 +593,20 @@ def test_one_request_of_a_session_at_a_time_in_arrival_order():
 
 # ------------------------------------------------------------------------------------------ expiry
 def test_idle_sessions_expire(engine, store):
-    with serve(engine, store, session_ttl_s=1.0) as server, httpx.Client(timeout=60) as http:
+    # The lifetime against the sleeps: `idle` is 3.2 s old at its check however slow the requests are,
+    # and `busy` has 1.4 s to spare for each of the requests that must find it alive (a loaded machine
+    # can stall a request for most of a second).
+    ttl, pause = 3.0, 1.6
+    with serve(engine, store, session_ttl_s=ttl) as server, httpx.Client(timeout=60) as http:
         idle, busy = new(http, server.url), new(http, server.url)
-        time.sleep(0.6)
+        time.sleep(pause)
         assert read(http, server.url, busy).status_code == 200  # a change: not idle
-        time.sleep(0.6)
+        time.sleep(pause)
         r = http.get(f"{server.url}/v1/sessions/{idle}/stats", headers=A)
         assert r.status_code == 404  # idle past the limit: as absent as a missing session
         assert http.get(f"{server.url}/v1/sessions/{busy}/stats", headers=A).status_code == 200
         assert store.get(idle) is None
-        time.sleep(1.1)
+        time.sleep(ttl + 0.1)
         assert http.post(f"{server.url}/v1/sessions", headers=B).status_code == 201  # a request: a sweep
         server.app.state.service.sweeper.join(10)
         assert store.get(busy) is None and store.usage(hash_key(KEY_A)) == (0, 0)
