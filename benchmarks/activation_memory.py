@@ -10,12 +10,15 @@ keeping what CUDA's fused kernel keeps (`fused_rms_norm`: on CPU it is a composi
 copies of its input), the other norms and the convolution as torch ops (no fused CPU backward), and the
 memory on its Triton kernels, run by Triton's
 interpreter (`TRITON_INTERPRET=1`, set here): the op saves what it saves on a GPU. The weights' bf16
-copies that autocast keeps are counted once per forward (they do not grow with the sequence).
+copies that autocast keeps (and any parameter autograd saves as it is) do not grow with the sequence: each
+saved storage that is a parameter, or a cast or view of one (its autograd graph leads back to the parameter
+through casts and views only), is counted apart, as "weight copies", once per step.
 
     python benchmarks/activation_memory.py [--preset 170M] [--variants mac,transformer] [--seq 2048]
         [--memory-checkpoint-every 0,4] [--batch 4] [--json FILE]
 
-Prints, per model, MB saved per token and the GiB that `--batch` sequences of `--seq` tokens keep, the
+Prints, per model, MB saved per token (the weight copies left out) and the GiB that `--batch` sequences of
+`--seq` tokens keep (the activations times the batch, plus the weight copies once), the weight copies' MB, the
 same with `gradient_checkpointing` (the most kept at once: every block's input, the saves outside the
 blocks and the largest block's while it is recomputed, from the same forward), then the largest parts by
 module. Weights, gradients and optimizer state come on top (16 bytes a parameter with
@@ -53,6 +56,46 @@ def fused_rms_norm(x, normalized_shape, weight=None, eps=None):
     return norms._RMSNorm.apply(x, weight, torch.finfo(x.dtype).eps if eps is None else eps)
 
 
+# autograd nodes that cast or view their one input: a saved tensor reached from a parameter through these
+# alone is a copy of the weight (autocast's bf16 cast, a transpose of it), the same size at any length
+_CAST_OR_VIEW = {
+    "ToCopyBackward0",
+    "TBackward0",
+    "ViewBackward0",
+    "UnsafeViewBackward0",
+    "ReshapeAliasBackward0",
+    "TransposeBackward0",
+    "PermuteBackward0",
+    "ExpandBackward0",
+    "UnsqueezeBackward0",
+    "SqueezeBackward0",
+    "SqueezeBackward1",
+    "SqueezeBackwardAutogradNestedTensor0",
+    "SliceBackward0",
+    "SelectBackward0",
+    "CloneBackward0",
+    "AliasBackward0",
+}
+
+
+def is_weight_copy(t: torch.Tensor, params: set[int]) -> bool:
+    """True when `t` is a parameter, or reached from one through casts and views only."""
+    if id(t) in params:
+        return True
+    fn = t.grad_fn
+    while fn is not None:
+        name = type(fn).__name__
+        if name == "AccumulateGrad":
+            return id(fn.variable) in params
+        if name not in _CAST_OR_VIEW:
+            return False
+        inputs = [f for f, _ in fn.next_functions if f is not None]
+        if len(inputs) != 1:
+            return False
+        fn = inputs[0]
+    return False
+
+
 def measure(preset: str, variant: str, seq: int, every: int) -> dict:
     """Bytes autograd saves over one sequence of `seq` tokens: in total, by module class and by block; and
     with `gradient_checkpointing` (the blocks recomputed in the backward pass), the most kept at once:
@@ -82,6 +125,8 @@ def measure(preset: str, variant: str, seq: int, every: int) -> dict:
     seen: set[int] = set()
     by_module: collections.Counter = collections.Counter()
     by_block: collections.Counter = collections.Counter()
+    copies_by_block: collections.Counter = collections.Counter()  # the weight copies among by_block's bytes
+    params = {id(p) for p in model.parameters()}
 
     modules = {id(m) for m in model.modules()}
 
@@ -101,6 +146,8 @@ def measure(preset: str, variant: str, seq: int, every: int) -> dict:
             by_module["(outside modules)" if module is None else type(module).__name__] += storage.nbytes()
             block = next((blocks[id(m)] for m in stack if id(m) in blocks), "outside")
             by_block[block] += storage.nbytes()
+            if is_weight_copy(t, params):
+                copies_by_block[block] += storage.nbytes()
         return t
 
     tokens = torch.randint(0, cfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
@@ -130,15 +177,17 @@ def measure(preset: str, variant: str, seq: int, every: int) -> dict:
         for h in hooks:
             h.remove()
     total = sum(by_module.values())
-    params = sum(p.numel() for p in model.parameters())
-    largest = max(v for k, v in by_block.items() if k != "outside")
+    n_params = sum(p.numel() for p in model.parameters())
+    largest = max((k for k in by_block if k != "outside"), key=lambda k: by_block[k])
     return {
         "variant": variant,
         "seq": seq,
         "memory_checkpoint_every": every or None,
-        "params": params,
+        "params": n_params,
         "saved_bytes": total,
-        "recomputed_peak_bytes": sum(block_inputs) + by_block["outside"] + largest,
+        "weight_copy_bytes": sum(copies_by_block.values()),
+        "recomputed_peak_bytes": sum(block_inputs) + by_block["outside"] + by_block[largest],
+        "recomputed_weight_copy_bytes": copies_by_block["outside"] + copies_by_block[largest],
         "by_module": dict(by_module.most_common()),
         "by_block": {str(k): v for k, v in by_block.items()},
     }
@@ -162,10 +211,14 @@ def main() -> None:
         for every in map(int, args.memory_checkpoint_every.split(",")) if memory else [0]:
             row = measure(args.preset, variant, args.seq, every)
             gc.collect()  # the model and its graph, before the next is built
-            row["mb_per_token"] = round(row["saved_bytes"] / args.seq / 1e6, 3)
-            row["gib"] = round(row["saved_bytes"] * args.batch / 2**30, 2)
-            row["recomputed_mb_per_token"] = round(row["recomputed_peak_bytes"] / args.seq / 1e6, 3)
-            row["recomputed_gib"] = round(row["recomputed_peak_bytes"] * args.batch / 2**30, 2)
+            # the weight copies once a step, the rest per sequence of the batch
+            copies, saved = row["weight_copy_bytes"], row["saved_bytes"]
+            row["mb_per_token"] = round((saved - copies) / args.seq / 1e6, 3)
+            row["weight_copy_mb"] = round(copies / 1e6, 1)
+            row["gib"] = round(((saved - copies) * args.batch + copies) / 2**30, 2)
+            copies, peak = row["recomputed_weight_copy_bytes"], row["recomputed_peak_bytes"]
+            row["recomputed_mb_per_token"] = round((peak - copies) / args.seq / 1e6, 3)
+            row["recomputed_gib"] = round(((peak - copies) * args.batch + copies) / 2**30, 2)
             rows.append(row)
     print(f"Saved for backward, {args.preset}, one sequence of {args.seq} tokens, bf16 autocast, GPU paths")
     print_table(
@@ -175,6 +228,7 @@ def main() -> None:
             ("memory_checkpoint_every", "ckpt"),
             ("params", "params"),
             ("mb_per_token", "MB / token"),
+            ("weight_copy_mb", "weight copies MB"),
             ("gib", f"GiB at {args.batch} x {args.seq}"),
             ("recomputed_mb_per_token", "recomputed: MB / token"),
             ("recomputed_gib", "GiB"),

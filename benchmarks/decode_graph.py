@@ -107,6 +107,8 @@ def main() -> None:
     args = p.parse_args()
     if args.batch < 1:
         p.error(f"--batch must be at least 1, got {args.batch}")
+    if args.warmup < 1:
+        p.error(f"--warmup must be at least 1 (the first steps compile), got {args.warmup}")
     machine, model, cycle = decode_setup(args.preset, args.variant, args.threads, args.device)
     cfg = model.config
     args.steps = math.ceil(args.steps / cycle) * cycle

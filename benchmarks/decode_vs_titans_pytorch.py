@@ -146,7 +146,9 @@ def main() -> None:
          ("x_vs_" + paths[0], f"x {paths[0]}"), ("warmup_s", "warm-up s")],
     )  # fmt: skip
     if args.json:
-        result = {"benchmark": "decode_vs_titans_pytorch", "args": vars(args), "rows": list(rows.values())}
+        # the paths measured: titans-pytorch is left out of --paths where it is not installed
+        result = {"benchmark": "decode_vs_titans_pytorch", "args": {**vars(args), "paths": ",".join(paths)},
+                  "rows": list(rows.values())}  # fmt: skip
         print(f"wrote {save_json(args.json, result, machine)}")
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from bench_utils import machine_info, save_json
 
+ROOT = Path(__file__).resolve().parents[1]
+
 ROWS = {
     "default": "default block",
     "zero_h": "h replaced by zeros",
@@ -102,7 +104,8 @@ def run_row(row: str, run_dir: Path) -> int:
     # the block the table measured: the memory writes y as the attention gives it
     default_block = ["--set", "model.mac_gate=norm", "--set", "model.mac_norm_memory_tokens=false"]
     default_block += ["--set", "model.mac_norm_memory_input=false"]
-    return main(["train", "--config", "configs/compare_mac.json", *default_block, "--set", "threads=1",
+    config = str(ROOT / "configs/compare_mac.json")
+    return main(["train", "--config", config, *default_block, "--set", "threads=1",
                  "--no-progress", "--overwrite", "--run-dir", str(run_dir)])  # fmt: skip
 
 
@@ -113,16 +116,20 @@ def main() -> None:
     p.add_argument("--name", help="also write benchmarks/results/NAME.json")
     p.add_argument("--row", help=argparse.SUPPRESS)
     args = p.parse_args()
+    out_dir = Path(args.out_dir).resolve()  # the rows' processes run in the repository root
     if args.row:
-        sys.exit(run_row(args.row, Path(args.out_dir) / args.row))
+        sys.exit(run_row(args.row, out_dir / args.row))
     machine = machine_info()
     results = []
     for row in args.rows.split(","):
         if row not in ROWS:
             raise SystemExit(f"unknown row {row!r}; choose from {list(ROWS)}")
-        cmd = [sys.executable, __file__, "--row", row, "--out-dir", args.out_dir]
-        subprocess.run(cmd, check=True, capture_output=True)
-        report = json.loads((Path(args.out_dir) / row / "report.json").read_text())
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--row", row, "--out-dir", str(out_dir)]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-20:])
+            raise SystemExit(f"row {row} failed (exit {done.returncode}):\n{tail}")
+        report = json.loads((out_dir / row / "report.json").read_text())
         results.append((row, report["eval"]["bpb"]))
         print(f"{ROWS[row]:<56} {results[-1][1]:.3f}", flush=True)
     if args.name:

@@ -126,7 +126,7 @@ def main() -> None:
         )
     payload = {"machine": machine_info(), "seeds": seeds, "variants": variants, "set": args.set}
     path = save_json(args.name, {**payload, "runs": runs, **stats})
-    print(f"\nwrote {path.relative_to(ROOT)}")
+    print(f"\nwrote {path.relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Capacity of the neural memory at test time: deep (MLP) vs linear memory, no outer training.
 
     python benchmarks/memory_capacity.py [--dim 64] [--pairs 16,32,...,1024] [--epochs 4] [--seeds 2]
+        [--out memory_capacity]
 
 N random associations k_i -> v_i (unit-norm keys, values ~ N(0, 1/d) so |v|^2 ~ 1) are written into a
 fresh memory by `neural_memory_chunked` itself: chunk size 1 (the exact per-token recurrence), --epochs
@@ -90,7 +91,7 @@ def measure_all(args: argparse.Namespace, d: int, counts: list[int], info: dict,
         ok = [n for n in counts if min(results[name, n].values()) < 0.1]
         print(f"  {name:18s} {max(ok) if ok else '-'}")
     path = save_json(
-        "memory_capacity",
+        args.out,
         {
             "machine": info,
             "config": {"dim": d, "epochs": args.epochs, "seeds": args.seeds, "thetas": THETAS, "chunk": 1},
@@ -112,6 +113,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--seeds", type=int, default=2, help="random association sets averaged per point")
     p.add_argument("--threads", type=int, default=1, help="torch threads (tiny matmuls: 1 is fastest)")
+    p.add_argument("--out", default="memory_capacity", help="a path, or a name in benchmarks/results/")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     d, counts = args.dim, [int(n) for n in args.pairs.split(",")]

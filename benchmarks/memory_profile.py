@@ -37,7 +37,7 @@ def layer_rows(reps: int) -> tuple[list[dict], float]:
     from titans import NeuralMemory
 
     torch.manual_seed(0)
-    mem = NeuralMemory(256, heads=4, head_dim=256, depth=2, expansion=4, chunk_size=64)
+    mem = NeuralMemory(256, heads=4, head_dim=256, depth=2, expansion=4, chunk_size=64, activation="gelu")
     x = torch.randn(2, 2048, 256, requires_grad=True)
 
     def step():
@@ -116,7 +116,7 @@ def grad_buffer_rows(reps: int) -> list[dict]:
     from titans import NeuralMemory
 
     torch.manual_seed(0)
-    mem = NeuralMemory(256, heads=4, head_dim=256, depth=2, expansion=4, chunk_size=64)
+    mem = NeuralMemory(256, heads=4, head_dim=256, depth=2, expansion=4, chunk_size=64, activation="gelu")
     x = torch.randn(2, 2048, 256, requires_grad=True)
     reused = op._GradBuffers.take
 

@@ -1,6 +1,7 @@
 """Scaling of the neural memory with sequence length: tokens/s and peak memory from 1K to 64K tokens.
 
     python benchmarks/memory_scaling.py [--seqs 1024,4096,16384,65536] [--reps 3] [--checkpoint-every 16]
+        [--out memory_scaling]
 
 Memory: NeuralMemory(256, heads=4, head_dim=256, depth=2, expansion=4, chunk_size=64, activation="gelu"),
 batch 1 at every length (the long runs must fit on a 24 GiB machine). Each row is a fresh subprocess;
@@ -110,6 +111,7 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=16, help="chunks per checkpointed group")
     p.add_argument("--plain-max", type=int, default=16384, help="longest fwd+bwd run without checkpointing")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--out", default="memory_scaling", help="a path, or a name in benchmarks/results/")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -173,7 +175,7 @@ def main() -> None:
         ],
     )
     path = save_json(
-        "memory_scaling",
+        args.out,
         {
             "machine": info,
             "config": {"batch": 1, "checkpoint_every": args.checkpoint_every, "stream_piece": STREAM_PIECE},

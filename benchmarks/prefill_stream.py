@@ -104,9 +104,11 @@ def main() -> None:
     done_rows = [r for r in rows if "peak_rss_mib" in r]
     result = {"benchmark": "prefill_stream", "rows": rows}
     if len(done_rows) >= 2:
-        ratio = done_rows[-1]["peak_rss_mib"] / done_rows[0]["peak_rss_mib"]
+        longest = max(done_rows, key=lambda r: r["tokens"])
+        shortest = min(done_rows, key=lambda r: r["tokens"])
+        ratio = longest["peak_rss_mib"] / shortest["peak_rss_mib"]
         result["peak_rss_ratio_longest_vs_shortest"] = round(ratio, 3)
-        print(f"peak RSS, {done_rows[-1]['tokens']:,} vs {done_rows[0]['tokens']:,} tokens: x{ratio:.3f}")
+        print(f"peak RSS, {longest['tokens']:,} vs {shortest['tokens']:,} tokens: x{ratio:.3f}")
     print(json.dumps(result))
     if args.json:
         print(f"wrote {save_json(args.json, result, machine)}")

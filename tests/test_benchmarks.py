@@ -281,6 +281,28 @@ def test_gpu_suite_trainer_part_is_a_valid_train_command():
     assert ratio == pytest.approx(4560 / 46587, rel=0.01)
 
 
+def test_gpu_suite_goals_skip_rows_whose_weights_are_not_finite():
+    """`gpu_suite.py`'s goals take each model's fastest row, but not one whose weights came out not finite:
+    a diverged run's speed is not training's."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_suite
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def row(variant, mode, tokens_per_s, finite=True):
+        return {"seq": 2048, "variant": variant, "mode": mode, "tokens_per_s": tokens_per_s,
+                "weights_finite": finite}  # fmt: skip
+
+    rows = [row("transformer", "eager", 100.0), row("transformer", "compile", 1000.0, finite=False),
+            row("mac", "eager", 70.0), row("mac", "compile", 90.0, finite=False)]  # fmt: skip
+    goal = gpu_suite._goals({"train2k": {"rows": rows}})[0]
+    assert (goal["variant"], goal["mode"], goal["transformer_mode"]) == ("mac", "eager", "eager")
+    assert goal["ratio"] == pytest.approx(0.7) and goal["met"]
+    lmm = gpu_suite._goals({"train2k": {"rows": [row("lmm", "eager", 5.0, finite=False)]}})[1]
+    assert lmm["ratio"] is None and lmm["tokens_per_s"] is None and not lmm["met"]
+
+
 def test_kernel_resources_counts_a_chunk_with_its_row_loops_as_often_as_they_run():
     """`kernel_resources.py` reads a kernel's machine code: instructions outside the chunk loop are not
     counted, the chunk loop's own once, and a row loop inside it once per row block. A listing in the
