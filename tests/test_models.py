@@ -313,6 +313,16 @@ def test_bad_config_names_field(kwargs, field):
         TitansConfig(**kwargs)
 
 
+@pytest.mark.parametrize("variant", ["mac", "swa"])
+def test_config_refuses_an_unknown_memory_activation(variant):
+    """At construction, naming the config's field, for every variant: the memory's own check came only when
+    a model was built, and never for a variant without a memory."""
+    with pytest.raises(ValueError, match=r"TitansConfig.memory_activation must be one of .*'slu'.*'silu'\?"):
+        TitansConfig(variant=variant, memory_activation="slu")
+    for name in ("silu", "gelu", "relu"):
+        assert TitansConfig(variant=variant, memory_activation=name).memory_activation == name
+
+
 def test_bad_config_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config file"):
         TitansConfig.load(tmp_path / "missing.json")

@@ -107,9 +107,14 @@ def _check_position(state: AttentionState | SegmentAttentionState | None) -> int
 
 
 def _take_last(t: Tensor, n: int) -> Tensor:
-    """The last n positions of (B, H, T, D), as a fresh tensor (a view would pin the whole input)."""
+    """The last n positions of (B, H, T, D), as a fresh tensor (a view would pin the whole input).
+
+    Contiguous, not in t's memory order: k and v are head views of (B, T, H, D) projections, and once
+    `torch.compile` sees the position change (MAC's third segment) n is a symbolic length that may be 0 or
+    1, for which inductor cannot lay out an output in that transposed order (an AssertionError in
+    `require_strides`). The values, and so every result, are the same either way."""
     total = t.shape[2]
-    return t[:, :, total - n :].clone() if n < total else t
+    return t[:, :, total - n :].clone(memory_format=torch.contiguous_format) if n < total else t
 
 
 class _ProjectedAttention(nn.Module):

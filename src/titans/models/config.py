@@ -9,7 +9,7 @@ from typing import Any
 
 from titans.layers.attention import PERSISTENT_ROPE
 from titans.models.variants import VARIANT_SPECS, Variant
-from titans.ops.memory import TRITON_DEPTHS, resolve_rule
+from titans.ops.memory import ACTIVATIONS, TRITON_DEPTHS, resolve_rule
 from titans.validation import check_bounds, did_you_mean, field_help, option
 
 VARIANTS = tuple(VARIANT_SPECS)
@@ -262,6 +262,11 @@ class TitansConfig:
             raise ValueError(
                 "TitansConfig.memory_backend must be 'auto', 'triton' or 'torch', "
                 f"got {self.memory_backend!r}"
+            )
+        if self.memory_activation not in ACTIVATIONS:
+            raise ValueError(
+                f"TitansConfig.memory_activation must be one of {ACTIVATIONS}, got "
+                f"{self.memory_activation!r}" + did_you_mean(self.memory_activation, ACTIVATIONS)
             )
         if self.memory_forget_to not in FORGET_TARGETS:
             raise ValueError(
