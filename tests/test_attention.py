@@ -508,3 +508,31 @@ def test_cuda_bf16_autocast_matches_float32():
             y_piece, state = layer(*piece, state)
             outs.append(y_piece)
         torch.testing.assert_close(torch.cat(outs, dim=1), y32, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow  # inductor's code generation on a CPU: ~50 s cold
+def test_inductor_compiled_segment_attention_streams_over_several_segments():
+    """`attend` compiled by inductor (as `titans train --compile` compiles MAC's blocks on a CPU), called
+    segment after segment: from the third call the position is dynamic and the KV cache leaves with a
+    symbolic length. Kept in the projections' (B, T, H, D) memory order, inductor could not lay that cache
+    out and crashed (the third segment must be whole: a partial one returns its keys uncut).
+    Equal to eager."""
+    torch.manual_seed(0)
+    attn = SegmentAttention(16, 2, 8, segment_len=8)
+    x, ctx = torch.randn(2, 29, 16), torch.randn(2, 29, 16)
+
+    def run(attend) -> torch.Tensor:
+        state, ys, at = None, [], 0
+        for tok in attn.project_tokens(x, 0).split([8, 8, 8, 5]):
+            y, state = attend(tok, ctx[:, at : at + tok.q.shape[2]], state)
+            ys.append(y)
+            at += tok.q.shape[2]
+        return torch.cat(ys, 1)
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            got = run(torch.compile(attn.attend))
+            torch.testing.assert_close(got, run(attn.attend), atol=1e-5, rtol=1e-5)
+    finally:
+        torch._dynamo.reset()
