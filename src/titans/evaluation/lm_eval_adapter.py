@@ -54,7 +54,7 @@ from titans.data.stream import separator_ids
 from titans.data.tokenizers import Tokenizer
 from titans.models.lm import TitansLM
 from titans.models.state import TitansState, expand_state
-from titans.models.streaming import _check_sampling, decode_step, default_piece_len, prefill, sample_next
+from titans.models.streaming import check_sampling, decode_step, default_piece_len, prefill, sample_next
 from titans.runtime.device import resolve_device
 from titans.training.model_io import load_model
 
@@ -289,7 +289,7 @@ class TitansEvalLM(LM):
         if kwargs:
             raise ValueError(f"titans lm-eval model: unsupported generation options {sorted(kwargs)}")
         # the options' ranges, before the context is read (sample_next checks them again at each token)
-        temperature, top_k, top_p = _check_sampling(temperature, top_k, top_p, "titans lm-eval model")
+        temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, "titans lm-eval model")
         greedy = not do_sample or temperature == 0
         tokens = self.tokenizer.encode(context) if context else list(self.prefix)
         if self.max_length is not None:

@@ -159,7 +159,7 @@ def decode_step(model: TitansLM, tokens: Tensor, state: TitansState | None) -> t
     return logits[:, -1], state
 
 
-def _check_sampling(
+def check_sampling(
     temperature: float, top_k: int | None, top_p: float | None, caller: str = "generate"
 ) -> tuple[float, int | None, float | None]:
     """Refuse sampling options outside their ranges (a ValueError starting with `caller`); returns them as
@@ -203,7 +203,19 @@ def sample_next(
     (`generate` checks them). Options out of range (a negative or NaN temperature, top_k < 1, top_p outside
     (0, 1]) raise ValueError, as in `generate`.
     """
-    temperature, top_k, top_p = _check_sampling(temperature, top_k, top_p, "sample_next")
+    temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, "sample_next")
+    return _sample(logits, temperature, top_k, top_p, generator, greedy)
+
+
+def _sample(
+    logits: Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+    greedy: bool,
+) -> Tensor:
+    """`sample_next` without its checks: for `generate`'s loop, whose options were checked once."""
     if greedy or temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -297,7 +309,7 @@ def _sample_loop(
             # multinomial refuses a non-finite row (on CUDA with a device-side assert, which ends the
             # process's CUDA use): draw from uniform logits instead, a token that is never passed on
             logits = torch.where(ok, logits, 0.0)
-        token = sample_next(logits, **sampling)
+        token = _sample(logits, **sampling)
         done = False
         if stops is not None:
             token = torch.where(finished, pad, token)
@@ -381,7 +393,7 @@ def generate(
         raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     max_new_tokens = int(max_new_tokens)
     vocab = model.config.vocab_size
-    temperature, top_k, top_p = _check_sampling(temperature, top_k, top_p)
+    temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
     from titans.models.decode_graph import GUARDS, MODES, checkout  # same layer; it imports the blocks
 
     if not (isinstance(compiled, bool) or (isinstance(compiled, str) and compiled in MODES)):
@@ -414,4 +426,12 @@ def generate(
     return (out, state) if return_state else out
 
 
-__all__ = ["decode_step", "default_piece_len", "generate", "iter_pieces", "prefill", "sample_next"]
+__all__ = [
+    "check_sampling",
+    "decode_step",
+    "default_piece_len",
+    "generate",
+    "iter_pieces",
+    "prefill",
+    "sample_next",
+]
