@@ -218,6 +218,9 @@ def test_generate_checks_every_option_up_front():
             ValueError, match=r"^generate: guards must be one of \('full', 'state'\), got 'x'"
         ):
             generate(model, prompt, n, guards="x")
+        if not torch.cuda.is_available():  # no decoder is built for n <= 1, the mode is checked anyway
+            with pytest.raises(ValueError, match="^generate: compiled='cuda_graph' needs a CUDA model"):
+                generate(model, prompt, n, compiled="cuda_graph")
     with pytest.raises(ValueError, match=r"^generate: top_p must be a number in \(0, 1\] or None, got True"):
         generate(model, prompt, 3, top_p=True)
     with pytest.raises(ValueError, match="^generate: top_k must be a positive int or None, got 2.0"):

@@ -241,7 +241,11 @@ def test_a_sigterm_during_the_sample_ends_the_compare_with_status_143(tmp_path, 
     assert proc.returncode == 143, err[-3000:]
     report = json.loads((tmp_path / "mac" / "report.json").read_text())
     assert report["stopped_by"] == "SIGTERM" and report["step"] == 2 and report["sample"] is None
-    assert err.strip().splitlines()[-1].startswith("titans: stopped by SIGTERM at step 2; checkpoint saved")
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("titans: stopped by SIGTERM at step 2; checkpoint saved")
+    assert last.endswith(
+        "training is done: the same command with --resume trains no more, it evaluates and samples"
+    )
     assert "Traceback" not in err and "sample:" not in out
     assert "training swa" not in out and not (tmp_path / "swa").exists()
 

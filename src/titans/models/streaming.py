@@ -370,7 +370,8 @@ def generate(
     compiled: decode through fixed state buffers (`titans.models.decode_graph.StaticDecoder`): True or
         "compile" compiles each step with torch.compile, "cuda_graph" replays CUDA graphs, "eager" runs the
         static step as it is; the same tokens as the default eager steps, up to float rounding. False (the
-        default): eager steps. Any other value is refused, whatever max_new_tokens.
+        default): eager steps. Any other value, and "cuda_graph" for a model off CUDA, is refused, whatever
+        max_new_tokens.
     guards: with compiled, which of torch.compile's guards each step checks (`StaticDecoder`'s guards:
         "full" or "state"); checked even without compiled.
     Next-token logits with a NaN or inf raise ValueError ("non-finite") before any token drawn from them
@@ -401,6 +402,8 @@ def generate(
     if not (isinstance(guards, str) and guards in GUARDS):
         raise ValueError(f"generate: guards must be one of {GUARDS}, got {guards!r}")
     device = next(model.parameters()).device
+    if compiled == "cuda_graph" and device.type != "cuda":  # as StaticDecoder does, whatever max_new_tokens
+        raise ValueError(f"generate: compiled='cuda_graph' needs a CUDA model, this one is on {device}")
     if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
         raise TypeError(f"generate: prompt must hold integer token ids, got dtype {prompt.dtype}")
     prompt = prompt.to(device=device, dtype=torch.int64)
