@@ -328,6 +328,15 @@ def test_dna_study_resume_keeps_finished_seeds(tmp_path, capsys):
     assert main(["dna", "study", *tiny.split(), "--seeds", "0", "--resume", "--finetune-lr", "1e-3"]) == 0
     assert "kept from" not in capsys.readouterr().out
     assert json.loads((out / "dna.json").read_text())["runs"][0]["budget"]["finetune_lr"] == 1e-3
+    # a run whose split counts or references differ from this version's (one scored otherwise): not kept
+    path = out / "dna.json"
+    doc = json.loads(path.read_text())
+    doc["runs"][0]["reference"]["markov0_bits_per_base"] += 0.01
+    path.write_text(json.dumps(doc))
+    assert main(["dna", "study", *tiny.split(), "--seeds", "0", "--resume", "--finetune-lr", "1e-3"]) == 0
+    assert "kept from" not in capsys.readouterr().out
+    rerun = json.loads(path.read_text())["runs"][0]
+    assert rerun["reference"] == first["reference"] and "dropped" in rerun
 
 
 def _study_without_training(monkeypatch, records, budget):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from titans._fs import write_text_atomic
 from titans.data.dna import DNATokenizer, dm3_sample_path, load_labelled_sequences, read_fasta
 from titans.dna.study import (
     DNABudget,
@@ -28,6 +29,7 @@ from titans.dna.study import (
     plot_study,
     pretrain,
     run_study,
+    study_data,
     summarise_seeds,
 )
 from titans.dna.tasks import ClassificationSet, encode_records
@@ -56,13 +58,18 @@ def _seeds(spec: str | None, seed: int) -> list[int]:
     return seeds
 
 
-def _finished_runs(path: Path, budget: DNABudget, fasta: str, variants: list[str], scratch: bool) -> dict:
+def _finished_runs(
+    path: Path, budget: DNABudget, fasta: str, variants: list[str], scratch: bool, summary: dict
+) -> dict:
     """seed -> run of an earlier ``dna.json`` at ``path`` made with the same data, variants and budget but
-    the seed (and with classifiers from scratch when ``scratch``); {} when there is none."""
+    the seed (and with classifiers from scratch when ``scratch``), and with the same split counts and
+    reference baselines as ``summary`` (``StudyData.summary`` of this version: a run from a version that
+    split or scored otherwise is not kept); {} when there is none."""
     if not path.is_file():
         return {}
     doc = json.loads(path.read_text())
     same = {k: v for k, v in asdict(budget).items() if k != "seed"}
+    summary = json.loads(json.dumps(summary))  # as read back from JSON: lists, not tuples
     kept = {}
     for run in doc.get("runs", []):
         rows = run.get("variants", {})
@@ -71,6 +78,7 @@ def _finished_runs(path: Path, budget: DNABudget, fasta: str, variants: list[str
             and list(rows) == variants
             and {k: v for k, v in run["budget"].items() if k != "seed"} == same
             and all(("scratch" in row) == scratch for row in rows.values())
+            and all(run.get(k) == v for k, v in summary.items())
         ):
             kept[run["budget"]["seed"]] = run
     return kept
@@ -91,8 +99,9 @@ def cmd_study(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     fasta = builtin if args.fasta == "builtin" else args.fasta
+    data = study_data(records, _budget(args))  # the split and references: the same for every seed
     done = (
-        _finished_runs(out / "dna.json", _budget(args), fasta, variants, not args.no_scratch)
+        _finished_runs(out / "dna.json", _budget(args), fasta, variants, not args.no_scratch, data.summary)
         if args.resume
         else {}
     )
@@ -112,6 +121,7 @@ def cmd_study(args) -> int:
                     progress=not args.no_progress,
                     log=lambda m, seed=seed: print(f"seed {seed}: {m}", flush=True),
                     scratch=not args.no_scratch,
+                    data=data,
                 )
             )
         doc = {
@@ -121,7 +131,7 @@ def cmd_study(args) -> int:
             "summary": summarise_seeds(runs),
             "runs": runs,
         }
-        (out / "dna.json").write_text(json.dumps(doc, indent=2) + "\n")  # after each seed: nothing lost
+        write_text_atomic(out / "dna.json", json.dumps(doc, indent=2) + "\n")  # after each seed
     plot_study(doc, out / "dna.png")
     print(study_table(doc))
     print(f"wrote {out / 'dna.json'} and {out / 'dna.png'}")
@@ -318,7 +328,8 @@ def register(commands, evals) -> None:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="keep the seeds of --out's dna.json made with the same data, variants and budget",
+        help="keep the seeds of --out's dna.json made with the same data, variants and budget (and the "
+        "same split counts and reference baselines)",
     )
     _budget_options(p)
     _convergence_options(p)

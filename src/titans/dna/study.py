@@ -267,17 +267,21 @@ def split_study_records(
     return train, val, test, {"val": val_dropped, "test": test_dropped}
 
 
-def run_study(
-    records: list[FastaRecord],
-    variants: list[str],
-    budget: DNABudget,
-    progress: bool = False,
-    log=print,
-    *,
-    scratch: bool = True,
-) -> dict:
-    """Every variant pre-trained and fine-tuned at ``budget`` and (``scratch``) trained from scratch as a
-    classifier under the same rules; the JSON-ready results."""
+@dataclass
+class StudyData:
+    """What every seed of a study at one budget shares: the split, the LM's training sequences and test
+    windows, the proximal / distal sets, and ``summary``: the counts and reference baselines, as they
+    appear in each seed's results (a resumed study keeps a seed only where they are the same)."""
+
+    train_seqs: list[np.ndarray]
+    test_windows: np.ndarray
+    tasks: tuple[ClassificationSet, ClassificationSet, ClassificationSet]  # train, val, test
+    summary: dict
+    left_out: dict[str, list[int]]
+
+
+def study_data(records: list[FastaRecord], budget: DNABudget) -> StudyData:
+    """The split and the reference baselines of ``records`` at ``budget`` (no training; seconds)."""
     train_recs, val_recs, test_recs, dropped = split_study_records(records)
     train_seqs, test_seqs = encode_records(train_recs), encode_records(test_recs)
     # the language models and the Markov reference are scored on the same evenly spaced test windows
@@ -294,8 +298,7 @@ def run_study(
                 f"{len(recs)} {name} records are shorter than 2 x window_len={budget.window_len} bases, "
                 f"{left_out['seen_in_earlier_split'][i]} windows repeat an earlier split's"
             )
-    out: dict = {
-        "budget": asdict(budget),
+    summary = {
         "records": {"train": len(train_recs), "val": len(val_recs), "test": len(test_recs)},
         "dropped": {
             "records_identical_to_an_earlier_split": dropped,
@@ -322,8 +325,28 @@ def run_study(
             "gc_threshold_accuracy": gc_threshold_accuracy(cls_train, cls_test),
             "majority_accuracy": float(max(cls_test.y.mean(), 1 - cls_test.y.mean())),
         },
-        "variants": {},
     }
+    return StudyData(train_seqs, test_windows, (cls_train, cls_val, cls_test), summary, left_out)
+
+
+def run_study(
+    records: list[FastaRecord],
+    variants: list[str],
+    budget: DNABudget,
+    progress: bool = False,
+    log=print,
+    *,
+    scratch: bool = True,
+    data: StudyData | None = None,
+) -> dict:
+    """Every variant pre-trained and fine-tuned at ``budget`` and (``scratch``) trained from scratch as a
+    classifier under the same rules; the JSON-ready results. ``data``: ``study_data(records, budget)``,
+    when the caller has it already."""
+    data = study_data(records, budget) if data is None else data
+    train_seqs, test_windows, left_out = data.train_seqs, data.test_windows, data.left_out
+    cls_train, cls_val, cls_test = data.tasks
+    out: dict = {"budget": asdict(budget), **data.summary, "variants": {}}
+    dropped = out["dropped"]["records_identical_to_an_earlier_split"]
     short = sum(left_out["short_records"])
     val_seen, test_seen = left_out["seen_in_earlier_split"][1:]
     if dropped["val"] or dropped["test"] or val_seen or test_seen or short:
@@ -445,6 +468,7 @@ def plot_study(doc: dict, path) -> None:
 __all__ = [
     "VAL_EVERY_RECORD",
     "DNABudget",
+    "StudyData",
     "accuracy",
     "finetune",
     "fresh_lm",
@@ -454,6 +478,7 @@ __all__ = [
     "plot_study",
     "pretrain",
     "run_study",
+    "study_data",
     "split_study_records",
     "summarise_seeds",
 ]
