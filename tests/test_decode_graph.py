@@ -320,6 +320,30 @@ def test_refusals():
     assert decoder.position == 3
 
 
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_step_refuses_ids_outside_the_vocab(mode):
+    """As `TitansLM.forward` does (a bare IndexError from the embedding before): nothing runs, the state
+    stays where it was; every integer dtype is taken. (mode "cuda_graph" leaves ids to its caller.)"""
+    model = _model("mag")
+    with torch.no_grad():
+        _, state = model(torch.zeros(2, 3, dtype=torch.long))
+    decoder = StaticDecoder(model, state, mode=mode, compile_backend="eager")
+    for bad, got in (([[64], [3]], r"\[3, 64\]"), ([[-1], [3]], r"\[-1, 3\]")):
+        with pytest.raises(
+            ValueError, match=rf"StaticDecoder.step: token ids must lie in \[0, 64\), got {got}"
+        ):
+            decoder.step(torch.tensor(bad))
+    assert decoder.position == 3 and int(decoder.pos) == 3
+    ids = torch.tensor([[5], [63]])
+    want = model(ids, state)[0][:, -1]
+    for dtype in (torch.uint16, torch.int8):  # TitansLM.forward takes them too
+        reference = StaticDecoder(model, state, mode="eager")
+        torch.testing.assert_close(reference.step(ids.to(dtype)), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(decoder.step(ids), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"StaticDecoder.step: tokens must be \(2, 1\), got list"):
+        decoder.step([[1], [2]])
+
+
 def test_cli_generate_compile_flag(tmp_path, capsys):
     """`titans generate --compile eager` prints what the eager steps print (20 tokens: writes included)."""
     from tiny_lm import save_tiny_run, tiny_model

@@ -20,9 +20,11 @@ from titans.ops.conv import causal_conv_silu
 from titans.ops.conv_ref import causal_conv_silu_ref
 from titans.ops.memory import (
     memory_forward,
+    memory_rule_chunked,
     neural_memory,
     neural_memory_chunked,
     neural_memory_ref,
+    neural_memory_triton,
     resolve_rule,
     segsum,
     suffix_sum,
@@ -812,3 +814,73 @@ def test_frozen_memory_reads_the_state_weights():
     one_chunk.write, one_chunk.chunk_size = True, 64
     x = torch.randn(2, 40, 24, dtype=F64)
     torch.testing.assert_close(frozen(x)[0], one_chunk(x)[0], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("entry", ["neural_memory", "neural_memory_chunked"])
+def test_half_gates_give_float32_coefficients(half, entry):
+    """float16 / bfloat16 gates with a float32 state: the chunk coefficients (cumulative sums of log-gates
+    and their exps) are computed in float32, not in the gates' dtype, so the outputs agree with the
+    float64 reference on the same rounded gates to float32 accuracy (in bf16 they were 2e-3 off), and the
+    gates' gradients come back in their dtype."""
+    args, w, s = random_problem(1, 2, 34, 6, 2, seed=5)
+    gates = torch.stack(args[3:], -1).to(half)
+    ref = neural_memory_ref(*args[:3], *gates.double().unbind(-1), w, s, chunk_size=16)
+    q, k, v = (x.float() for x in args[:3])
+    w32, s32 = tuple(x.float() for x in w), tuple(x.float() for x in s)
+    leaf = gates.clone().requires_grad_(True)
+    if entry == "neural_memory":
+        out = neural_memory(q, k, v, leaf, w32, s32, chunk_size=16)
+    else:
+        out = neural_memory_chunked(q, k, v, *leaf.unbind(-1), w32, s32, chunk_size=16)
+    for a, b in zip([out[0], *out[1], *out[2], out[3]], [ref[0], *ref[1], *ref[2], ref[3]]):
+        assert a.dtype == torch.float32
+        assert_close_rel(a.double(), b, 1e-5)
+    (out[0].sum() + out[1][0].sum()).backward()
+    assert leaf.grad.dtype == half and torch.isfinite(leaf.grad).all()
+
+
+def test_float32_gates_with_a_float64_state_compute_in_float64():
+    """The torch path computes in its state's dtype: with float32 gates and a float64 state the chunk
+    coefficients are float64 too (they were float32, 1e-7 off the reference)."""
+    args, w, s = random_problem(1, 2, 21, 5, 2, seed=2)
+    gates = [x.float() for x in args[3:]]
+    fast = neural_memory_chunked(*args[:3], *gates, w, s, chunk_size=4)
+    ref = neural_memory_ref(*args[:3], *(g.double() for g in gates), w, s, chunk_size=4)
+    for a, b in zip([fast[0], *fast[1], *fast[2], fast[3]], [ref[0], *ref[1], *ref[2], ref[3]]):
+        assert a.dtype == F64
+        assert_close_rel(a, b, 1e-10)
+
+
+def test_float32_inputs_with_a_float64_state_run_in_float64():
+    """neural_memory_chunked casts q, k, v to the state's dtype (as neural_memory and the Triton path take
+    them): float32 q, k, v with a float64 state run in float64 (they raised "expected scalar type Float but
+    found Double"), the gradients coming back in float32."""
+    args, w, s = random_problem(1, 2, 11, 5, 2, seed=4)
+    qkv = [x.float().requires_grad_(True) for x in args[:3]]
+    for options in ({}, {"checkpoint_every": 1}):
+        out = neural_memory_chunked(*qkv, *args[3:], w, s, chunk_size=4, **options)
+        ref = neural_memory_chunked(*(x.detach().double() for x in qkv), *args[3:], w, s, chunk_size=4)
+        for a, b in zip([out[0], *out[1], *out[2], out[3]], [ref[0], *ref[1], *ref[2], ref[3]]):
+            assert a.dtype == F64
+            assert_close_rel(a, b, 1e-12)
+        grads = torch.autograd.grad(out[0].sum() + out[3].sum(), qkv)
+        assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0])
+def test_every_entry_point_names_a_bad_chunk_size(bad):
+    """chunk_size is checked by every entry point, naming the function (neural_memory_chunked raised a bare
+    ZeroDivisionError for 0)."""
+    args, w, s = random_problem(1, 1, 4, 5, 1)
+    gates = torch.stack(args[3:], -1)
+    calls = {
+        "neural_memory_chunked": lambda: neural_memory_chunked(*args, w, s, chunk_size=bad),
+        "neural_memory_triton": lambda: neural_memory_triton(*args, w, s, chunk_size=bad),
+        "memory_rule_chunked": lambda: memory_rule_chunked(
+            *args[:3], gates, w, s, rule=resolve_rule("titans"), chunk_size=bad
+        ),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=f"{name}: chunk_size must be a positive integer"):
+            call()

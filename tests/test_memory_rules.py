@@ -387,3 +387,23 @@ def test_entry_point_runs_every_path_with_one_call_shape():
         neural_memory(q, k, v, gates, w, s, chunk_size=3, history=2)
     with pytest.raises(ValueError, match="rule 'titans' takes 3 gates per token"):
         neural_memory(q, k, v, torch.cat([gates, gates[..., :1]], -1), w, s, chunk_size=3)
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_half_gates_run_as_their_float32_values(half):
+    """float16 / bfloat16 gates with a float32 state give exactly what the same gates upcast to float32
+    give, on every rule's path: no chunk coefficient (sums of log-gates, their exps) is computed in the
+    gates' dtype (the fast path's, yaad's, were: 7e-4 off the float64 reference in bf16)."""
+    for preset in PRESETS:
+        rule = RULE_PRESETS[preset]
+        q, k, v, gates, w, s = rule_problem(rule, 10, 2)
+        q, k, v = (x.float() for x in (q, k, v))
+        w, s = tuple(x.float() for x in w), tuple(x.float() for x in s)
+        rounded = gates.to(half)
+        got = neural_memory(q, k, v, rounded, w, s, chunk_size=4, rule=preset)
+        want = neural_memory(q, k, v, rounded.float(), w, s, chunk_size=4, rule=preset)
+        direct = memory_rule_chunked(q, k, v, rounded, w, s, rule=rule, chunk_size=4)
+        for a, b, c in zip(*(torch.utils._pytree.tree_leaves(x) for x in (got, want, direct))):
+            assert a.dtype == torch.float32
+            assert torch.equal(a, b), preset
+            assert torch.equal(c, b), preset

@@ -573,3 +573,40 @@ def test_the_largest_kernels_are_built_at_ptxas_opt_level_1(monkeypatch):
     assert rule(2, "tf32", 80) is None
     monkeypatch.setenv("TITANS_MEMORY_TRITON_PTXAS", "--opt-level 2")
     assert rule(2, "tf32", 90) == "--opt-level 2"
+
+
+@interpreted
+@pytest.mark.parametrize("depth, activation, where", [(1, "silu", "k"), (1, "silu", "v"), (2, "relu", "q")])
+def test_a_nan_reaches_the_outputs_and_gradients_as_on_the_torch_path(depth, activation, where):
+    """A NaN in one token's q, k or v: the kernels report NaN where the torch path does (a NaN inner
+    gradient's surprise, the clip's scale, relu of NaN), never a number (the surprise was 1e-15, the clip
+    scale 1, relu 0), in the outputs and in every input's gradient."""
+    args, w, s = random_problem(1, 1, 7, 4, depth, seed=1)
+    args = [x.float() for x in args]
+    args["qkv".index(where)][0, 0, 4, 1] = float("nan")  # a token of the second chunk of 3
+    w, s = [x.float() for x in w], [x.float() for x in s]
+    kw = {"chunk_size": 3, "surprise_clip": 0.5, "activation": activation}
+    outs, grads = {}, {}
+    for name, fn in (("torch", neural_memory_chunked), ("triton", neural_memory_triton)):
+        outs[name], grads[name] = _loss_and_grads(fn, args, w, s, kw, torch.float32)
+    assert any(o.isnan().any() for o in outs["torch"])
+    for a, b in zip(outs["triton"] + grads["triton"], outs["torch"] + grads["torch"]):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert_close(a.nan_to_num(), b.nan_to_num(), 1e-4, "finite values")
+
+
+@interpreted
+def test_a_bfloat16_state_is_carried_in_float32_over_a_call():
+    """A bfloat16 state (a bf16 model's) is taken: read into float32, carried in float32 over the call's
+    chunks and rounded to bfloat16 when stored, so the results are those of the float32 state run rounded
+    once, within one bfloat16 ulp (the interpreter's rounding truncates; the torch path rounds the state
+    after every chunk)."""
+    args, w, s = random_problem(1, 2, 10, 8, 2, seed=3)
+    args = [x.float() for x in args]
+    w16, s16 = tuple(x.bfloat16() for x in w), tuple(x.bfloat16() for x in s)
+    kw = {"chunk_size": 4, "surprise_clip": 0.5}
+    y, w_out, s_out, norm = neural_memory_triton(*args, w16, s16, **kw)
+    ref = neural_memory_triton(*args, tuple(x.float() for x in w16), tuple(x.float() for x in s16), **kw)
+    for a, b in zip([y, *w_out, *s_out, norm], [ref[0], *ref[1], *ref[2], ref[3]]):
+        assert a.dtype == torch.bfloat16
+        assert ((a.float() - b).abs() <= b.abs() * 2**-7).all()

@@ -306,6 +306,10 @@ def test_config_without_gate_inits_loads_with_defaults():
         ({"norm_eps": float("nan")}, "norm_eps"),
         ({"memory_conv_kernel": 2.5}, "memory_conv_kernel"),
         ({"memory_expansion": float("nan")}, "memory_expansion"),
+        # accepted and not applied: no memory anywhere; an MLP of width 0 refused by the model's SwiGLU
+        ({"variant": "swa", "memory_layers": [0]}, "memory_layers=\\[0\\] is for the memory variants"),
+        ({"variant": "transformer", "memory_layers": []}, "memory_layers=\\[\\] is for the memory variants"),
+        ({"dim": 32, "mlp_mult": 0.01}, "mlp_mult=0.01 gives an MLP of width 0 at dim=32"),
     ],
 )
 def test_bad_config_names_field(kwargs, field):
@@ -476,3 +480,28 @@ def test_frozen_memory_leaves_the_model_state_unchanged(variant):
             for layer in s.layers:
                 for a, b in zip(layer.segment_weights, layer.memory.weights):
                     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.uint64]
+)
+def test_forward_takes_every_integer_dtype(dtype):
+    """As prefill and generate do (they cast to int64): the ids are checked, not the dtype."""
+    model = model64("mag").eval()
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        want, _ = model(ids)
+        got, _ = model(ids.to(dtype))
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 64\), got \[3, 100\]"):
+        model(torch.tensor([[3, 100]]).to(dtype))
+
+
+def test_forward_refuses_ids_of_no_integer_dtype_and_wrapping_uint64():
+    model = model64("lmm").eval()
+    for bad in (torch.tensor([[1.0, 2.0]]), torch.tensor([[True, False]]), torch.tensor([[1 + 0j]])):
+        with pytest.raises(TypeError, match=f"tokens must be integer ids, got dtype {bad.dtype}"):
+            model(bad)
+    huge = torch.tensor([[2**63 + 5, 1]], dtype=torch.uint64)  # -2**63 + 5 as int64
+    with pytest.raises(ValueError, match=r"got an id >= 2\*\*63 \(uint64\)"):
+        model(huge)

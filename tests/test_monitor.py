@@ -175,3 +175,38 @@ def test_one_definition_of_the_weight_norm(variant):
     assert trace.weight_norm[:, -1] == pytest.approx(
         [layer.max_weight_norm for layer in report.layers], rel=1e-6
     )
+
+
+BAD_MAX_NORMS = [-1.0, 0, float("nan"), float("inf"), True, "7.5", torch.tensor(2.0)]
+
+
+@pytest.mark.parametrize("bad", BAD_MAX_NORMS, ids=repr)
+def test_max_norm_is_checked_before_any_token_is_read(bad):
+    """A max_norm that is no finite number > 0 (a bool is no number: True was taken as 1) is refused where
+    it is given: MemoryMonitor at construction, prefill_with_report before it reads the first piece (it
+    read the whole stream first), memory_report as before."""
+    model = tiny("mag")
+
+    def reader():
+        raise AssertionError("read a piece")
+        yield
+
+    with pytest.raises(ValueError, match=r"MemoryMonitor: max_norm must be a finite number > 0 or None"):
+        MemoryMonitor(model, max_norm=bad)
+    with pytest.raises(ValueError, match=r"prefill_with_report: max_norm must be a finite number > 0"):
+        prefill_with_report(model, reader(), max_norm=bad)
+    with torch.no_grad():
+        out = model.forward_with_stats(torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"memory_report: max_norm must be a finite number > 0"):
+        memory_report(model, out.stats, out.state, max_norm=bad)
+
+
+def test_max_norm_may_be_any_real_number():
+    import numpy as np
+
+    model = tiny("mag")
+    with torch.no_grad():
+        out = model.forward_with_stats(torch.zeros(1, 3, dtype=torch.long))
+    for good in (3, 3.0, np.float32(3.0), np.int64(3)):
+        assert MemoryMonitor(model, max_norm=good).max_norm == 3.0
+        assert memory_report(model, out.stats, out.state, max_norm=good).max_norm == 3.0

@@ -251,3 +251,163 @@ def test_safetensors_files_are_byte_reproducible_across_processes(tmp_path):
     with safe_open(str(paths[0]), "pt") as f:
         assert f.metadata() == {f"key{i}": str(i) for i in range(8)}
         assert torch.equal(f.get_tensor("b"), torch.arange(5.0))
+
+
+# ------------------------------------------------------------------------------------------ state values
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_state_deepcopies_pickles_and_torch_saves(variant, tmp_path):
+    """Each copy is the state (its tensors bit for bit, its position and a read-only config), apart from
+    it, and continues the sequence as it does."""
+    import copy
+    import pickle
+    from types import MappingProxyType
+
+    from titans.models.state import state_digest
+
+    model = tiny_model(variant)
+    _, state = prefill(model, tokens(2, 13))
+    torch.save(state, tmp_path / "s.pt")
+    copies = [
+        copy.deepcopy(state),
+        pickle.loads(pickle.dumps(state)),
+        torch.load(tmp_path / "s.pt", weights_only=False),
+    ]
+    query = tokens(2, 5, seed=3)
+    with torch.no_grad():
+        want, _ = model(query, state)
+    for c in copies:
+        assert type(c) is TitansState and state_digest(c) == state_digest(state)
+        assert c.position == state.position and c.config == state.config
+        assert isinstance(c.config, MappingProxyType)
+        assert not set(map(id, state_tensors(c).values())) & set(map(id, state_tensors(state).values()))
+        with torch.no_grad():
+            got, _ = model(query, c)
+        assert torch.equal(got, want)
+    bare = TitansState(state.layers, 4, None)
+    assert copy.deepcopy(bare).config is None
+
+
+NEUTRAL = [
+    {"memory_monitor_max_norm": 5.0},
+    {"memory_backend": "torch"},
+    {"memory_checkpoint_every": 2},
+    {"init_std": 0.01},
+    {"name": "other"},
+]
+
+
+@pytest.mark.parametrize("change", NEUTRAL, ids=lambda c: next(iter(c)))
+def test_a_state_is_taken_by_a_model_whose_config_differs_only_in_what_it_does_not_touch(change, tmp_path):
+    """These fields change neither the state's layout nor the outputs (monitoring, kernels, training's
+    recomputation, the initial weights): such a model continues the state as the state's own model does."""
+    a = tiny_model("mag")
+    b = tiny_model("mag", **change)
+    b.load_state_dict(a.state_dict())
+    _, state = prefill(a, tokens(1, 10))
+    path = save_state(state, tmp_path / "s.safetensors")
+    query = tokens(1, 6, seed=4)
+    with torch.no_grad():
+        want, _ = a(query, state)
+        got, _ = b(query, load_state(path, model=b))
+    assert torch.equal(got, want)
+    b.check_state(state)
+    with pytest.raises(ValueError, match=r"another config \(memory_alpha_init: state 0.01 vs model 0.2\)"):
+        tiny_model("mag", memory_alpha_init=0.2, **change).check_state(state)
+
+
+def test_cat_rows_refuses_states_of_other_configs_by_field():
+    from titans.models.state import cat_rows
+
+    _, a = prefill(tiny_model("mag"), tokens(1, 10))
+    _, b = prefill(tiny_model("mag", memory_alpha_init=0.2), tokens(1, 10, seed=2))
+    with pytest.raises(
+        ValueError, match=r"cat_rows: .*other configs \(memory_alpha_init: state 0 0.01 vs state 1 0.2\)"
+    ):
+        cat_rows([a, b])
+    # another chunk: other shapes too, named by the config field (not a bare torch error)
+    _, c = prefill(tiny_model("mag", chunk_size=2), tokens(1, 10, seed=3))
+    with pytest.raises(ValueError, match=r"cat_rows: .*chunk_size: state 0 4 vs state 1 2"):
+        cat_rows([a, c])
+    # the same config but another dtype: named by tensor, not promoted
+    f32 = map_state(a, lambda t: t.float() if t.is_floating_point() else t)
+    with pytest.raises(
+        ValueError, match=r"cat_rows: tensor layers\.0\.\S+ is .*torch\.float64.* torch\.float32"
+    ):
+        cat_rows([a, f32])
+    # a config field that changes neither layout nor outputs: joined, as check_state takes either
+    _, d = prefill(tiny_model("mag", memory_backend="torch", name="other"), tokens(1, 10, seed=4))
+    joined = cat_rows([a, d])
+    assert state_batch_size(joined) == 2 and joined.config is a.config
+    tiny_model("mag").check_state(joined, 2)
+    with pytest.raises(TypeError, match="cat_rows: expected TitansStates, got dict"):
+        cat_rows([a, {}])
+
+
+def test_expand_state_refuses_a_batch_size_below_one():
+    _, state = prefill(tiny_model("lmm"), tokens(1, 7))
+    for bad in (-1, 0, -5, 2.0, True, "2"):
+        with pytest.raises(ValueError, match=rf"expand_state: batch_size must be an int >= 1, got {bad!r}"):
+            expand_state(state, bad)
+    import numpy as np
+
+    assert state_batch_size(expand_state(state, np.int64(3))) == 3
+
+
+def test_select_rows_takes_a_list_and_refuses_bad_indices():
+    import numpy as np
+
+    from titans.models.state import state_digest
+
+    _, state = prefill(tiny_model("mac"), tokens(3, 9))
+    want = state_digest(select_rows(state, torch.tensor([2, 0])))
+    for index in ([2, 0], (2, 0), np.array([2, 0]), torch.tensor([2, 0], dtype=torch.int32)):
+        assert state_digest(select_rows(state, index)) == want
+    with pytest.raises(
+        ValueError, match=r"select_rows: rows \[3, -1\] out of range for a state of batch size 3"
+    ):
+        select_rows(state, [1, 3, -1])
+    for bad in ([0.0, 1.0], [True], "01", 2):
+        with pytest.raises(TypeError, match="select_rows: index must be a 1-D integer tensor or a list"):
+            select_rows(state, bad)
+    for bad in (torch.tensor([0.0]), torch.tensor([[0, 1]]), torch.tensor([True])):
+        with pytest.raises(TypeError, match="select_rows: index must be a 1-D integer tensor of row numbers"):
+            select_rows(state, bad)
+
+
+def _storage_bytes(state: TitansState) -> int:
+    """Bytes of every distinct storage the state's tensors live in: what the state keeps alive."""
+    storages = {}
+    for t in state_tensors(state).values():
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("variant", ["mag", "mal", "lmm", "swa", "transformer"])
+def test_a_state_keeps_alive_what_state_nbytes_counts(variant):
+    """Its pending memory rows are tensors of their own, not slices of the whole call's keys, values and
+    gates: a state after a long call keeps no more than after a short one."""
+    from titans.inference import state_nbytes
+
+    model = tiny_model(variant)
+    for length in (7, 203):
+        with torch.no_grad():
+            _, state = model(tokens(2, length))
+        assert _storage_bytes(state) == state_nbytes(state)
+
+
+def test_pending_rows_pass_gradients_back():
+    """Copied, the pending rows still carry the gradient of the next call's loss to the earlier call's
+    parameters (truncated backprop across calls): equal to that of one pass over both pieces."""
+    ids = tokens(1, 14)
+    grads = []
+    for cuts in ((14,), (7, 7)):
+        model = tiny_model("lmm", train=True)
+        state, loss = None, 0.0
+        start = 0
+        for n in cuts:
+            logits, state = model(ids[:, start : start + n], state)
+            loss = loss + logits.square().sum()
+            start += n
+        loss.backward()
+        grads.append(model.blocks[0].memory.to_qkv.weight.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-10, rtol=1e-8)

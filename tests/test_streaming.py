@@ -187,3 +187,55 @@ def test_empty_piece_changes_nothing(variant):
         assert empty.shape == (2, 0, full.shape[-1]) and fresh.position == 0
         again, _ = model(x, fresh)
         torch.testing.assert_close(again, full, atol=ATOL, rtol=0)
+
+
+def _refilling_reader(data: np.ndarray, size: int, as_tensor: bool):
+    """A reader that fills one buffer for every piece (the readinto pattern), as file readers do."""
+    buf = np.empty(size, dtype=np.int64)
+    view = torch.from_numpy(buf) if as_tensor else buf
+    for start in range(0, len(data), size):
+        n = min(size, len(data) - start)
+        buf[:n] = data[start : start + n]
+        yield view[:n]
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["numpy", "tensor"])
+@pytest.mark.parametrize("size", [3, 16])  # pieces shorter than piece_len (buffered), and longer
+def test_a_reader_may_refill_one_buffer_for_every_piece(as_tensor, size):
+    """The pieces a reader gives are copied where they are kept: the buffered small pieces, and the pieces
+    iter_pieces yields (which a caller may keep), are not overwritten by the reader's next piece."""
+    model = tiny_model("mag")
+    x = tokens(1, 40)
+    data = x[0].numpy()
+    kept = list(iter_pieces(_refilling_reader(data, size, as_tensor), 7))
+    assert torch.equal(torch.cat(kept, dim=1), x)
+    with torch.no_grad():
+        full, _ = model(x)
+    last, state = prefill(model, _refilling_reader(data, size, as_tensor), piece_len=7)
+    torch.testing.assert_close(last, full[:, -1], atol=ATOL, rtol=0)
+    assert state.position == 40
+
+
+def test_a_numpy_array_is_the_whole_input_as_a_tensor_is():
+    """(B, T) numpy == (B, T) tensor (B rows, not one stream of their concatenation); (T,) is batch 1, as a
+    1-D tensor is. A list is pieces: a list of rows is one stream, the rows one after the other."""
+    from titans.models.monitor import prefill_with_report
+
+    model = tiny_model("mal")
+    x = tokens(2, 19)
+    want, want_state = prefill(model, x, piece_len=5)
+    for arr in (x.numpy(), x.numpy().astype(np.int32), np.asfortranarray(x.numpy())):
+        got, state = prefill(model, arr, piece_len=5)
+        assert torch.equal(got, want) and state.position == 19
+        got, state, report = prefill_with_report(model, arr, piece_len=5)
+        assert torch.equal(got, want) and state.position == 19
+    got, _ = prefill(model, x.numpy())  # the default piece length: for batch 2
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    one, _ = prefill(model, x[0].numpy(), piece_len=5)
+    one_tensor, _ = prefill(model, x[0], piece_len=5)
+    assert one.shape == (1, 61) and torch.equal(one, one_tensor)
+    stream, state = prefill(model, x.tolist(), piece_len=5)
+    flat, _ = prefill(model, x.reshape(1, -1), piece_len=5)
+    assert state.position == 38 and torch.equal(stream, flat)
+    with pytest.raises(ValueError, match=r"must be \(batch, len\) or \(len,\), got shape \(2, 19, 1\)"):
+        prefill(model, x.numpy()[..., None])

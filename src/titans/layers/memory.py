@@ -114,6 +114,16 @@ def _stats(surprise: Tensor, gates: Tensor, written: Tensor) -> MemoryStats:
     )
 
 
+def _own_rows(t: Tensor, start: int, fresh: bool) -> Tensor:
+    """t[:, :, start:] (the pending rows a state keeps) in a tensor of their own: a slice would keep the
+    whole call's keys, values or gates alive in the state (and q, k, v share one tensor). `fresh`: t is a
+    concatenation made for this call, so all of it (start 0) is kept as it is. A copy is differentiable:
+    gradients reach the rows as through the slice."""
+    if fresh and start == 0:
+        return t
+    return t[:, :, start:].clone(memory_format=torch.contiguous_format)
+
+
 def _logit(p: float) -> float:
     return math.log(p) - math.log1p(-p)
 
@@ -550,12 +560,13 @@ class NeuralMemory(nn.Module):
             q_all, k_all, v_all, g_all, state, self.chunk_size, self.checkpoint_every, history=h
         )
         keep = (r - h + t) % self.chunk_size + h
+        start, fresh = r + t - keep, r > 0  # fresh: k_all, v_all, g_all are this call's own concatenations
         new_state = MemoryState(
             weights=weights,
             momentum=momentum,
-            pending_k=k_all[:, :, r + t - keep :],
-            pending_v=v_all[:, :, r + t - keep :],
-            pending_gates=g_all[:, :, r + t - keep :],
+            pending_k=_own_rows(k_all, start, fresh),
+            pending_v=_own_rows(v_all, start, fresh),
+            pending_gates=_own_rows(g_all, start, fresh),
             conv_tail=state.conv_tail,
             position=state.position + t,
         )

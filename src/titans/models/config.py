@@ -228,6 +228,16 @@ class TitansConfig:
                 f"TitansConfig.chunk_size={self.chunk_size} must divide segment_len={self.segment_len} for "
                 f"{self.variant} (the memory is written chunk by chunk inside each segment)"
             )
+        if self.mlp_hidden < 1:
+            raise ValueError(
+                f"TitansConfig.mlp_mult={self.mlp_mult} gives an MLP of width 0 at dim={self.dim} (the "
+                "SwiGLU is mlp_mult * dim * 2/3 wide): mlp_mult * dim must be at least 1.5"
+            )
+        if self.memory_layers is not None and not self.spec.memory:
+            raise ValueError(
+                f"TitansConfig.memory_layers={self.memory_layers!r} is for the memory variants "
+                f"{MEMORY_VARIANTS}; variant {self.variant!r} has no memory (leave memory_layers null)"
+            )
         if self.memory_layers is not None:
             layers = self.memory_layers
             listed = isinstance(layers, (list, tuple))

@@ -71,12 +71,12 @@ from titans.models.blocks import (
     MALState,
     MemoryBlock,
 )
+from titans.models.lm import check_token_dtype, check_token_ids
 from titans.models.state import TitansState
 
 MODES = ("eager", "compile", "cuda_graph")
 GUARDS = ("full", "state")
 MMS = ("blas", "pointwise")
-_TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)  # those `TitansLM.forward` takes
 # torch.compile's guards kept by guards="state": tensors (shape, dtype, device, strides) and torch's global
 # state; and every guard on the decoder's own objects (its buffers, lists, Python ints such as the memories'
 # offsets), which is everything rooted in the decoder that is not a module of the model
@@ -555,14 +555,22 @@ class StaticDecoder:
         return fn
 
     @torch.no_grad()
-    def step(self, tokens: Tensor) -> Tensor:
-        """tokens (B, 1) int64 -> logits of the next token (B, vocab); the state moves one token on."""
-        if tokens.shape != (self.batch, 1):
-            raise ValueError(
-                f"StaticDecoder.step: tokens must be ({self.batch}, 1), got {tuple(tokens.shape)}"
-            )
-        if tokens.dtype not in _TOKEN_DTYPES:  # .long() would truncate a float id
-            raise TypeError(f"StaticDecoder.step: tokens must be integer ids, got dtype {tokens.dtype}")
+    def step(self, tokens: Tensor, *, check_ids: bool = True) -> Tensor:
+        """tokens (B, 1) of integer ids -> logits of the next token (B, vocab); the state moves one token on.
+
+        In "eager" and "compile" mode, ids outside [0, vocab) are refused (ValueError, one host sync per
+        step, as `TitansLM.forward` checks) unless `check_ids` is False: the caller vouches for them (ids
+        drawn from the model's own logits, as `generate` does). "cuda_graph" mode never checks them (a host
+        sync per step would undo what the graphs save): its caller passes ids in [0, vocab), an id outside
+        reads outside the embedding (garbage logits, or a device-side assert that ends the process's CUDA
+        use).
+        """
+        if not isinstance(tokens, Tensor) or tokens.shape != (self.batch, 1):
+            shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+            raise ValueError(f"StaticDecoder.step: tokens must be ({self.batch}, 1), got {shape}")
+        check_token_dtype(tokens, "StaticDecoder.step")  # .long() would truncate a float id
+        if check_ids and self.mode != "cuda_graph":
+            check_token_ids(tokens, self.model.config.vocab_size, "StaticDecoder.step")
         phase = self._phase()
         if self.mode == "cuda_graph":
             logits = self._replay(phase, tokens)

@@ -30,7 +30,7 @@ from titans.layers.state_tree import map_tensors
 from titans.models import streaming
 from titans.models.blocks import IdentityInitGate
 from titans.models.config import TitansConfig
-from titans.models.state import TitansState
+from titans.models.state import TitansState, config_differences
 from titans.models.variants import make_block
 
 # A CPU stream this long warns (once per process) if subnormal floats are not flushed to zero.
@@ -38,12 +38,27 @@ SUBNORMAL_WARNING_POSITION = 1 << 15
 _warned_subnormals = False
 
 
-def check_token_ids(tokens: Tensor, vocab_size: int) -> None:
-    """Raise if any id in ``tokens`` lies outside [0, vocab_size) (one host sync for both bounds)."""
+def check_token_dtype(tokens: Tensor, caller: str = "TitansLM") -> None:
+    """Refuse tokens that are not integer ids (float, complex, bool: a cast would truncate or reinterpret
+    them); every integer dtype is taken, its values checked by `check_token_ids`."""
+    if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+        raise TypeError(f"{caller}: tokens must be integer ids, got dtype {tokens.dtype}")
+
+
+def check_token_ids(tokens: Tensor, vocab_size: int, caller: str = "TitansLM") -> None:
+    """Raise if any id in ``tokens`` (any integer dtype) lies outside [0, vocab_size) (one host sync for
+    both bounds)."""
     if tokens.numel():
+        wide = tokens.dtype == torch.uint64
+        if tokens.dtype in _NO_AMINMAX:  # torch has no aminmax for these: the exact int64 values
+            tokens = tokens.long()  # (uint64 past 2**63 comes out negative, refused below)
         lo, hi = torch.stack(torch.aminmax(tokens)).tolist()
         if lo < 0 or hi >= vocab_size:
-            raise ValueError(f"TitansLM: token ids must lie in [0, {vocab_size}), got [{lo}, {hi}]")
+            got = "an id >= 2**63 (uint64)" if wide and lo < 0 else f"[{lo}, {hi}]"
+            raise ValueError(f"{caller}: token ids must lie in [0, {vocab_size}), got {got}")
+
+
+_NO_AMINMAX = (torch.uint16, torch.uint32, torch.uint64)
 
 
 def subnormals_flushed() -> bool:
@@ -185,9 +200,9 @@ class TitansLM(nn.Module):
             raise TypeError(f"TitansLM: state must be a TitansState, got {type(state).__name__}")
         mine = self.config_dict
         if state.config is not None and state.config is not mine:
-            diff = sorted(
-                k for k in set(mine) | set(state.config) if k != "name" and mine.get(k) != state.config.get(k)
-            )
+            # fields that change neither the state's layout nor the outputs are left out (name, init_std,
+            # memory_backend, ...: `titans.models.state.STATE_NEUTRAL_FIELDS`)
+            diff = config_differences(mine, state.config)
             if diff:
                 detail = ", ".join(
                     f"{k}: state {state.config.get(k)!r} vs model {mine.get(k)!r}" for k in diff
@@ -251,8 +266,7 @@ class TitansLM(nn.Module):
         if not isinstance(tokens, Tensor) or tokens.dim() != 2:
             shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
             raise ValueError(f"TitansLM: tokens must be a (batch, seq) tensor, got {shape}")
-        if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            raise TypeError(f"TitansLM: tokens must be integer ids, got dtype {tokens.dtype}")
+        check_token_dtype(tokens)
         # (a host sync; skipped while a CUDA graph is captured, whose caller checks each batch instead)
         if not (tokens.is_cuda and torch.cuda.is_current_stream_capturing()):
             check_token_ids(tokens, self.config.vocab_size)
@@ -273,4 +287,11 @@ class TitansLM(nn.Module):
         return LMOutput(logits, TitansState(new_states, position, self.config_dict), stats)
 
 
-__all__ = ["LMOutput", "TitansLM", "TitansState", "check_token_ids", "subnormals_flushed"]
+__all__ = [
+    "LMOutput",
+    "TitansLM",
+    "TitansState",
+    "check_token_dtype",
+    "check_token_ids",
+    "subnormals_flushed",
+]

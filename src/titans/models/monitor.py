@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,7 +37,7 @@ from torch import Tensor
 
 from titans.layers.memory import MemoryState, MemoryStats
 from titans.models.state import TitansState
-from titans.models.streaming import default_piece_len, iter_pieces
+from titans.models.streaming import _whole_shape, default_piece_len, iter_pieces
 from titans.validation import check_int
 
 if TYPE_CHECKING:  # the model imports nothing from here
@@ -245,6 +246,15 @@ def _layer_report(
     )
 
 
+def check_max_norm(max_norm: Any, caller: str) -> float | None:
+    """`max_norm` (None, or a finite number > 0; not a bool) as a float, else a ValueError naming `caller`."""
+    if max_norm is None:
+        return None
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not 0 < max_norm < math.inf:
+        raise ValueError(f"{caller}: max_norm must be a finite number > 0 or None, got {max_norm!r}")
+    return float(max_norm)
+
+
 def memory_report(
     model: TitansLM,
     stats: Sequence[MemoryStats] | dict[int, MemoryStats] | None,
@@ -259,8 +269,7 @@ def memory_report(
         raise TypeError(f"memory_report: state must be a TitansState, got {type(state).__name__}")
     if max_norm is None:
         max_norm = model.config.utilisation_max_norm
-    if max_norm is not None and not (isinstance(max_norm, (int, float)) and 0 < max_norm < math.inf):
-        raise ValueError(f"memory_report: max_norm must be a finite number > 0, got {max_norm!r}")
+    max_norm = check_max_norm(max_norm, "memory_report")
     if stats is None:
         by_layer: dict[int, MemoryStats] = {}
     elif isinstance(stats, dict):
@@ -288,8 +297,12 @@ class MemoryMonitor:
     report = monitor.report(state)
     """
 
-    def __init__(self, model: TitansLM, max_norm: float | None = None) -> None:
-        self.model, self.max_norm = model, max_norm
+    def __init__(
+        self, model: TitansLM, max_norm: float | None = None, *, caller: str = "MemoryMonitor"
+    ) -> None:
+        """max_norm: None (the config's `utilisation_max_norm`) or a finite number > 0, checked here (a
+        ValueError naming `caller`), before any tokens are read."""
+        self.model, self.max_norm = model, check_max_norm(max_norm, caller)
         self._pieces: dict[int, list[MemoryStats]] = {i: [] for i in memory_layers(model)}
 
     def update(self, stats: Sequence[MemoryStats]) -> None:
@@ -323,12 +336,12 @@ def prefill_with_report(
     which also returns the `MemoryReport` of the tokens read: (logits of the last token (B, vocab), state,
     report). With no tokens: (None, state, a report of the state's norms alone; the initial weights' for
     state None)."""
+    monitor = MemoryMonitor(model, max_norm, caller="prefill_with_report")  # checks max_norm first
     if piece_len is None:
-        batch = tokens.shape[0] if isinstance(tokens, Tensor) and tokens.dim() == 2 else 1
-        piece_len = default_piece_len(model, batch)
+        shape = _whole_shape(tokens)
+        piece_len = default_piece_len(model, shape[0] if shape else 1)
     check_int("prefill_with_report: piece_len", piece_len)
     device = next(model.parameters()).device
-    monitor = MemoryMonitor(model, max_norm)
     last = None
     for piece in iter_pieces(tokens, piece_len):
         out = model.forward_with_stats(piece.to(device), state, last_only=True)
@@ -342,6 +355,7 @@ __all__ = [
     "LayerReport",
     "MemoryMonitor",
     "MemoryReport",
+    "check_max_norm",
     "find_memory_state",
     "memory_layers",
     "memory_report",

@@ -23,14 +23,16 @@ import dataclasses
 import errno
 import hashlib
 import json
+import numbers
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -66,9 +68,36 @@ class TitansState:
     def save(self, path: str | Path) -> Path:
         return save_state(self, path)
 
+    def __reduce__(self):
+        """Pickled (`copy.deepcopy`, `pickle`, `torch.save`) with its config as a plain dict, which comes
+        back read-only as the model gave it (a `MappingProxyType` does not pickle)."""
+        config = None if self.config is None else dict(self.config)
+        return _rebuild_state, (self.layers, self.position, config)
+
     @classmethod
     def load(cls, path: str | Path, map_location: str | torch.device = "cpu") -> TitansState:
         return load_state(path, map_location=map_location)
+
+
+def _rebuild_state(layers: list, position: int, config: dict | None) -> TitansState:
+    """The `TitansState` `TitansState.__reduce__` pickled, its config read-only again."""
+    return TitansState(layers, position, None if config is None else MappingProxyType(config))
+
+
+# Config fields that change neither a state's layout nor what a model computes from it: a state is
+# continued by a model whose config differs from its own only in these (`config_differences`).
+# name: a label; init_std: the initial weights only; memory_backend: which kernels run the same memory
+# (to float rounding, as "auto" picks per device); memory_checkpoint_every: what training keeps for the
+# backward pass; memory_monitor_max_norm: monitoring only.
+STATE_NEUTRAL_FIELDS = frozenset(
+    {"name", "init_std", "memory_backend", "memory_checkpoint_every", "memory_monitor_max_norm"}
+)
+
+
+def config_differences(a: Mapping, b: Mapping) -> list[str]:
+    """The config fields, sorted, in which `a` and `b` (config dicts) differ, leaving out
+    `STATE_NEUTRAL_FIELDS`: states of configs with no difference are interchangeable."""
+    return sorted(k for k in set(a) | set(b) if k not in STATE_NEUTRAL_FIELDS and a.get(k) != b.get(k))
 
 
 # ------------------------------------------------------------------------------------------ mapping
@@ -94,7 +123,10 @@ def state_tensors(state: TitansState) -> dict[str, Tensor]:
 
 
 def state_nbytes(state: TitansState) -> int:
-    """Bytes held by the state's tensors (what stays in memory between calls)."""
+    """Bytes of the state's tensors, each distinct tensor once: the memory a state keeps alive between
+    calls. (The memory's weights and momentum share one allocation; a MAC state whose current segment
+    began inside its last call keeps that segment's starting weights in one with the momentum of that
+    moment, at most one more momentum per memory layer than counted here.)"""
     return sum(t.numel() * t.element_size() for t in state_tensors(state).values())
 
 
@@ -108,6 +140,9 @@ def state_batch_size(state: TitansState) -> int:
 
 def expand_state(state: TitansState, batch_size: int) -> TitansState:
     """A batch-1 state repeated to `batch_size` independent rows (many samples from one read document)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise ValueError(f"expand_state: batch_size must be an int >= 1, got {batch_size!r}")
+    batch_size = int(batch_size)
     current = state_batch_size(state)
     if current == batch_size:
         return state
@@ -116,8 +151,29 @@ def expand_state(state: TitansState, batch_size: int) -> TitansState:
     return map_state(state, lambda t: t.expand(batch_size, *t.shape[1:]).contiguous())
 
 
-def select_rows(state: TitansState, index: Tensor) -> TitansState:
-    """The rows `index` (1-D int64) of every tensor: reorders or subsets the batch (beam search)."""
+def select_rows(state: TitansState, index: Tensor | Sequence[int]) -> TitansState:
+    """The rows `index` of every tensor: reorders or subsets the batch (beam search). index: a 1-D integer
+    tensor, or a list / tuple / numpy array of row numbers (checked against the batch here; a tensor's
+    values are checked by `index_select`, with no host sync)."""
+    if not isinstance(index, Tensor):
+        rows = index.tolist() if isinstance(index, np.ndarray) else index
+        if not isinstance(rows, (list, tuple)) or any(
+            isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in rows
+        ):
+            raise TypeError(
+                f"select_rows: index must be a 1-D integer tensor or a list of row numbers, got {index!r}"
+            )
+        batch = state_batch_size(state)
+        bad = [int(i) for i in rows if not 0 <= i < batch]
+        if bad:
+            raise ValueError(f"select_rows: rows {bad} out of range for a state of batch size {batch}")
+        index = torch.tensor([int(i) for i in rows], dtype=torch.int64)
+    if index.dim() != 1 or index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
+        raise TypeError(
+            "select_rows: index must be a 1-D integer tensor of row numbers, got a tensor of shape "
+            f"{tuple(index.shape)} and dtype {index.dtype}"
+        )
+    index = index.long()
     return map_state(state, lambda t: t.index_select(0, index.to(t.device)))
 
 
@@ -126,20 +182,47 @@ def cat_rows(states: list[TitansState]) -> TitansState:
     split batch). They must be at the same position (a state's position is one int for all its rows)."""
     if not states:
         raise ValueError("cat_rows: no states to join")
+    bad = [type(s).__name__ for s in states if not isinstance(s, TitansState)]
+    if bad:
+        raise TypeError(f"cat_rows: expected TitansStates, got {', '.join(bad)}")
     positions = {s.position for s in states}
     if len(positions) != 1:
         raise ValueError(f"cat_rows: the states are at different positions {sorted(positions)}")
+    known = [(i, s.config) for i, s in enumerate(states) if s.config is not None]
+    for i, config in known[1:]:
+        diff = config_differences(known[0][1], config)
+        if diff:
+            first = known[0][0]
+            detail = ", ".join(
+                f"{k}: state {first} {known[0][1].get(k)!r} vs state {i} {config.get(k)!r}" for k in diff
+            )
+            raise ValueError(f"cat_rows: the states belong to models with other configs ({detail})")
     if len(states) == 1:
         return states[0]
     named = [state_tensors(s) for s in states]
     if any(n.keys() != named[0].keys() for n in named):
         raise ValueError("cat_rows: the states do not have the same structure (states of different models?)")
+    for name, t in named[0].items():
+        for i, n in enumerate(named[1:], 1):
+            u = n[name]
+            if u.shape[1:] != t.shape[1:] or u.dim() != t.dim() or u.dtype != t.dtype or u.device != t.device:
+                raise ValueError(
+                    f"cat_rows: tensor {name} is {_describe(t)} in state 0 but {_describe(u)} in state {i}: "
+                    "only the batch (dim 0) may differ"
+                )
     by_id = {id(t): name for name, t in named[0].items()}
 
     def join(t: Tensor) -> Tensor:
         return t if t.dim() == 0 else torch.cat([n[by_id[id(t)]] for n in named])
 
-    return map_state(states[0], join)
+    joined = map_state(states[0], join)
+    if joined.config is None and known:  # labelled with the config the states were checked against
+        joined.config = known[0][1]
+    return joined
+
+
+def _describe(t: Tensor) -> str:
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}"
 
 
 # ------------------------------------------------------------------------------------------ encoding
@@ -400,6 +483,8 @@ __all__ = [
     "StateFileError",
     "TitansState",
     "cat_rows",
+    "STATE_NEUTRAL_FIELDS",
+    "config_differences",
     "expand_state",
     "load_state",
     "map_state",

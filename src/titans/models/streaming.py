@@ -3,8 +3,9 @@
     logits, state = prefill(model, tokens, state=None, piece_len=None)
     out = generate(model, prompt, max_new_tokens=50, temperature=0.8, top_k=50)    # (B, T + n)
 
-Prefill: `tokens` is a (B, T) tensor or an iterable of pieces (a streaming reader: tensors (B, t) or (t,),
-lists or numpy arrays of ids), so the whole prompt never needs to be in memory. Pieces are re-cut to
+Prefill: `tokens` is a (B, T) tensor or numpy array, or an iterable of pieces (a streaming reader:
+tensors (B, t) or (t,), lists or numpy arrays of ids; a list is always pieces of one stream, its rows read
+one after the other), so the whole prompt never needs to be in memory. Pieces are re-cut to
 `piece_len` tokens and fed through the model under `torch.no_grad()`, threading the state. Memory stays
 bounded by the state plus one piece (the state of the memory and sliding-window variants does not grow
 with context; the full-attention baseline's KV cache does). Streaming equals one parallel pass, so the
@@ -51,12 +52,14 @@ def default_piece_len(model: TitansLM, batch_size: int = 1) -> int:
     return max(unit, target // unit * unit)
 
 
-def _as_piece(item, batch_size: int | None, index: int) -> Tensor:
-    """One piece from a reader as a (B, t) int64 tensor; a 1-D piece is batch 1."""
+def _as_piece(item, batch_size: int | None, index: int, own: bool = False) -> Tensor:
+    """One piece from a reader as a (B, t) int64 tensor; a 1-D piece is batch 1. own: never share memory
+    with `item` (a reader may refill its array or tensor for the next piece)."""
     if isinstance(item, Tensor):
         t = item
     elif isinstance(item, np.ndarray):
-        t = torch.from_numpy(np.ascontiguousarray(item))
+        # a copy of a read-only array (np.frombuffer): torch warns on sharing memory it may not write
+        t = torch.from_numpy(np.ascontiguousarray(item) if item.flags.writeable else np.array(item))
     elif isinstance(item, (list, tuple)):
         # no dtype: int64 would truncate floats and turn bools into 0 / 1 (the check below refuses them)
         try:
@@ -74,15 +77,36 @@ def _as_piece(item, batch_size: int | None, index: int) -> Tensor:
         raise TypeError(f"prefill: piece {index} must hold integer token ids, got dtype {t.dtype}")
     if batch_size is not None and t.shape[0] != batch_size:
         raise ValueError(f"prefill: piece {index} has batch {t.shape[0]}, earlier pieces had {batch_size}")
-    return t.long()
+    out = t.long()
+    if own and out is t and not isinstance(item, (list, tuple)):  # int64: t.long() is t, item's memory
+        out = out.clone()
+    return out
 
 
-def iter_pieces(tokens: Tensor | Iterable, piece_len: int) -> Iterator[Tensor]:
-    """Re-cut a (B, T) tensor or an iterable of pieces into (B, <= piece_len) int64 pieces, in order.
+def _whole(tokens) -> bool:
+    """Whether `tokens` is the whole input (a tensor or numpy array: (B, T), or (T,) for batch 1) rather than
+    an iterable of pieces (a reader, a list of pieces)."""
+    return isinstance(tokens, (Tensor, np.ndarray))
 
-    Small pieces from a reader are buffered (one model call per `piece_len` tokens); empty pieces skipped.
+
+def _whole_shape(tokens) -> tuple[int, int] | None:
+    """(B, T) of a whole input (`_whole`) of 1 or 2 dims, else None."""
+    if _whole(tokens) and tokens.ndim in (1, 2):
+        return (1, tokens.shape[0]) if tokens.ndim == 1 else (tokens.shape[0], tokens.shape[1])
+    return None
+
+
+def iter_pieces(tokens: Tensor | np.ndarray | Iterable, piece_len: int) -> Iterator[Tensor]:
+    """Re-cut the input into (B, <= piece_len) int64 pieces, in order.
+
+    tokens: the whole input, a tensor or numpy array (B, T) (or (T,): batch 1); or an iterable of pieces
+    (a reader; a list of pieces), each a tensor, numpy array or list of ids, (B, t) or (t,). A list is
+    always pieces: a list of rows [[...], [...]] is one sequence, the rows read one after the other (pass
+    a tensor or array for a batch of rows). Small pieces from a reader are buffered (one model call per
+    `piece_len` tokens) in copies of their own, so a reader may refill one array or tensor for every piece;
+    empty pieces are skipped. A piece yielded from a reader's item shares no memory with it.
     """
-    if isinstance(tokens, Tensor):
+    if _whole(tokens):
         tokens = _as_piece(tokens, None, 0)
         for start in range(0, tokens.shape[1], piece_len):
             yield tokens[:, start : start + piece_len]
@@ -93,7 +117,7 @@ def iter_pieces(tokens: Tensor | Iterable, piece_len: int) -> Iterator[Tensor]:
     buffered = 0
     batch_size = None
     for i, item in enumerate(tokens):
-        piece = _as_piece(item, batch_size, i)
+        piece = _as_piece(item, batch_size, i, own=True)
         batch_size = piece.shape[0]
         if piece.shape[1] == 0:
             continue
@@ -122,18 +146,19 @@ def prefill(
 ) -> tuple[Tensor | None, TitansState | None]:
     """Feed `tokens` through `model` piece by piece, threading `state`.
 
-    tokens: (B, T) int tensor, or an iterable of pieces (see `iter_pieces`).
+    tokens: (B, T) integer tensor or numpy array ((T,): batch 1), or an iterable of pieces (a list is
+        always pieces, its rows one sequence: see `iter_pieces`).
     piece_len: tokens per model call (default `default_piece_len`); any value gives the same result.
     progress: show a tqdm bar (tokens); `total` sets its length for a reader of known size.
     Returns (logits of the last token (B, vocab), state after all tokens). With no tokens at all:
     (None, state) — the state unchanged.
     """
+    shape = _whole_shape(tokens)
     if piece_len is None:
-        batch = tokens.shape[0] if isinstance(tokens, Tensor) and tokens.dim() == 2 else 1
-        piece_len = default_piece_len(model, batch)
+        piece_len = default_piece_len(model, shape[0] if shape else 1)
     check_int("prefill: piece_len", piece_len)
-    if isinstance(tokens, Tensor) and total is None and tokens.dim() == 2:
-        total = tokens.shape[1]
+    if shape is not None and total is None:
+        total = shape[1]
     device = next(model.parameters()).device
     last = None
     bar = None
@@ -327,7 +352,7 @@ def _sample_loop(
             if decoder is None:
                 logits, state = decode_step(model, token[:, None], state)
             else:
-                logits = decoder.step(token[:, None])
+                logits = decoder.step(token[:, None], check_ids=False)  # drawn from the vocab's logits
         if done:
             break
     if not finite:

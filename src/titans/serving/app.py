@@ -11,7 +11,13 @@ model work runs on `workers` threads, or `workers` processes: `titans.serving.wo
 of the engine; the limits and turns stay here). Each change reads the record, applies the operation and
 writes it back with compare-and-set on the record's version; if another server sharing the store wrote
 in between, the change starts again from the newer record (up to `conflict_retries` times, then 409). So
-an acknowledged change is applied exactly once and is in the store.
+an acknowledged change is applied exactly once and is in the store. A session idle past the key's
+--session-ttl is deleted by the store's own check of its last change (`SessionStore.expire`), so a
+change written since another request found it idle keeps it.
+
+Shutdown (`SessionService.stop`, which `titans serve` calls when the server begins to stop): the
+requests still waiting for a worker get 503 with Retry-After, nothing of them applied; the running ones
+finish, and one still running when the graceful-shutdown time (--shutdown-timeout) ends gets 503 too.
 
 Errors: every refused request gets a 4xx (or 503) whose body is `ErrorBody`, ``{"detail": ...}`` naming
 the problem, and every status a route can answer is declared in the OpenAPI schema with that body: 401
@@ -19,9 +25,9 @@ no, unknown or non-ASCII key, 404 unknown session or one of another key, 409 a s
 be read (damaged bytes, or a state of another model) or no such snapshot, 413 a body over the limit, 422 a
 malformed body (not UTF-8 JSON, fields missing, of the wrong type or out of range, text that is not
 valid Unicode, over the token limit, symbols the model cannot read), 408 a body that did not arrive in
-time, 429 a per-key limit (`titans.serving.limits`, with Retry-After), 503 the store unreachable or the
-model not warmed up yet. No answer holds a store URL, a file path or an exception's text; the log holds
-them with passwords redacted.
+time, 429 a per-key limit (`titans.serving.limits`, with Retry-After), 503 the store unreachable or too
+slow, the model not warmed up yet, or the server shutting down. No answer holds a store URL, a file path
+or an exception's text; the log holds them with passwords redacted.
 
 Readiness: `GET /v1/health` is liveness (ok while the process serves HTTP); `GET /v1/ready` is ok once
 the model has run a warm-up read and generation at start-up (its kernels built or loaded), and the
@@ -65,7 +71,16 @@ from titans.models.state import StateFileError
 from titans.runtime.sampling import SAMPLING
 from titans.serving.auth import ANONYMOUS, bearer_key, hash_key, key_problem
 from titans.serving.errors import STATUS_MEANINGS, ApiError, redact
-from titans.serving.limits import BodyTimeout, FairLimiter, KeyGate, Quotas, Sweeper, TooBusy, check_room
+from titans.serving.limits import (
+    BodyTimeout,
+    FairLimiter,
+    KeyGate,
+    Quotas,
+    ShuttingDown,
+    Sweeper,
+    TooBusy,
+    check_room,
+)
 from titans.serving.session import (
     Engine,
     generate_json,
@@ -261,6 +276,9 @@ class Snapshots(_Answer):
 
 
 # ------------------------------------------------------------------------------------------ errors
+_STOPPING = "the server is shutting down; this request was not started (nothing was changed): retry"
+
+
 def _not_found(sid: str) -> ApiError:
     return ApiError(404, f"no session {sid!r}")
 
@@ -334,8 +352,8 @@ async def _nothing() -> Message:
 
 class KeyFirst:
     """ASGI middleware: a request to the session routes without a valid key is answered 401 before its
-    body is read (the body limit and timeout inside read it whole first, up to --max-import-bytes for an
-    import: a client without a key could make the server hold that much).
+    body is read (a route reads its body whole, up to --max-import-bytes for an import: a client without
+    a key could make the server hold that much).
 
     A body of at most `keep_open_bytes` is then read and dropped by the HTTP server, and the connection
     serves the client's next request. A larger or chunked body, or one the client waits to send
@@ -404,7 +422,8 @@ class Utf8Body:
 # server holds --store-pool + WORKER_STORE_POOL x --workers at most)
 WORKER_STORE_POOL = 2
 ROOM_STRIPES = 64  # locks a server's keys share for their quota checks (a key's: by a hash of it)
-ROOM_WAIT_S = 60.0  # longer than any store write; past it the check goes on unserialised (see RoomLocks)
+ROOM_WAIT_S = 60.0  # longer than any store write; past it the request is refused (503, see RoomLocks)
+_ROOM_POLL_S = 0.25  # how often a wait for a quota lock looks whether its locks were replaced
 
 
 class RoomLocks:
@@ -414,20 +433,34 @@ class RoomLocks:
     check and together go past the limit. `locks`: threading locks, or multiprocessing ones shared by the
     worker processes (and the server's own, which runs the streamed generations); a key takes
     locks[crc32(key) % n] (the same in every process). Held only around the store's count and write, never
-    the model's work."""
+    the model's work.
+
+    A request that cannot take its lock within ROOM_WAIT_S (a store that stalls) is refused with a 503
+    and Retry-After, nothing changed: the check never runs unserialised. Worker processes get new locks
+    whenever their pool is rebuilt (`SessionService.use_processes`): a worker killed while it held one
+    takes it with it, and a wait in this process on such a lock moves to the new ones (`replaced_by`)."""
 
     def __init__(self, locks: list[Any]) -> None:
         self.locks = locks
+        self.replaced_by: RoomLocks | None = None
 
     @contextmanager
     def hold(self, owner: str) -> Iterator[None]:
         lock = self.locks[zlib.crc32(owner.encode()) % len(self.locks)]
-        # a worker process killed while it held the lock never gives it back: wait long, then go on (the
-        # limit may be passed, as between servers) rather than refuse the key's creates for good
-        if not lock.acquire(timeout=ROOM_WAIT_S):
-            log.warning("a key's quota lock was not free for %g s: checked without it", ROOM_WAIT_S)
-            yield
-            return
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while not lock.acquire(timeout=max(0.0, min(_ROOM_POLL_S, deadline - time.monotonic()))):
+            if self.replaced_by is not None:  # the pool was rebuilt: its holder may be a dead worker
+                with self.replaced_by.hold(owner):
+                    yield
+                return
+            if time.monotonic() >= deadline:
+                log.warning("a key's quota lock was not free for %g s: its request refused", ROOM_WAIT_S)
+                raise ApiError(
+                    503,
+                    "the session store is too slow to check this key's limits now; nothing was changed, "
+                    "retry later",
+                    {"Retry-After": "5"},
+                )
         try:
             yield
         finally:
@@ -455,23 +488,29 @@ class SessionService:
         self.sweeper = Sweeper(store, self.quotas.session_ttl_s)
         self.room = room or RoomLocks([threading.Lock() for _ in range(ROOM_STRIPES)])
         self.processes: ProcessPool | None = None  # `use_processes`: the named operations run there
+        self.stopping = False  # `stop`: the server is shutting down
+
+    def stop(self) -> None:
+        """The server began to stop (in the event loop's thread): the requests still waiting for a worker
+        or for their session, and any that come later, are answered 503 with Retry-After at once, nothing
+        of them applied; the running ones finish."""
+        self.stopping = True
+        self.fair.close()
 
     def use_processes(self, n: int, torch_threads: int) -> None:
         """Run the named operations (`call`) in `n` worker processes, each with a copy of the engine and its
         own connections to the store (opened from its URL); streamed generations stay in this process. The
         quota locks are shared by them all (`RoomLocks`)."""
-        locks = [multiprocessing.get_context("spawn").Lock() for _ in range(ROOM_STRIPES)]
-        self.room = RoomLocks(locks)
-        payload = _ChildSetup(
-            pickle.dumps(self.engine),
-            self.store.url,
-            self.limits,
-            self.quotas,
-            torch_threads,
-            log.getEffectiveLevel(),
-            locks,
-        )
-        self.processes = ProcessPool(n, _child_service, payload)
+        engine = pickle.dumps(self.engine)
+
+        def payload() -> _ChildSetup:  # for each set of processes: new quota locks (`RoomLocks`)
+            locks = [multiprocessing.get_context("spawn").Lock() for _ in range(ROOM_STRIPES)]
+            room, self.room = self.room, RoomLocks(locks)
+            room.replaced_by = self.room
+            setup = (self.store.url, self.limits, self.quotas, torch_threads, log.getEffectiveLevel())
+            return _ChildSetup(engine, *setup, locks)
+
+        self.processes = ProcessPool(n, _child_service, None, renew=payload)
 
     async def run(self, fn: Callable[[], T]) -> T:
         return await anyio.to_thread.run_sync(fn, limiter=self.limiter)
@@ -493,6 +532,18 @@ class SessionService:
     def _record(self, sid: str, owner: str) -> Record:
         if not _SESSION_ID.match(sid):
             raise _not_found(sid)
+        record = self._owned_record(sid, owner)
+        if self.sweeper.expired(record.updated):  # idle past --session-ttl: gone, even before a sweep
+            # deleted by the store's own check of each record's last change (`SessionStore.expire`), not
+            # by this copy's: a change written since it was read (a request that loaded the session
+            # before it expired) keeps the session, and is what this request then sees
+            self.sweeper.sweep()
+            record = self._owned_record(sid, owner)
+            if self.sweeper.expired(record.updated):  # the sweep failed (the store is down): still gone
+                raise _not_found(sid)
+        return record
+
+    def _owned_record(self, sid: str, owner: str) -> Record:
         # the owner first, alone: another key's session is as absent as a missing one, and answered as
         # fast (its state is never read)
         try:
@@ -510,9 +561,6 @@ class SessionService:
             raise _not_found(sid)
         if record.version < 0:  # the stores' mark of a version they could not read (a version "x")
             raise _damaged_record(sid, "its version is not an integer")
-        if self.sweeper.expired(record.updated):  # idle past --session-ttl: gone, even before a sweep
-            self.store.delete(sid, owner)
-            raise _not_found(sid)
         return record
 
     def _session(self, record: Record) -> MemorySession:
@@ -921,6 +969,7 @@ def create_app(
     )
     app.state.service = service
     app.state.readiness = readiness
+    app.state.stop = service.stop  # called when the server begins its shutdown (`titans serve` does)
     app.add_middleware(Utf8Body, skip=frozenset({"/v1/sessions/import"}))  # the body as the app reads it
     app.add_middleware(BodyTimeout, timeout_s=service.quotas.body_timeout_s)  # inside the body limit
     app.add_middleware(
@@ -965,17 +1014,35 @@ def create_app(
         return _json_error(500, "internal error: the server's log has the details")
 
     # ---- per-key limits (titans.serving.limits): every route's work runs through `gated`
-    async def gated(owner: str, job: Callable[[], T] | tuple, sid: str | None = None) -> T:
-        """`job` counted against the key's concurrent requests, serialised with the other requests to
-        session `sid` when given: a function run in a worker thread, or (name, *args), the service's
-        operation `name` (`SessionService.call`: in a worker process when it has them)."""
+    async def gated(
+        owner: str, job: Callable[[], T] | tuple, sid: str | None = None, counted: bool = False
+    ) -> T:
+        """`job` counted against the key's concurrent requests (`counted`: the caller holds its place
+        already), serialised with the other requests of this key to session `sid` when given: a function
+        run in a worker thread, or (name, *args), the service's operation `name` (`SessionService.call`: in
+        a worker process when it has them). The line of a session is the key's own: another key's request
+        naming the session never waits for it (nor delays it), and learns nothing of it but its 404."""
         service.sweeper.maybe_sweep()
-
-        async def execute() -> T:
-            return await (service.call(*job) if isinstance(job, tuple) else service.run(job))
-
-        async with service.gate.hold(owner), service.fair.slot(owner, sid=sid):
-            return await execute()
+        async with nullcontext() if counted else service.gate.hold(owner):
+            try:
+                async with service.fair.slot(owner, sid=None if sid is None else (owner, sid)):
+                    if isinstance(job, tuple):
+                        return await service.call(*job)
+                    return await service.run(job)
+            except ShuttingDown:
+                raise ApiError(503, _STOPPING, {"Retry-After": "1"}) from None
+            except asyncio.CancelledError:
+                if not service.stopping:
+                    raise
+                # the server's graceful-shutdown time ran out while this request ran: it may or may not
+                # have been applied (a job that started runs to its end)
+                log.warning("a request was still running when the server stopped: answered 503")
+                raise ApiError(
+                    503,
+                    "the server stopped while this request ran; it may or may not have been applied: check "
+                    "the session before sending it again",
+                    {"Retry-After": "1"},
+                ) from None
 
     async def locked(sid: str, owner: str, job: Callable[[], T] | tuple) -> T:
         return await gated(owner, job, sid)
@@ -1235,8 +1302,11 @@ def add_session_routes(
         },
     )
     async def import_session(request: Request, owner: str = owner_dep) -> Imported:
-        data = await request.body()
-        return Imported(**await gated(owner, ("import_", owner, data)))
+        # the key's place taken before the body is read: a key at --max-concurrent-per-key gets its 429
+        # with its body unread (it would hold up to --max-import-bytes of memory per request otherwise)
+        async with service.gate.hold(owner):
+            data = await request.body()
+            return Imported(**await gated(owner, ("import_", owner, data), counted=True))
 
     async def generate_stream(sid: str, body: GenerateBody, owner: str = owner_dep) -> StreamingResponse:
         loop = asyncio.get_running_loop()

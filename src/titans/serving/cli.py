@@ -61,7 +61,7 @@ def check_limit_args(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--{name.replace('_', '-')} must be >= 0 (0: no limit), got {getattr(args, name)}"
             )
-    for name in ("session_ttl", "body_timeout", "keep_alive_timeout", "header_timeout"):
+    for name in ("session_ttl", "body_timeout", "keep_alive_timeout", "header_timeout", "shutdown_timeout"):
         if not 0 <= getattr(args, name) < math.inf:
             raise ValueError(
                 f"--{name.replace('_', '-')} must be a number of seconds >= 0, got {getattr(args, name)}"
@@ -168,19 +168,34 @@ def run_serve(args: argparse.Namespace) -> int:
         store.count(),
         args.api_keys or "none (no auth)",
     )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_keep_alive=args.keep_alive_timeout,
+        **({"http": d.head_timeout_protocol(args.header_timeout)} if args.header_timeout else {}),
+    )
+    server = stopping_server(config, app.state.stop)
     try:
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=10,
-            timeout_keep_alive=args.keep_alive_timeout,
-            **({"http": d.head_timeout_protocol(args.header_timeout)} if args.header_timeout else {}),
-        )
+        server.run()
     finally:
         store.close()
-    return 0
+    return 0 if server.started else 1  # not started: uvicorn logged why (the port taken, ...)
+
+
+def stopping_server(config, stop):
+    """A uvicorn server that calls `stop()` when it begins to shut down (SIGINT, SIGTERM), before it
+    waits up to the config's timeout_graceful_shutdown for the requests in flight."""
+    import uvicorn
+
+    class StoppingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            stop()
+            await super().shutdown(sockets)
+
+    return StoppingServer(config)
 
 
 def add_limit_args(p: argparse.ArgumentParser) -> None:
@@ -233,6 +248,13 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=5.0,
         help="seconds an idle keep-alive connection stays open",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds the requests running at a SIGTERM or Ctrl-C have to finish; those still running "
+        "then, and those waiting for a worker at once, get 503 with Retry-After",
     )
     p.add_argument(
         "--store-pool",
@@ -321,4 +343,5 @@ __all__ = [
     "quotas_from",
     "register",
     "run_serve",
+    "stopping_server",
 ]

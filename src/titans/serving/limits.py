@@ -23,12 +23,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -70,6 +69,10 @@ class Quotas:
 
 
 UNLIMITED = Quotas(None, None, None, None, None)  # workers still shared fairly (half each)
+
+
+class ShuttingDown(Exception):
+    """A request that had not started when the server began to stop: a 503 with Retry-After."""
 
 
 class TooBusy(Exception):
@@ -153,12 +156,28 @@ class FairLimiter:
         self.per_key = min(total, per_key) if per_key is not None else total
         self.free = total
         self._used: dict[str, int] = {}
-        self._busy: set[str] = set()  # sessions with a request running
+        self._busy: set[Hashable] = set()  # sessions with a request running
         # per waiting key, longest-waiting key first: its requests (session, future), oldest first
-        self._waiting: OrderedDict[str, list[tuple[str | None, asyncio.Future]]] = OrderedDict()
+        self._waiting: OrderedDict[str, list[tuple[Hashable | None, asyncio.Future]]] = OrderedDict()
+        self.closed = False
+
+    def close(self) -> None:
+        """The server is stopping: every waiting request, and every later one, raises `ShuttingDown`
+        (the running ones finish)."""
+        self.closed = True
+        waiting, self._waiting = self._waiting, OrderedDict()
+        for queue in waiting.values():
+            for _, future in queue:
+                if not future.done():
+                    future.set_exception(ShuttingDown())
 
     @asynccontextmanager
-    async def slot(self, key: str, sid: str | None = None) -> AsyncIterator[None]:
+    async def slot(self, key: str, sid: Hashable | None = None) -> AsyncIterator[None]:
+        """Run when a slot is free and session `sid` (any hashable: the caller decides what one session
+        is) runs nothing else. Raises `ShuttingDown` once `close` was called, for a request waiting then
+        or arriving after."""
+        if self.closed:
+            raise ShuttingDown()
         future = asyncio.get_running_loop().create_future()
         entry = (sid, future)
         self._waiting.setdefault(key, []).append(entry)
@@ -166,7 +185,7 @@ class FairLimiter:
         try:
             await future
         except BaseException:
-            if future.done() and not future.cancelled():
+            if future.done() and not future.cancelled() and future.exception() is None:
                 self._give(key, sid)  # granted as it was cancelled: hand it on
             else:
                 queue = self._waiting.get(key)
@@ -180,7 +199,7 @@ class FairLimiter:
         finally:
             self._give(key, sid)
 
-    def _give(self, key: str, sid: str | None) -> None:
+    def _give(self, key: str, sid: Hashable | None) -> None:
         self.free += 1
         left = self._used[key] - 1
         if left:
@@ -205,6 +224,8 @@ class FairLimiter:
             sid, future = queue.pop(i)
             if queue:
                 self._waiting[key] = queue  # back of the line
+            if future.done():  # cancelled while it waited (its request is gone): no slot to hand it
+                continue
             self.free -= 1
             self._used[key] = self._used.get(key, 0) + 1
             if sid is not None:
@@ -258,7 +279,8 @@ class Sweeper:
 class BodyTimeout:
     """ASGI middleware: a request whose body has not fully arrived `timeout_s` seconds after the request
     started gets 408 and its connection closed (a slow or stalled client holds no worker and no
-    connection slot for longer). The body is read here, then handed on as received."""
+    connection slot for longer). The body is not read here: the deadline applies to the app's own reads
+    of it, so a route may refuse a request (a key over its limits) before its body is read at all."""
 
     def __init__(self, app: ASGIApp, timeout_s: float | None) -> None:
         self.app, self.timeout_s = app, timeout_s
@@ -268,36 +290,28 @@ class BodyTimeout:
             await self.app(scope, receive, send)
             return
         import anyio  # the serve extra, there whenever an app is
+        from starlette.exceptions import HTTPException
 
-        messages: list[Message] = []
-        with anyio.move_on_after(self.timeout_s) as scope_timer:
-            while True:
-                try:
-                    message = await receive()
-                except Exception as e:  # the body limit refused it while it was read
-                    status = getattr(e, "status_code", None)
-                    if status is None:
-                        raise
-                    await _json(send, status, {"detail": getattr(e, "detail", str(e))})
-                    return
-                messages.append(message)
+        deadline = anyio.current_time() + self.timeout_s
+        arrived = False  # the whole body: later receives wait for the client to go (not timed)
+
+        async def timed() -> Message:
+            nonlocal arrived
+            if arrived:
+                return await receive()
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                message = await receive()
                 if message["type"] != "http.request" or not message.get("more_body", False):
-                    break
-        if scope_timer.cancelled_caught:
-            await _json(
-                send,
+                    arrived = True
+                return message
+            # FastAPI re-raises an HTTPException met while reading the body; its handler answers it
+            raise HTTPException(
                 408,
-                {"detail": f"the request body did not arrive within {self.timeout_s:g} s (--body-timeout)"},
-                close=True,
+                f"the request body did not arrive within {self.timeout_s:g} s (--body-timeout)",
+                headers={"Connection": "close"},
             )
-            return
-        replay = iter(messages)
 
-        async def replayed() -> Message:
-            message = next(replay, None)
-            return message if message is not None else await receive()
-
-        await self.app(scope, replayed, send)
+        await self.app(scope, timed, send)
 
 
 def head_timeout_protocol(timeout_s: float) -> type:
@@ -348,15 +362,6 @@ def head_timeout_protocol(timeout_s: float) -> type:
     return HeadTimeoutProtocol
 
 
-async def _json(send: Send, status: int, body: dict, close: bool = False) -> None:
-    payload = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    if close:
-        headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
-
-
 __all__ = [
     "DEFAULT_BODY_TIMEOUT_S",
     "DEFAULT_HEADER_TIMEOUT_S",
@@ -369,6 +374,7 @@ __all__ = [
     "FairLimiter",
     "KeyGate",
     "Quotas",
+    "ShuttingDown",
     "Sweeper",
     "TooBusy",
     "check_room",

@@ -11,10 +11,10 @@ on 1).
 The caller decides what runs when (locks, fairness): `call` only hands a job to a free process, so at
 most `n` jobs should be in flight. Arguments, results and exceptions cross as pickles; an exception
 raised by the job is raised by `call`. A process that dies (killed, out of memory) fails the jobs it
-held with `WorkerDied`, and the pool is rebuilt for the next job (not once `close` was called). The
-processes ignore SIGINT and SIGTERM (a signal to the whole process group stops the server, which then
-finishes its jobs and closes the pool) and end with this one, even when it is killed with SIGKILL (Linux:
-the parent-death signal).
+held with `WorkerDied`, and the pool is rebuilt for the next job (not once `close` was called; `renew`
+gives the new processes a new payload). The processes ignore SIGINT and SIGTERM (a signal to the whole
+process group stops the server, which then finishes its jobs and closes the pool) and end with this one,
+even when it is killed with SIGKILL (Linux: the parent-death signal).
 """
 
 from __future__ import annotations
@@ -113,22 +113,33 @@ def _ready() -> int:
 
 class ProcessPool:
     """`n` worker processes (spawned: a fresh interpreter each), each running build(payload) once at start;
-    `build` and `payload` must pickle (a module-level function, plain data or picklable objects)."""
+    `build` and `payload` must pickle (a module-level function, plain data or picklable objects).
+    `renew`: called for each set of processes (the first, and each one that replaces a pool a process of
+    which died), its value their payload instead of `payload` (objects shared with them, such as locks,
+    made new: a process killed while it held a lock never gives it back)."""
 
-    def __init__(self, n: int, build: Callable[[Any], Any], payload: Any) -> None:
+    def __init__(
+        self,
+        n: int,
+        build: Callable[[Any], Any],
+        payload: Any,
+        *,
+        renew: Callable[[], Any] | None = None,
+    ) -> None:
         if n < 1:
             raise ValueError(f"ProcessPool: n must be >= 1, got {n}")
-        self.n, self._build, self._payload = n, build, payload
+        self.n, self._build, self._payload, self._renew = n, build, payload, renew
         self._lock = threading.Lock()
         self._closed = False
         self._executor = self._new()
 
     def _new(self) -> concurrent.futures.ProcessPoolExecutor:
+        payload = self._renew() if self._renew is not None else self._payload
         return concurrent.futures.ProcessPoolExecutor(
             self.n,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_init,
-            initargs=(self._build, self._payload),
+            initargs=(self._build, payload),
         )
 
     async def start(self) -> None:

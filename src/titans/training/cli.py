@@ -95,7 +95,7 @@ def _train_one(cfg: TrainConfig, resume: bool, overwrite: bool) -> tuple[bool, i
     if result.stopped_by is None:
         return is_main, 0
     if is_main:
-        if result.step >= result.total_steps or result.stopped_early:  # the signal came after the last step
+        if not result.stopped_early:  # every step ran: the signal came after the last one
             then = "training is done: the same command with --resume trains no more, it evaluates and samples"
         else:
             then = "run the same command with --resume to continue"

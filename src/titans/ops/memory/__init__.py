@@ -133,8 +133,14 @@ def neural_memory(
     surprise_threshold, max_norm, anchor: as `neural_memory_chunked`'s; max_norm and anchor with the
         "titans" rule only.
 
-    q, k, v may be of another dtype than the state (bf16 with a float32 state): every backend computes in
-    the state's dtype.
+    q, k, v may be of another dtype than the state (bf16 with a float32 state), the gates of any floating
+    dtype. The torch backend computes in the state's dtype (q, k, v cast to it), the chunk coefficients
+    in the widest of the gates' dtype, the state's and float32 on the Titans loop (`neural_memory_chunked`,
+    and the rules that fit it) and in the state's dtype on the other rules' loop
+    (`memory_rule_chunked_autograd`). The Triton kernels compute in float32 whatever the dtypes: with a
+    float64 state the results are float32-accurate; a float16 / bfloat16 state is read into float32 and
+    rounded back to its dtype once per call (the torch backend rounds it after every chunk). The reference
+    computes in its inputs' dtypes (run it in float64).
 
     Returns y (B, H, T, d), weights and momentum after the last complete chunk, surprise (B, H, T), y and
     surprise in the state's dtype.

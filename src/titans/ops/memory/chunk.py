@@ -642,7 +642,8 @@ def neural_memory_chunked(
             not written: the caller keeps its tokens pending until the chunk completes).
         surprise: (B, H, T) the norm of each token's inner gradient u_t.
     """
-    check_int("checkpoint_every", checkpoint_every, none_ok=True)
+    check_int("neural_memory_chunked: chunk_size", chunk_size)
+    check_int("neural_memory_chunked: checkpoint_every", checkpoint_every, none_ok=True)
     check_threshold("neural_memory_chunked: surprise_threshold", surprise_threshold)
     check_max_norm("neural_memory_chunked: max_norm", max_norm)
     if torch.is_autocast_enabled(q.device.type):
@@ -672,6 +673,9 @@ def neural_memory_chunked(
     b = chunk_size
     n_full = seq // b
     weights, momentum = tuple(weights), tuple(momentum)
+    # the memory runs in its state's dtype: q, k, v of another (bf16 with a float32 state, float32 with a
+    # float64 one) are cast, their gradients coming back in their own dtypes
+    q, k, v = (x.to(weights[0].dtype) for x in (q, k, v))
     if error is not None and error_aux is None:  # an error map without a per-token input: zeros
         error_aux = q.new_zeros(q.shape[:3])
     if not n_full:  # nothing to write: a read of the current weights

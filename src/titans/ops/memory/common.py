@@ -192,17 +192,30 @@ def chunk_coefficients(theta: Tensor, log_eta: Tensor, log_keep: Tensor) -> tupl
     return gamma, beta, seg_a_end[..., 0].exp(), c, seg_e[..., -1, 0].exp()
 
 
+def coefficient_dtype(dtype: torch.dtype, *gates: Tensor) -> torch.dtype:
+    """The dtype the chunk coefficients are computed in for a state of `dtype`: the widest of `dtype`, the
+    gates' dtypes and float32."""
+    out = torch.promote_types(dtype, torch.float32)
+    for g in gates:
+        out = torch.promote_types(out, g.dtype)
+    return out
+
+
 def chunk_mix(
     theta: Tensor, log_eta: Tensor, log_keep: Tensor, chunk_size: int, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The chunk steps' coefficients for the complete chunks of gates (B, H, T): gamma, beta (N, m, b)
     and mix (N, m, 2, 2) = [[A_b, c], [0, E_b]] per chunk (X' = mix @ [W; S] + U), N = B * H, m = T // b,
-    in `dtype`."""
+    in `dtype`.
+
+    Computed in the widest of the gates' dtype, `dtype` and float32 (`coefficient_dtype`): sums of log-gates
+    and their exps lose too much in float16 / bfloat16."""
     batch, heads, seq = theta.shape
     n_full, b = seq // chunk_size, chunk_size
     shape = (batch, heads, n_full, b)
+    work = coefficient_dtype(dtype, theta, log_eta, log_keep)
     gamma, beta, decay, carry, mom_decay = chunk_coefficients(
-        *(x[..., : n_full * b].reshape(shape) for x in (theta, log_eta, log_keep))
+        *(x[..., : n_full * b].to(work).reshape(shape) for x in (theta, log_eta, log_keep))
     )
     mix = torch.stack([decay, carry, torch.zeros_like(decay), mom_decay], -1)
     n_seq = batch * heads

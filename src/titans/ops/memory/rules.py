@@ -658,6 +658,7 @@ def memory_rule_chunked(
     (`fits_fast_path`: the biases with the Titans retention, window and optimiser) run on the fast path
     of `titans.ops.memory.chunk` with the bias's error map; the others on `memory_rule_chunked_autograd`.
     checkpoint_every: as `neural_memory_chunked`'s, on the fast path only."""
+    check_int("memory_rule_chunked: chunk_size", chunk_size)
     if not fits_fast_path(rule):
         return memory_rule_chunked_autograd(
             q,

@@ -1,5 +1,9 @@
 """The neural memory's chunk loop as a Triton kernel: `neural_memory_triton`, a drop-in for
-`titans.ops.memory.chunk.neural_memory_chunked` (same arguments, same returns).
+`titans.ops.memory.chunk.neural_memory_chunked` where it covers the call: the same positional arguments
+and the options chunk_size, activation, residual, surprise_clip and checkpoint_every (not error /
+error_aux, surprise_threshold, max_norm or anchor), the same returns (shapes, and y and the surprise in the
+state's dtype), the same values to float32 accuracy (the kernels compute in float32, with TF32 products
+on CUDA where torch's float32 matmuls may use them: `dot_precision`).
 
 Forward: ONE kernel launch per call (`triton_kernels.memory_chunks_fwd`): a program per sequence
 (batch x head) runs every chunk with the state on chip, the chunk's write coefficients computed from the
@@ -28,9 +32,12 @@ a custom op's implementation cannot).
 
 Covered (`covered()`): depth 1 and 2 (`DEPTHS`; a deeper memory is refused by name), silu / gelu / relu,
 residual or not, clipping on or off, per-token gates with momentum or forgetting switched off, any chunk
-size, trailing partial chunks, a state in and out, float32 / float16 / bfloat16 q, k, v with a float32 (or
-wider) state: the kernel computes in float32. Head dims and hidden width up to 256 (the state of one
-sequence lives in registers).
+size, trailing partial chunks, a state in and out, float32 / float16 / bfloat16 q, k, v and gates with a
+float32 (or wider) state: the kernel computes in float32, so a float64 state gets float32-accurate results.
+A float16 / bfloat16 state is taken too (a bf16 model's): read into float32, carried in float32 over the
+call's chunks and rounded to its dtype when stored (the final state, and the chunk-start states the
+backward recomputes from). Head dims and hidden width up to 256 (the state of one sequence lives in
+registers).
 
 Triton is imported only when a kernel first runs, so `TRITON_INTERPRET=1` (Triton's CPU interpreter, how
 the tests run the kernels without a GPU) can be set by then.
@@ -606,10 +613,11 @@ def neural_memory_triton(
     checkpoint_every: int | None = None,
 ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
     """`titans.ops.memory.chunk.neural_memory_chunked` with the chunk loop in a Triton kernel (see there for
-    the arguments and returns). q, k, v may be float16 / bfloat16 with a float32 state (the kernel computes
-    in float32; y and the surprise come out in the state's dtype)."""
-    check_int("chunk_size", chunk_size)
-    check_int("checkpoint_every", checkpoint_every, none_ok=True)
+    the arguments and returns; the module docstring for what it covers). q, k, v and the gates may be of
+    any floating dtype, the state float32 or wider (float16 / bfloat16 is taken, rounded once per call):
+    the kernel computes in float32; y and the surprise come out in the state's dtype."""
+    check_int("neural_memory_triton: chunk_size", chunk_size)
+    check_int("neural_memory_triton: checkpoint_every", checkpoint_every, none_ok=True)
     depth = len(weights)
     reason = covered(depth, q.shape[-1], weights[0].shape[-1], activation) or device_reason(q.device)
     if reason is not None:

@@ -40,7 +40,7 @@ def _act(x, ACT: tl.constexpr):
     elif ACT == 1:
         return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
     else:
-        return tl.maximum(x, 0.0)
+        return tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -54,7 +54,8 @@ def _act_grad(x, ACT: tl.constexpr):
             -0.5 * x * x
         )
     else:
-        return (x > 0.0).to(tl.float32)
+        # 1 where not x <= 0, NaN included, as torch's threshold_backward passes the gradient there
+        return tl.where(x <= 0.0, 0.0, 1.0)
 
 
 @triton.jit
@@ -208,14 +209,15 @@ def memory_chunks_fwd(
             e = tl.dot(d_out, tl.trans(w2), input_precision=PREC)
             d_hid = e * _act_grad(zk, ACT)
             sq = tl.sum(k * k, 1) * tl.sum(d_hid * d_hid, 1) + tl.sum(hk * hk, 1) * tl.sum(d_out * d_out, 1)
-        norm = tl.sqrt(tl.maximum(sq, 1e-30))
+        norm = tl.sqrt(tl.maximum(sq, 1e-30, propagate_nan=tl.PropagateNan.ALL))
         tl.store(Y + pid * sn_out * D + rows[:, None] * D + rd[None, :], y, mask=mrd)
         tl.store(NORM + pid * sn_out + rows, norm, mask=mr)
 
         # the write (the identity for the trailing partial chunk)
         if CLIP:
             # float32 whatever type the launcher gave the scalar (inductor passes a Python float as fp64)
-            scale = tl.minimum(clip / tl.maximum(norm, 1e-12), 1.0).to(tl.float32)
+            nc = tl.maximum(norm, 1e-12, propagate_nan=tl.PropagateNan.ALL)
+            scale = tl.minimum(clip / nc, 1.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float32)
         else:
             scale = tl.full([BC], 1.0, tl.float32)
         # the coefficients from the chunk's gates (the identity write for the partial chunk)
@@ -409,11 +411,11 @@ def memory_chunks_bwd(
                 dh = tl.sum(d_hid * d_hid, 1)
                 do = tl.sum(d_out * d_out, 1)
                 sq = kk * dh + hh * do
-            norm = tl.sqrt(tl.maximum(sq, 1e-30))
+            norm = tl.sqrt(tl.maximum(sq, 1e-30, propagate_nan=tl.PropagateNan.ALL))
             if CLIP:
-                nc = tl.maximum(norm, 1e-12)
+                nc = tl.maximum(norm, 1e-12, propagate_nan=tl.PropagateNan.ALL)
                 ratio = (clip / nc).to(tl.float32)  # as in the forward: whatever the scalar's type
-                scale = tl.minimum(ratio, 1.0)
+                scale = tl.minimum(ratio, 1.0, propagate_nan=tl.PropagateNan.ALL)
             else:
                 scale = tl.full([RB], 1.0, tl.float32)
             c_w = -gam * scale
