@@ -300,3 +300,37 @@ def test_optimizer_state_forms_convert_both_ways():
 def test_fsdp_may_change_on_resume():
     assert TrainConfig(fsdp=True).resume_mismatches(TrainConfig().to_dict()) == []
     assert TrainConfig().resume_mismatches(TrainConfig(fsdp=True).to_dict()) == []
+
+
+FULL_DISK_SCRIPT = """
+import errno, sys
+import titans.runtime.checkpoint as C
+
+def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+C.save_safetensors = full  # the main rank's checkpoint write fails as on a full disk
+from titans.cli import main
+
+raise SystemExit(main(["train", "--no-progress", "--config", sys.argv[1]]))
+"""
+
+
+def test_a_checkpoint_that_rank_0_cannot_write_stops_every_rank_with_the_error(tmp_path):
+    """Under torchrun, rank 0's checkpoint write fails (a full disk): every rank stops with a one-line
+    error (rank 0's names the disk and --resume), none waits in a barrier for it and dies of the lost
+    connection with a traceback."""
+    config(tmp_path / "run", tmp_path / "cache", steps=3, ckpt_every=2).save(tmp_path / "full.json")
+    script = tmp_path / "full_disk.py"
+    script.write_text(FULL_DISK_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = subprocess.run(
+        cmd + [str(script), str(tmp_path / "full.json")], capture_output=True, text=True, env=env, timeout=240
+    )
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "titans train: error:" in line]
+    assert len(errors) == 2, proc.stderr[-4000:]
+    assert any("free some space" in e and "--resume" in e for e in errors), errors
+    assert any("rank 1: the main rank could not write the checkpoint of step 2" in e for e in errors), errors
+    assert "gloo" not in proc.stderr.lower() and "Connection closed" not in proc.stderr, proc.stderr[-4000:]

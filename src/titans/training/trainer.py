@@ -388,7 +388,7 @@ class Trainer:
             )
         model_state, optim_state = self._state_dicts()
         carried = self._global_carried()
-        path = None
+        path, failed = None, None
         if self.info.is_main:
             trainer_state = {
                 "step": self.step,
@@ -413,14 +413,22 @@ class Trainer:
                     config=config,
                     keep_last=self.config.keep_last,
                 )
+                self.last_checkpoint = path
             except CheckpointWriteError as e:
-                fix = "free some space" if e.errno == errno.ENOSPC else "mend that"
+                failed = e
+        # every rank learns whether the write failed (the collective is also the wait for rank 0's write),
+        # so all stop with the error; one waiting alone in a barrier died of the lost connection instead
+        if D.any_rank(failed is not None, self.info):
+            if failed is None:
                 raise CheckpointWriteError(
-                    f"{e}; {self._last_good()}: {fix}, then run the same command with --resume",
-                    errno=e.errno,
-                ) from e
-            self.last_checkpoint = path
-        D.barrier(self.info)
+                    f"rank {self.info.rank}: the main rank could not write the checkpoint of step "
+                    f"{self.step} (its error says why)"
+                )
+            fix = "free some space" if failed.errno == errno.ENOSPC else "mend that"
+            raise CheckpointWriteError(
+                f"{failed}; {self._last_good()}: {fix}, then run the same command with --resume",
+                errno=failed.errno,
+            ) from failed
         return path
 
     def _global_carried(self) -> list[bytes | None] | None:
