@@ -388,6 +388,31 @@ def test_a_real_full_disk(small_disk):
     assert sorted(os.listdir(small_disk)) == ["checkpoints", "state.safetensors"]
 
 
+def test_tensorboard_on_a_full_disk_is_one_error_naming_its_folder(small_disk, capfd):
+    """TensorBoard's writer thread fails on a full disk: no thread traceback on stderr, and the next log
+    raises one OSError (ENOSPC) naming the TensorBoard folder, as the JSONL's own error names its file."""
+    pytest.importorskip("tensorboard")
+    from titans.training.metrics import MetricsLogger
+
+    metrics = MetricsLogger(small_disk / "run", tensorboard=True)
+    room = os.statvfs(small_disk)
+    (small_disk / "filler").write_bytes(b"\0" * (room.f_bavail * room.f_frsize - 24 * 1024))
+    metrics._file.close()
+    metrics._file = open(os.devnull, "w")  # noqa: SIM115 (the JSONL elsewhere: only TensorBoard meets the full disk)
+    deadline = time.monotonic() + 60
+    tb = str(small_disk / "run" / "tb")
+    with pytest.raises(OSError) as caught:
+        for step in range(1_000_000):
+            metrics.log("train", step, **{f"value_{i}": float(i) for i in range(50)})
+            metrics._tb.flush()
+            assert time.monotonic() < deadline, "TensorBoard never hit the full disk"
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == tb
+    with pytest.raises(OSError) as caught:
+        metrics.close()
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == tb
+    assert "Traceback" not in capfd.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------- data
 def test_data_too_short_to_hold_out_names_the_setting(tmp_path, cache_dir):
     text = tmp_path / "short.txt"

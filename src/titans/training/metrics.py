@@ -9,9 +9,12 @@ then; skipped with a note when missing): the losses, held-out bits per byte and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,25 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 TENSORBOARD_DIR = "tb"
+_hooked = False
+
+
+def _quiet_tensorboard_write_errors() -> None:
+    """TensorBoard writes its events from a thread of its own: an OSError there (a full disk) was printed
+    as the thread's traceback, then raised again, without a file name, by the next write. Threading's hook
+    lets that one thread's OSError pass quietly; ``MetricsLogger`` raises it once, naming the folder."""
+    global _hooked
+    if _hooked:
+        return
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    threading.excepthook = hook
+    _hooked = True
 
 
 class MetricsLogger:
@@ -48,32 +70,45 @@ class MetricsLogger:
                 )
             else:
                 purge = resume_step + 1 if resume_step > 0 else None
-                self._tb = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR), purge_step=purge)
+                self._tb_dir = Path(run_dir) / TENSORBOARD_DIR
+                _quiet_tensorboard_write_errors()
+                with self._naming(self._tb_dir):
+                    self._tb = SummaryWriter(log_dir=str(self._tb_dir), purge_step=purge)
 
     def log(self, split: str, step: int, **values: float) -> None:
         if not self.enabled:
             return
         row: dict[str, Any] = {"split": split, "step": int(step)}
         row.update({k: _plain(v) for k, v in values.items()})
-        try:
+        with self._naming(self.path):
             self._file.write(json.dumps(row) + "\n")
             self._file.flush()
-        except OSError as e:  # a full disk: name the file (a write error on an open file names none)
-            if e.filename is not None or e.errno is None:
-                raise
-            raise OSError(e.errno, e.strerror, str(self.path)) from e
         if self._tb is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(f"{split}/{k}", v, step)
+            with self._naming(self._tb_dir):
+                for k, v in values.items():
+                    if isinstance(v, (int, float)) and math.isfinite(v):
+                        self._tb.add_scalar(f"{split}/{k}", v, step)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
         if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+            tb, self._tb = self._tb, None
+            with self._naming(self._tb_dir):
+                tb.close()
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _naming(path: Path) -> Iterator[None]:
+        """An OSError without a file name (a full disk: a write to an open file, or TensorBoard's writer
+        thread) raised again naming ``path``."""
+        try:
+            yield
+        except OSError as e:
+            if e.filename is not None or e.errno is None:
+                raise
+            raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def _plain(v: Any) -> Any:
