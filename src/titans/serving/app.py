@@ -277,6 +277,12 @@ class Snapshots(_Answer):
 
 # ------------------------------------------------------------------------------------------ errors
 _STOPPING = "the server is shutting down; this request was not started (nothing was changed): retry"
+STREAM_CUT = "stopped"  # the event that ends a streamed generation when the server's shutdown time is up
+STREAM_CUT_MARGIN_S = 0.25  # how long before that time it is sent
+_STREAM_CUT_DETAIL = (
+    "the server stopped while this generation ran; it may or may not have been stored: check the session "
+    "before sending it again"
+)
 
 
 def _not_found(sid: str) -> ApiError:
@@ -489,13 +495,23 @@ class SessionService:
         self.room = room or RoomLocks([threading.Lock() for _ in range(ROOM_STRIPES)])
         self.processes: ProcessPool | None = None  # `use_processes`: the named operations run there
         self.stopping = False  # `stop`: the server is shutting down
+        self.streams: set[asyncio.Queue] = set()  # the event queues of the streamed generations being sent
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
         """The server began to stop (in the event loop's thread): the requests still waiting for a worker
         or for their session, and any that come later, are answered 503 with Retry-After at once, nothing
-        of them applied; the running ones finish."""
+        of them applied; the running ones finish. `grace_s`: the server's graceful-shutdown time, after
+        which it cancels what still runs; a streamed generation still being sent just before then ends
+        with an `error` event (503) instead of being cut off."""
         self.stopping = True
         self.fair.close()
+        if grace_s is not None:
+
+            def cut() -> None:
+                for events in list(self.streams):
+                    events.put_nowait((STREAM_CUT, None))
+
+            asyncio.get_running_loop().call_later(max(0.0, grace_s - STREAM_CUT_MARGIN_S), cut)
 
     def use_processes(self, n: int, torch_threads: int) -> None:
         """Run the named operations (`call`) in `n` worker processes, each with a copy of the engine and its
@@ -969,7 +985,7 @@ def create_app(
     )
     app.state.service = service
     app.state.readiness = readiness
-    app.state.stop = service.stop  # called when the server begins its shutdown (`titans serve` does)
+    app.state.stop = service.stop  # stop(grace_s): the server begins its shutdown (`titans serve` calls it)
     app.add_middleware(Utf8Body, skip=frozenset({"/v1/sessions/import"}))  # the body as the app reads it
     app.add_middleware(BodyTimeout, timeout_s=service.quotas.body_timeout_s)  # inside the body limit
     app.add_middleware(
@@ -1347,11 +1363,16 @@ def add_session_routes(
         task = asyncio.ensure_future(run())
         streams.add(task)
         task.add_done_callback(streams.discard)
+        service.streams.add(events)  # until its last event is sent (`_sse`)
         kind, first = await events.get()
+        if kind != "token":
+            service.streams.discard(events)
         if kind == "error":
             raise first  # before any token: the answer is the error's own status
+        if kind == STREAM_CUT:
+            raise ApiError(503, _STREAM_CUT_DETAIL, {"Retry-After": "1"})
         return StreamingResponse(
-            _sse(engine, body.stop_at_eos, (kind, first), events),
+            _sse(engine, body.stop_at_eos, (kind, first), events, service.streams),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
@@ -1374,55 +1395,68 @@ def add_session_routes(
     )(generate_stream)
 
 
-async def _sse(engine: Engine, stop_at_eos: bool, first: tuple[str, Any], events: asyncio.Queue):
+async def _sse(
+    engine: Engine,
+    stop_at_eos: bool,
+    first: tuple[str, Any],
+    events: asyncio.Queue,
+    streams: set[asyncio.Queue] | None = None,
+):
     """Server-sent events: ``token`` ({"id", "text"}: the text it adds), then ``done`` (the generate
     route's answer, once the session is stored) or ``error`` ({"status", "detail"}). The token texts add
     up to done's text: a token that adds no text yet (a character still incomplete, or the end-of-text
     token) is sent when the next one comes, and the last such one carries the rest of the answer (the
-    text ended mid-character)."""
+    text ended mid-character). `events` is taken out of `streams` once the last event is sent."""
     ids: list[int] = []
     text = ""
     held: int | None = None  # the last token, sent with "" or with the answer's rest
     eos = engine.tokenizer.eos_id if stop_at_eos else None
     item = first
-    while True:
-        kind, value = item
-        if kind == "token":
-            ids.append(value)
-            piece = ""
-            if value != eos:
-                decoded = engine.tokenizer.decode([t for t in ids if t != eos])
-                if not decoded.endswith("\ufffd"):  # a character still incomplete waits for its bytes
-                    piece, text = decoded[len(text) :], decoded
-            if held is not None:
-                yield _event("token", {"id": held, "text": ""})
-                held = None
-            if piece:
-                yield _event("token", {"id": value, "text": piece})
+    try:
+        while True:
+            kind, value = item
+            if kind == "token":
+                ids.append(value)
+                piece = ""
+                if value != eos:
+                    decoded = engine.tokenizer.decode([t for t in ids if t != eos])
+                    if not decoded.endswith("\ufffd"):  # a character still incomplete waits for its bytes
+                        piece, text = decoded[len(text) :], decoded
+                if held is not None:
+                    yield _event("token", {"id": held, "text": ""})
+                    held = None
+                if piece:
+                    yield _event("token", {"id": value, "text": piece})
+                else:
+                    held = value
+            elif kind == "done":
+                if held is not None:  # the answer's text past the last whole character (U+FFFD where cut)
+                    rest = value["text"][len(text) :] if value["text"].startswith(text) else ""
+                    yield _event("token", {"id": held, "text": rest})
+                yield _event("done", value)
+                return
             else:
-                held = value
-        elif kind == "done":
-            if held is not None:  # the answer's text past the last whole character (U+FFFD where cut)
-                rest = value["text"][len(text) :] if value["text"].startswith(text) else ""
-                yield _event("token", {"id": held, "text": rest})
-            yield _event("done", value)
-            return
-        else:
-            if held is not None:
-                yield _event("token", {"id": held, "text": ""})
-            if isinstance(value, ApiError):
-                status, detail = value.status, value.detail
-            elif isinstance(value, TooBusy):  # the key's stored bytes: the memory was not written
-                status, detail = 429, value.detail
-            elif isinstance(value, StoreError):
-                status, detail = 503, "the session store is unavailable; nothing was changed, retry later"
-                log.error("store error: %s", redact(str(value)))
-            else:
-                status, detail = 500, "internal error: the server's log has the details"
-                log.error("streamed generation failed: %s", redact(repr(value)))
-            yield _event("error", {"status": status, "detail": detail})
-            return
-        item = await events.get()
+                if held is not None:
+                    yield _event("token", {"id": held, "text": ""})
+                if kind == STREAM_CUT:  # the server's shutdown time is up
+                    status, detail = 503, _STREAM_CUT_DETAIL
+                    log.warning("a streamed generation was still running when the server stopped: ended 503")
+                elif isinstance(value, ApiError):
+                    status, detail = value.status, value.detail
+                elif isinstance(value, TooBusy):  # the key's stored bytes: the memory was not written
+                    status, detail = 429, value.detail
+                elif isinstance(value, StoreError):
+                    status, detail = 503, "the session store is unavailable; nothing was changed, retry later"
+                    log.error("store error: %s", redact(str(value)))
+                else:
+                    status, detail = 500, "internal error: the server's log has the details"
+                    log.error("streamed generation failed: %s", redact(repr(value)))
+                yield _event("error", {"status": status, "detail": detail})
+                return
+            item = await events.get()
+    finally:  # sent whole, or the client gone
+        if streams is not None:
+            streams.discard(events)
 
 
 def _event(kind: str, data: Any) -> bytes:

@@ -177,7 +177,7 @@ def run_serve(args: argparse.Namespace) -> int:
         timeout_keep_alive=args.keep_alive_timeout,
         **({"http": d.head_timeout_protocol(args.header_timeout)} if args.header_timeout else {}),
     )
-    server = stopping_server(config, app.state.stop)
+    server = stopping_server(config, lambda: app.state.stop(args.shutdown_timeout))
     try:
         server.run()
     finally:
