@@ -185,8 +185,6 @@ OPTIONS = [
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("options", OPTIONS, ids=range(len(OPTIONS)))
 def test_marked_residual_projections_are_those_of_the_name_rule(variant, options):
-    if not VARIANT_SPECS[variant].memory:  # memory_layers is refused where there is no memory
-        options = {k: v for k, v in options.items() if k != "memory_layers"}
     model = tiny_model(variant, seed=5, dtype=torch.float32, **options)
     marked = {name for name, m in model.named_modules() if is_residual_output(m)}
     by_name = {

@@ -48,7 +48,9 @@ class TitansConfig:
     window: sliding-window size (mag, mal, swa, and non-memory layers). chunk_size: memory chunk size.
     persistent_tokens: learned tokens prepended to every attention.
     memory_layers: indices of the blocks that carry a neural memory (None: all); the other blocks of a
-        memory variant use sliding-window attention (window `window`, or `segment_len` for mac).
+        memory variant use sliding-window attention (window `window`, or `segment_len` for mac). The
+        variants without a memory (transformer, swa) take it and build no memory, as they do with every
+        memory_* field, so one override fits every config of a comparison (`titans train --compare`).
 
     Every field is an `option`: its one-line help (`FIELD_HELP`, `titans train --list-fields`) and its
     bounds (checked on construction) live in the field's metadata. A field ``memory_<arg>`` is the
@@ -232,11 +234,6 @@ class TitansConfig:
             raise ValueError(
                 f"TitansConfig.mlp_mult={self.mlp_mult} gives an MLP of width 0 at dim={self.dim} (the "
                 "SwiGLU is mlp_mult * dim * 2/3 wide): mlp_mult * dim must be at least 1.5"
-            )
-        if self.memory_layers is not None and not self.spec.memory:
-            raise ValueError(
-                f"TitansConfig.memory_layers={self.memory_layers!r} is for the memory variants "
-                f"{MEMORY_VARIANTS}; variant {self.variant!r} has no memory (leave memory_layers null)"
             )
         if self.memory_layers is not None:
             layers = self.memory_layers
