@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+from functools import partial
 
 import torch
 
@@ -57,7 +58,7 @@ def run_path(model, path: str, logits, state, args, cycle: int) -> dict:
             return out[:, -1]
     else:
         decoder = StaticDecoder(model, state, mode={"static": "eager", "compiled": "compile"}.get(path, path))
-        step = decoder.step
+        step = partial(decoder.step, check_ids=False)  # ids it sampled itself, as `generate` steps
     sync = torch.cuda.synchronize if logits.is_cuda else None
     token = logits.argmax(-1, keepdim=True)
     warmup = math.ceil(args.warmup / cycle) * cycle  # every phase's step compiled before timing
