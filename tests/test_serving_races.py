@@ -157,6 +157,24 @@ def test_a_change_written_while_another_request_finds_the_session_idle_is_kept(e
         assert after.status_code == 200 and after.json()["reads"] == 1
 
 
+def test_a_request_that_finds_its_session_idle_expires_that_one_alone(engine, store, monkeypatch):
+    """A request on a session idle past --session-ttl gets 404 and deletes that session, by a conditional
+    delete of it alone: the other idle sessions wait for the sweep (a request does not run one, holding
+    the store's write lock over a scan of every session)."""
+    with serve(engine, store, session_ttl_s=1000.0) as server, httpx.Client(timeout=30) as http:
+        service = server.app.state.service
+        monkeypatch.setattr(service.sweeper, "maybe_sweep", lambda: None)  # no background sweep
+        first, second = new(http, server.url), new(http, server.url)
+        time.sleep(1.5)
+        service.sweeper.ttl_s = 1.0  # both idle past their lifetime now
+        r = http.get(f"{server.url}/v1/sessions/{first}/stats", headers=A)
+        assert r.status_code == 404 and r.json() == {"detail": f"no session {first!r}"}
+        assert store.get(first) is None and store.get(second) is not None
+        # not changed since: kept by a delete conditioned on a change after it
+        assert not store.delete(second, hash_key(KEY_A), changed_before=store.get(second).updated)
+        assert store.delete(second, hash_key(KEY_A), changed_before=time.time())
+
+
 # ------------------------------------------------------------------------------------------ isolation
 @pytest.mark.parametrize("store", ["sqlite"], indirect=True)
 def test_another_key_is_answered_at_once_on_a_busy_session(engine, store, monkeypatch):

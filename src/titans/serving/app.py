@@ -12,8 +12,9 @@ of the engine; the limits and turns stay here). Each change reads the record, ap
 writes it back with compare-and-set on the record's version; if another server sharing the store wrote
 in between, the change starts again from the newer record (up to `conflict_retries` times, then 409). So
 an acknowledged change is applied exactly once and is in the store. A session idle past the key's
---session-ttl is deleted by the store's own check of its last change (`SessionStore.expire`), so a
-change written since another request found it idle keeps it.
+--session-ttl is deleted by the store's own check of its last change (`SessionStore.expire`, and
+`delete(changed_before=...)` for the one a request finds idle), so a change written since another request
+found it idle keeps it.
 
 Shutdown (`SessionService.stop`, which `titans serve` calls when the server begins to stop): the
 requests still waiting for a worker get 503 with Retry-After, nothing of them applied; the running ones
@@ -550,10 +551,10 @@ class SessionService:
             raise _not_found(sid)
         record = self._owned_record(sid, owner)
         if self.sweeper.expired(record.updated):  # idle past --session-ttl: gone, even before a sweep
-            # deleted by the store's own check of each record's last change (`SessionStore.expire`), not
-            # by this copy's: a change written since it was read (a request that loaded the session
-            # before it expired) keeps the session, and is what this request then sees
-            self.sweeper.sweep()
+            # deleted by the store's own check of its last change (`Sweeper.expire_one`), not by this
+            # copy's: a change written since it was read (a request that loaded the session before it
+            # expired) keeps the session, and is what this request then sees
+            self.sweeper.expire_one(sid, owner)
             record = self._owned_record(sid, owner)
             if self.sweeper.expired(record.updated):  # the sweep failed (the store is down): still gone
                 raise _not_found(sid)
@@ -1358,12 +1359,14 @@ def add_session_routes(
                 events.put_nowait(("done", Changed(**await locked(sid, owner, work)).model_dump()))
             except Exception as e:  # noqa: BLE001 - handed to the response: an error status or event
                 events.put_nowait(("error", e))
+            finally:  # its last event is queued: nothing left to cut at shutdown (also if no one reads it)
+                service.streams.discard(events)
 
         # the whole generation and its write run on whether or not the client stays to the end
         task = asyncio.ensure_future(run())
         streams.add(task)
         task.add_done_callback(streams.discard)
-        service.streams.add(events)  # until its last event is sent (`_sse`)
+        service.streams.add(events)  # until its generation ends (`run`) or its last event is sent (`_sse`)
         kind, first = await events.get()
         if kind != "token":
             service.streams.discard(events)

@@ -271,6 +271,17 @@ class Sweeper:
             log.info("%d idle sessions expired", len(gone))
         return gone
 
+    def expire_one(self, sid: str, owner: str) -> None:
+        """Delete session `sid` if it is still idle past the TTL: the store checks its last change in the
+        same step as the delete, so a change written since it was found idle keeps it. A store that is down
+        leaves it (the next sweep tries again)."""
+        if self.ttl_s is None:
+            return
+        try:
+            self.store.delete(sid, owner, changed_before=time.time() - self.ttl_s)
+        except Exception as e:
+            log.warning("expiring an idle session failed: %s", type(e).__name__)
+
     def join(self, timeout: float | None = None) -> None:
         if self._thread is not None:
             self._thread.join(timeout)

@@ -17,6 +17,7 @@ from the newer record.
     record = store.get(sid)                              # Record | None; record.intact checks the sha256
     store.put(sid, parts, expected_version=record.version)  # -> new version, or VersionConflict
     store.delete(sid, owner)                             # -> whether it was there (and owned)
+    store.delete(sid, owner, changed_before=t)           # only if not changed since t (one idle session)
     store.usage(owner)                                   # (sessions, stored bytes) of one owner
     store.expire(before)                                 # delete the sessions last changed before a time
 
@@ -152,7 +153,7 @@ class SessionStore(Protocol):
     def owner(self, sid: str) -> str | None: ...
     def get(self, sid: str) -> Record | None: ...
     def put(self, sid: str, data: bytes | Sequence[bytes], *, expected_version: int) -> int: ...
-    def delete(self, sid: str, owner: str) -> bool: ...
+    def delete(self, sid: str, owner: str, changed_before: float | None = None) -> bool: ...
     def usage(self, owner: str) -> tuple[int, int]: ...
     def expire(self, before: float) -> list[str]: ...
     def count(self) -> int: ...
@@ -253,6 +254,8 @@ class SQLiteStore:
                     "data BLOB NOT NULL, UNIQUE (sid, digest))"
                 )
                 conn.execute("CREATE INDEX IF NOT EXISTS sessions_owner ON sessions (owner)")
+                # the sweep's search for idle sessions (`expire`), inside its write transaction
+                conn.execute("CREATE INDEX IF NOT EXISTS sessions_updated ON sessions (updated)")
         except (sqlite3.Error, OSError) as e:
             raise StoreError(f"cannot open the session store {self.url}: {e}") from e
 
@@ -374,9 +377,15 @@ class SQLiteStore:
             )
         return expected_version + 1
 
-    def delete(self, sid: str, owner: str) -> bool:
+    def delete(self, sid: str, owner: str, changed_before: float | None = None) -> bool:
         with self._transaction() as conn:
-            gone = conn.execute("DELETE FROM sessions WHERE id = ? AND owner = ?", (sid, owner)).rowcount
+            if changed_before is None:
+                gone = conn.execute("DELETE FROM sessions WHERE id = ? AND owner = ?", (sid, owner)).rowcount
+            else:
+                gone = conn.execute(
+                    "DELETE FROM sessions WHERE id = ? AND owner = ? AND updated < ?",
+                    (sid, owner, changed_before),
+                ).rowcount
             if gone:
                 conn.execute("DELETE FROM parts WHERE sid = ?", (sid,))
         return gone == 1
@@ -574,9 +583,10 @@ class RedisStore:
         self._remember(sid, result, parts.order)
         return result
 
-    def delete(self, sid: str, owner: str) -> bool:
+    def delete(self, sid: str, owner: str, changed_before: float | None = None) -> bool:
         keys = self._keys(sid, self.prefix + "owner:" + owner)
-        return bool(self._call(self._delete, keys=keys, args=[owner, sid]))
+        args = [owner, sid] if changed_before is None else [owner, sid, repr(changed_before)]
+        return bool(self._call(self._delete, keys=keys, args=args))
 
     def usage(self, owner: str) -> tuple[int, int]:
         sizes = self._call(self.client.hvals, self.prefix + "owner:" + owner)
