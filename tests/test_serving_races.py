@@ -238,6 +238,55 @@ def _workers(server: ProcessServer) -> list[psutil.Process]:
     return [p for p in children if "resource_tracker" not in " ".join(p.cmdline())]
 
 
+def test_a_quota_lock_the_server_holds_as_its_pool_is_rebuilt_is_handed_on():
+    """A pool rebuilt while a request of the server's own process (a streamed generation) holds a key's
+    quota lock: the new workers get that same lock, so they wait for it (new ones would let both check and
+    write at once), while a lock a killed worker took with it is replaced. A request that takes an old lock
+    just as it is replaced moves to the new set."""
+    n = 4
+    stripe = zlib.crc32(b"key") % n
+    other = next(f"k{i}" for i in range(100) if zlib.crc32(f"k{i}".encode()) % n != stripe)
+    old = app_module.RoomLocks([threading.Lock() for _ in range(n)])
+    entered, leave = threading.Event(), threading.Event()
+
+    def streamed():
+        with old.hold("key"):
+            entered.set()
+            leave.wait(20)
+
+    parent = threading.Thread(target=streamed)
+    parent.start()
+    assert entered.wait(20)
+    dead = zlib.crc32(other.encode()) % n
+    old.locks[dead].acquire()  # a worker killed while it held the lock
+    new = old.renewed([threading.Lock() for _ in range(n)])
+    assert old.replaced_by is new
+    assert new.locks[stripe] is old.locks[stripe]
+    assert all(new.locks[i] is not old.locks[i] for i in range(n) if i != stripe)
+    with new.hold(other):  # the dead worker's lock is not waited for
+        pass
+    free = next(f"f{i}" for i in range(100) if zlib.crc32(f"f{i}".encode()) % n not in (stripe, dead))
+    with old.hold(free):  # its old lock was free, but replaced: the request holds the new one
+        assert new.locks[zlib.crc32(free.encode()) % n].locked()
+        assert not old.locks[zlib.crc32(free.encode()) % n].locked()
+    inside = threading.Event()
+
+    def new_worker():
+        with new.hold("key"):
+            inside.set()
+
+    worker = threading.Thread(target=new_worker)
+    worker.start()
+    assert not inside.wait(0.5)  # waits for the server's own request
+    leave.set()
+    parent.join(20)
+    assert inside.wait(20)
+    worker.join(20)
+    # released everywhere: a third set takes fresh locks for every stripe
+    newer = new.renewed([threading.Lock() for _ in range(n)])
+    assert all(newer.locks[i] is not new.locks[i] for i in range(n))
+
+
 def test_a_worker_killed_while_it_holds_a_quota_lock_delays_no_later_request(checkpoint, keys, tmp_path):
     """A worker process killed while its request holds the key's quota lock (its write stalled on the
     store's lock): that request gets a 503, and the next changes of the key, and of another key whose

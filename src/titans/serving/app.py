@@ -444,16 +444,30 @@ class RoomLocks:
 
     A request that cannot take its lock within ROOM_WAIT_S (a store that stalls) is refused with a 503
     and Retry-After, nothing changed: the check never runs unserialised. Worker processes get new locks
-    whenever their pool is rebuilt (`SessionService.use_processes`): a worker killed while it held one
-    takes it with it, and a wait in this process on such a lock moves to the new ones (`replaced_by`)."""
+    whenever their pool is rebuilt (`SessionService.use_processes`, `renewed`): a worker killed while it
+    held one takes it with it, and a wait in this process on such a lock moves to the new ones
+    (`replaced_by`). A lock this process holds at that moment is handed on as it is, so the new workers
+    wait for it too."""
 
-    def __init__(self, locks: list[Any]) -> None:
+    def __init__(self, locks: list[Any], *, _held: tuple[threading.Lock, list[int]] | None = None) -> None:
         self.locks = locks
         self.replaced_by: RoomLocks | None = None
+        # per stripe, how many of this process's requests hold its lock; shared by the sets that replace
+        # this one (with the guard that orders it against `renewed`)
+        self._guard, self._held = _held or (threading.Lock(), [0] * len(locks))
+
+    def renewed(self, locks: list[Any]) -> RoomLocks:
+        """The set that replaces this one: `locks` (new ones), except that a stripe whose lock a request
+        of this process holds now keeps that lock. Waits on this set move there (`replaced_by`)."""
+        with self._guard:
+            kept = [old if held else new for old, new, held in zip(self.locks, locks, self._held)]
+            self.replaced_by = RoomLocks(kept, _held=(self._guard, self._held))
+        return self.replaced_by
 
     @contextmanager
     def hold(self, owner: str) -> Iterator[None]:
-        lock = self.locks[zlib.crc32(owner.encode()) % len(self.locks)]
+        stripe = zlib.crc32(owner.encode()) % len(self.locks)
+        lock = self.locks[stripe]
         deadline = time.monotonic() + ROOM_WAIT_S
         while not lock.acquire(timeout=max(0.0, min(_ROOM_POLL_S, deadline - time.monotonic()))):
             if self.replaced_by is not None:  # the pool was rebuilt: its holder may be a dead worker
@@ -468,9 +482,20 @@ class RoomLocks:
                     "retry later",
                     {"Retry-After": "5"},
                 )
+        with self._guard:
+            current = self.replaced_by is None
+            if current:
+                self._held[stripe] += 1
+        if not current:  # replaced as it was taken: the new workers may not wait for this lock
+            lock.release()
+            with self.replaced_by.hold(owner):
+                yield
+            return
         try:
             yield
         finally:
+            with self._guard:
+                self._held[stripe] -= 1
             lock.release()
 
 
@@ -522,8 +547,7 @@ class SessionService:
 
         def payload() -> _ChildSetup:  # for each set of processes: new quota locks (`RoomLocks`)
             locks = [multiprocessing.get_context("spawn").Lock() for _ in range(ROOM_STRIPES)]
-            room, self.room = self.room, RoomLocks(locks)
-            room.replaced_by = self.room
+            self.room = self.room.renewed(locks)
             setup = (self.store.url, self.limits, self.quotas, torch_threads, log.getEffectiveLevel())
             return _ChildSetup(engine, *setup, locks)
 
