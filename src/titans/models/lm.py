@@ -38,6 +38,9 @@ SUBNORMAL_WARNING_POSITION = 1 << 15
 _warned_subnormals = False
 
 
+_NO_AMINMAX = (torch.uint16, torch.uint32, torch.uint64)  # checked as int64 by `check_token_ids`
+
+
 def check_token_dtype(tokens: Tensor, caller: str = "TitansLM") -> None:
     """Refuse tokens that are not integer ids (float, complex, bool: a cast would truncate or reinterpret
     them); every integer dtype is taken, its values checked by `check_token_ids`."""
@@ -56,9 +59,6 @@ def check_token_ids(tokens: Tensor, vocab_size: int, caller: str = "TitansLM") -
         if lo < 0 or hi >= vocab_size:
             got = "an id >= 2**63 (uint64)" if wide and lo < 0 else f"[{lo}, {hi}]"
             raise ValueError(f"{caller}: token ids must lie in [0, {vocab_size}), got {got}")
-
-
-_NO_AMINMAX = (torch.uint16, torch.uint32, torch.uint64)
 
 
 def subnormals_flushed() -> bool:
