@@ -315,7 +315,7 @@ def test_refusals():
     decoder = StaticDecoder(model, state, mode="eager")
     with pytest.raises(ValueError, match=r"tokens must be \(1, 1\)"):
         decoder.step(torch.zeros(2, 1, dtype=torch.long))
-    with pytest.raises(TypeError, match="tokens must be integer ids, got dtype torch.float32"):
+    with pytest.raises(TypeError, match="tokens must hold integer token ids, got dtype torch.float32"):
         decoder.step(torch.tensor([[1.7]]))  # as the eager model refuses it (.long() truncated it to 1)
     assert decoder.position == 3
 

@@ -504,7 +504,7 @@ def test_forward_takes_every_integer_dtype(dtype):
 def test_forward_refuses_ids_of_no_integer_dtype_and_wrapping_uint64():
     model = model64("lmm").eval()
     for bad in (torch.tensor([[1.0, 2.0]]), torch.tensor([[True, False]]), torch.tensor([[1 + 0j]])):
-        with pytest.raises(TypeError, match=f"tokens must be integer ids, got dtype {bad.dtype}"):
+        with pytest.raises(TypeError, match=f"tokens must hold integer token ids, got dtype {bad.dtype}"):
             model(bad)
     huge = torch.tensor([[2**63 + 5, 1]], dtype=torch.uint64)  # -2**63 + 5 as int64
     with pytest.raises(ValueError, match=r"got an id >= 2\*\*63 \(uint64\)"):

@@ -14,7 +14,8 @@ from torch import Tensor, nn
 
 from titans.data.dna import DNATokenizer
 from titans.models.config import TitansConfig
-from titans.models.lm import TitansLM, check_token_ids
+from titans.models.ids import check_token_ids
+from titans.models.lm import TitansLM
 
 
 def dna_config(

@@ -71,7 +71,7 @@ from titans.models.blocks import (
     MALState,
     MemoryBlock,
 )
-from titans.models.lm import check_token_dtype, check_token_ids
+from titans.models.ids import check_token_dtype, check_token_ids
 from titans.models.state import TitansState
 
 MODES = ("eager", "compile", "cuda_graph")

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from titans.models.ids import check_token_dtype
 from titans.models.state import TitansState, expand_state, state_batch_size
 from titans.validation import check_int
 
@@ -73,8 +74,8 @@ def _as_piece(item, batch_size: int | None, index: int, own: bool = False) -> Te
         t = t.unsqueeze(0)
     if t.dim() != 2:
         raise ValueError(f"prefill: piece {index} must be (batch, len) or (len,), got shape {tuple(t.shape)}")
-    if t.numel() and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
-        raise TypeError(f"prefill: piece {index} must hold integer token ids, got dtype {t.dtype}")
+    if t.numel():  # an empty list comes out float32: it is no ids, so no wrong ones
+        check_token_dtype(t, "prefill", f"piece {index}")
     if batch_size is not None and t.shape[0] != batch_size:
         raise ValueError(f"prefill: piece {index} has batch {t.shape[0]}, earlier pieces had {batch_size}")
     out = t.long()
@@ -429,8 +430,7 @@ def generate(
     device = next(model.parameters()).device
     if compiled == "cuda_graph" and device.type != "cuda":  # as StaticDecoder does, whatever max_new_tokens
         raise ValueError(f"generate: compiled='cuda_graph' needs a CUDA model, this one is on {device}")
-    if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
-        raise TypeError(f"generate: prompt must hold integer token ids, got dtype {prompt.dtype}")
+    check_token_dtype(prompt, "generate", "prompt")
     prompt = prompt.to(device=device, dtype=torch.int64)
     stops = _stop_tensor(stop_tokens, vocab, device)
     batch = prompt.shape[0]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from titans.models.lm import check_token_ids
+from titans.models.ids import check_token_ids
 
 
 class GraphedMicroStep:
