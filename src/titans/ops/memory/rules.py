@@ -46,7 +46,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, is_dataclass
+from dataclasses import asdict, dataclass, fields, is_dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -67,6 +67,15 @@ from titans.ops.memory.common import (
 from titans.validation import check_int
 
 # ----------------------------------------------------------------------------------------------- parts
+
+
+def _check_number(where: str, name: str, value, *, minimum: float, strict: bool = False) -> None:
+    """Raise a ValueError naming `where` (the part) and `name` (its field) unless `value` is a finite int or
+    float (not a bool) >= `minimum` (> `minimum` where `strict`)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not (number and (value > minimum if strict else value >= minimum)):
+        bound = f"{'>' if strict else '>='} {minimum:g}"
+        raise ValueError(f"{where}: {name} must be a number {bound} (finite, not a bool), got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -122,7 +131,8 @@ class RulePart:
         slot.registry[kind] = cls
 
     def gates(self) -> tuple[GateSpec, ...]:
-        """The part's learned per-token gate, if any (at most one)."""
+        """The part's learned per-token gate, if any (at most one). Only a bias's reaches its maths (as
+        `aux`); `MemoryRule` refuses a retention or optimiser that declares one."""
         return ()
 
 
@@ -226,10 +236,8 @@ class LpBias(Bias, kind="lp"):
     eps: float = 1e-3
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.p, (int, float)) and not isinstance(self.p, bool) and self.p >= 1):
-            raise ValueError(f"LpBias: p must be a number >= 1, got {self.p!r}")
-        if not self.eps > 0:
-            raise ValueError(f"LpBias: eps must be > 0, got {self.eps!r}")
+        _check_number("LpBias", "p", self.p, minimum=1)
+        _check_number("LpBias", "eps", self.eps, minimum=0, strict=True)
 
     def error_map(self, e: Tensor, aux: Tensor | None) -> Tensor:
         if self.p == 2:
@@ -250,12 +258,13 @@ class HuberBias(Bias, kind="huber"):
     delta_init: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.delta_init > 0:
-            raise ValueError(f"HuberBias: delta_init must be > 0, got {self.delta_init!r}")
+        _check_number("HuberBias", "delta_init", self.delta_init, minimum=0, strict=True)
 
     def gates(self) -> tuple[GateSpec, ...]:
-        # softplus^-1(delta_init)
-        return (GateSpec("delta", F.softplus, math.log(math.expm1(self.delta_init))),)
+        # softplus^-1(delta_init); above 20 as x + log(1 - e^-x), since expm1 overflows past ~709
+        x = self.delta_init
+        init = math.log(math.expm1(x)) if x < 20 else x + math.log(-math.expm1(-x))
+        return (GateSpec("delta", F.softplus, init),)
 
     def error_map(self, e: Tensor, aux: Tensor) -> Tensor:
         """phi(e) = 2 clamp(e, -delta, delta), delta = aux (..., n) per token."""
@@ -288,8 +297,7 @@ class LqRetention(Retention, kind="lq"):
     q: float = 4.0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.q, (int, float)) and not isinstance(self.q, bool) and self.q >= 2):
-            raise ValueError(f"LqRetention: q must be a number >= 2, got {self.q!r}")
+        _check_number("LqRetention", "q", self.q, minimum=2)
 
     def read(self, a: Tensor) -> Tensor:
         if self.q == 2:
@@ -309,8 +317,7 @@ class KLRetention(Retention, kind="kl"):
     scale: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.scale, (int, float)) and self.scale > 0):
-            raise ValueError(f"KLRetention: scale must be > 0, got {self.scale!r}")
+        _check_number("KLRetention", "scale", self.scale, minimum=0, strict=True)
 
     def read(self, a: Tensor) -> Tensor:
         return self.scale * torch.softmax(a, dim=-1)
@@ -326,8 +333,9 @@ class Window:
 
     def __post_init__(self) -> None:
         check_int("Window: size", self.size)
-        if not 0 < self.gate_init < 1:
-            raise ValueError(f"Window: gate_init must lie in (0, 1), got {self.gate_init!r}")
+        number = isinstance(self.gate_init, (int, float)) and not isinstance(self.gate_init, bool)
+        if not (number and 0 < self.gate_init < 1):
+            raise ValueError(f"Window: gate_init must be a number in (0, 1), got {self.gate_init!r}")
 
     def gates(self) -> tuple[GateSpec, ...]:
         if self.size == 1:
@@ -353,6 +361,10 @@ class MomentumSGD(Optimizer, kind="sgd"):
 
     momentum: bool = True
     fast_path = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.momentum, bool):
+            raise ValueError(f"MomentumSGD: momentum must be a bool (True or False), got {self.momentum!r}")
 
     @property
     def uses_momentum(self) -> bool:
@@ -425,16 +437,42 @@ class MemoryRule:
                     f"MemoryRule: {name} part {type(part).__name__} is not a dataclass; declare it with "
                     "@dataclass(frozen=True)"
                 )
+            # a rule is hashed and compared by its parts' fields: a mutable part would make it unhashable
+            if not type(part).__dataclass_params__.frozen:
+                raise TypeError(
+                    f"MemoryRule: {name} part {type(part).__name__} is a dataclass without frozen=True; "
+                    "declare it with @dataclass(frozen=True)"
+                )
         if not isinstance(self.window, Window):
             raise TypeError(f"MemoryRule: window must be a Window, got {type(self.window).__name__}")
         for name in ("window", *SLOTS):
             if len(getattr(self, name).gates()) > 1:
                 raise ValueError(f"MemoryRule: the {name} part learns at most one gate")
+        # only the window's gate (Window.matrix) and the bias's (aux) reach their part's maths: a retention's
+        # read(A) and an optimiser's update take no per-token input, so a gate there would be learned from
+        # nothing (zero gradient)
+        for name in ("retention", "optimizer"):
+            part = getattr(self, name)
+            specs = part.gates()
+            if specs:
+                raise ValueError(
+                    f"MemoryRule: the {name} part {type(part).__name__} declares a gate ({specs[0].name!r}), "
+                    f"but a {name} part's methods take no per-token gate, so it would never be used; only "
+                    "the bias (as aux) and the window take a learned gate"
+                )
 
     @property
     def is_titans(self) -> bool:
-        """Exactly today's Titans update (runs on the custom-autograd fast path)."""
-        return self == RULE_PRESETS["titans"]
+        """Exactly today's Titans update (runs on the custom-autograd fast path). A window of size 1 has no
+        gate, so its `gate_init` is not compared."""
+        return self._canonical() == RULE_PRESETS["titans"]
+
+    def _canonical(self) -> MemoryRule:
+        """This rule with the fields that do not change its maths at their defaults: a size-1 window's
+        `gate_init` (no gate is created at size 1)."""
+        if self.window.size == 1 and self.window != Window():
+            return replace(self, window=Window())
+        return self
 
     @property
     def gate_specs(self) -> tuple[GateSpec, ...]:
@@ -479,6 +517,12 @@ class MemoryRule:
         unknown = sorted(set(data) - {"bias", "retention", "window", "optimizer"})
         if unknown:
             raise ValueError(f"MemoryRule: unknown part(s) {unknown}")
+        for name in sorted(data):
+            if not isinstance(data[name], dict):
+                raise TypeError(
+                    f"MemoryRule.from_dict: {name} must be a dict of the part's fields (as to_dict writes "
+                    f"it), got {type(data[name]).__name__}"
+                )
         parts = {}
         for name, slot in SLOTS.items():
             if name in data:
@@ -494,9 +538,11 @@ class MemoryRule:
         return cls(**parts)
 
     def to_config(self) -> str | dict:
-        """What a config stores: the preset's name where the rule is one, else the parts."""
+        """What a config stores: the preset's name where the rule is one (up to a size-1 window's
+        `gate_init`, which has no effect), else the parts."""
+        canonical = self._canonical()
         for name, rule in RULE_PRESETS.items():
-            if rule == self:
+            if rule == canonical:
                 return name
         return self.to_dict()
 
@@ -659,7 +705,10 @@ def memory_rule_chunked(
     of `titans.ops.memory.chunk` with the bias's error map; the others on `memory_rule_chunked_autograd`.
     checkpoint_every: as `neural_memory_chunked`'s, on the fast path only."""
     check_int("memory_rule_chunked: chunk_size", chunk_size)
-    if not fits_fast_path(rule):
+    _check_history(history, k)
+    # no row left to read (history = every row): the autograd op returns the state as it came, the fast
+    # path's op has no zero-length form
+    if not fits_fast_path(rule) or history == k.shape[2]:
         return memory_rule_chunked_autograd(
             q,
             k,
@@ -695,6 +744,15 @@ def memory_rule_chunked(
         error=rule.bias.fast_error(),
         error_aux=rule.gate_of("bias", gates[..., 3:]),
     )
+
+
+def _check_history(history: int, k: Tensor) -> None:
+    """history counts context rows at the start of k (B, H, rows, d): 0 <= history <= rows."""
+    rows = k.shape[2] if k.dim() == 4 else None
+    ok = isinstance(history, int) and not isinstance(history, bool) and history >= 0
+    if not ok or (rows is not None and history > rows):
+        bound = f"[0, {rows}] (the rows given)" if rows is not None else ">= 0"
+        raise ValueError(f"memory_rule_chunked: history must be an integer in {bound}, got {history!r}")
 
 
 def _check_gates(rule: MemoryRule, k: Tensor, gates: Tensor) -> None:
@@ -766,6 +824,7 @@ def memory_rule_chunked_autograd(
             )
     check_int("memory_rule_chunked: chunk_size", chunk_size)
     check_threshold("memory_rule_chunked: surprise_threshold", surprise_threshold)
+    _check_history(history, k)
     batch, heads, total, dim = k.shape
     _check_gates(rule, k, gates)
     dtype = weights[0].dtype
