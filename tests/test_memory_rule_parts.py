@@ -4,6 +4,7 @@ unused gate_init, and the l_q read's scale (docs/design.md, "Memory rules")."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from titans.ops.memory import (
     memory_rule_chunked,
     memory_rule_chunked_autograd,
     neural_memory,
+    neural_memory_chunked,
 )
 
 F64 = torch.float64
@@ -199,13 +201,13 @@ def _op_inputs(rule: MemoryRule, rows: int = 4, d: int = 4):
 
 
 @pytest.mark.parametrize("preset", ["atlas", "yaad"])  # the autograd op and the fast path
-@pytest.mark.parametrize("op", [memory_rule_chunked, memory_rule_chunked_autograd, "neural_memory"])
+@pytest.mark.parametrize("op", [memory_rule_chunked, memory_rule_chunked_autograd, "torch", "reference"])
 def test_history_out_of_range_is_refused_by_name(preset, op):
     """history counts context rows at the start of q, k, v: 0 <= history <= rows, an int. Outside, torch
     failed inside the op (or, on the fast path, a negative history silently dropped rows)."""
     rule = RULE_PRESETS[preset]
     args = _op_inputs(rule)
-    fn = neural_memory if op == "neural_memory" else op
+    fn = functools.partial(neural_memory, backend=op) if isinstance(op, str) else op
     for history in (-1, 5, 1.0, True):
         with pytest.raises(ValueError, match=r"history must be an integer in \[0, 4\] \(the rows given\)"):
             fn(*args, rule=rule, chunk_size=2, history=history)
@@ -254,3 +256,27 @@ def test_lq_read_grows_as_the_state_shrinks():
     read = LqRetention(4.0).read
     torch.testing.assert_close(read(0.5 * a), 2 * read(a), rtol=1e-13, atol=0)
     torch.testing.assert_close(LqRetention(3.0).read(0.5 * a), LqRetention(3.0).read(a), rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("preset", ["titans", "atlas"])
+def test_a_call_with_no_rows_returns_the_state_as_it_came(backend, preset):
+    """T = 0 (an empty piece of a stream): empty y and surprise, the state unchanged, on every backend.
+    The torch loop failed unpacking its reads, the references stacking no steps."""
+    rule = RULE_PRESETS[preset]
+    q, k, v, gates, weights, momentum = _op_inputs(rule)
+    empty = [x[:, :, :0] for x in (q, k, v, gates)]
+    y, w, s, surprise = neural_memory(*empty, weights, momentum, rule=rule, chunk_size=2, backend=backend)
+    assert y.shape == (1, 2, 0, 4) and surprise.shape == (1, 2, 0)
+    assert y.dtype == surprise.dtype == weights[0].dtype
+    assert all(torch.equal(a, b) for a, b in zip(w + s, weights + momentum))
+    if preset == "titans":
+        theta, log_eta, log_keep = empty[3].unbind(-1)
+        y, w, s, _ = neural_memory_chunked(
+            *empty[:3], theta, log_eta, log_keep, weights, momentum, chunk_size=2
+        )
+        assert y.shape == (1, 2, 0, 4) and all(torch.equal(a, b) for a, b in zip(w + s, weights + momentum))
+    with pytest.raises(ValueError, match="gates"):  # the gates still checked
+        neural_memory(
+            *empty[:3], empty[3][..., :2], weights, momentum, rule=rule, chunk_size=2, backend=backend
+        )

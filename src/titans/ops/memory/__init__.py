@@ -56,6 +56,8 @@ from titans.ops.memory.rules import (
     Retention,
     RulePart,
     Window,
+    check_gates,
+    check_history,
     fits_fast_path,
     memory_rule_chunked,
     memory_rule_chunked_autograd,
@@ -94,6 +96,14 @@ def _reference(fn, *args, **options):
         tuple(s.detach() for s in momentum),
         surprise.detach(),
     )
+
+
+def _no_rows(v: Tensor, weights: tuple[Tensor, ...], momentum: tuple[Tensor, ...]):
+    """What every backend returns for a call with no rows to read or write: empty y and surprise in the
+    state's dtype, the state as it came."""
+    batch, heads, _, dim = v.shape
+    empty = weights[0].new_empty(batch, heads, 0)
+    return weights[0].new_empty(batch, heads, 0, dim), tuple(weights), tuple(momentum), empty
 
 
 def neural_memory(
@@ -168,6 +178,10 @@ def neural_memory(
         if used or backend == "triton":
             what = ", ".join(used) if used else "backend='triton'"
             raise ValueError(f"neural_memory: {what} runs rule='titans' only, got rule={rule.to_config()!r}")
+        check_history(history, k, "neural_memory")
+        if k.shape[2] == history:
+            check_gates(rule, k, gates)
+            return _no_rows(v, weights, momentum)
         options = dict(rule=rule, history=history, surprise_threshold=surprise_threshold, **common)
         if backend == "reference":
             return _reference(memory_rule_ref, q, k, v, gates, weights, momentum, **options)
@@ -178,6 +192,8 @@ def neural_memory(
         raise ValueError(f"neural_memory: history rows are for a windowed rule, got history={history}")
     if gates.shape[-1] != 3:
         raise ValueError(f"neural_memory: rule 'titans' takes 3 gates per token, got {tuple(gates.shape)}")
+    if not k.shape[2]:
+        return _no_rows(v, weights, momentum)
     theta, log_eta, log_keep = gates.unbind(-1)  # one stack in the backward pass, not three zero-fills
     args = (q, k, v, theta, log_eta, log_keep, weights, momentum)
     if backend == "triton":

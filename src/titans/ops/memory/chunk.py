@@ -221,6 +221,15 @@ class _GradBuffers:
     def __init__(self) -> None:
         self._buffers: dict[tuple[int, int], Tensor] = {}
 
+    @staticmethod
+    def get(grad_slot: tuple[_GradBuffers, int] | None, layer: int, like: Tensor) -> Tensor:
+        """The state-gradient buffer of `layer` for a chunk step's `grad_slot` ((buffers, slot)), or a fresh
+        one where it is None (under torch.compile, which cannot trace the buffers' dict being filled in a
+        Function's backward: "HOP: Unsafe side effect", and the Function falls back to eager)."""
+        if grad_slot is None:
+            return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        return grad_slot[0].take(grad_slot[1], layer, like)
+
     def take(self, slot: int, layer: int, like: Tensor) -> Tensor:
         buf = self._buffers.get((slot, layer))
         if buf is None:
@@ -325,7 +334,7 @@ class _ChunkStep(torch.autograd.Function):
         )
         ctx.activation, ctx.residual, ctx.clip, ctx.depth = activation, residual, clip, len(states)
         ctx.threshold = threshold
-        ctx.grad_slot = grad_slot  # (_GradBuffers, slot) for the state gradients this step returns
+        ctx.grad_slot = grad_slot  # (_GradBuffers, slot) for the state gradients this step returns, or None
         ctx.error = error
         # with an error map, its input e (saved's last entry) and aux go last
         core, extra = (saved, ()) if error is None else (saved[:-1], (saved[-1], aux))
@@ -366,7 +375,7 @@ class _ChunkStep(torch.autograd.Function):
                 g_delta.append(torch.zeros_like(d))
                 continue
             g_flat = gx.reshape(n_seq, 2, -1)
-            g_x = ctx.grad_slot[0].take(ctx.grad_slot[1], i, x) if needs[12 + i] else None
+            g_x = _GradBuffers.get(ctx.grad_slot, i, x) if needs[12 + i] else None
             _mix_backward(g_flat, x.flatten(2), mix, None if g_x is None else g_x.view(n_seq, 2, -1), g_mix)
             g_states.append(g_x)
             # 2. the weighted sums U = [U_W; U_S]: grads of the inputs a, the errors and the coefficients
@@ -386,7 +395,8 @@ class _ChunkStep(torch.autograd.Function):
                 active &= write_mask(norm, ctx.threshold)
             # else no token is clipped and the scale is the constant 1. Off the CPU the check is skipped:
             # a host sync per chunk stalls the GPU queue for more than the arithmetic it would spare
-            if active.device.type != "cpu" or active.any():
+            # (nor under torch.compile, where the branch on a tensor is a graph break)
+            if active.device.type != "cpu" or torch.compiler.is_compiling() or active.any():
                 g_scale = -(g_coef[..., 0] * gamma + g_coef[..., 1] * beta)
                 g_clip = torch.where(active, -g_scale * ratio / nc, 0.0)
                 g_norm = g_clip if g_norm is None else g_norm + g_clip
@@ -433,7 +443,7 @@ class _ChunkStep(torch.autograd.Function):
                 else:
                     rhs = g_z
                 if g_states[i] is None:  # no gradient arrived for X': W's is the terms below alone, S's 0
-                    g_states[i] = ctx.grad_slot[0].take(ctx.grad_slot[1], i, states[i])
+                    g_states[i] = _GradBuffers.get(ctx.grad_slot, i, states[i])
                     g_states[i][:, 1].zero_()
                     _bmm_into(g_states[i][:, 0], lhs.transpose(1, 2), rhs, accumulate=False)
                 else:
@@ -512,7 +522,8 @@ def run_chunks(
     # that small long-lived tensors land in cannot take the next state, and the heap would grow by about
     # a state per chunk (tens of GiB over a long checkpointed sequence).
     buffers = None if torch.is_grad_enabled() else [[torch.empty_like(x) for x in states] for _ in range(2)]
-    grads = _GradBuffers() if buffers is None else None
+    # (none under torch.compile: each step's backward allocates its own, `_GradBuffers.get`)
+    grads = _GradBuffers() if buffers is None and not torch.compiler.is_compiling() else None
     # without autograd on CPU a chunk is one C++ call where it applies (the torch-op step below runs 35
     # small operators, whose per-call cost is most of its time at batch 1)
     fused = None if buffers is None else _step_kernel(k, error, states)
@@ -523,7 +534,8 @@ def run_chunks(
     ):
         args = (kq_c, v_c, g_c, b_c, m_c, activation, residual, clip, threshold)
         if buffers is None:
-            y, norm, *states = _ChunkStep.apply(*args, (grads, i % 2), error, a_c, *states)
+            slot = None if grads is None else (grads, i % 2)
+            y, norm, *states = _ChunkStep.apply(*args, slot, error, a_c, *states)
         elif fused is not None:  # the anchor's pull too
             y, norm = fused.chunk_step_forward(kq_c, v_c, g_c, b_c, m_c, states, buffers[i % 2], *options)
             states = buffers[i % 2]
@@ -678,6 +690,9 @@ def neural_memory_chunked(
     q, k, v = (x.to(weights[0].dtype) for x in (q, k, v))
     if error is not None and error_aux is None:  # an error map without a per-token input: zeros
         error_aux = q.new_zeros(q.shape[:3])
+    if not seq:  # no rows: nothing read or written
+        y, surprise = q.new_empty(batch, heads, 0, v.shape[-1]), q.new_empty(batch, heads, 0)
+        return y, weights, momentum, surprise
     if not n_full:  # nothing to write: a read of the current weights
         y, inputs, deltas = read_and_grads(q, k, v, weights, activation, residual, error, error_aux)
         return y, weights, momentum, surprise_norm(surprise_parts(inputs, deltas))[1]

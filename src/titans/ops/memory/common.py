@@ -19,6 +19,10 @@ ACTIVATIONS = ("silu", "gelu", "relu")
 
 def activate(x: Tensor, name: str, out: Tensor | None = None) -> Tensor:
     """act(x), written into `out` if given (a view is fine)."""
+    if out is not None and torch.compiler.is_compiling():
+        # torch.compile cannot trace an op's `out=` into a strided view (a graph break, and in an
+        # autograd.Function's backward the whole Function falls back to eager): the same values, copied in
+        return out.copy_(activate(x, name))
     if out is not None:
         if name == "silu":
             return torch.ops.aten.silu.out(x, out=out)
@@ -43,6 +47,8 @@ def act_backward(g: Tensor, x: Tensor, name: str, out: Tensor | None = None) -> 
     """g * act'(x) as one fused kernel (act' is never materialised), written into `out` if given (for use
     without autograd). Differentiable where the fused kernel has a derivative (gelu, relu); for silu, whose
     fused kernel has none, the formula is used when autograd records."""
+    if out is not None and torch.compiler.is_compiling():  # no `out=` into a view under torch.compile
+        return out.copy_(act_backward(g, x, name))
     if out is not None:
         if name == "gelu":
             return torch.ops.aten.gelu_backward.grad_input(g, x, grad_input=out)

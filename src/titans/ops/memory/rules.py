@@ -705,7 +705,7 @@ def memory_rule_chunked(
     of `titans.ops.memory.chunk` with the bias's error map; the others on `memory_rule_chunked_autograd`.
     checkpoint_every: as `neural_memory_chunked`'s, on the fast path only."""
     check_int("memory_rule_chunked: chunk_size", chunk_size)
-    _check_history(history, k)
+    check_history(history, k)
     # no row left to read (history = every row): the autograd op returns the state as it came, the fast
     # path's op has no zero-length form
     if not fits_fast_path(rule) or history == k.shape[2]:
@@ -724,7 +724,7 @@ def memory_rule_chunked(
             surprise_clip=surprise_clip,
             surprise_threshold=surprise_threshold,
         )
-    _check_gates(rule, k, gates)
+    check_gates(rule, k, gates)
     q, k, v, gates = (x[:, :, history:] for x in (q, k, v, gates))
     return neural_memory_chunked(
         q,
@@ -746,16 +746,17 @@ def memory_rule_chunked(
     )
 
 
-def _check_history(history: int, k: Tensor) -> None:
+def check_history(history: int, k: Tensor, caller: str = "memory_rule_chunked") -> None:
     """history counts context rows at the start of k (B, H, rows, d): 0 <= history <= rows."""
     rows = k.shape[2] if k.dim() == 4 else None
     ok = isinstance(history, int) and not isinstance(history, bool) and history >= 0
     if not ok or (rows is not None and history > rows):
         bound = f"[0, {rows}] (the rows given)" if rows is not None else ">= 0"
-        raise ValueError(f"memory_rule_chunked: history must be an integer in {bound}, got {history!r}")
+        raise ValueError(f"{caller}: history must be an integer in {bound}, got {history!r}")
 
 
-def _check_gates(rule: MemoryRule, k: Tensor, gates: Tensor) -> None:
+def check_gates(rule: MemoryRule, k: Tensor, gates: Tensor) -> None:
+    """gates (B, H, rows, 3 + e) beside k (B, H, rows, d): the Titans gates, then the rule's e extra gates."""
     if gates.shape[:3] != k.shape[:3] or gates.shape[-1] != 3 + len(rule.extra_gates):
         raise ValueError(
             f"memory_rule_chunked: gates must be (B, H, T, {3 + len(rule.extra_gates)}) for this rule, "
@@ -824,9 +825,9 @@ def memory_rule_chunked_autograd(
             )
     check_int("memory_rule_chunked: chunk_size", chunk_size)
     check_threshold("memory_rule_chunked: surprise_threshold", surprise_threshold)
-    _check_history(history, k)
+    check_history(history, k)
     batch, heads, total, dim = k.shape
-    _check_gates(rule, k, gates)
+    check_gates(rule, k, gates)
     dtype = weights[0].dtype
     n_seq = batch * heads
 
