@@ -17,6 +17,7 @@ from titans import VARIANTS  # noqa: E402
 from titans.hf import TitansCache, TitansForCausalLM, TitansHFConfig  # noqa: E402
 from titans.hf.modeling import _OUTPUT_CACHE  # noqa: E402
 from titans.inference import generate, prefill  # noqa: E402
+from titans.models.state import select_rows, state_batch_size  # noqa: E402
 
 VOCAB = 41
 
@@ -590,3 +591,81 @@ def test_hidden_states_attentions_and_a_raw_state(saved_dir):
     for key in ("past_key_values", "cache"):
         with pytest.raises(TypeError, match=r"TitansCache\(state\)"):
             hf.generate(x[:, :1], max_new_tokens=2, **{key: state})
+
+
+def test_generate_refuses_a_cache_that_has_read_the_whole_prompt():
+    """The cache of forward(x) has read all of x, its last token included: generate(x) from it would have
+    transformers feed x again (5.24 slices input_ids[:, -0:]), read into the memory twice, silently. It is
+    refused, for the prompt itself and for a shorter one, under either keyword; the ways the message names
+    (the sequence plus a new token; only the new tokens in TitansCache(cache.state); the cache of
+    forward(x[:, :-1]) with x; a mask over the whole sequence) each give one reading of every token. A cache
+    returned by generate leaves its last token out, so its sequences continue it."""
+    model = tiny_model("mag")
+    hf = TitansForCausalLM.from_titans(model).eval()
+    x, new = tokens(1, 9), tokens(1, 3, seed=7)
+    whole = torch.cat([x, new], 1)
+    gen = partial(hf.generate, max_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        cache = _cache(hf(x))
+        short = _cache(hf(x[:, :-1]))
+    assert cache.get_seq_length() == 9
+    for key in ("past_key_values", "cache"):
+        for prompt in (x, new):
+            with pytest.raises(ValueError, match=r"already consumed 9 tokens .*TitansCache\(cache\.state\)"):
+                gen(prompt, **{key: cache})
+    assert cache.get_seq_length() == 9  # untouched
+    assert torch.equal(gen(x, past_key_values=short), gen(x))
+    want = gen(whole)
+    assert torch.equal(gen(whole, past_key_values=cache), want)
+    assert torch.equal(gen(new, past_key_values=TitansCache(cache.state)), want[:, 9:])
+    mask = torch.ones_like(whole)
+    assert torch.equal(gen(new, attention_mask=mask, past_key_values=cache), want[:, 9:])
+    out = gen(x, return_dict_in_generate=True)
+    assert _cache(out).get_seq_length() == out.sequences.shape[1] - 1  # the last token is left out
+    assert torch.equal(gen(out.sequences, past_key_values=_cache(out)), gen(x, max_new_tokens=8))
+
+
+def test_num_return_sequences_and_beams_from_a_batched_state():
+    """A state of 2 rows (two documents read) with num_return_sequences=k or num_beams=k: transformers
+    expands input_ids to 2k rows with repeat_interleave and the state is expanded the same way, so row i's
+    copies start from row i's state: greedy copies (sampling with top_k=1, eager and through the static
+    decoder) have the tokens and logits of each row's greedy continuation, and beam search equals beam
+    search of each row from its own state (the scores tell the states apart: the tiny model's tokens barely
+    depend on them). The cache passed in keeps its 2 rows."""
+    model = shared_model("mag", vocab_size=VOCAB, dtype=torch.float64)
+    hf = TitansForCausalLM.from_titans(model).eval()
+    _, state = prefill(model, tokens(2, 20, seed=4))
+    question = tokens(2, 3, seed=5)
+    cache = TitansCache(state)
+    logits = dict(return_dict_in_generate=True, output_logits=True)
+    greedy = hf.generate(question, past_key_values=cache, max_new_tokens=5, do_sample=False, **logits)
+    assert torch.equal(greedy.sequences, generate(model, question, 5, greedy=True, state=state))
+    swapped = TitansCache(select_rows(state, [1, 0]))
+    other = hf.generate(question, past_key_values=swapped, max_new_tokens=5, do_sample=False, **logits)
+    assert not torch.allclose(other.logits[0], greedy.logits[0])  # each row's state matters
+    # (transformers refuses num_return_sequences > 1 for greedy search: sampling with top_k=1 is greedy)
+    for graph in (None, "eager"):
+        hf.config.decode_graph = graph
+        kw = dict(max_new_tokens=5, do_sample=True, top_k=1, num_return_sequences=2, **logits)
+        out = hf.generate(question, past_key_values=cache, **kw)
+        assert torch.equal(out.sequences, greedy.sequences.repeat_interleave(2, 0)), graph
+        for got, want in zip(out.logits, greedy.logits, strict=True):
+            torch.testing.assert_close(got, want.repeat_interleave(2, 0))
+    hf.config.decode_graph = None
+    for kw in (dict(num_beams=2), dict(num_beams=3, num_return_sequences=2)):
+        kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True, **kw)
+        out = hf.generate(question, past_key_values=cache, **kw)
+        want = [
+            hf.generate(question[i : i + 1], past_key_values=TitansCache(select_rows(state, [i])), **kw)
+            for i in range(2)
+        ]
+        assert torch.equal(out.sequences, torch.cat([w.sequences for w in want])), kw
+        torch.testing.assert_close(out.sequences_scores, torch.cat([w.sequences_scores for w in want]))
+        mixed = hf.generate(question, past_key_values=swapped, **kw)
+        assert not torch.allclose(mixed.sequences_scores, out.sequences_scores)
+    torch.manual_seed(1)  # sampling runs, each of the 4 rows from its document's state
+    out = hf.generate(
+        question, past_key_values=cache, max_new_tokens=4, do_sample=True, num_return_sequences=2
+    )
+    assert out.shape == (4, 7) and torch.equal(out[:, :3], question.repeat_interleave(2, 0))
+    assert state_batch_size(cache.state) == 2 and cache.state is state

@@ -148,6 +148,50 @@ def test_max_length_reads_what_lm_eval_s_hf_model_reads(max_length):
     assert lp == pytest.approx(want_lp, rel=1e-9, abs=1e-9) and greedy == want_greedy
 
 
+def test_max_length_refuses_what_it_cannot_hold():
+    """max_length is the most tokens the model reads per request: a continuation longer than max_length
+    (which lm-eval's HF model refuses too; the continuation is never cut) is refused by name, not read
+    whole; one of exactly max_length tokens keeps one context token and reads max_length tokens. Generation
+    with max_gen_toks >= max_length (no room for a context token; lm-eval's HF model refuses it too) is
+    refused, and otherwise reads at most max_length tokens."""
+    model = tiny_model("mag", seed=2)
+    lm = TitansEvalLM(model=model, tokenizer=TOK, max_length=8)
+    read = []
+    forward = model.forward
+
+    def counting(x, state=None, *args, **kwargs):
+        read.append(x.shape[1])
+        return forward(x, state, *args, **kwargs)
+
+    model.forward = counting
+    with pytest.raises(ValueError, match="continuation of 9 tokens is longer than max_length=8"):
+        lm.loglikelihood([req("loglikelihood", ("ab", "0123456789abcdef"[:9]))])
+    assert read == []  # refused before the model reads anything
+    [(lp, greedy)] = lm.loglikelihood([req("loglikelihood", ("ab", "01234567"))])
+    assert sum(read) == 8
+    want_lp, want_greedy = reference(model, TOK.encode("b"), TOK.encode("01234567"))
+    assert lp == pytest.approx(want_lp, rel=1e-9, abs=1e-9) and greedy == want_greedy
+    for max_gen in (8, 9):
+        with pytest.raises(ValueError, match=f"max_gen_toks={max_gen} leaves no room .*max_length=8"):
+            lm.generate_until([req("generate_until", ("Hello there", {"max_gen_toks": max_gen}))])
+    read.clear()
+    lm.generate_until([req("generate_until", ("Hello there", {"max_gen_toks": 7}))])
+    assert sum(read) <= 8
+
+
+def test_an_in_memory_model_is_used_as_it_is():
+    """TitansEvalLM(model=...) keeps the model's own dtype and device (lm-eval's HF model does the same
+    with a model instance) and only sets eval mode (documented); dtype= casts it when asked."""
+    model = tiny_model("lmm").train()  # float64
+    lm = TitansEvalLM(model=model, tokenizer=TOK)
+    assert lm.model is model and not model.training
+    assert {p.dtype for p in model.parameters()} == {torch.float64} and lm.device == torch.device("cpu")
+    [(lp, _)] = lm.loglikelihood([req("loglikelihood", ("Hello", " there"))])
+    assert lp == pytest.approx(reference(model, TOK.encode("Hello"), TOK.encode(" there"))[0], rel=1e-9)
+    TitansEvalLM(model=model, tokenizer=TOK, dtype="float32", device="cpu")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
 def test_bad_model_args_are_named():
     model = tiny_model("lmm")
     with pytest.raises(ValueError, match="dtype"):

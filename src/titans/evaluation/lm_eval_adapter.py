@@ -14,6 +14,11 @@ optionally ``device`` (auto, cpu, cuda, cuda:1; default: lm-eval's ``--device``,
 (float32, float64, bfloat16; default float32), ``max_length`` (tokens of context the model sees; default:
 no limit), ``piece_len`` (tokens per forward call). The tokenizer is the checkpoint's own.
 
+An in-memory model (``TitansEvalLM(model=..., tokenizer=...)``) is used as it is, as lm-eval's HF model
+uses a model instance: it keeps its own dtype and device unless ``dtype`` / ``device`` are given (then it
+is cast / moved in place, as ``torch.nn.Module.to`` does), and it is set to eval mode (dropout off), which
+it stays in afterwards.
+
 How the requests run on the stateful model (``titans.models.streaming``):
 
 - ``loglikelihood``: the context, all but its last token, is read with chunked prefill (the state carries
@@ -32,7 +37,9 @@ An empty context is the document separator the model was trained with (``titans.
 the eos token, or byte 0 for bytes). ``max_length`` is the most tokens the model reads for one request, as
 in lm-eval's HF model: ``loglikelihood`` keeps the last ``max_length + 1`` tokens of context + continuation
 (the model reads all but the last, which is only predicted; at least one context token stays), generation
-the last ``max_length - max_gen_toks`` of the context; without it nothing is cut.
+the last ``max_length - max_gen_toks`` of the context; without it nothing is cut. A continuation longer than
+``max_length`` tokens, or ``max_gen_toks >= max_length``, is refused with a ValueError (lm-eval's HF model
+refuses both too: the continuation is never cut, and generation needs a context token).
 """
 
 from __future__ import annotations
@@ -83,6 +90,9 @@ class TitansEvalLM(LM):
 
     Give ``checkpoint`` (what ``--model_args checkpoint=RUN`` sets), or an in-memory ``model`` and
     ``tokenizer``. ``batch_size``: rows scored together (lm-eval's ``--batch_size``; ``auto`` means 8).
+    ``device`` / ``dtype``: None (the default) is "auto" / float32 for a checkpoint, and the model's own
+    device / dtype for an in-memory model, which is otherwise moved / cast in place (``Module.to``). The
+    model is set to eval mode, and left in it.
     """
 
     def __init__(
@@ -91,21 +101,22 @@ class TitansEvalLM(LM):
         *,
         model: TitansLM | None = None,
         tokenizer: Tokenizer | None = None,
-        device: str | None = "auto",
-        dtype: str = "float32",
+        device: str | None = None,
+        dtype: str | None = None,
         max_length: int | str | None = None,
         piece_len: int | str | None = None,
         batch_size: int | str | None = 8,
         max_batch_size: int | str | None = None,
     ) -> None:
         super().__init__()
-        if dtype not in _DTYPES:
+        if dtype is not None and dtype not in _DTYPES:
             raise ValueError(f"titans lm-eval model: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        self._torch_device = resolve_device(device or "auto")
         if checkpoint is not None:
             if model is not None or tokenizer is not None:
                 raise ValueError("titans lm-eval model: give checkpoint=... or model and tokenizer, not both")
+            self._torch_device = resolve_device(device or "auto")
             model, _, tokenizer = load_model(checkpoint, map_location=self._torch_device)
+            dtype = dtype or "float32"
         elif model is None or tokenizer is None:
             raise ValueError(
                 "titans lm-eval model: give --model_args checkpoint=RUN (a run or checkpoint folder)"
@@ -115,7 +126,12 @@ class TitansEvalLM(LM):
                 f"titans lm-eval model: the tokenizer has {tokenizer.vocab_size} ids, the model "
                 f"{model.config.vocab_size}"
             )
-        self.model = model.to(device=self._torch_device, dtype=_DTYPES[dtype]).eval()
+        if checkpoint is None:
+            # an in-memory model as it is (lm-eval's HF model does the same with a model instance):
+            # cast or moved only when asked
+            self._torch_device = resolve_device(device) if device else next(model.parameters()).device
+        self.model = model.to(device=self._torch_device, dtype=None if dtype is None else _DTYPES[dtype])
+        self.model.eval()
         self.tokenizer = tokenizer
         self.checkpoint = None if checkpoint is None else str(checkpoint)
         self.max_length = _int_arg("max_length", max_length)
@@ -225,6 +241,12 @@ class TitansEvalLM(LM):
                 continue
             if self.max_length is not None:  # as lm-eval's HF model: (ctx + cont)[-(max_length + 1):]
                 # reads max_length tokens (the last is only predicted), so a rolling window is whole
+                if len(cont) > self.max_length:  # lm-eval's HF model asserts the same
+                    raise ValueError(
+                        f"titans lm-eval model: a continuation of {len(cont)} tokens is longer than "
+                        f"max_length={self.max_length} (the most tokens the model reads per request; the "
+                        "continuation is never cut): raise max_length or leave it unset"
+                    )
                 ctx = ctx[-max(1, self.max_length + 1 - len(cont)) :]
             groups[tuple(ctx)][len(cont)].append(i)
         for ctx, by_length in groups.items():
@@ -293,7 +315,12 @@ class TitansEvalLM(LM):
         greedy = not do_sample or temperature == 0
         tokens = self.tokenizer.encode(context) if context else list(self.prefix)
         if self.max_length is not None:
-            tokens = tokens[-max(1, self.max_length - max_new) :]
+            if max_new >= self.max_length:  # lm-eval's HF model asserts the same
+                raise ValueError(
+                    f"titans lm-eval model: max_gen_toks={max_new} leaves no room for the context within "
+                    f"max_length={self.max_length} (the context is cut to max_length - max_gen_toks tokens)"
+                )
+            tokens = tokens[-(self.max_length - max_new) :]
         logits, state = prefill(self.model, torch.tensor([tokens]), piece_len=self._piece_len(1))
         eos = getattr(self.tokenizer, "eos_id", None)
         new: list[int] = []

@@ -15,9 +15,13 @@ buffers in place, after which the cache it came from holds no state (reading it 
 keeps every cache valid). The logits equal the eager forward's to float rounding, not bit for bit: hence
 opt-in. Prompts (more than one token) run eagerly.
 
+A state of b > 1 rows with `num_return_sequences=k` or `num_beams=k` is expanded as transformers expands
+`input_ids` (`repeat_interleave`): rows i*k ... i*k + k-1 start from row i's state.
+
 Not supported (refused with a clear error): padded batches (an attention mask with zeros: Titans states
-are per-row streams), `inputs_embeds`, `output_attentions` (no attention weights are kept), and a bare
-`TitansState` as generate's cache (wrap it in a `TitansCache`).
+are per-row streams), `inputs_embeds`, `output_attentions` (no attention weights are kept), a bare
+`TitansState` as generate's cache (wrap it in a `TitansCache`), and a generate cache that has consumed every
+token of `input_ids` (the cache of `forward(x)` with `x` again: transformers would feed the prompt twice).
 """
 
 from __future__ import annotations
@@ -206,15 +210,37 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
         return embed
 
     def generate(self, *args, **kwargs):
-        """`GenerationMixin.generate`; a bare `TitansState` as the cache is refused (generate reads
-        attributes of the cache that only a `TitansCache` has)."""
+        """`GenerationMixin.generate`. Refused: a bare `TitansState` as the cache (generate reads attributes
+        of the cache that only a `TitansCache` has), and a cache that has already consumed every token of
+        `input_ids` (transformers would then feed the whole prompt again: it would be read into the memory
+        twice)."""
         for key in ("past_key_values", "cache"):
             if isinstance(kwargs.get(key), TitansState):
                 raise TypeError(
                     f"TitansForCausalLM.generate: {key} is a bare TitansState; wrap it as "
                     f"{key}=TitansCache(state) (titans.hf.TitansCache)"
                 )
+            cache = kwargs.get(key)
+            if isinstance(cache, TitansCache):
+                _check_cache_leaves_new_tokens(cache, key, args, kwargs)
         return super().generate(*args, **kwargs)
+
+    def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False, **kwargs):
+        """transformers' expansion of the batch to `num_return_sequences` / `num_beams` copies per row
+        (`repeat_interleave`: row i's copies are rows i*k ... i*k + k-1), with the cache's state expanded
+        the same way: a state of b > 1 rows becomes k*b rows, row i's copies starting from row i's state (a
+        batch-1 state is shared by every row, see forward). The cache passed in is left as it was."""
+        input_ids, model_kwargs = super()._expand_inputs_for_generation(
+            expand_size=expand_size, is_encoder_decoder=is_encoder_decoder, **kwargs
+        )
+        if expand_size > 1:
+            for key in ("cache", "past_key_values"):
+                cache = model_kwargs.get(key)
+                state = cache.state if isinstance(cache, TitansCache) else None
+                if state is not None and (rows := state_batch_size(state)) > 1:
+                    index = torch.arange(rows).repeat_interleave(expand_size)
+                    model_kwargs[key] = TitansCache(select_rows(state, index), cache.base_position)
+        return input_ids, model_kwargs
 
     def get_input_embeddings(self):
         return self.model.embed
@@ -370,6 +396,34 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
                     _ = holder.state  # copied out before the buffers take another state
                 decoder.load(state)
         return decoder.step(input_ids), decoder
+
+
+def _check_cache_leaves_new_tokens(cache: TitansCache, key: str, args: tuple, kwargs: dict) -> None:
+    """Refuse a `generate` call whose cache has consumed as many tokens as `input_ids` holds, or more.
+
+    transformers takes `input_ids` to repeat the tokens the cache has seen (`get_seq_length()`) and feeds
+    only the rest; with none left, transformers 5.24 feeds the whole prompt (`input_ids[:, -0:]`), which
+    the memory would then read a second time, and with fewer tokens than it has seen, a slice of them or
+    nothing. An attention mask longer than `input_ids` is transformers' other convention (only the new
+    tokens as `input_ids`, the mask over the whole sequence): nothing is sliced then, so it is let through."""
+    input_ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        return
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[1] > input_ids.shape[1]:
+        return
+    seen, length = cache.get_seq_length(), input_ids.shape[1]
+    if length and seen >= length:  # (empty input_ids: the forward refuses them, saying why)
+        raise ValueError(
+            f"TitansForCausalLM.generate: the {key} has already consumed {seen} tokens (get_seq_length()) "
+            f"and input_ids holds {length}: no token of input_ids is new to it (transformers slices "
+            "input_ids by that count: it would feed the prompt again, to be read into the memory twice, or "
+            "nothing). A cache returned by forward(x) has read all of x, its last token included (one "
+            "returned by generate leaves the last token out). Pass the sequence the cache has read followed "
+            "by at least one token it has not, or only the new tokens with "
+            f"{key}=TitansCache(cache.state) (a fresh cache counts tokens from 0); to generate right after "
+            "x, build the cache with forward(x[:, :-1]) and pass x"
+        )
 
 
 def register() -> None:
