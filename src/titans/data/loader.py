@@ -378,6 +378,7 @@ class EvalWindows:
 
     Iterating yields (inputs, targets) batches, each (<= batch_size, seq_len) int64.
     ``num_windows``: windows on this rank; ``n_target_tokens``: targets on this rank.
+    ``what`` names the tokens in errors and warnings (default "held-out stream": the trainer's split).
     """
 
     def __init__(
@@ -390,6 +391,7 @@ class EvalWindows:
         rank: int = 0,
         world_size: int = 1,
         bytes_per_token: float | None = None,
+        what: str = "held-out stream",
     ):
         self.tokens = _as_tokens(tokens)
         _check_rank(rank, world_size)
@@ -398,14 +400,15 @@ class EvalWindows:
         available = (self.tokens.shape[0] - 1) // seq_len
         if available < 1:
             raise ValueError(
-                f"held-out stream has {self.tokens.shape[0]} tokens; seq_len={seq_len} needs {seq_len + 1}"
+                f"{what} has {self.tokens.shape[0]} tokens; seq_len={seq_len} needs {seq_len + 1}"
             )
         wanted = available if num_windows is None else num_windows
         if wanted < 1:
             raise ValueError(f"num_windows must be >= 1, got {num_windows}")
         if wanted > available:
             log.warning(
-                "held-out stream has room for %d windows of %d tokens; evaluating %d, not %d",
+                "%s has room for %d windows of %d tokens; evaluating %d, not %d",
+                what,
                 available,
                 seq_len,
                 available,

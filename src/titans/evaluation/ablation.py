@@ -160,7 +160,7 @@ def add_parser(evals) -> None:
     p = evals.add_parser("ablate", help="the paper's Table 5: one memory component removed per row")
     p.add_argument("--variant", default="mac", help="the base model's variant")
     p.add_argument("--rows", type=str_list, default=list(ABLATIONS), help=f"subset of {','.join(ABLATIONS)}")
-    add_lm_args(p, heldout_windows=32)
+    add_lm_args(p, heldout_windows=32, lm_steps_help="LM steps per row (0: skip the LM stage)")
     p.add_argument("--eval-lengths", type=int_list, default=[512, 1024], help="NIAH evaluation lengths")
     p.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="NIAH depths")
     add_model_args(p)

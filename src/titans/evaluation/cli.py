@@ -118,10 +118,14 @@ def run_babilong(args: argparse.Namespace) -> int:
 
 
 def _babilong_once(
-    args: argparse.Namespace, samples: list | None = None, sample_seed: int | None = None
-) -> tuple[Path, AccuracyTable, list]:
+    args: argparse.Namespace,
+    samples: list | None = None,
+    sample_seed: int | None = None,
+    name_suffix: str = "",
+) -> tuple[Path, AccuracyTable, list, str]:
     """Obtain (train) one model, evaluate it on ``samples`` (default: drawn with ``sample_seed``, default
-    ``--seed``), write its result file; returns (its path, its table, the samples)."""
+    ``--seed``), write its result file (``--name``, default after the tasks and the model's variant, then
+    ``name_suffix``); returns (its path, its table, the samples, the model's variant)."""
     model, tokenizer, info = obtain_model(
         args,
         lambda: task_config(
@@ -136,7 +140,8 @@ def _babilong_once(
     if result is None:
         raise ValueError("every requested length was skipped: nothing to evaluate")
     variant = model.config.variant
-    json_path, png_path = output_paths(args, "babilong", f"babilong_{'_'.join(args.tasks)}_{variant}")
+    name = (args.name or f"babilong_{'_'.join(args.tasks)}_{variant}") + name_suffix
+    json_path, png_path = output_paths(argparse.Namespace(out=args.out, name=name), "babilong", "")
     title = f"{variant}, BABILong: {100 * result.table.overall:.1f}%"
     report_table(
         json_path,
@@ -151,37 +156,49 @@ def _babilong_once(
         eval_seconds=result.seconds,
         model=info,
         samples=result.records(kept, "task"),
-        command=command_line(args),
+        # a seed of --seeds records the name its file got (<name>_seed<k>), as its own command would give
+        command={**command_line(args), **({"name": name} if name_suffix else {})},
     )
-    return json_path, result.table, samples
+    return json_path, result.table, samples, variant
 
 
 def _run_babilong_seeds(args: argparse.Namespace) -> int:
     """``--seeds``: one model per seed (``--seed`` set to each), all evaluated on the samples drawn with
-    the given ``--seed``; each seed's result file is ``<name>_seed<k>``, the summary ``<name>_seeds``."""
+    the given ``--seed``; each seed's result file is ``<name>_seed<k>``, the summary ``<name>_seeds``
+    (``<name>``: ``--name``, default after the tasks and the evaluated model's variant: the checkpoint's
+    with ``--checkpoint``, else ``--variant``)."""
     if len(set(args.seeds)) != len(args.seeds):
         raise ValueError(f"--seeds has duplicates: {args.seeds}")
     if args.checkpoint and not args.train_recipe:
         raise ValueError("--seeds trains one model per seed: give --train-recipe")
     base = argparse.Namespace(**vars(args))
-    stem = args.name or f"babilong_{'_'.join(args.tasks)}_{args.variant}"
     if base.save_model:  # every seed's folder, before the first seed trains
         for seed in args.seeds:
             check_save_folder(f"{base.save_model}_seed{seed}", f"--save-model (seed {seed})", note=False)
-    files, tables, samples = [], [], None
+    files, tables, samples, variant = [], [], None, args.variant
     for seed in args.seeds:
         run = argparse.Namespace(**vars(base))
-        run.seed, run.name = seed, f"{stem}_seed{seed}"
+        run.seed = seed
         if base.save_model:
             run.save_model = f"{base.save_model}_seed{seed}"
         print(f"=== seed {seed}")
-        # the samples are drawn once, with --seed (run.seed is the training seed)
-        path, table, samples = _babilong_once(run, samples, sample_seed=base.seed)
+        # the samples are drawn once, with --seed (run.seed is the training seed); the file is named after
+        # the model's variant (a --checkpoint brings its own), known once it is loaded
+        path, table, samples, variant = _babilong_once(
+            run, samples, sample_seed=base.seed, name_suffix=f"_seed{seed}"
+        )
         files.append(str(path))
         tables.append(table)
+    stem = args.name or f"babilong_{'_'.join(args.tasks)}_{variant}"
     summary = aggregate_tables(args.seeds, tables)
     json_path, _ = output_paths(argparse.Namespace(out=args.out, name=f"{stem}_seeds"), "babilong", "")
-    payload = {**summary, "task": "babilong", "tasks": args.tasks, "sample_seed": args.seed}
+    payload = {
+        **summary,
+        "task": "babilong",
+        "tasks": args.tasks,
+        "variant": variant,
+        "sample_seed": args.seed,
+    }
     payload.update(per_seed_files=files, command=command_line(args))
     write_json(json_path, payload)
     print(f"BABILong over seeds {args.seeds}: mean accuracy % [min-max]")

@@ -145,6 +145,10 @@ def run_depth_study(args: argparse.Namespace) -> int:
     set_threads(args)
     if any(d < 1 for d in args.depths):
         raise ValueError(f"--depths must be >= 1, got {args.depths}")
+    if args.lm_steps < 1:  # the study's losses are those of the trained LMs: there is no LM stage to skip
+        raise ValueError(
+            f"--lm-steps must be >= 1 (every depth is trained as a language model), got {args.lm_steps}"
+        )
     args.base_overrides = model_overrides(args)
     heldout = load_token_streams(
         args.data, load_tokenizer(args.tokenizer), heldout_fraction=args.heldout_fraction
@@ -173,7 +177,9 @@ def add_parser(evals) -> None:
     p = evals.add_parser("depth", help="memory depth 1-4: loss vs length and throughput (Figures 7-8)")
     p.add_argument("--variant", default="lmm", help="variant whose memory depth is varied")
     p.add_argument("--depths", type=int_list, default=[1, 2, 3, 4], help="memory depths L_M")
-    add_lm_args(p, heldout_windows=16)
+    add_lm_args(
+        p, heldout_windows=16, lm_steps_help="LM steps per depth (>= 1: every depth is trained as an LM)"
+    )
     p.add_argument(
         "--eval-lengths", type=int_list, default=[256, 512, 1024, 2048], help="held-out loss at these lengths"
     )

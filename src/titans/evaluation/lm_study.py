@@ -18,14 +18,15 @@ from typing import Any
 from titans.training.config import TrainConfig
 
 
-def add_lm_args(p: argparse.ArgumentParser, heldout_windows: int) -> None:
-    """The language-model training options of a study."""
+def add_lm_args(p: argparse.ArgumentParser, heldout_windows: int, lm_steps_help: str) -> None:
+    """The language-model training options of a study; ``lm_steps_help`` says what ``--lm-steps`` means to
+    it (whether 0 skips the LM stage or is refused)."""
     g = p.add_argument_group("language-model training (the Trainer)")
     g.add_argument("--data", default="builtin:prose", help="text source for the LM training")
     g.add_argument("--heldout-fraction", type=float, default=0.05, help="share of the documents held out")
     g.add_argument("--seq-len", type=int, default=256, help="training length")
     g.add_argument("--lm-batch-size", type=int, default=8, help="LM training batch")
-    g.add_argument("--lm-steps", type=int, default=200, help="LM steps per row (0: skip the LM stage)")
+    g.add_argument("--lm-steps", type=int, default=200, help=lm_steps_help)
     g.add_argument("--lm-lr", type=float, default=3e-3, help="LM peak learning rate")
     g.add_argument("--lm-warmup-steps", type=int, default=20, help="LM warm-up steps")
     g.add_argument("--heldout-windows", type=int, default=heldout_windows, help="held-out windows")

@@ -1,10 +1,13 @@
 """`titans eval ppl`: held-out loss, perplexity and bits per byte of a saved checkpoint.
 
-    titans eval ppl --checkpoint C [--data SPEC] [--seq-len N] [--windows K] [--allow-changed-data]
+    titans eval ppl --checkpoint C [--data SPEC] [--seq-len N] [--windows K] [--dtype D]
+                    [--allow-changed-data]
 
 scores a checkpoint's own held-out split, or all of the text named by ``--data`` (see
 ``titans.data.sources``), with ``titans.training.perplexity.evaluate_perplexity`` (the function the
-trainer's own evaluations use), prints the result and writes it as JSON.
+trainer's own evaluations use), prints the result and writes it as JSON. The precision is the run's
+(``TrainConfig.dtype``, by the trainer's rule: `autocast_dtype_for`) unless ``--dtype`` names another, so
+the held-out score is the one the trainer reported.
 
 The held-out split is rebuilt from the run's data as it is now, and checked against the digests the
 checkpoint recorded (``TokenBatches.state_dict``; an older checkpoint records only the training token
@@ -38,9 +41,20 @@ from titans.evaluation.scoring import write_json
 from titans.runtime.device import resolve_device
 from titans.runtime.loading import load_checkpoint_from
 from titans.training import perplexity as _heldout
+from titans.training.config import DTYPES
 from titans.training.model_io import load_model
 
 log = logging.getLogger(__name__)
+
+
+def autocast_dtype_for(dtype: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype a `TrainConfig.dtype` means on ``device``, by the trainer's rule (``Trainer``):
+    bf16 for "bfloat16", and for "auto" on CUDA; none (float32) otherwise."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
 
 
 def whole_source_stream(spec: str, tokenizer: Tokenizer, text_field: str = "text") -> TokenStream:
@@ -114,12 +128,14 @@ def run_ppl(args) -> int:
     if args.data is None:
         data_state = loaded.trainer_state.get("data") or {}
         stream = heldout_stream(cfg, tokenizer, data_state, allow_changed=args.allow_changed_data)
-        data_desc = f"{cfg.data} (held-out split)"
+        data_desc, what = f"{cfg.data} (held-out split)", f"the held-out split of {cfg.data!r}"
     else:
         stream = whole_source_stream(args.data, tokenizer, text_field=args.text_field)
-        data_desc = args.data
-    windows = EvalWindows(stream, seq_len=seq_len, num_windows=args.windows, batch_size=args.batch_size)
-    autocast = torch.bfloat16 if device.type == "cuda" else None
+        data_desc, what = args.data, f"text source {args.data!r}"  # as whole_source_stream names it
+    windows = EvalWindows(
+        stream, seq_len=seq_len, num_windows=args.windows, batch_size=args.batch_size, what=what
+    )
+    autocast = autocast_dtype_for(cfg.dtype if args.dtype is None else args.dtype, device)
     result = _heldout.evaluate_perplexity(model, windows, device=device, autocast_dtype=autocast)
     if not math.isfinite(result.loss):
         raise ValueError(
@@ -166,5 +182,12 @@ def add_ppl_parser(evals) -> None:
     p.add_argument("--windows", type=int, default=64, help="number of windows, spread over the text")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="precision, as the trainer's dtype: bfloat16 (bf16 autocast), float32, auto (bf16 on CUDA, "
+        "float32 on CPU) (default: the run's dtype, as the trainer scored it)",
+    )
     p.add_argument("--out", default=None, help="JSON output (default: RUN_DIR/eval_ppl.json)")
     p.set_defaults(func=run_ppl)

@@ -16,6 +16,7 @@ table is keyed by (``length`` and ``depth`` or ``task``), as ``NeedleSample`` an
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from titans.evaluation.haystack import TextTokenizer
 from titans.evaluation.scoring import MATCHERS, AccuracyTable, table_from_samples
+from titans.models.lm import TitansLM
 
 
 class StreamingModel(Protocol):
@@ -50,6 +52,26 @@ def _model_device(model: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def _accepts_last_only(model: Any) -> bool:
+    """Whether ``model`` takes ``last_only=`` (``TitansLM`` does: logits of the last position only, which
+    spares the output head on the rest of a prompt piece). A model that only follows `StreamingModel`,
+    ``model(tokens, state=None)``, is called without it."""
+    # torch.compile and (Distributed)DataParallel wrappers forward **kwargs: ask the model they wrap
+    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module) or isinstance(
+        model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+    ):
+        model = getattr(model, "_orig_mod", None) or model.module
+    if isinstance(model, TitansLM):
+        return True
+    # a module's __call__ takes (*args, **kwargs) whatever its forward takes: read the forward's
+    fn = model.forward if isinstance(model, torch.nn.Module) else model
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin or C callable): the protocol only
+        return False
+    return any(p.name == "last_only" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 @torch.no_grad()
 def prefill(model: StreamingModel, prompt: Tensor, *, prefill_chunk: int = 2048) -> tuple[Tensor, Any]:
     """Read ``prompt`` (B, T) in pieces of ``prefill_chunk`` tokens; return the last position's logits
@@ -60,9 +82,10 @@ def prefill(model: StreamingModel, prompt: Tensor, *, prefill_chunk: int = 2048)
         )
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    extra = {"last_only": True} if _accepts_last_only(model) else {}
     state = None
     for start in range(0, prompt.shape[1], prefill_chunk):
-        logits, state = model(prompt[:, start : start + prefill_chunk], state=state, last_only=True)
+        logits, state = model(prompt[:, start : start + prefill_chunk], state=state, **extra)
     return logits[:, -1], state
 
 
