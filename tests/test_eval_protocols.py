@@ -80,7 +80,7 @@ def test_runner_still_asks_titans_lm_for_the_last_position_only(monkeypatch):
 
 # ------------------------------------------------------------------ 2. eval ppl scores as the trainer did
 def test_autocast_follows_the_trainers_rule():
-    from titans.evaluation.perplexity import autocast_dtype_for
+    from titans.training.config import autocast_dtype_for
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert autocast_dtype_for("bfloat16", cpu) is torch.bfloat16

@@ -6,8 +6,8 @@
 scores a checkpoint's own held-out split, or all of the text named by ``--data`` (see
 ``titans.data.sources``), with ``titans.training.perplexity.evaluate_perplexity`` (the function the
 trainer's own evaluations use), prints the result and writes it as JSON. The precision is the run's
-(``TrainConfig.dtype``, by the trainer's rule: `autocast_dtype_for`) unless ``--dtype`` names another, so
-the held-out score is the one the trainer reported.
+(``TrainConfig.dtype``, by the trainer's rule: ``titans.training.config.autocast_dtype_for``) unless
+``--dtype`` names another, so the held-out score is the one the trainer reported.
 
 The held-out split is rebuilt from the run's data as it is now, and checked against the digests the
 checkpoint recorded (``TokenBatches.state_dict``; an older checkpoint records only the training token
@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from titans.data.loader import EvalWindows
 from titans.data.sources import load_source
@@ -41,20 +40,10 @@ from titans.evaluation.scoring import write_json
 from titans.runtime.device import resolve_device
 from titans.runtime.loading import load_checkpoint_from
 from titans.training import perplexity as _heldout
-from titans.training.config import DTYPES
+from titans.training.config import DTYPES, autocast_dtype_for
 from titans.training.model_io import load_model
 
 log = logging.getLogger(__name__)
-
-
-def autocast_dtype_for(dtype: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype a `TrainConfig.dtype` means on ``device``, by the trainer's rule (``Trainer``):
-    bf16 for "bfloat16", and for "auto" on CUDA; none (float32) otherwise."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return None
 
 
 def whole_source_stream(spec: str, tokenizer: Tokenizer, text_field: str = "text") -> TokenStream:

@@ -32,6 +32,8 @@ from dataclasses import MISSING, Field, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from titans.data.loader import check_curriculum
 from titans.models.config import FIELD_HELP as MODEL_FIELD_HELP
 from titans.models.config import PRESETS, VARIANTS, TitansConfig, read_json_object
@@ -51,6 +53,17 @@ TOKENIZER_HELP = "bytes, gpt2, mistral-32k, dna, or a tokenizer file (.json, .mo
 SAMPLE_PROMPTS = ("def ", "ACGT")
 
 DTYPES = ("auto", "float32", "bfloat16")
+
+
+def autocast_dtype_for(dtype: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype a `TrainConfig.dtype` means on ``device``: bf16 for "bfloat16", and for "auto"
+    on CUDA; none (float32) otherwise. The trainer trains, and `titans eval ppl` scores, by this rule."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
 
 # Fields that may change between a run and its resume: they do not change what is learned from which data
 # (logging, budgets, where to write). `steps`/`tokens` may grow to extend a run (the cosine schedule is then

@@ -66,7 +66,7 @@ from titans.runtime.loading import (
     tokenizer_record,
 )
 from titans.training import distributed as D
-from titans.training.config import TrainConfig, model_mismatches, sample_prompt_for
+from titans.training.config import TrainConfig, autocast_dtype_for, model_mismatches, sample_prompt_for
 from titans.training.cuda_graphs import GraphedMicroStep
 from titans.training.loop import TrainLoop, optimizer_step
 from titans.training.metrics import (
@@ -149,10 +149,7 @@ class Trainer:
                     f"which do not split into world_size={self.info.world_size} ranks x grad_accum="
                     f"{cfg.grad_accum} equal micro-batches"
                 )
-        if cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and self.device.type == "cuda"):
-            self.autocast_dtype: torch.dtype | None = torch.bfloat16
-        else:
-            self.autocast_dtype = None
+        self.autocast_dtype = autocast_dtype_for(cfg.dtype, self.device)
 
         if overwrite:
             if self.info.is_main:
