@@ -76,6 +76,39 @@ def test_bad_option_values_are_refused_before_any_work(capsys, monkeypatch, tmp_
     assert not (tmp_path / "runs").exists() and not (tmp_path / "results").exists()
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--run-dir", "", "--steps", "1"],
+        ["train", "--config", " ", "--steps", "1"],
+        ["eval", "ppl", "--checkpoint", ""],
+        ["eval", "context", "--checkpoint", "", "--length", "64"],
+        ["generate", "--checkpoint", "", "--prompt", "a"],
+        ["read", "--checkpoint", "ck", "--input", "a.txt", "--save-state", ""],
+        ["export-hf", "--checkpoint", "ck", "--out", ""],
+        ["inspect", "--checkpoint", "ck", "--out", ""],
+        ["forecast", "eval", "--run", ""],
+        ["dna", "study", "--out", ""],
+    ],
+    ids=lambda a: " ".join(a[:3]),
+)
+def test_empty_paths_are_refused(capsys, monkeypatch, tmp_path, argv):
+    """An empty path meant the current folder: `titans train --run-dir ""` wrote its checkpoints, metrics and
+    report among the user's files, and `--checkpoint ""` loaded whatever run was there."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        titans_main(argv)
+    assert exit_.value.code == 2
+    err = error_line(capsys)
+    assert "an empty path" in err and err.startswith("titans "), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_config_with_an_empty_run_dir_is_refused():
+    with pytest.raises(ValueError, match="TrainConfig.run_dir: an empty path"):
+        TrainConfig(run_dir="")
+
+
 @pytest.mark.parametrize("sampling", [["--greedy"], ["--temperature", "1", "--top-k", "10"]], ids=str)
 def test_generate_prints_no_token_of_non_finite_logits(tmp_path, capsys, sampling):
     """A memory write that diverges while `titans generate` decodes: with --compile eager as without, the

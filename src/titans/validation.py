@@ -3,6 +3,7 @@ and `option`, the one place a config field's help text and bounds are written.""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import math
@@ -20,6 +21,14 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     swapped = [c for c in names if sorted(c.lower()) == sorted(word.lower())]
     close = swapped or difflib.get_close_matches(word, names, n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def path_arg(text: str) -> str:
+    """An argparse ``type`` for a path option: refuses an empty or blank path, which would otherwise mean the
+    current folder (a run, checkpoint or output written or read there by accident)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; give a file or folder (. for the current folder)")
+    return text
 
 
 def check_int(name: str, value: Any, minimum: int = 1, *, none_ok: bool = False) -> None:

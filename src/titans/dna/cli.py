@@ -35,7 +35,7 @@ from titans.dna.study import (
 from titans.dna.tasks import ClassificationSet, encode_records
 from titans.models.config import VARIANTS
 from titans.runtime.device import set_cpu_threads
-from titans.validation import did_you_mean
+from titans.validation import did_you_mean, path_arg
 
 
 def _budget(args) -> DNABudget:
@@ -318,7 +318,7 @@ def register(commands, evals) -> None:
         "--fasta", default="builtin", help="FASTA file (plain or .gz), or builtin (Drosophila sample)"
     )
     p.add_argument("--variants", default="lmm,transformer,swa", help="comma-separated model variants")
-    p.add_argument("--out", default="results/dna", help="output folder")
+    p.add_argument("--out", type=path_arg, default="results/dna", help="output folder")
     p.add_argument("--seeds", default=None, help="comma-separated seeds, one run each (default: --seed)")
     p.add_argument(
         "--no-scratch",

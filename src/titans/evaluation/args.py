@@ -15,6 +15,7 @@ from typing import Any
 from titans.evaluation.haystack import HAYSTACK_NAMES
 from titans.runtime.device import resolve_device, set_cpu_threads
 from titans.training.config import parse_set
+from titans.validation import path_arg
 
 
 def _number_list(text: str, cast, plural: str, singular: str) -> list:
@@ -81,7 +82,12 @@ def haystack_list(text: str) -> list[str]:
 
 
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default=None, help="folder for the JSON and PNG (default results/evals/<task>)")
+    p.add_argument(
+        "--out",
+        type=path_arg,
+        default=None,
+        help="folder for the JSON and PNG (default results/evals/<task>)",
+    )
     p.add_argument("--name", default=None, help="file name stem of the results (default from the settings)")
     p.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (1 is best on a busy machine)"
@@ -200,14 +206,18 @@ def set_threads(args: argparse.Namespace) -> None:
 
 
 def add_source_args(p: argparse.ArgumentParser, default_length: int) -> None:
-    p.add_argument("--checkpoint", help="a trainer checkpoint or run folder to evaluate (or fine-tune)")
+    p.add_argument(
+        "--checkpoint", type=path_arg, help="a trainer checkpoint or run folder to evaluate (or fine-tune)"
+    )
     p.add_argument(
         "--train-recipe",
         action="store_true",
         help="train with the fine-tuning recipe first: the --checkpoint model, else a fresh one",
     )
     p.add_argument("--variant", default="mac", help="variant of a fresh model")
-    p.add_argument("--save-model", default=None, help="save the recipe-trained model here (a run folder)")
+    p.add_argument(
+        "--save-model", type=path_arg, default=None, help="save the recipe-trained model here (a run folder)"
+    )
     p.add_argument(
         "--ckpt-every",
         type=int,

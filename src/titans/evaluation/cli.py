@@ -55,6 +55,7 @@ from titans.evaluation.seeds import aggregate_tables, format_seed_table
 from titans.models.config import VARIANTS
 from titans.runtime.checkpoint import CheckpointError
 from titans.runtime.loading import resolve_checkpoint
+from titans.validation import path_arg
 
 # ---------------------------------------------------------------------------------------------------------
 # titans eval niah
@@ -337,7 +338,9 @@ def add_tasks_parser(evals) -> None:
         help="default: noise (passkey), essays (other niah), moby_dick",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--save-models", default=None, help="save each trained model as FOLDER/<variant>")
+    src.add_argument(
+        "--save-models", type=path_arg, default=None, help="save each trained model as FOLDER/<variant>"
+    )
     src.add_argument(
         "--from-models",
         default=None,

@@ -52,7 +52,7 @@ from titans.models.lm import TitansLM
 from titans.runtime.checkpoint import Checkpoint, CheckpointError
 from titans.runtime.loading import load_checkpoint_from, load_weights, tokenizer_from_record
 from titans.training.model_io import load_model
-from titans.validation import check_int
+from titans.validation import check_int, path_arg
 
 log = logging.getLogger(__name__)
 
@@ -652,7 +652,10 @@ def add_parser(evals) -> None:
         "context", help="next-token loss against position in long texts (log-spaced buckets)"
     )
     p.add_argument(
-        "--checkpoint", required=True, help="a checkpoint folder or a run folder (newest checkpoint)"
+        "--checkpoint",
+        type=path_arg,
+        required=True,
+        help="a checkpoint folder or a run folder (newest checkpoint)",
     )
     p.add_argument(
         "--data", default=None, help="text source to use in full (default: the checkpoint's held-out split)"
@@ -690,6 +693,9 @@ def add_parser(evals) -> None:
         "--threads", type=int, default=None, help="torch CPU threads (1 is best on a busy machine)"
     )
     p.add_argument(
-        "--out", default=None, help="JSON output, the PNG beside it (default: RUN_DIR/eval_context.json)"
+        "--out",
+        type=path_arg,
+        default=None,
+        help="JSON output, the PNG beside it (default: RUN_DIR/eval_context.json)",
     )
     p.set_defaults(func=run_context, check=check_context_args)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from titans.training.config import TrainConfig
+from titans.validation import path_arg
 
 
 def add_lm_args(p: argparse.ArgumentParser, heldout_windows: int, lm_steps_help: str) -> None:
@@ -30,7 +31,9 @@ def add_lm_args(p: argparse.ArgumentParser, heldout_windows: int, lm_steps_help:
     g.add_argument("--lm-lr", type=float, default=3e-3, help="LM peak learning rate")
     g.add_argument("--lm-warmup-steps", type=int, default=20, help="LM warm-up steps")
     g.add_argument("--heldout-windows", type=int, default=heldout_windows, help="held-out windows")
-    g.add_argument("--run-root", default=None, help="keep each row's run folder here (default: temporary)")
+    g.add_argument(
+        "--run-root", type=path_arg, default=None, help="keep each row's run folder here (default: temporary)"
+    )
 
 
 def lm_train_config(args: argparse.Namespace, run_dir: Path, overrides: dict[str, Any]) -> TrainConfig:

@@ -42,6 +42,7 @@ from titans.runtime.loading import load_checkpoint_from
 from titans.training import perplexity as _heldout
 from titans.training.config import DTYPES, autocast_dtype_for
 from titans.training.model_io import load_model
+from titans.validation import path_arg
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,10 @@ def add_ppl_parser(evals) -> None:
     """Register ``titans eval ppl`` in the ``evals`` sub-parser collection."""
     p = evals.add_parser("ppl", help="held-out loss, perplexity and bits per byte of a checkpoint")
     p.add_argument(
-        "--checkpoint", required=True, help="a checkpoint folder or a run folder (newest checkpoint)"
+        "--checkpoint",
+        type=path_arg,
+        required=True,
+        help="a checkpoint folder or a run folder (newest checkpoint)",
     )
     p.add_argument(
         "--data",
@@ -178,5 +182,5 @@ def add_ppl_parser(evals) -> None:
         help="precision, as the trainer's dtype: bfloat16 (bf16 autocast), float32, auto (bf16 on CUDA, "
         "float32 on CPU) (default: the run's dtype, as the trainer scored it)",
     )
-    p.add_argument("--out", default=None, help="JSON output (default: RUN_DIR/eval_ppl.json)")
+    p.add_argument("--out", type=path_arg, default=None, help="JSON output (default: RUN_DIR/eval_ppl.json)")
     p.set_defaults(func=run_ppl)

@@ -24,7 +24,7 @@ from titans.forecast.model import FORECAST_MODELS, build_forecaster
 from titans.forecast.seeds import aggregate_studies, aggregate_table, plot_aggregate
 from titans.forecast.train import ForecastRun, evaluate, plot_forecasts, run_record, train_forecaster
 from titans.runtime.device import set_cpu_threads
-from titans.validation import did_you_mean
+from titans.validation import did_you_mean, path_arg
 
 HORIZONS = (96, 192, 336, 720)
 
@@ -294,17 +294,17 @@ def register(commands, evals) -> None:
     _common(p)
     p.add_argument("--model", default="lmm", choices=FORECAST_MODELS, help="model")
     p.add_argument("--horizon", type=int, default=96, help="predicted steps")
-    p.add_argument("--out", default="runs/forecast", help="output folder")
+    p.add_argument("--out", type=path_arg, default="runs/forecast", help="output folder")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("eval", help="re-measure a trained model.pt on its test part (JSON on stdout)")
-    p.add_argument("--run", required=True, help="folder written by `titans forecast train`")
+    p.add_argument("--run", type=path_arg, required=True, help="folder written by `titans forecast train`")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("study", help="models x horizons side by side at equal budget; JSON and PNGs")
     _common(p, study=True)
     p.add_argument("--models", default="linear,lmm,mac,transformer", help="comma-separated models")
     p.add_argument("--horizons", default=",".join(map(str, HORIZONS)), help="comma-separated horizons")
-    p.add_argument("--out", default="results/forecast", help="output folder")
+    p.add_argument("--out", type=path_arg, default="results/forecast", help="output folder")
     p.add_argument(
         "--seeds",
         default=None,
@@ -315,7 +315,9 @@ def register(commands, evals) -> None:
         "aggregate", help="mean, spread and best-or-within-one-SE counts over per-seed study JSONs"
     )
     p.add_argument("inputs", nargs="+", help="study JSONs or folders of them, one seed each")
-    p.add_argument("--out", default=None, help="output folder (default: the first input's folder)")
+    p.add_argument(
+        "--out", type=path_arg, default=None, help="output folder (default: the first input's folder)"
+    )
     p.set_defaults(func=cmd_aggregate)
 
 

@@ -30,6 +30,7 @@ from titans.models.streaming import prefill
 from titans.runtime.device import resolve_device
 from titans.runtime.loading import load_trained
 from titans.runtime.sampling import SAMPLING
+from titans.validation import path_arg
 
 DEFAULT_BLOCK_CHARS = 1 << 20  # characters read and tokenized at a time by `titans read`
 
@@ -205,10 +206,12 @@ def run_export_hf(args: argparse.Namespace) -> int:
 
 def register(commands, evals) -> None:
     p = commands.add_parser("read", help="read a long document into the model's state and save the state")
-    p.add_argument("--checkpoint", required=True, help="checkpoint folder or run folder")
-    p.add_argument("--input", required=True, help="UTF-8 text file ('-' for stdin)")
-    p.add_argument("--save-state", required=True, help="where to write the state (.safetensors)")
-    p.add_argument("--state", help="continue from this saved state (e.g. a second document)")
+    p.add_argument("--checkpoint", type=path_arg, required=True, help="checkpoint folder or run folder")
+    p.add_argument("--input", type=path_arg, required=True, help="UTF-8 text file ('-' for stdin)")
+    p.add_argument(
+        "--save-state", type=path_arg, required=True, help="where to write the state (.safetensors)"
+    )
+    p.add_argument("--state", type=path_arg, help="continue from this saved state (e.g. a second document)")
     p.add_argument("--piece-len", type=int, default=None, help="tokens per model call (default: automatic)")
     p.add_argument(
         "--block-chars",
@@ -225,8 +228,8 @@ def register(commands, evals) -> None:
         help="generate text, optionally from a saved state",
         description="Continue --prompt with the model of --checkpoint, printing the text as it is generated.",
     )
-    g.add_argument("--checkpoint", required=True, help="checkpoint folder or run folder")
-    g.add_argument("--state", help="a state saved by `titans read` (or generate --save-state)")
+    g.add_argument("--checkpoint", type=path_arg, required=True, help="checkpoint folder or run folder")
+    g.add_argument("--state", type=path_arg, help="a state saved by `titans read` (or generate --save-state)")
     g.add_argument("--prompt", required=True, help="text to continue (at least one token)")
     g.add_argument("--max-new-tokens", type=int, default=200, help="tokens generated per sample at most")
     g.add_argument(
@@ -252,7 +255,9 @@ def register(commands, evals) -> None:
     g.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same samples)")
     g.add_argument("--num-samples", type=int, default=1, help="samples, each from the same starting state")
     g.add_argument("--no-stop", action="store_true", help="do not stop at the tokenizer's end-of-text token")
-    g.add_argument("--save-state", help="write the state after the generated text here (one sample only)")
+    g.add_argument(
+        "--save-state", type=path_arg, help="write the state after the generated text here (one sample only)"
+    )
     g.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1")
     g.set_defaults(func=run_generate, check=check_generate_args)
 
@@ -263,8 +268,8 @@ def register(commands, evals) -> None:
         "AutoModelForCausalLM (trust_remote_code=True), AutoTokenizer and pipeline('text-generation'). "
         "Needs the hf extra.",
     )
-    e.add_argument("--checkpoint", required=True, help="checkpoint folder or run folder")
-    e.add_argument("--out", required=True, help="the folder to write")
+    e.add_argument("--checkpoint", type=path_arg, required=True, help="checkpoint folder or run folder")
+    e.add_argument("--out", type=path_arg, required=True, help="the folder to write")
     e.add_argument("--overwrite", action="store_true", help="write into --out even if it holds files")
     e.set_defaults(func=run_export_hf)
 

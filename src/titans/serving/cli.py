@@ -26,6 +26,7 @@ from titans.serving.errors import redact, redact_url
 from titans.serving.session import DEFAULT_MAX_SNAPSHOTS, Engine
 from titans.serving.stores import StoreError, open_store
 from titans.serving.workers import reuse_freed_memory
+from titans.validation import path_arg
 
 DEFAULT_STORE = "sqlite:///titans-sessions.db"
 
@@ -276,13 +277,15 @@ def register(commands, evals) -> None:
         help="serve per-session memories over HTTP (FastAPI; the API is described at /docs)",
         description="An HTTP API of sessions: each reads text into its own memory state, kept in a store.",
     )
-    p.add_argument("--checkpoint", required=True, help="checkpoint folder or run folder")
+    p.add_argument("--checkpoint", type=path_arg, required=True, help="checkpoint folder or run folder")
     p.add_argument(
         "--store",
         default=DEFAULT_STORE,
         help="sqlite:///PATH (sqlite:////abs/path), redis://HOST:PORT/DB, rediss://..., unix:///SOCKET?db=N",
     )
-    p.add_argument("--api-keys", help="file of API keys, one per line (only their sha256 hashes are kept)")
+    p.add_argument(
+        "--api-keys", type=path_arg, help="file of API keys, one per line (only their sha256 hashes are kept)"
+    )
     p.add_argument("--no-auth", action="store_true", help="serve without keys on a non-loopback host")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")

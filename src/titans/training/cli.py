@@ -29,6 +29,7 @@ from titans.training.config import DATA_HELP, TOKENIZER_HELP, TrainConfig, field
 from titans.training.report import compare_table, format_report
 from titans.training.signals import exit_status
 from titans.training.trainer import Trainer
+from titans.validation import path_arg
 
 # explicit flag (argparse dest) -> TrainConfig field
 _FLAGS: dict[str, str] = {
@@ -176,7 +177,7 @@ def register(commands, evals) -> None:
         description="Train a Titans language model. Precedence: the TrainConfig defaults < --config < the "
         "flags below < --set KEY=VALUE. `titans train --list-fields` lists every field --set accepts.",
     )
-    p.add_argument("--config", default=None, help="JSON TrainConfig file (see configs/)")
+    p.add_argument("--config", type=path_arg, default=None, help="JSON TrainConfig file (see configs/)")
     p.add_argument(
         "--set",
         action="append",
@@ -207,7 +208,11 @@ def register(commands, evals) -> None:
         type=int,
         help=f"seed of the weights, the batch order and the sample (config default: {d.seed})",
     )
-    p.add_argument("--run-dir", help=f"where checkpoints, metrics and plots go (config default: {d.run_dir})")
+    p.add_argument(
+        "--run-dir",
+        type=path_arg,
+        help=f"where checkpoints, metrics and plots go (config default: {d.run_dir})",
+    )
     p.add_argument("--device", help=f"auto, cpu, cuda, cuda:1, ... (config default: {d.device})")
     p.add_argument(
         "--threads",
@@ -242,6 +247,10 @@ def register(commands, evals) -> None:
         "--overwrite", action="store_true", help="discard an earlier run in run_dir and start again"
     )
     p.add_argument(
-        "--compare", nargs="+", metavar="CONFIG", help="train each config in turn, print a bpb table"
+        "--compare",
+        type=path_arg,
+        nargs="+",
+        metavar="CONFIG",
+        help="train each config in turn, print a bpb table",
     )
     p.set_defaults(func=run_train)

@@ -251,6 +251,8 @@ class TrainConfig:
             for k, v in self.model.items()
         }
         check_bounds(self)
+        if not self.run_dir.strip():  # "" would be the current folder: a run's files written among the user's
+            raise ValueError("TrainConfig.run_dir: an empty path; give a folder (. for the current folder)")
         if self.carry_reset_every is not None and not self.carry_state:
             raise ValueError("TrainConfig.carry_reset_every applies with carry_state: true only")
         if self.carry_groups > 1 and not self.carry_state:
