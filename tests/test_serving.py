@@ -353,6 +353,12 @@ def test_bad_requests_get_a_clear_4xx_and_change_nothing(served):
             "no session",
         ),
         ("not a session id", served.http.get(f"{served.url}/v1/sessions/..%2Fetc/stats", headers=A), 404, ""),
+        (
+            "a 4,000-character id (not echoed back)",
+            served.http.post(f"{served.url}/v1/sessions/{'a' * 4000}/read", headers=A, json={"text": "a"}),
+            404,
+            "no session with that id (a session id is 32 hex digits)",
+        ),
     ]
     for what, r, status, words in cases + edge_cases(served, url):
         assert r.status_code == status, (what, r.status_code, r.text)

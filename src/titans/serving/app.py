@@ -287,6 +287,8 @@ _STREAM_CUT_DETAIL = (
 
 
 def _not_found(sid: str) -> ApiError:
+    if not _SESSION_ID.match(sid):  # not an id this server gives out: not echoed (it may be any length)
+        return ApiError(404, "no session with that id (a session id is 32 hex digits)")
     return ApiError(404, f"no session {sid!r}")
 
 
