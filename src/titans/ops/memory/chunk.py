@@ -246,6 +246,13 @@ def _bound_(x: Tensor, max_norm: float) -> Tensor:
     return scale
 
 
+def _bounded(x: Tensor, max_norm: float) -> Tensor:
+    """`_BoundState` out of place, differentiated by autograd: under torch.compile, which cannot trace the
+    Function's `mark_dirty` nor its backward's `out=` into a view (graph breaks), and fuses this anyway."""
+    w = x[:, 0] * bound_scale(x[:, 0], max_norm)[:, None, None]
+    return torch.stack((w, x[:, 1]), 1)
+
+
 def _anchor_(x: Tensor, keep: Tensor, anchor: Tensor) -> Tensor:
     """`_AnchorState`'s forward without autograd: W of x += (1 - keep) anchor in place; returns x."""
     x[:, 0].addcmul_(anchor, (1 - keep)[:, None, None])
@@ -548,7 +555,8 @@ def run_chunks(
             states = [anchor_fn(x, m_c[:, 0, 0], a) for x, a in zip(states, anchor)]
         if max_norm is not None:  # the bound at the chunk boundary, before the next chunk reads W
             if buffers is None:
-                states = [_BoundState.apply(x, max_norm) for x in states]
+                bound = _bounded if torch.compiler.is_compiling() else _BoundState.apply
+                states = [bound(x, max_norm) for x in states]
             else:
                 for x in states:
                     _bound_(x, max_norm)
