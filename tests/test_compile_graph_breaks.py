@@ -97,3 +97,40 @@ def test_bounded_memory_traces_whole_with_eager_gradients(dynamo):
     assert _graph_breaks(dynamo) == 0
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"memory_checkpoint_every": 1},  # torch's checkpoint under compile (autograd.grad broke the graph)
+        {"memory_rule": "atlas"},  # the rules' chunked path (bisect broke it)
+        {"memory_rule": "memora"},
+        {"memory_max_norm": 0.5},
+    ],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_compiled_block_options_train_like_eager_in_one_graph(dynamo, options):
+    """A compiled MAC block with a memory option that takes another code path: no graph break, and the
+    loss and every parameter's gradient equal the eager model's."""
+    torch.manual_seed(0)
+    model = TitansLM(TitansConfig.preset("tiny", variant="mac", depth=1, **options)).train()
+    for module in model.modules():
+        if hasattr(module, "check_finite"):
+            module.check_finite = False
+    tokens = torch.randint(0, model.config.vocab_size, (2, 50))  # 3 chunks of 16 and a partial one
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        logits, _ = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want_loss, want = step()
+    model.compile_blocks(backend="eager")
+    got_loss, got = step()
+    assert _graph_breaks(dynamo) == 0, dict(dynamo["graph_break"])
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)

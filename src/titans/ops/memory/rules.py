@@ -43,7 +43,6 @@ chunk does not hold), and the l_q retention's general f-divergence / Bregman var
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, is_dataclass, replace
@@ -770,9 +769,10 @@ def _rows(x: Tensor, ranges: list[tuple[int, int]]) -> list[Tensor]:
     zero-filled gradient of x's full size per range (O(T^2 / chunk) over a sequence), split one cat."""
     points = sorted({0, x.shape[1], *(p for r in ranges for p in r)})
     pieces = x.split([b - a for a, b in zip(points, points[1:])], dim=1)
+    index = {p: i for i, p in enumerate(points)}  # a dict, not bisect: torch.compile traces it
     out = []
     for a, b in ranges:
-        parts = pieces[bisect.bisect_left(points, a) : bisect.bisect_left(points, b)]
+        parts = pieces[index[a] : index[b]]
         out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
     return out
 
