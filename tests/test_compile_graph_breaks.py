@@ -102,7 +102,6 @@ def test_bounded_memory_traces_whole_with_eager_gradients(dynamo):
 @pytest.mark.parametrize(
     "options",
     [
-        {"memory_checkpoint_every": 1},  # torch's checkpoint under compile (autograd.grad broke the graph)
         {"memory_rule": "atlas"},  # the rules' chunked path (bisect broke it)
         {"memory_rule": "memora"},
         {"memory_max_norm": 0.5},

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from titans.ops.cpu_kernels import kernels
 from titans.ops.memory.common import (
@@ -735,13 +734,11 @@ def neural_memory_chunked(
     for q_g, k_g, v_g, g_g, b_g, m_g, a_g in zip(*pieces, *coefs, auxs):
         if group < n_full:
             anchors = anchor or ()
-            args = (config, max_norm, len(anchors), q_g, k_g, v_g, g_g, b_g, m_g, a_g, *states, *anchors)
-            if (
-                torch.compiler.is_compiling()
-            ):  # torch's checkpoint, which Dynamo traces (autograd.grad it cannot)
-                y, norm, *states = checkpoint(_CheckpointedChunks.run, *args, use_reentrant=False)
-            else:
-                y, norm, *states = _CheckpointedChunks.apply(*args)
+            # under torch.compile this Function (autograd.grad in its backward) breaks the graph. Traced
+            # through torch's checkpoint instead, inductor (torch 2.13) lost the gradient to the block's input
+            y, norm, *states = _CheckpointedChunks.apply(
+                config, max_norm, len(anchors), q_g, k_g, v_g, g_g, b_g, m_g, a_g, *states, *anchors
+            )
         else:
             y, norm, *states = run_chunks(
                 *config, q_g, k_g, v_g, g_g, b_g, m_g, a_g, *states, max_norm=max_norm, anchor=anchor
