@@ -236,6 +236,33 @@ def test_a_worker_process_that_dies_is_replaced(checkpoint, keys, tmp_path):
         server.stop()
 
 
+def test_a_sigterm_stops_the_server_cleanly_with_status_143(checkpoint, keys, tmp_path):
+    """SIGTERM to `titans serve` with worker processes: it exits with 143 (128 + SIGTERM, as `titans train`)
+    after its exit handlers ran. uvicorn raised the signal again after its shutdown, which ended the process
+    before them: the store was not closed and the log ended with "leaked semaphore objects" (the quota
+    locks and the worker pool's)."""
+    log = tmp_path / "server.log"
+    server = ProcessServer(
+        checkpoint,
+        f"sqlite:///{tmp_path / 's.db'}",
+        log,
+        "--api-keys",
+        str(keys),
+        "--worker-processes",
+        "yes",
+        fork=False,
+    )
+    try:
+        server.start().wait()
+        assert httpx.post(f"{server.url}/v1/sessions", headers=AUTH, timeout=60).status_code == 201
+        os.kill(server.proc.pid, signal.SIGTERM)
+        assert server.proc.wait(60) == 143
+    finally:
+        server.kill()
+    text = log.read_text()
+    assert "leaked" not in text and "Traceback" not in text, text[-3000:]
+
+
 def test_worker_processes_finish_their_jobs_through_a_sigterm_and_are_not_replaced_after_close():
     """A SIGTERM to the whole process group (systemd's default KillMode) reaches the workers too: they
     ignore it, so the jobs in flight while the server drains still finish; and a worker lost once the

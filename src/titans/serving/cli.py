@@ -10,6 +10,7 @@ a loopback host, unless --no-auth says that anyone who can reach it may use it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -183,18 +184,39 @@ def run_serve(args: argparse.Namespace) -> int:
         server.run()
     finally:
         store.close()
+    if server.stopped_by is not None:  # the shell's convention, as `titans train`: 143 (SIGTERM), 130
+        return 128 + int(server.stopped_by)
     return 0 if server.started else 1  # not started: uvicorn logged why (the port taken, ...)
 
 
 def stopping_server(config, stop):
     """A uvicorn server that calls `stop()` when it begins to shut down (SIGINT, SIGTERM), before it
-    waits up to the config's timeout_graceful_shutdown for the requests in flight."""
+    waits up to the config's timeout_graceful_shutdown for the requests in flight.
+
+    uvicorn raises the signal again once it has shut down, so that the default action ends the process:
+    that would end it before the store is closed and before Python's exit handlers run (multiprocessing's
+    among them, which remove the worker pool's and the quota locks' semaphores: "leaked semaphore
+    objects" at every stop). The signal is kept in `stopped_by` instead, and the command exits with
+    128 + its number."""
     import uvicorn
 
     class StoppingServer(uvicorn.Server):
+        stopped_by: int | None = None
+
         async def shutdown(self, sockets=None) -> None:
             stop()
             await super().shutdown(sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    caught = getattr(self, "_captured_signals", None)  # what uvicorn would raise again
+                    if caught:
+                        self.stopped_by = caught[0]
+                        caught.clear()
 
     return StoppingServer(config)
 
