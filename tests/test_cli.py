@@ -387,3 +387,34 @@ def test_commands_run_float32_matmuls_in_tf32_and_restore_the_flags(monkeypatch)
         assert seen == [(True, True)] and flags() == (False, False)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def test_a_state_continued_with_other_weights_of_the_config_is_warned_about(tmp_path, capsys):
+    """`titans read` records which weights wrote a state (the checkpoint's model.safetensors SHA-256);
+    continuing it with another checkpoint of the same config (which `load_state` cannot tell apart) warns,
+    and with its own checkpoint does not. A state file without the record loads as before."""
+    from tiny_lm import save_tiny_run, tiny_model
+    from titans.cli import main as titans_main
+    from titans.models.state import read_state_header
+
+    mine = save_tiny_run(tmp_path / "a", tiny_model("mac", seed=0, dtype=torch.float32))
+    other = save_tiny_run(tmp_path / "b", tiny_model("mac", seed=1, dtype=torch.float32))
+    (tmp_path / "doc.txt").write_text("12 3+4, 56.\n" * 4)  # bytes inside the tiny vocabulary
+    state = tmp_path / "s.safetensors"
+    read = ["read", "--input", str(tmp_path / "doc.txt"), "--no-progress"]
+    assert titans_main([*read, "--checkpoint", str(mine), "--save-state", str(state)]) == 0
+    assert len(read_state_header(state)["weights"]) == 64
+    capsys.readouterr()
+
+    generate = ["generate", "--state", str(state), "--prompt", "1", "--max-new-tokens", "2", "--greedy"]
+    assert titans_main([*generate, "--checkpoint", str(mine)]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert titans_main([*generate, "--checkpoint", str(other)]) == 0
+    err = capsys.readouterr().err
+    assert "written by other weights of this config" in err and "Traceback" not in err
+    again = tmp_path / "s2.safetensors"
+    assert (
+        titans_main([*read, "--checkpoint", str(other), "--state", str(state), "--save-state", str(again)])
+        == 0
+    )
+    assert "written by other weights" in capsys.readouterr().err

@@ -25,10 +25,12 @@ from pathlib import Path
 import torch
 
 from titans.inference.generation import IncrementalDecoder, generate
-from titans.models.state import load_state, save_state, state_nbytes
+from titans.models.lm import TitansLM
+from titans.models.state import TitansState, load_state, read_state_header, save_state, state_nbytes
 from titans.models.streaming import prefill
+from titans.runtime.checkpoint import Checkpoint
 from titans.runtime.device import resolve_device
-from titans.runtime.loading import load_trained
+from titans.runtime.loading import checkpoint_of, load_trained
 from titans.runtime.sampling import SAMPLING
 from titans.validation import path_arg
 
@@ -76,13 +78,37 @@ def read_text_blocks(path: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> Itera
             stream.detach()  # leaves sys.stdin's buffer open
 
 
+def weights_id(checkpoint: Checkpoint) -> str | None:
+    """What identifies a checkpoint's weights: the SHA-256 its meta.json records for model.safetensors."""
+    return (checkpoint.meta.get("files") or {}).get("model.safetensors", {}).get("sha256")
+
+
+def load_continued_state(
+    path: str, checkpoint: Checkpoint, model: TitansLM, device: torch.device
+) -> TitansState:
+    """`--state`: the saved state (another config's is refused by `load_state`), with a warning when other
+    weights of the same config wrote it (another run, or another step of this one): its memory was written
+    through their projections, so this model reads it as noise."""
+    state = load_state(path, map_location=device, model=model)
+    wrote, mine = read_state_header(path).get("weights"), weights_id(checkpoint)
+    if wrote and mine and wrote != mine:
+        print(
+            f"warning: --state {path!r} was written by other weights of this config (model.safetensors "
+            f"sha256 {wrote[:12]}..., this checkpoint's {mine[:12]}...): its memory will not mean to this "
+            "model what it meant to that one",
+            file=sys.stderr,
+        )
+    return state
+
+
 def run_read(args: argparse.Namespace) -> int:
     path = Path(args.input)
     if args.input != "-" and not path.is_file():
         raise FileNotFoundError(f"--input: no such file {str(path)!r}")
     device = resolve_device(args.device)
-    model, tokenizer = load_trained(args.checkpoint, map_location=device)
-    state = load_state(args.state, map_location=device, model=model) if args.state else None
+    checkpoint = checkpoint_of(args.checkpoint)
+    model, tokenizer = load_trained(checkpoint, map_location=device)
+    state = load_continued_state(args.state, checkpoint, model, device) if args.state else None
     start_position = state.position if state is not None else 0
 
     def pieces() -> Iterator[torch.Tensor]:
@@ -95,7 +121,7 @@ def run_read(args: argparse.Namespace) -> int:
     if state is None or state.position == start_position:
         raise ValueError(f"--input {str(path)!r} holds no tokens")
     n = state.position - start_position
-    save_state(state, args.save_state)
+    save_state(state, args.save_state, weights=weights_id(checkpoint))
     print(
         f"read {n:,} tokens in {seconds:.1f} s ({n / max(seconds, 1e-9):,.0f} tokens/s); state now at "
         f"position {state.position:,}, {state_nbytes(state) / 2**20:.2f} MiB, saved to {args.save_state}; "
@@ -135,8 +161,9 @@ def run_generate(args: argparse.Namespace) -> int:
     """Print each sample as it is generated: the prompt, then every piece of text as soon as it is whole."""
     check_generate_args(args)
     device = resolve_device(args.device)
-    model, tokenizer = load_trained(args.checkpoint, map_location=device)
-    state = load_state(args.state, map_location=device, model=model) if args.state else None
+    checkpoint = checkpoint_of(args.checkpoint)
+    model, tokenizer = load_trained(checkpoint, map_location=device)
+    state = load_continued_state(args.state, checkpoint, model, device) if args.state else None
     ids = tokenizer.encode(args.prompt)
     if not ids:
         raise ValueError("--prompt must not be empty (the next token is predicted from it)")
@@ -179,7 +206,7 @@ def run_generate(args: argparse.Namespace) -> int:
             _, final_state = result
         print(decoder.finish(), flush=True)
     if args.save_state:
-        save_state(final_state, args.save_state)
+        save_state(final_state, args.save_state, weights=weights_id(checkpoint))
         # on stderr: stdout holds only the generated text
         print(f"wrote {args.save_state} (the state after the generated text)", file=sys.stderr)
     return 0

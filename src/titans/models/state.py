@@ -11,6 +11,9 @@ File format (safetensors): every tensor of the nested per-layer states under a s
     titans.layers         one tree per layer: {"type": "MACState", "fields": {...}} where a tensor is
                           {"tensor": name}, a tuple {"tuple": [...]}, and ints / None are themselves
     titans.sha256         digest of every tensor's name, dtype, shape and bytes (catches flipped bits)
+    titans.weights        optional: what identifies the weights that wrote the state (`titans read` and
+                          `titans generate` record the checkpoint's model.safetensors SHA-256, and warn
+                          when a state is continued with other weights of the same config)
 
 A tensor reachable twice (MAC's segment weights are often the memory's current weights) is stored once
 and comes back as one tensor. Only registered state classes are rebuilt (`register_state_type`, applied
@@ -296,8 +299,9 @@ def state_digest(state: TitansState | None) -> str:
 
 
 # ------------------------------------------------------------------------------------------ files
-def save_state(state: TitansState, path: str | Path) -> Path:
-    """Write `state` to `path` (safetensors + JSON header, see the module docstring), atomically.
+def save_state(state: TitansState, path: str | Path, *, weights: str | None = None) -> Path:
+    """Write `state` to `path` (safetensors + JSON header, see the module docstring), atomically;
+    `weights`, if given, is recorded as what identifies the model's weights (``titans.weights``).
 
     Tensors are saved as they are (dtype kept), on CPU. Returns the path. Refuses a state holding NaN or
     inf (ValueError naming the tensor): the memory of a model that diverged is nothing to keep. A write
@@ -305,6 +309,8 @@ def save_state(state: TitansState, path: str | Path) -> Path:
     """
     path = Path(path)
     tensors, metadata = _file_contents(state, f"save_state: refusing to write {str(path)!r}")
+    if weights is not None:
+        metadata["titans.weights"] = str(weights)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -393,6 +399,7 @@ def _parse_metadata(meta: dict[str, str], where: str) -> dict[str, Any]:
             "position": int(meta["titans.position"]),
             "layers": json.loads(meta["titans.layers"]),
             "sha256": meta["titans.sha256"],
+            "weights": meta.get("titans.weights"),
         }
     except (ValueError, TypeError) as e:
         raise StateFileError(f"{where}: damaged state header ({e})") from e
