@@ -220,6 +220,45 @@ def test_a_crafted_import_header_is_a_422_naming_the_field(server, http, engine)
     assert http.post(f"{url}/v1/sessions/import", headers=A, content=data).status_code == 201
 
 
+def test_an_import_cannot_bring_settings_past_the_servers_limits(server, http, engine):
+    """Imported bytes carry their session's settings: more snapshots than the server keeps, pieces of one
+    token a model call, a guard probe the server does not have (every read runs it in full: a 2-token read
+    took 38 s with a 20,000-token probe) or more events than a session keeps are refused with a 422 naming
+    the setting, and nothing is stored. The server's own settings import as before."""
+    url = server.url
+    sid = new(http, url)
+    read(http, url, sid)
+    data = http.get(f"{url}/v1/sessions/{sid}/export", headers=A).content
+    usage = server.store.usage(hash_key(KEY_A))
+
+    def setting(key, value):
+        return lambda h: {**h, key: value}
+
+    event = {
+        "kind": "freeze",
+        "reason": "x",
+        "position": 0,
+        "time": 0.0,
+        "probe_before": None,
+        "probe_after": None,
+    }
+    cases = {
+        "snapshots": setting("max_snapshots", engine.max_snapshots + 1),
+        "pieces of 1 tokens": setting("piece_len", 1),
+        "probe text other than this server's": setting("probe", list(range(2, 40))),
+        "events": setting("events", [event] * (MemorySession.max_events + 1)),
+    }
+    for words, edit in cases.items():
+        r = http.post(f"{url}/v1/sessions/import", headers=A, content=_resealed(data, edit))
+        assert r.status_code == 422, (words, r.status_code, r.text)
+        detail = r.json()["detail"]
+        assert detail.startswith("the body is not a session this server can take: ") and words in detail, (
+            detail
+        )
+    assert server.store.usage(hash_key(KEY_A)) == usage
+    assert http.post(f"{url}/v1/sessions/import", headers=A, content=data).status_code == 201
+
+
 def events_of(response: httpx.Response) -> list[tuple[str, dict]]:
     events = []
     for block in response.text.strip().split("\n\n"):

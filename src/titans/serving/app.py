@@ -723,6 +723,9 @@ class SessionService:
                 "the body is not a session this server can load: its states are of another model (another "
                 "configuration than this server's)",
             ) from None
+        problem = self.engine.import_problem(session)
+        if problem is not None:
+            raise ApiError(422, f"the body is not a session this server can take: {problem}")
         result = self._insert(owner, session_parts(data))
         log.info("session %s imported", result["id"])
         return {**result, "position": session.position, "reads": session.reads}

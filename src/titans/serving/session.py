@@ -86,6 +86,33 @@ class Engine:
                     f"[0, {self.vocab_size}): the text holds symbols this model cannot read"
                 )
 
+    def import_problem(self, session: MemorySession) -> str | None:
+        """Why this server will not take `session` (imported bytes) as one of its own, or None: settings
+        that cost more than its own sessions' may (more snapshots kept, shorter pieces per model call, a
+        guard probe other than the server's, which every read runs in full) or more events than a session
+        keeps. An import brings its settings with it, so without this a client could set the server's
+        limits aside for its sessions."""
+        mine = self.new_session()
+        if session.max_snapshots > self.max_snapshots or len(session._snapshots) > self.max_snapshots:
+            return (
+                f"the session keeps up to {max(session.max_snapshots, len(session._snapshots))} snapshots; "
+                f"this server keeps at most {self.max_snapshots} (--snapshots)"
+            )
+        if session.piece_len != mine.piece_len:
+            return (
+                f"the session reads in pieces of {session.piece_len} tokens; this server's sessions read in "
+                f"pieces of {mine.piece_len}"
+            )
+        if session.probe is not None and (
+            self.probe is None or session.probe.flatten().tolist() != list(self.probe)
+        ):
+            return "the session is guarded with a probe text other than this server's (--guard-probe)"
+        if len(session.events) > mine.max_events:
+            return (
+                f"the session holds {len(session.events)} events; a session keeps at most {mine.max_events}"
+            )
+        return None
+
     def new_session(self) -> MemorySession:
         return MemorySession(
             self.model, snapshots=self.max_snapshots, probe=self.probe, guard_max_rise=self.guard_max_rise
