@@ -265,8 +265,9 @@ def test_a_sigterm_stops_the_server_cleanly_with_status_143(checkpoint, keys, tm
 
 def test_worker_processes_finish_their_jobs_through_a_sigterm_and_are_not_replaced_after_close():
     """A SIGTERM to the whole process group (systemd's default KillMode) reaches the workers too: they
-    ignore it, so the jobs in flight while the server drains still finish; and a worker lost once the
-    pool is closed (the server shutting down) fails its job without a new pool being started."""
+    ignore it, so the jobs in flight while the server drains still finish; and closing the pool (the
+    server's grace time is over) ends a job still running with its worker, at once, without a new pool
+    being started (the job used to run on, keeping the command alive and writing to the store later)."""
     pool = ProcessPool(2, importlib.import_module, "time")  # each worker's target: the time module
 
     async def run() -> None:
@@ -282,12 +283,15 @@ def test_worker_processes_finish_their_jobs_through_a_sigterm_and_are_not_replac
         executor = pool._executor
         job = asyncio.ensure_future(pool.call("sleep", 30))
         await asyncio.sleep(0.3)
-        pool.close()
-        for pid in workers:
-            os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        pool.close()  # after the server's grace time: a job still running is ended with its worker
         with pytest.raises(WorkerDied):
             await asyncio.wait_for(job, 30)
+        assert time.monotonic() - started < 10
         assert pool._executor is executor  # no new workers started while shutting down
+        procs = [psutil.Process(pid) for pid in workers if psutil.pid_exists(pid)]
+        _, alive = psutil.wait_procs(procs, timeout=10)  # ended, not left to finish their jobs
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
 
     try:
         asyncio.run(run())

@@ -172,9 +172,16 @@ class ProcessPool:
             raise WorkerDied("a worker process of the server ended while it served this request") from e
 
     def close(self) -> None:
+        """Stop the pool for good: queued jobs are cancelled and the processes ended with SIGKILL. The
+        server closes it once its graceful-shutdown time is over, when a job still running has been
+        answered 503 (it may or may not be applied); left to finish, it kept the command alive, and wrote
+        to the store, for as long as it ran."""
         with self._lock:
             self._closed = True
+            running = list((self._executor._processes or {}).values())
             self._executor.shutdown(wait=False, cancel_futures=True)
+        for process in running:
+            process.kill()
 
 
 __all__ = ["ProcessPool", "WorkerDied", "reuse_freed_memory"]
