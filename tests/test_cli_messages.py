@@ -63,6 +63,14 @@ def test_a_missing_file_reads_as_such(tmp_path, capsys):
         (["dna", "study", "--batch-size", "0"], "DNABudget.batch_size must be a positive integer"),
         (["dna", "study", "--window-len", "0"], "DNABudget.window_len must be a positive integer"),
         (["dna", "study", "--pretrain-steps", "0"], "DNABudget.pretrain_steps must be a positive integer"),
+        (["demo", "--depth", "0"], "--depth must be >= 1, got 0"),
+        (["demo", "--pairs", "0"], "--pairs must be >= 1, got 0"),  # printed NaN surprises
+        (["train", "--seed", "-1", "--steps", "1"], "TrainConfig.seed must be an integer in [0, 4294967295]"),
+        (
+            ["generate", "--checkpoint", "nowhere", "--prompt", "a", "--seed", "-4"],
+            "--seed must be in [0, 2**64)",
+        ),
+        (["generate", "--checkpoint", "nowhere", "--prompt", "a", "--save-state", "."], "is a folder"),
     ],
 )
 def test_bad_option_values_are_refused_before_any_work(capsys, monkeypatch, tmp_path, argv, want):
@@ -102,6 +110,24 @@ def test_empty_paths_are_refused(capsys, monkeypatch, tmp_path, argv):
     err = error_line(capsys)
     assert "an empty path" in err and err.startswith("titans "), err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_config_whose_model_is_not_an_object_is_refused(tmp_path, capsys):
+    """{"model": 5} raised a TypeError traceback (and "abc" an unreadable dict-update message)."""
+    for model in (5, [1, 2], "abc"):
+        (tmp_path / "c.json").write_text(json.dumps({"model": model}))
+        argv = [
+            "train",
+            "--config",
+            str(tmp_path / "c.json"),
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--steps",
+            "1",
+        ]
+        assert titans_main(argv) == 2
+        assert "TrainConfig.model must be a JSON object" in error_line(capsys)
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_config_with_an_empty_run_dir_is_refused():
@@ -331,3 +357,17 @@ def test_generate_names_the_state_it_wrote(tmp_path, cache_dir, capsys):
     assert titans_main(argv) == 0
     captured = capsys.readouterr()
     assert state.is_file() and f"wrote {state}" in captured.err and str(state) not in captured.out
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_status_130(monkeypatch, capsys):
+    """Ctrl-C in `generate`, `read`, `forecast train`, ... printed a traceback ending in KeyboardInterrupt
+    (`titans train` handles its own signals and saves a checkpoint first)."""
+    import titans.demo
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(titans.demo, "run_demo", interrupted)
+    assert titans_main(["demo"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "titans demo: interrupted" and "Traceback" not in err

@@ -150,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     except _user_errors() as e:
         print(f"{prog}: error: {_message(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status, not a traceback (`titans train`
+        # handles its own signals: it saves a checkpoint first)
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _message(error: BaseException) -> str:

@@ -78,4 +78,12 @@ def register(commands, evals) -> None:
     p.add_argument("--depth", type=int, default=1, help="layers of the memory MLP (1: a linear memory)")
     p.add_argument("--epochs", type=int, default=6, help="passes over the stream of associations")
     p.add_argument("--seed", type=int, default=0, help="seed of the associations and the initial memory")
-    p.set_defaults(func=main)
+    p.set_defaults(func=main, check=check_demo_args)
+
+
+def check_demo_args(args) -> None:
+    for name in ("pairs", "dim", "depth", "epochs"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")

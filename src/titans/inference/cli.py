@@ -105,6 +105,10 @@ def run_read(args: argparse.Namespace) -> int:
     path = Path(args.input)
     if args.input != "-" and not path.is_file():
         raise FileNotFoundError(f"--input: no such file {str(path)!r}")
+    if Path(args.save_state).is_dir():
+        raise ValueError(
+            f"--save-state {args.save_state!r} is a folder; give a file name (e.g. state.safetensors)"
+        )
     device = resolve_device(args.device)
     checkpoint = checkpoint_of(args.checkpoint)
     model, tokenizer = load_trained(checkpoint, map_location=device)
@@ -149,6 +153,12 @@ def check_generate_args(args: argparse.Namespace) -> None:
         )
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not 0 <= args.seed < 2**64:  # what a torch generator takes
+        raise ValueError(f"--seed must be in [0, 2**64), got {args.seed}")
+    if args.save_state and Path(args.save_state).is_dir():
+        raise ValueError(
+            f"--save-state {args.save_state!r} is a folder; give a file name (e.g. state.safetensors)"
+        )
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise ValueError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:

@@ -317,6 +317,7 @@ def register(commands, evals) -> None:
     p.add_argument("--snapshots", type=int, default=DEFAULT_MAX_SNAPSHOTS, help="snapshots kept per session")
     p.add_argument(
         "--guard-probe",
+        type=path_arg,
         metavar="FILE",
         help="a fixed probe text (UTF-8): new sessions are guarded; a write that raises its loss by more "
         "than --guard-max-rise is undone and the session frozen",

@@ -171,7 +171,9 @@ class TrainConfig:
     eps: float = option(1e-8, help="AdamW epsilon, > 0", above=0)
     grad_clip: float | None = option(1.0, help="gradient norm clipping (null: none)", above=0)
     # runtime
-    seed: int = option(0, help="seed of the initial weights, the batch order and the sample")
+    seed: int = option(
+        0, help="seed of the initial weights, the batch order and the sample", min=0, max=2**32 - 1
+    )
     device: str = option("auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     dtype: str = option("auto", help=f"{', '.join(DTYPES)} (auto: bf16 autocast on CUDA, float32 on CPU)")
     # the memory runs in float32 under autocast; its Triton kernels' dots follow torch's TF32 flag, and in
@@ -378,7 +380,10 @@ def model_mismatches(mine: TitansConfig, saved: dict[str, Any]) -> list[str]:
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """A copy of ``data`` with ``overrides`` applied; ``model.X`` keys go into the model overrides."""
     out = dict(data)
-    out["model"] = dict(out.get("model") or {})
+    model = out.get("model") or {}
+    if not isinstance(model, dict):
+        raise ValueError(f"TrainConfig.model must be a JSON object of TitansConfig fields, got {model!r}")
+    out["model"] = dict(model)
     known = {f.name for f in fields(TrainConfig)}
     model_fields = {f.name for f in fields(TitansConfig)}
     for key, value in overrides.items():
