@@ -90,6 +90,11 @@ def test_resume_refuses_a_config_that_matters(tmp_path, cache_dir):
     # a fresh start over an existing run is refused rather than mixing checkpoints, unless asked for
     with pytest.raises(FileExistsError, match="--resume"):
         Trainer(micro_config(tmp_path, cache_dir, steps=1))
+    # --overwrite with an option that fails (a mistyped data path) keeps the earlier run: it was cleared
+    # before the data was read
+    with pytest.raises((FileNotFoundError, ValueError), match="typo"):
+        Trainer(micro_config(tmp_path, cache_dir, steps=1, data=str(tmp_path / "typo.txt")), overwrite=True)
+    assert list_checkpoints(tmp_path)
     fresh = Trainer(micro_config(tmp_path, cache_dir, steps=1), overwrite=True)
     assert fresh.step == 0 and list_checkpoints(tmp_path) == []
 

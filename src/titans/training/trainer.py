@@ -151,11 +151,9 @@ class Trainer:
                 )
         self.autocast_dtype = autocast_dtype_for(cfg.dtype, self.device)
 
-        if overwrite:
-            if self.info.is_main:
-                clear_run(self.run_dir)
-            D.barrier(self.info)  # no rank looks at run_dir before it is cleared
-        checkpoint = self._find_checkpoint(resume)
+        # --overwrite clears the earlier run only once all that the options name has loaded (below): a
+        # command that fails on its own options (a mistyped data path) leaves that run as it was
+        checkpoint = None if overwrite else self._find_checkpoint(resume)
         torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
         self.tokenizer = load_tokenizer(cfg.tokenizer)
         # a prompt the tokenizer cannot encode is refused now, not after the whole run
@@ -241,6 +239,10 @@ class Trainer:
             self._load_trainer_state(saved.trainer_state)
             if self.info.is_main:
                 print(f"resumed {self.run_dir} at step {self.step} from {checkpoint}", flush=True)
+        if overwrite:
+            if self.info.is_main:
+                clear_run(self.run_dir)
+            D.barrier(self.info)  # no rank writes to run_dir before it is cleared
         if self.info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             keep_tokenizer_copy(cfg.tokenizer, self.run_dir)
