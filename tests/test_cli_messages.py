@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import pytest
 import torch
@@ -371,3 +372,36 @@ def test_ctrl_c_in_a_command_is_one_line_and_status_130(monkeypatch, capsys):
     assert titans_main(["demo"]) == 130
     err = capsys.readouterr().err
     assert err.strip() == "titans demo: interrupted" and "Traceback" not in err
+
+
+def test_atomic_writes_go_through_symlinks_and_refuse_devices(tmp_path):
+    """The atomic writes (a temporary file renamed over the path) replaced a symlink by a file, leaving its
+    target unwritten, and replaced a device such as /dev/full or /dev/null by a file (as root: the system's
+    own node). A symlink is now written through, and a FIFO (a device without root) or folder refused."""
+    from tiny_lm import tiny_model
+    from titans._fs import write_text_atomic
+    from titans.inference import prefill
+    from titans.models.state import load_state, save_state
+
+    (tmp_path / "target").mkdir()
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "target" / "out.json")
+    write_text_atomic(link, "{}")
+    assert link.is_symlink() and (tmp_path / "target" / "out.json").read_text() == "{}"
+
+    model = tiny_model("mac", dtype=torch.float32)
+    _, state = prefill(model, torch.zeros(1, 5, dtype=torch.int64))
+    state_link = tmp_path / "state.safetensors"
+    state_link.symlink_to(tmp_path / "target" / "state.safetensors")
+    save_state(state, state_link)
+    assert state_link.is_symlink() and load_state(tmp_path / "target" / "state.safetensors").position == 5
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        write_text_atomic(fifo, "{}")
+    with pytest.raises(ValueError, match="not a regular file"):
+        save_state(state, fifo)
+    with pytest.raises(IsADirectoryError):
+        write_text_atomic(tmp_path / "target", "{}")
+    assert fifo.exists() and not fifo.is_file()

@@ -32,11 +32,27 @@ def ordinary_mode(path: str | Path) -> None:
     os.chmod(path, base & ~current_umask())
 
 
+def atomic_target(path: str | Path) -> Path:
+    """The file an atomic write of ``path`` replaces: a symlink's target (renaming over the link would
+    replace the link and leave its target as it was), and only a regular file or a new name: renaming
+    over a device (``/dev/null``, ``/dev/full``), a FIFO or a folder would replace it, so that is refused
+    (IsADirectoryError for a folder, else ValueError), naming ``path``."""
+    target = Path(os.path.realpath(path))
+    if target.is_dir():
+        raise IsADirectoryError(21, "is a folder; give a file name", str(path))
+    if target.exists() and not target.is_file():
+        raise ValueError(
+            f"{str(path)!r} is not a regular file (a device, FIFO or socket); give a file name to write"
+        )
+    return target
+
+
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """Write ``text`` (UTF-8) to ``path`` all or nothing: a temporary file in the same folder, flushed to
     disk, then renamed over ``path``. A write that fails part-way (a full disk) leaves the previous file as
-    it was, never a truncated one; the file gets the mode ``open()`` would have given it."""
-    path = Path(path)
+    it was, never a truncated one; the file gets the mode ``open()`` would have given it. A symlink is
+    written through (its target replaced); a device or folder at ``path`` is refused (`atomic_target`)."""
+    given, path = Path(path), atomic_target(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -57,7 +73,7 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    return path
+    return given
 
 
 def _canonical_header(header: bytes) -> bytes | None:

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from titans._fs import ordinary_mode, safetensors_bytes, save_safetensors
+from titans._fs import atomic_target, ordinary_mode, safetensors_bytes, save_safetensors
 from titans.layers.state_tree import STATE_TYPES, map_tensors, register_state_type
 from titans.models.variants import upgrade_layer_states
 
@@ -307,8 +307,8 @@ def save_state(state: TitansState, path: str | Path, *, weights: str | None = No
     inf (ValueError naming the tensor): the memory of a model that diverged is nothing to keep. A write
     that fails (a full disk) raises OSError naming the path, and leaves an existing file at `path` as it was.
     """
-    path = Path(path)
-    tensors, metadata = _file_contents(state, f"save_state: refusing to write {str(path)!r}")
+    given, path = path, atomic_target(path)  # a symlink's target; not a device or a folder
+    tensors, metadata = _file_contents(state, f"save_state: refusing to write {str(given)!r}")
     if weights is not None:
         metadata["titans.weights"] = str(weights)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -323,7 +323,7 @@ def save_state(state: TitansState, path: str | Path, *, weights: str | None = No
         if isinstance(e, Exception):
             raise _write_failure(e, path) from e
         raise
-    return path
+    return Path(given)
 
 
 def _file_contents(state: TitansState, refusal: str) -> tuple[dict[str, Tensor], dict[str, str]]:
