@@ -65,6 +65,9 @@ def test_a_missing_file_reads_as_such(tmp_path, capsys):
         (["dna", "study", "--window-len", "0"], "DNABudget.window_len must be a positive integer"),
         (["dna", "study", "--pretrain-steps", "0"], "DNABudget.pretrain_steps must be a positive integer"),
         (["demo", "--depth", "0"], "--depth must be >= 1, got 0"),
+        (["train", "--steps", "2", "--tokens", "640"], "--steps and --tokens contradict each other"),
+        (["train", "--config", "nowhere.json", "--compare", "a.json", "b.json"], "--config and --compare"),
+        (["train", "--set", "cache_dir= ", "--steps", "1"], "TrainConfig.cache_dir: an empty path"),
         (["demo", "--pairs", "0"], "--pairs must be >= 1, got 0"),  # printed NaN surprises
         (["train", "--seed", "-1", "--steps", "1"], "TrainConfig.seed must be an integer in [0, 4294967295]"),
         (

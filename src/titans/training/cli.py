@@ -154,6 +154,10 @@ def run_train(args: argparse.Namespace) -> int:
 def _run_train(args: argparse.Namespace) -> int:
     if args.resume and args.overwrite:
         raise ValueError("--resume and --overwrite contradict each other: choose one")
+    if args.compare and args.config:
+        raise ValueError("--config and --compare contradict each other: --compare trains its own configs")
+    if args.steps is not None and args.tokens is not None:  # a token budget sets the steps
+        raise ValueError("--steps and --tokens contradict each other: give one budget")
     overrides = overrides_from_args(args)
     if args.compare:
         configs = [TrainConfig.from_file(p, overrides) for p in args.compare]

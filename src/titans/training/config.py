@@ -253,6 +253,8 @@ class TrainConfig:
             for k, v in self.model.items()
         }
         check_bounds(self)
+        if self.cache_dir is not None and not self.cache_dir.strip():  # "" / " ": a folder in the cwd
+            raise ValueError("TrainConfig.cache_dir: an empty path; give a folder, or null for the default")
         if not self.run_dir.strip():  # "" would be the current folder: a run's files written among the user's
             raise ValueError("TrainConfig.run_dir: an empty path; give a folder (. for the current folder)")
         if self.carry_reset_every is not None and not self.carry_state:
