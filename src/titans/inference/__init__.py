@@ -13,9 +13,10 @@
 
 from titans.inference.generation import IncrementalDecoder, decode_step, generate, sample_next
 from titans.inference.session import MemorySession, ReadResult, SessionEvent, SessionFormatError, SnapshotInfo
-from titans.models.monitor import MemoryReport, memory_report, prefill_with_report
+from titans.models.monitor import MemoryMonitor, MemoryReport, memory_report, prefill_with_report
 from titans.models.state import (
     StateFileError,
+    cat_rows,
     expand_state,
     load_state,
     map_state,
@@ -24,11 +25,13 @@ from titans.models.state import (
     select_rows,
     state_batch_size,
     state_nbytes,
+    state_tensors,
 )
 from titans.models.streaming import default_piece_len, iter_pieces, prefill
 
 __all__ = [
     "IncrementalDecoder",
+    "MemoryMonitor",
     "MemoryReport",
     "MemorySession",
     "ReadResult",
@@ -36,6 +39,7 @@ __all__ = [
     "SessionFormatError",
     "SnapshotInfo",
     "StateFileError",
+    "cat_rows",
     "decode_step",
     "default_piece_len",
     "expand_state",
@@ -52,4 +56,5 @@ __all__ = [
     "select_rows",
     "state_batch_size",
     "state_nbytes",
+    "state_tensors",
 ]
