@@ -115,6 +115,21 @@ def test_a_folder_follows_symlinked_folders_and_skips_broken_links(tmp_path, cap
     ]
 
 
+def test_a_folder_reads_a_symlinked_file_once(tmp_path):
+    # a symlink to a file in the same folder is the same text: read twice, it could be held out and trained on
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    for i in range(30):
+        (data / f"f{i:02d}.txt").write_text(f"document number {i} with some text")
+    (data / "sub" / "x.txt").write_text("THIS TEXT IS IN BOTH SPLITS")
+    (data / "copy20.txt").symlink_to(Path("sub") / "x.txt")
+    ids = load_source(str(data)).document_ids()
+    assert "copy20.txt" in ids and "sub/x.txt" not in ids and len(ids) == 31
+    assert ids == load_source(str(data / "**" / "*.txt")).document_ids()
+    texts = [d.text for d in load_source(str(data)).documents()]
+    assert texts.count("THIS TEXT IS IN BOTH SPLITS") == 1
+
+
 def test_an_existing_path_with_glob_characters_is_a_path(tmp_path):
     notes = tmp_path / "notes [v2].txt"
     notes.write_text("plain text line\n" * 10)

@@ -65,6 +65,15 @@ def test_fasta_bad_input(tmp_path):
     bad.write_text(">ok\nACGT\n>second\nACGT\nACZT\n")
     with pytest.raises(ValueError, match=r"unknown letter 'Z' in record 'second' at line 5, column 3"):
         read_fasta(bad)
+    # with ambiguous='N' the IUPAC codes are accepted: the letter named is the first one refused
+    (tmp_path / "mixed.fa").write_text(">r1\nACGTRX\n")
+    with pytest.raises(
+        ValueError,
+        match=r"unknown letter 'X' in record 'r1' at line 2, column 6 \(expected A, C, G, T or N\)$",
+    ):
+        read_fasta(tmp_path / "mixed.fa", ambiguous="N")
+    with pytest.raises(ValueError, match=r"unknown letter 'R' .* column 5 .*ambiguous='N' maps IUPAC"):
+        read_fasta(tmp_path / "mixed.fa")
     iupac = tmp_path / "iupac.fa"
     iupac.write_text(">r\nACRYGT\n")
     with pytest.raises(ValueError, match="ambiguous='N' maps IUPAC"):
@@ -163,6 +172,15 @@ def test_genomic_benchmarks_format(tmp_path):
     [
         ([-1, 0], [-1, 0], [], "row 0: the label -1 is not a class id (an integer >= 0)"),
         (["neg", "pos"], [0, 1], [], "row 0: the label 'neg' is not a class id"),
+        (
+            [1e300, 0],
+            [0, 1],
+            [],
+            "row 0: the label 1e+300 is too large a class id (at most 9223372036854775807, the",
+        ),
+        ([2**63, 0], [0, 1], [], "row 0: the label 9223372036854775808 is too large a class id"),
+        (["nan", 0], [0, 1], [], "row 0: the label 'nan' is not a class id"),
+        ([1.5, 0], [0, 1], [], "row 0: the label 1.5 is not a class id"),
         ([0, 1], [0, 2], [], "label(s) [2] never occur in --train"),
         ([1, 1], [1, 1], [], "every row has the same label"),
         ([0, 1], [0, 1], ["--length", "0"], "--length must be >= 1, got 0"),

@@ -389,6 +389,99 @@ def test_study_over_seeds_aggregates_as_numpy_does(tmp_path):
     assert main([*argv, "--seeds", "1,1"]) == 2 and main([*argv, "--seeds", "1,2", "--seed", "4"]) == 2
 
 
+def test_study_refuses_two_series_of_one_name_before_training(tmp_path, capsys, monkeypatch):
+    from titans.cli import main
+    from titans.forecast import cli as forecast_cli
+
+    def no_training(*a, **k):
+        raise AssertionError("trained before every series was checked")
+
+    monkeypatch.setattr(forecast_cli, "train_forecaster", no_training)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    one = _write_csv(tmp_path / "a" / "ecl.csv", 300, ["x"])
+    two = _write_csv(tmp_path / "b" / "ecl.csv", 300, ["x"], seed=1)
+    argv = ["forecast", "study", "--models", "linear", "--horizons", "5", "--lookback", "24"]
+    argv += ["--no-progress", "--out", str(tmp_path / "out")]
+    assert main([*argv, "--series", f"{one},{two}"]) == 2
+    err = capsys.readouterr().err
+    assert str(one) in err and str(two) in err and "ecl" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_study_strips_series_entries_and_checks_them_all_before_training(tmp_path, capsys, monkeypatch):
+    from titans.cli import main
+    from titans.forecast import cli as forecast_cli
+
+    def no_training(*a, **k):
+        raise AssertionError("trained before every series was checked")
+
+    one = _write_csv(tmp_path / "ecl.csv", 300, ["x"])
+    argv = ["forecast", "study", "--models", "linear", "--horizons", "5", "--lookback", "24"]
+    argv += ["--no-progress", "--out", str(tmp_path / "out")]
+    with monkeypatch.context() as m:
+        m.setattr(forecast_cli, "train_forecaster", no_training)
+        assert main([*argv, "--series", f"{one}, {tmp_path / 'missing.csv'}"]) == 2
+        assert "missing.csv" in capsys.readouterr().err
+    # a blank after the comma is stripped: the spec is the file, not ' <path>'
+    argv[-1] = str(tmp_path / "out2")
+    assert main([*argv, "--max-steps", "2", "--val-every", "1", "--series", f" {one} ,"]) == 0
+    assert json.loads((tmp_path / "out2" / "ecl.json").read_text())["source"] == str(one)
+
+
+def _sigterm_at_step(monkeypatch, at: int) -> list[int]:
+    """Make every forecaster's training send this process a SIGTERM after step ``at`` (inside the loop,
+    where train_forecaster(handle_signals=True) has the handler installed); the steps seen."""
+    import os
+    import signal
+
+    from titans.forecast import train as forecast_train
+    from titans.training.loop import TrainLoop
+
+    seen: list[int] = []
+
+    class Loop(TrainLoop):
+        def __init__(self, *a, on_step=None, **k):
+            def step(n, *rest):
+                seen.append(n)
+                if on_step is not None:
+                    on_step(n, *rest)
+                if n == at:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+            super().__init__(*a, on_step=step, **k)
+
+    monkeypatch.setattr(forecast_train, "TrainLoop", Loop)
+    return seen
+
+
+def test_sigterm_keeps_the_best_weights_of_forecast_train_and_study(tmp_path, capsys, monkeypatch):
+    from titans.cli import main
+
+    path = _write_csv(tmp_path / "ecl.csv", 300, ["x"])
+    common = ["--lookback", "24", "--max-steps", "100000", "--val-every", "2", "--dim", "8", "--depth", "1"]
+    common += ["--heads", "2", "--no-progress", "--series", str(path)]
+    seen = _sigterm_at_step(monkeypatch, 3)
+    out = tmp_path / "run"
+    argv = ["forecast", "train", "--model", "linear", "--horizon", "5", "--out", str(out), *common]
+    assert main(argv) == 143
+    rec = json.loads((out / "result.json").read_text())
+    assert rec["stopped_by"] == "SIGTERM" and rec["steps_done"] <= 4 and max(seen) <= 4
+    assert (out / "model.pt").is_file() and np.isfinite(rec["test_mse"])
+    # a study stops at the model the signal reached; the runs done so far are written, no more are trained
+    seen.clear()
+    out = tmp_path / "study"
+    argv = ["forecast", "study", "--models", "seasonal-naive,linear,lmm", "--horizons", "5,7"]
+    assert main([*argv, "--out", str(out), *common]) == 143
+    doc = json.loads((out / "ecl.json").read_text())
+    assert [(r["run"]["model"], r["run"]["horizon"]) for r in doc["runs"]] == [
+        ("seasonal-naive", 5),
+        ("linear", 5),
+    ]
+    assert doc["runs"][1]["stopped_by"] == "SIGTERM" and (out / "ecl-H5.png").is_file()
+    assert "stopped by SIGTERM" in capsys.readouterr().err
+
+
 def test_seed_aggregate_counts_best_and_within_one_se_and_refuses_mixed_studies():
     from titans.forecast.seeds import aggregate_studies
 

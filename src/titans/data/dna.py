@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
+
 from titans.data.sources import Document, TextSource, load_hf_split
 
 BASES = "ACGTN"
@@ -87,11 +89,17 @@ def read_fasta(path: str | Path, ambiguous: str = "error") -> list[FastaRecord]:
                 if ambiguous == "N" and bad <= IUPAC_AMBIGUOUS:
                     seq = "".join("N" if c in IUPAC_AMBIGUOUS else c for c in seq)
                 else:
-                    col = next(i for i, c in enumerate(seq) if c in bad)
+                    # the first letter refused: with ambiguous='N' the IUPAC codes before it are accepted
+                    accepted = allowed | IUPAC_AMBIGUOUS if ambiguous == "N" else allowed
+                    col = next(i for i, c in enumerate(line) if c.upper() not in accepted)
                     raise ValueError(
                         f"FASTA file {str(path)!r}: unknown letter {line[col]!r} in record {name!r} at line "
                         f"{lineno}, column {col + 1} (expected A, C, G, T or N"
-                        + ("; ambiguous='N' maps IUPAC codes to N)" if seq[col] in IUPAC_AMBIGUOUS else ")")
+                        + (
+                            "; ambiguous='N' maps IUPAC codes to N)"
+                            if line[col].upper() in IUPAC_AMBIGUOUS
+                            else ")"
+                        )
                     )
             parts.append(seq)
     if name is not None:
@@ -212,17 +220,39 @@ def load_labelled_sequences(
         except ValueError as e:
             raise ValueError(f"labelled sequences {spec!r}, row {i}: {e}") from None
         label = row[label_field]
-        try:  # an integer class id (2.0 from a CSV column with gaps reads as one too)
-            ok = float(label) == int(float(label)) and int(float(label)) >= 0
-        except (TypeError, ValueError, OverflowError):
-            ok = False
-        if not ok:
+        value = _class_id(label)
+        if value is None:
             raise ValueError(
                 f"labelled sequences {spec!r}, row {i}: the label {label!r} is not a class id "
                 "(an integer >= 0)"
             )
-        out.append((seq.upper(), int(float(label))))
+        if value > _MAX_CLASS_ID:
+            raise ValueError(
+                f"labelled sequences {spec!r}, row {i}: the label {label!r} is too large a class id "
+                f"(at most {_MAX_CLASS_ID}, the largest int64)"
+            )
+        out.append((seq.upper(), value))
     return out
+
+
+_MAX_CLASS_ID = 2**63 - 1  # the largest int64
+
+
+def _class_id(label) -> int | None:
+    """``label`` as a class id: an integer >= 0 (2.0 from a CSV column with gaps, or "3", reads as one too;
+    1e300 too, which the caller refuses as larger than int64); None for anything else (text, NaN, inf, 1.5,
+    -1)."""
+    if isinstance(label, (int, np.integer)):
+        value = int(label)
+    else:
+        try:
+            number = float(label)
+        except (TypeError, ValueError, OverflowError):
+            return None
+        if not math.isfinite(number) or not number.is_integer():
+            return None
+        value = int(number)
+    return value if value >= 0 else None
 
 
 __all__ = [

@@ -330,7 +330,9 @@ class HFDatasetSource(TextSource):
 def _walk_files(root: Path, suffixes: Sequence[str], skip_hidden: bool, follow_links: bool) -> list[Path]:
     """Files below ``root`` whose names end in one of ``suffixes``, sorted by relative path. Broken
     symlinks are skipped; ``follow_links``: symlinked folders are walked too, each real folder once (a link
-    back up the tree is not followed)."""
+    back up the tree is not followed). Each real file is read once: a symlinked file (or a hard path to
+    the same file) after the first in sorted order is dropped, so one text is never on both sides of a
+    train / held-out split."""
     found = []
     seen = {os.path.realpath(root)}
     for dirpath, dirnames, filenames in os.walk(root, followlinks=follow_links):
@@ -353,7 +355,13 @@ def _walk_files(root: Path, suffixes: Sequence[str], skip_hidden: bool, follow_l
                 log.warning("text source: skipping %s, a broken symlink", path)
             elif path.is_file():
                 found.append(path)
-    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+    files, seen_files = [], set()
+    for f in sorted(found, key=lambda p: p.relative_to(root).as_posix()):
+        real = os.path.realpath(f)
+        if real not in seen_files:
+            seen_files.add(real)
+            files.append(f)
+    return files
 
 
 def stdlib_files() -> tuple[Path, list[Path]]:

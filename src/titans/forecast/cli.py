@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -24,6 +25,7 @@ from titans.forecast.model import FORECAST_MODELS, build_forecaster
 from titans.forecast.seeds import aggregate_studies, aggregate_table, plot_aggregate
 from titans.forecast.train import ForecastRun, evaluate, plot_forecasts, run_record, train_forecaster
 from titans.runtime.device import set_cpu_threads
+from titans.training.signals import exit_status
 from titans.validation import did_you_mean, path_arg
 
 HORIZONS = (96, 192, 336, 720)
@@ -66,6 +68,12 @@ def _run(args, model: str, horizon: int) -> ForecastRun:
     )
 
 
+def _stopped_by_signal(result) -> int | None:
+    """The signal (SIGTERM / SIGINT) that stopped ``result``'s training, or None."""
+    name = result.metrics.get("stopped_by")
+    return int(signal.Signals[name]) if name in ("SIGTERM", "SIGINT") else None
+
+
 def _split(args):
     set_cpu_threads(args.threads)
     series = load_series(args.series, date_column=args.date_column)
@@ -74,7 +82,11 @@ def _split(args):
 
 def cmd_train(args) -> int:
     split = _split(args)
-    result = train_forecaster(split, _run(args, args.model, args.horizon), progress=not args.no_progress)
+    # a SIGTERM / SIGINT stops training after the current step: the best weights so far are measured and
+    # written as usual, then the command exits 128 + the signal's number
+    result = train_forecaster(
+        split, _run(args, args.model, args.horizon), progress=not args.no_progress, handle_signals=True
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {**run_record(split, result), "series_spec": args.series, "date_column": args.date_column}
@@ -91,7 +103,8 @@ def cmd_train(args) -> int:
     )
     print(json.dumps({k: record[k] for k in ("series", "test_mse", "test_mae", "val_mse")}, indent=2))
     print(f"wrote {out / 'result.json'}, {out / 'model.pt'} and {out / 'forecast.png'}")
-    return 0
+    signum = _stopped_by_signal(result)
+    return 0 if signum is None else exit_status(signum)
 
 
 def cmd_eval(args) -> int:
@@ -129,19 +142,44 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _study(args, out: Path) -> list[Path]:
-    """One seed of the study into ``out``: the JSON and PNGs written, per series."""
+def _study_splits(args) -> list:
+    """Every ``--series`` entry (comma-separated, blanks around each stripped) loaded and split before any
+    training, so a bad one fails at once; two entries whose series share a name (the files' stem: the
+    name of ``<series>.json`` and the PNGs) are refused, not written over each other."""
+    specs = [s.strip() for s in args.series.split(",") if s.strip()]
+    if not specs:
+        raise ValueError(f"--series {args.series!r}: no series given")
+    set_cpu_threads(args.threads)
+    splits, by_name = [], {}
+    for spec in specs:
+        series = load_series(spec, date_column=args.date_column)
+        if series.name in by_name:
+            raise ValueError(
+                f"--series: {by_name[series.name]!r} and {spec!r} are both series {series.name!r}, and their "
+                f"results would be written to the same {series.name}.json; give one a copy with another name"
+            )
+        by_name[series.name] = spec
+        splits.append(split_series(series, lookback=args.lookback, protocol=args.protocol))
+    return splits
+
+
+def _study(args, out: Path, splits: list) -> tuple[list[Path], int | None]:
+    """One seed of the study into ``out``: the JSON and PNGs written, per series (``splits``), and the
+    signal that stopped it (None when every run was done). A SIGTERM / SIGINT during a model's training
+    stops that model after the current step, measures its best weights, writes the series' JSON and PNG
+    with the runs done so far and ends the study."""
     out.mkdir(parents=True, exist_ok=True)
     models, horizons = _models(args.models), _ints(args.horizons)
     written: list[Path] = []
-    for spec in args.series.split(","):
-        args.series = spec
-        split = _split(args)
+    signum = None
+    for split in splits:
         rows = []
         for h in horizons:
             trained = {}
             for m in models:
-                result = train_forecaster(split, _run(args, m, h), progress=not args.no_progress)
+                result = train_forecaster(
+                    split, _run(args, m, h), progress=not args.no_progress, handle_signals=True
+                )
                 rows.append(run_record(split, result))
                 trained[m] = result.model
                 r = result.metrics
@@ -152,6 +190,9 @@ def _study(args, out: Path) -> list[Path]:
                     f"{r.get('stopped_by', 'all steps ran' if r['parameters'] else 'not trained')})",
                     flush=True,
                 )
+                signum = _stopped_by_signal(result)
+                if signum is not None:
+                    break
             png = out / f"{split.series.name}-H{h}.png"
             plot_forecasts(
                 png,
@@ -172,8 +213,12 @@ def _study(args, out: Path) -> list[Path]:
                 "runs": rows,
             }
             (out / f"{split.series.name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+            if signum is not None:
+                break
         written.append(out / f"{split.series.name}.json")
-    return written
+        if signum is not None:
+            break
+    return written, signum
 
 
 def _aggregate(paths: list[Path], out: Path) -> list[Path]:
@@ -201,20 +246,33 @@ def _aggregate(paths: list[Path], out: Path) -> list[Path]:
 
 def cmd_study(args) -> int:
     out = Path(args.out)
+    _models(args.models)  # a bad model or horizon is refused before any series is read
+    _ints(args.horizons)
     if args.seeds is None:
-        written = _study(args, out)
+        written, signum = _study(args, out, _study_splits(args))
     else:
         seeds = _ints(args.seeds)
         if args.seed is not None:
             raise ValueError("give --seed or --seeds, not both")
         if not seeds or len(set(seeds)) != len(seeds):
             raise ValueError(f"--seeds {args.seeds!r}: expected distinct comma-separated seeds")
-        series, written = args.series, []
+        splits, written = _study_splits(args), []
         for seed in seeds:
-            args.seed, args.series = seed, series
-            written += _study(args, out / f"seed{seed}")
-        written += _aggregate([p for p in written if p.suffix == ".json"], out)
+            args.seed = seed
+            files, signum = _study(args, out / f"seed{seed}", splits)
+            written += files
+            if signum is not None:
+                break
+        else:  # the aggregate only over a study that ran to the end
+            written += _aggregate([p for p in written if p.suffix == ".json"], out)
     print("wrote " + ", ".join(map(str, written)))
+    if signum is not None:
+        print(
+            f"titans forecast study: stopped by {signal.Signals(signum).name}; the runs done so far are "
+            "written (a partial study)",
+            file=sys.stderr,
+        )
+        return exit_status(signum)
     return 0
 
 
