@@ -87,7 +87,9 @@ def _finished_runs(
 def cmd_study(args) -> int:
     set_cpu_threads(args.threads)
     _budget(args)  # a bad budget option is refused before the baselines run
-    variants = [v for v in args.variants.split(",") if v]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not variants:  # ran no model and wrote an empty study over any earlier one
+        raise ValueError(f"--variants: expected at least one variant, got {args.variants!r}")
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise ValueError(

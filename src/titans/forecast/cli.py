@@ -33,13 +33,18 @@ HORIZONS = (96, 192, 336, 720)
 
 def _ints(text: str) -> list[int]:
     try:
-        return [int(v) for v in text.split(",") if v.strip()]
+        values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError as e:
         raise ValueError(f"expected comma-separated integers, got {text!r}") from e
+    if not values:  # an empty list ran nothing and reported files it never wrote
+        raise ValueError(f"expected at least one comma-separated integer, got {text!r}")
+    return values
 
 
 def _models(text: str) -> list[str]:
     names = [m.strip() for m in text.split(",") if m.strip()]
+    if not names:
+        raise ValueError(f"expected at least one forecasting model, got {text!r}")
     bad = [m for m in names if m not in FORECAST_MODELS]
     if bad:
         raise ValueError(
