@@ -241,14 +241,14 @@ def main() -> None:
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             list(pool.map(lambda job: run_pipeline(*job, args), jobs))
     out = Path(args.out)
-    summary = aggregate(out)
-    summary["recipe"] = {
-        "per_variant": RECIPES,
-        "extra": args.recipe_extra,
-        "then": args.then,
-        "kind": args.kind,
-    }
     path = out / f"niah_seeds_{args.name}.json"
+    summary = aggregate(out)
+    recipe = {"per_variant": RECIPES, "extra": args.recipe_extra, "then": args.then, "kind": args.kind}
+    if args.aggregate_only and path.exists():
+        # re-aggregating trains nothing: keep the recipe the runs were trained with (and any hand-written
+        # evaluation commands), not today's defaults of the options not given
+        recipe = json.loads(path.read_text()).get("recipe", recipe)
+    summary["recipe"] = recipe
     path.write_text(json.dumps(summary, indent=2) + "\n")
     print(markdown(summary))
     print(f"wrote {path}")

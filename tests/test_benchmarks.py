@@ -211,6 +211,46 @@ def test_niah_seeds_stages_train_on_from_the_stage_before(tmp_path):
     }
 
 
+def test_niah_seeds_aggregate_only_keeps_the_recipe_the_runs_were_trained_with(tmp_path, monkeypatch):
+    """`niah_seeds.py --aggregate-only` re-reads the runs: the summary's recipe (and any hand-written
+    evaluation command in it) stays, not replaced by the defaults of the options not given."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import niah_seeds
+    finally:
+        sys.path.remove(str(BENCH))
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    cells = [{"length": 1024, "correct": 1, "total": 2}]
+    (runs / "mac_s0_essays.json").write_text(json.dumps({"cells": cells, "metadata": {"samples": [0, 1]}}))
+    recipe = {"kind": "number", "extra": "--steps 1500", "command": "titans eval niah --checkpoint X"}
+    summary = tmp_path / "niah_seeds_k.json"
+    summary.write_text(json.dumps({"variants": {}, "recipe": recipe}))
+    argv = ["niah_seeds.py", "--aggregate-only", "--name", "k", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    niah_seeds.main()
+    written = json.loads(summary.read_text())
+    assert written["recipe"] == recipe and written["variants"]["mac"]["essays"]["1024"]["mean"] == 0.5
+    summary.unlink()  # no summary yet: the options given are the recipe
+    niah_seeds.main()
+    assert json.loads(summary.read_text())["recipe"]["kind"] == "passkey"
+
+
+def test_loss_by_position_without_its_data_says_to_run_make_data(tmp_path, monkeypatch):
+    """Run before make_data.py, loss_by_position.py stops with one line naming the step, not a traceback."""
+    spec = importlib.util.spec_from_file_location(
+        "loss_by_position", BENCH / "lm_eval_tasks" / "loss_by_position.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "DATA", tmp_path / "prose_heldout.jsonl", raising=False)
+    monkeypatch.setattr(sys, "argv", ["loss_by_position.py", str(tmp_path / "no_run")])
+    with pytest.raises(SystemExit) as e:
+        module.main()
+    message = str(e.value.code)
+    assert "make_data.py" in message and "\n" not in message
+
+
 def test_niah_seeds_keep_stages_trains_only_the_stages_without_a_good_checkpoint(tmp_path, monkeypatch):
     """`niah_seeds.py --keep-stages`: a stage whose folder holds a good checkpoint of a finished run is not
     trained again; a missing or damaged one, or one a signal stopped, is, and every later stage and

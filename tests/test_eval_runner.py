@@ -478,6 +478,25 @@ def test_every_variant_recipe_builds_its_config_and_model():
             assert config.memory_conv_kernel == 8 and not config.memory_forgetting
 
 
+def test_hold_lr_can_be_turned_off_and_a_negative_warmup_is_refused(capsys):
+    """`--no-hold-lr` undoes MAC's `--hold-lr` (a later flag wins), so `--recipe-extra` can give the plain
+    cosine; a negative `--warmup-steps` is refused when parsed, and by TaskTrainConfig."""
+    from titans.cli import build_parser
+    from titans.evaluation.recipe import task_config, variant_recipe
+
+    base = ["eval", "niah", "--train-recipe", "--variant", "mac", *variant_recipe("mac")]
+    assert task_config(build_parser().parse_args(base), "niah").hold_lr
+    assert not build_parser().parse_args([*base, "--no-hold-lr"]).hold_lr
+    assert not build_parser().parse_args([*base, "--hold-lr", "--no-hold-lr"]).hold_lr
+    assert build_parser().parse_args([*base, "--no-hold-lr", "--hold-lr"]).hold_lr
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*base, "--warmup-steps", "-1"])
+    assert e.value.code == 2 and "expected an integer >= 0, got '-1'" in capsys.readouterr().err
+    assert build_parser().parse_args([*base, "--warmup-steps", "0"]).warmup_steps == 0
+    with pytest.raises(ValueError, match="TaskTrainConfig.warmup_steps must be an integer >= 0, got -1"):
+        TaskTrainConfig(warmup_steps=-1)
+
+
 def test_cli_recipe_checkpoints_and_a_signal_saves_the_model_and_ends(tmp_path, monkeypatch, capsys):
     """`--save-model` with `--ckpt-every`: the model is saved during training (the shared training loop's
     checkpoints), and a SIGINT stops training after the current step, saves it and ends with status 130."""

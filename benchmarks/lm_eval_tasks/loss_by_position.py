@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from titans.data.stream import separator_ids
 from titans.training.model_io import load_model
 
 HERE = Path(__file__).resolve().parent
+DATA = HERE / "data" / "prose_heldout.jsonl"
 
 
 @torch.no_grad()
@@ -31,9 +33,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16384, help="tokens to read")
     p.add_argument("--out", default=None, help="JSON output")
     args = p.parse_args()
+    if not DATA.is_file():
+        sys.exit(f"error: {DATA} not found: run python benchmarks/lm_eval_tasks/make_data.py first")
     torch.set_num_threads(1)
     model, _, tok = load_model(args.checkpoint)
-    docs = [json.loads(line)["text"] for line in (HERE / "data" / "prose_heldout.jsonl").open()]
+    docs = [json.loads(line)["text"] for line in DATA.open()]
     ids = torch.tensor([(separator_ids(tok) + tok.encode(docs[args.doc]))[: args.tokens + 1]])
     state, losses = None, []
     for start in range(0, ids.shape[1] - 1, 2048):

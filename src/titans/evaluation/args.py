@@ -46,6 +46,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def _finite(text: str, ok, want: str) -> float:
     try:
         value = float(text)
@@ -157,12 +167,13 @@ def add_recipe_args(
     g.add_argument(steps_flag, dest="steps", type=int, default=default_steps, help="fine-tuning steps")
     g.add_argument("--batch-size", type=int, default=8, help="fine-tuning batch")
     g.add_argument("--lr", type=positive_float, default=3e-3, help="fine-tuning peak learning rate")
-    g.add_argument("--warmup-steps", type=int, default=20, help="fine-tuning warm-up steps")
+    g.add_argument("--warmup-steps", type=nonnegative_int, default=20, help="fine-tuning warm-up steps")
     g.add_argument(
         "--hold-lr",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="keep the peak learning rate until the curriculum reaches --train-length, then decay (cosine) "
-        "over the remaining steps",
+        "over the remaining steps (off by default; --no-hold-lr: the plain cosine, a later flag wins)",
     )
     g.add_argument(
         "--lm-loss-weight", type=nonnegative_float, default=0.0, help="add the LM loss of all tokens x this"

@@ -119,6 +119,7 @@ class TaskTrainConfig:
             raise ValueError("TaskTrainConfig.distractors (decoy numbers) applies to task='niah' only")
         for name in ("train_length", "start_length", "steps", "batch_size", "length_multiple"):
             check_int(f"TaskTrainConfig.{name}", getattr(self, name))
+        check_int("TaskTrainConfig.warmup_steps", self.warmup_steps, minimum=0)
         if not 0.0 <= self.curriculum <= 1.0:
             raise ValueError(f"TaskTrainConfig.curriculum must lie in [0, 1], got {self.curriculum}")
         # NaN fails every comparison: a bare `< 0` test would let it through, to a NaN loss at step 0
