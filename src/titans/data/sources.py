@@ -355,11 +355,17 @@ def _walk_files(root: Path, suffixes: Sequence[str], skip_hidden: bool, follow_l
                 log.warning("text source: skipping %s, a broken symlink", path)
             elif path.is_file():
                 found.append(path)
-    files, seen_files = [], set()
+    return _each_file_once(found, root)
+
+
+def _each_file_once(found: list[Path], root: Path) -> list[Path]:
+    """``found`` sorted by path relative to ``root``, each real file once (the first path that reaches
+    it): a file reached again through a symlink is read once, never on both sides of a split."""
+    files, seen = [], set()
     for f in sorted(found, key=lambda p: p.relative_to(root).as_posix()):
         real = os.path.realpath(f)
-        if real not in seen_files:
-            seen_files.add(real)
+        if real not in seen:
+            seen.add(real)
             files.append(f)
     return files
 
@@ -384,13 +390,7 @@ def _glob_source(spec: str, text_field: str) -> FileSource:
             break
         plain.append(part)
     root = Path(*plain) if plain else Path(".")
-    files, seen = [], set()
-    for f in sorted(found, key=lambda p: p.relative_to(root).as_posix()):
-        # a file reached again through a symlinked folder (``**`` follows links, loops too) is read once
-        real = os.path.realpath(f)
-        if real not in seen:
-            seen.add(real)
-            files.append(f)
+    files = _each_file_once(found, root)  # ``**`` follows symlinked folders, loops too
     if not any(_has_text(f) for f in files):
         raise ValueError(f"text source {spec!r}: the glob matches only empty files")
     return FileSource(spec, root, files, text_field=text_field)
