@@ -411,3 +411,14 @@ def test_atomic_writes_go_through_symlinks_and_refuse_devices(tmp_path):
     with pytest.raises(IsADirectoryError):
         write_text_atomic(tmp_path / "target", "{}")
     assert fifo.exists() and not fifo.is_file()
+
+
+@pytest.mark.parametrize("name", ["../../escaped", "", "a/b"])
+def test_an_eval_name_is_a_file_name(monkeypatch, tmp_path, capsys, name):
+    """`--name ../../escaped` wrote the results outside --out; "" silently meant the default name."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        titans_main(["eval", "niah", "--name", name])
+    assert exit_.value.code == 2
+    assert "expected a file name without a folder" in error_line(capsys)
+    assert list(tmp_path.iterdir()) == []

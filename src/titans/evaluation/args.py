@@ -36,6 +36,13 @@ def float_list(text: str) -> list[float]:
     return _number_list(text, float, "numbers", "number")
 
 
+def file_stem(text: str) -> str:
+    """`--name`: a file name without a folder ("../x" wrote outside --out; "" meant the default silently)."""
+    if not text.strip() or "/" in text or "\\" in text or text in (".", ".."):
+        raise argparse.ArgumentTypeError(f"expected a file name without a folder (see --out), got {text!r}")
+    return text
+
+
 def _int_at_least(text: str, minimum: int, want: str) -> int:
     try:
         value = int(text)
@@ -96,7 +103,12 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="folder for the JSON and PNG (default results/evals/<task>)",
     )
-    p.add_argument("--name", default=None, help="file name stem of the results (default from the settings)")
+    p.add_argument(
+        "--name",
+        type=file_stem,
+        default=None,
+        help="file name stem of the results (default from the settings)",
+    )
     p.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (1 is best on a busy machine)"
     )
