@@ -78,6 +78,12 @@ def read_text_blocks(path: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> Itera
             stream.detach()  # leaves sys.stdin's buffer open
 
 
+def check_save_state(path: str) -> None:
+    """Refuse a --save-state that names a folder before any work (the write would fail only at the end)."""
+    if Path(path).is_dir():
+        raise ValueError(f"--save-state {path!r} is a folder; give a file name (e.g. state.safetensors)")
+
+
 def weights_id(checkpoint: Checkpoint) -> str | None:
     """What identifies a checkpoint's weights: the SHA-256 its meta.json records for model.safetensors."""
     return (checkpoint.meta.get("files") or {}).get("model.safetensors", {}).get("sha256")
@@ -105,10 +111,7 @@ def run_read(args: argparse.Namespace) -> int:
     path = Path(args.input)
     if args.input != "-" and not path.is_file():
         raise FileNotFoundError(f"--input: no such file {str(path)!r}")
-    if Path(args.save_state).is_dir():
-        raise ValueError(
-            f"--save-state {args.save_state!r} is a folder; give a file name (e.g. state.safetensors)"
-        )
+    check_save_state(args.save_state)
     device = resolve_device(args.device)
     checkpoint = checkpoint_of(args.checkpoint)
     model, tokenizer = load_trained(checkpoint, map_location=device)
@@ -155,10 +158,8 @@ def check_generate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not 0 <= args.seed < 2**64:  # what a torch generator takes
         raise ValueError(f"--seed must be in [0, 2**64), got {args.seed}")
-    if args.save_state and Path(args.save_state).is_dir():
-        raise ValueError(
-            f"--save-state {args.save_state!r} is a folder; give a file name (e.g. state.safetensors)"
-        )
+    if args.save_state:
+        check_save_state(args.save_state)
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise ValueError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
