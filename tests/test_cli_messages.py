@@ -119,6 +119,31 @@ def test_empty_paths_are_refused(capsys, monkeypatch, tmp_path, argv):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["dna", "study", "--seed", str(2**70)],
+        ["dna", "study", "--seeds", f"0,{2**40}"],
+        ["forecast", "study", "--seeds", "1,-2"],
+        ["forecast", "train", "--seed", str(2**32)],
+        ["eval", "niah", "--seed", "-1", "--train-recipe"],
+        ["eval", "babilong", "--seeds", f"{2**64},1", "--train-recipe"],
+        ["demo", "--seed", str(2**70)],
+    ],
+    ids=lambda a: " ".join(a[:3]),
+)
+def test_seeds_out_of_range_are_refused_before_any_work(capsys, monkeypatch, tmp_path, argv):
+    """A seed past 2**63 failed with torch's "Overflow when unpacking long long" after the work before it
+    (a whole DNA reference pass) had run; a negative one was taken by some commands and not others."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        titans_main(argv)
+    assert exit_.value.code == 2
+    err = error_line(capsys)
+    assert "a seed must be in [0, 2**32)" in err and err.startswith("titans "), err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_config_whose_model_is_not_an_object_is_refused(tmp_path, capsys):
     """{"model": 5} raised a TypeError traceback (and "abc" an unreadable dict-update message)."""
     for model in (5, [1, 2], "abc"):

@@ -319,8 +319,9 @@ def test_dna_study_seeds_option_is_checked(tmp_path, capsys):
     from titans.cli import main
 
     for bad in ("0,x", "1,1"):
-        assert main(["dna", "study", "--seeds", bad, "--out", str(tmp_path), "--no-progress"]) == 2
-        assert "--seeds: expected" in capsys.readouterr().err
+        with pytest.raises(SystemExit) as exit_:
+            main(["dna", "study", "--seeds", bad, "--out", str(tmp_path), "--no-progress"])
+        assert exit_.value.code == 2 and "--seeds: expected" in capsys.readouterr().err
 
 
 def test_dna_study_resume_keeps_finished_seeds(tmp_path, capsys):

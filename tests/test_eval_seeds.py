@@ -67,4 +67,6 @@ def test_babilong_seeds_trains_one_model_per_seed_on_the_same_samples(tmp_path, 
         assert cell["mean"] == pytest.approx(sum(accs) / 2)
         assert (cell["min"], cell["max"]) == (min(accs), max(accs))
     assert "BABILong over seeds [3, 1]" in capsys.readouterr().out
-    assert titans_main([*argv[:-2], "--out", str(tmp_path), "--name", "dup", "--seeds", "1,1"]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        titans_main([*argv[:-2], "--out", str(tmp_path), "--name", "dup", "--seeds", "1,1"])
+    assert exit_.value.code == 2

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from titans.ops.memory import memory_forward, neural_memory
+from titans.validation import seed_arg
 
 
 def run_demo(pairs: int = 32, dim: int = 64, depth: int = 1, epochs: int = 6, seed: int = 0) -> dict:
@@ -77,7 +78,7 @@ def register(commands, evals) -> None:
     p.add_argument("--dim", type=int, default=64, help="width of keys, values and the memory")
     p.add_argument("--depth", type=int, default=1, help="layers of the memory MLP (1: a linear memory)")
     p.add_argument("--epochs", type=int, default=6, help="passes over the stream of associations")
-    p.add_argument("--seed", type=int, default=0, help="seed of the associations and the initial memory")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the associations and the initial memory")
     p.set_defaults(func=main, check=check_demo_args)
 
 
@@ -85,5 +86,3 @@ def check_demo_args(args) -> None:
     for name in ("pairs", "dim", "depth", "epochs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.seed < 0:
-        raise ValueError(f"--seed must be >= 0, got {args.seed}")

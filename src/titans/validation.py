@@ -31,6 +31,31 @@ def path_arg(text: str) -> str:
     return text
 
 
+SEED_LIMIT = 2**32  # seeds are in [0, 2**32): numpy's range, and the trainer's
+
+
+def seed_arg(text: str) -> int:
+    """An argparse ``type`` for a ``--seed``: an integer in [0, 2**32). A larger one failed mid-run with
+    torch's "Overflow when unpacking long long", after the work before it had run."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if not 0 <= seed < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"a seed must be in [0, 2**32), got {seed}")
+    return seed
+
+
+def seed_list(text: str) -> list[int]:
+    """An argparse ``type`` for a ``--seeds``: distinct comma-separated seeds, each as `seed_arg` takes."""
+    seeds = [seed_arg(v.strip()) for v in text.split(",") if v.strip()]
+    if not seeds:
+        raise argparse.ArgumentTypeError(f"expected comma-separated seeds, got {text!r}")
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"expected distinct seeds, got {text!r}")
+    return seeds
+
+
 def check_int(name: str, value: Any, minimum: int = 1, *, none_ok: bool = False) -> None:
     """Raise a ValueError naming `name` unless `value` is an int (not a bool) >= `minimum`, or None where
     `none_ok`. `name` is the value as the user knows it, e.g. "TitansConfig.dim"."""

@@ -35,7 +35,7 @@ from titans.dna.study import (
 from titans.dna.tasks import ClassificationSet, encode_records
 from titans.models.config import VARIANTS
 from titans.runtime.device import set_cpu_threads
-from titans.validation import did_you_mean, path_arg
+from titans.validation import did_you_mean, path_arg, seed_arg, seed_list
 
 
 def _budget(args) -> DNABudget:
@@ -44,18 +44,6 @@ def _budget(args) -> DNABudget:
 
 def _fasta(spec: str) -> Path:
     return dm3_sample_path() if spec == "builtin" else Path(spec)
-
-
-def _seeds(spec: str | None, seed: int) -> list[int]:
-    if spec is None:
-        return [seed]
-    try:
-        seeds = [int(v) for v in spec.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"--seeds: expected comma-separated integers, got {spec!r}") from None
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds: expected distinct integers, got {spec!r}")
-    return seeds
 
 
 def _finished_runs(
@@ -95,7 +83,7 @@ def cmd_study(args) -> int:
         raise ValueError(
             f"unknown variant(s) {bad}; expected from {', '.join(VARIANTS)}" + did_you_mean(bad[0], VARIANTS)
         )
-    seeds = _seeds(args.seeds, args.seed)
+    seeds = [args.seed] if args.seeds is None else args.seeds
     records = read_fasta(_fasta(args.fasta))
     builtin = f"builtin (titans/data/genomes/{dm3_sample_path().name})"
     out = Path(args.out)
@@ -275,7 +263,7 @@ def _budget_options(p) -> None:
     p.add_argument("--depth", type=int, default=d.depth, help="blocks")
     p.add_argument("--heads", type=int, default=d.heads, help="attention / memory heads")
     p.add_argument("--window", type=int, default=d.window, help="sliding window (swa, mag, mal; mac segment)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed")
+    p.add_argument("--seed", type=seed_arg, default=d.seed, help="seed")
     p.add_argument(
         "--eval-windows",
         dest="eval_windows",
@@ -321,7 +309,9 @@ def register(commands, evals) -> None:
     )
     p.add_argument("--variants", default="lmm,transformer,swa", help="comma-separated model variants")
     p.add_argument("--out", type=path_arg, default="results/dna", help="output folder")
-    p.add_argument("--seeds", default=None, help="comma-separated seeds, one run each (default: --seed)")
+    p.add_argument(
+        "--seeds", type=seed_list, default=None, help="comma-separated seeds, one run each (default: --seed)"
+    )
     p.add_argument(
         "--no-scratch",
         action="store_true",

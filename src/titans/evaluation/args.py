@@ -15,7 +15,7 @@ from typing import Any
 from titans.evaluation.haystack import HAYSTACK_NAMES
 from titans.runtime.device import resolve_device, set_cpu_threads
 from titans.training.config import parse_set
-from titans.validation import path_arg
+from titans.validation import path_arg, seed_arg
 
 
 def _number_list(text: str, cast, plural: str, singular: str) -> list:
@@ -116,7 +116,7 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
         "--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."
     )
     p.add_argument(
-        "--seed", type=int, default=0, help="seed of the fresh model, the training and the samples"
+        "--seed", type=seed_arg, default=0, help="seed of the fresh model, the training and the samples"
     )
 
 

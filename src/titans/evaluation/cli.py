@@ -55,7 +55,7 @@ from titans.evaluation.seeds import aggregate_tables, format_seed_table
 from titans.models.config import VARIANTS
 from titans.runtime.checkpoint import CheckpointError
 from titans.runtime.loading import resolve_checkpoint
-from titans.validation import path_arg
+from titans.validation import path_arg, seed_list
 
 # ---------------------------------------------------------------------------------------------------------
 # titans eval niah
@@ -168,8 +168,6 @@ def _run_babilong_seeds(args: argparse.Namespace) -> int:
     the given ``--seed``; each seed's result file is ``<name>_seed<k>``, the summary ``<name>_seeds``
     (``<name>``: ``--name``, default after the tasks and the evaluated model's variant: the checkpoint's
     with ``--checkpoint``, else ``--variant``)."""
-    if len(set(args.seeds)) != len(args.seeds):
-        raise ValueError(f"--seeds has duplicates: {args.seeds}")
     if args.checkpoint and not args.train_recipe:
         raise ValueError("--seeds trains one model per seed: give --train-recipe")
     base = argparse.Namespace(**vars(args))
@@ -219,7 +217,7 @@ def add_babilong_parser(evals) -> None:
     p.add_argument("--num-facts", type=int, default=None, help="facts per story (default: per task)")
     p.add_argument(
         "--seeds",
-        type=int_list,
+        type=seed_list,
         default=None,
         help="train and evaluate one model per seed (with --train-recipe), then write mean and range",
     )

@@ -26,7 +26,7 @@ from titans.forecast.seeds import aggregate_studies, aggregate_table, plot_aggre
 from titans.forecast.train import ForecastRun, evaluate, plot_forecasts, run_record, train_forecaster
 from titans.runtime.device import set_cpu_threads
 from titans.training.signals import exit_status
-from titans.validation import did_you_mean, path_arg
+from titans.validation import did_you_mean, path_arg, seed_arg, seed_list
 
 HORIZONS = (96, 192, 336, 720)
 
@@ -256,11 +256,9 @@ def cmd_study(args) -> int:
     if args.seeds is None:
         written, signum = _study(args, out, _study_splits(args))
     else:
-        seeds = _ints(args.seeds)
+        seeds = args.seeds
         if args.seed is not None:
             raise ValueError("give --seed or --seeds, not both")
-        if not seeds or len(set(seeds)) != len(seeds):
-            raise ValueError(f"--seeds {args.seeds!r}: expected distinct comma-separated seeds")
         splits, written = _study_splits(args), []
         for seed in seeds:
             args.seed = seed
@@ -342,7 +340,9 @@ def _common(p, study: bool = False) -> None:
     p.add_argument("--depth", type=int, default=2, help="Titans backbone blocks")
     p.add_argument("--heads", type=int, default=4, help="attention / memory heads")
     p.add_argument("--no-revin", action="store_true", help="no instance normalisation in Titans backbones")
-    p.add_argument("--seed", type=int, default=None, help="initialisation and batch-order seed (default 0)")
+    p.add_argument(
+        "--seed", type=seed_arg, default=None, help="initialisation and batch-order seed (default 0)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
 
@@ -370,6 +370,7 @@ def register(commands, evals) -> None:
     p.add_argument("--out", type=path_arg, default="results/forecast", help="output folder")
     p.add_argument(
         "--seeds",
+        type=seed_list,
         default=None,
         help="comma-separated seeds: the study once per seed into OUT/seed<N>/, then the aggregate over them",
     )
