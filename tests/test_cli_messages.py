@@ -78,6 +78,25 @@ def test_a_missing_file_reads_as_such(tmp_path, capsys):
             "--seed must be in [0, 2**64)",
         ),
         (["generate", "--checkpoint", "nowhere", "--prompt", "a", "--save-state", "."], "is a folder"),
+        (
+            ["generate", "--checkpoint", "nowhere", "--prompt", "a", "--greedy", "--temperature", "0.3"],
+            "--greedy takes the most likely token: give it or --temperature, not both",
+        ),
+        (
+            [
+                "generate",
+                "--checkpoint",
+                "nowhere",
+                "--prompt",
+                "a",
+                "--top-p",
+                "0.9",
+                "--greedy",
+                "--top-k",
+                "3",
+            ],
+            "give it or --top-p, --top-k, not both",
+        ),
     ],
 )
 def test_bad_option_values_are_refused_before_any_work(capsys, monkeypatch, tmp_path, argv, want):

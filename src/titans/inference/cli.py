@@ -146,6 +146,14 @@ def _int_or_none(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected an integer or none, got {text!r}") from None
 
 
+class _SamplingOption(argparse.Action):
+    """Stores a sampling option's value and records that it was given: `--greedy` would leave it unused."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.sampling_given = (*namespace.sampling_given, option_string)
+
+
 def check_generate_args(args: argparse.Namespace) -> None:
     """Option errors of `titans generate`, found before anything is loaded or generated."""
     if args.num_samples < 1:
@@ -160,6 +168,9 @@ def check_generate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--seed must be in [0, 2**64), got {args.seed}")
     if args.save_state:
         check_save_state(args.save_state)
+    if args.greedy and args.sampling_given:
+        given = ", ".join(dict.fromkeys(args.sampling_given))
+        raise ValueError(f"--greedy takes the most likely token: give it or {given}, not both")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise ValueError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
@@ -271,18 +282,29 @@ def register(commands, evals) -> None:
     g.add_argument("--prompt", required=True, help="text to continue (at least one token)")
     g.add_argument("--max-new-tokens", type=int, default=200, help="tokens generated per sample at most")
     g.add_argument(
-        "--temperature", type=float, default=SAMPLING.temperature, help="sampling temperature (0: greedy)"
+        "--temperature",
+        type=float,
+        action=_SamplingOption,
+        default=SAMPLING.temperature,
+        help="sampling temperature (0: greedy)",
     )
     g.add_argument(
         "--top-k",
         type=_int_or_none,
+        action=_SamplingOption,
         default=SAMPLING.top_k,
         help="sample from the k most likely tokens (none: from all)",
     )
     g.add_argument(
-        "--top-p", type=float, default=None, help="sample from the most likely tokens up to this probability"
+        "--top-p",
+        type=float,
+        action=_SamplingOption,
+        default=None,
+        help="sample from the most likely tokens up to this probability",
     )
-    g.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    g.add_argument(
+        "--greedy", action="store_true", help="always take the most likely token (no sampling options)"
+    )
     g.add_argument(
         "--compile",
         nargs="?",
@@ -297,7 +319,7 @@ def register(commands, evals) -> None:
         "--save-state", type=path_arg, help="write the state after the generated text here (one sample only)"
     )
     g.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1")
-    g.set_defaults(func=run_generate, check=check_generate_args)
+    g.set_defaults(func=run_generate, check=check_generate_args, sampling_given=())
 
     e = commands.add_parser(
         "export-hf",
