@@ -79,6 +79,10 @@ def test_a_missing_file_reads_as_such(tmp_path, capsys):
         ),
         (["generate", "--checkpoint", "nowhere", "--prompt", "a", "--save-state", "."], "is a folder"),
         (
+            ["generate", "--checkpoint=nowhere", "--prompt=a", "--compile=cuda_graph", "--device=cpu"],
+            "--compile cuda_graph needs a CUDA device, this run is on cpu",
+        ),
+        (
             ["generate", "--checkpoint", "nowhere", "--prompt", "a", "--greedy", "--temperature", "0.3"],
             "--greedy takes the most likely token: give it or --temperature, not both",
         ),

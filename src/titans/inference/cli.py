@@ -183,6 +183,8 @@ def run_generate(args: argparse.Namespace) -> int:
     """Print each sample as it is generated: the prompt, then every piece of text as soon as it is whole."""
     check_generate_args(args)
     device = resolve_device(args.device)
+    if args.compile == "cuda_graph" and device.type != "cuda":  # before the prompt is printed
+        raise ValueError(f"--compile cuda_graph needs a CUDA device, this run is on {device}")
     checkpoint = checkpoint_of(args.checkpoint)
     model, tokenizer = load_trained(checkpoint, map_location=device)
     state = load_continued_state(args.state, checkpoint, model, device) if args.state else None
