@@ -167,6 +167,42 @@ def test_seeds_out_of_range_are_refused_before_any_work(capsys, monkeypatch, tmp
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "error",
+    [
+        MemoryError(
+            "Unable to allocate 745. GiB for an array with shape (100000000000,) and data type int64"
+        ),
+        RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 400000000000 bytes."),
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+    ],
+    ids=["numpy", "torch-cpu", "torch-cuda"],
+)
+def test_running_out_of_memory_is_one_line(capsys, monkeypatch, error):
+    """`titans train --batch-size 100000000000` ended in numpy's _ArrayMemoryError traceback; a size the
+    machine cannot hold is the command's one-line error."""
+    import titans.demo
+
+    def run_demo(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(titans.demo, "run_demo", run_demo)
+    assert titans_main(["demo"]) == 2
+    err = error_line(capsys)
+    assert err.startswith("titans demo: error: out of memory (") and str(error).split(":")[0] in err, err
+
+
+def test_other_runtime_errors_still_raise(monkeypatch):
+    import titans.demo
+
+    def run_demo(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(titans.demo, "run_demo", run_demo)
+    with pytest.raises(RuntimeError, match="a bug"):
+        titans_main(["demo"])
+
+
 def test_a_config_whose_model_is_not_an_object_is_refused(tmp_path, capsys):
     """{"model": 5} raised a TypeError traceback (and "abc" an unreadable dict-update message)."""
     for model in (5, [1, 2], "abc"):

@@ -120,6 +120,16 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (*USER_ERRORS, CheckpointError)
 
 
+def _out_of_memory(error: BaseException) -> bool:
+    """numpy's and Python's MemoryError, torch's OutOfMemoryError (CUDA), or torch's CPU allocator failing
+    (a plain RuntimeError): a size the machine cannot hold, e.g. a --batch-size of 10**11."""
+    import torch
+
+    return isinstance(error, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     # Flush subnormal floats to zero, before torch starts its thread pool (the threads inherit the
     # setting). Memory weights that get no writes decay geometrically into subnormals, which x86 CPUs
@@ -149,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
             return int(args.func(args) or 0)
     except _user_errors() as e:
         print(f"{prog}: error: {_message(e)}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            raise
+        print(f"{prog}: error: out of memory ({_message(e).splitlines()[0]})", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status, not a traceback (`titans train`
         # handles its own signals: it saves a checkpoint first)
