@@ -242,6 +242,22 @@ def test_dna_classify_cli(tmp_path):
     assert main(argv) == 0
 
 
+def test_dna_classify_gives_one_output_per_class_whatever_its_id(tmp_path, capsys):
+    """Labels 7 and 10**12: the head had one output per id up to the largest (a 64 TB weight, and an
+    allocation failure); now two outputs, and the JSON names the classes in output order."""
+    from titans.cli import main
+
+    rng = np.random.default_rng(0)
+    labels = (7, 10**12)
+    lines = ["seq,label"] + [f"{''.join(rng.choice(list('ACGT'), 24))},{labels[i % 2]}" for i in range(12)]
+    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
+    data = ["--train", str(tmp_path / "t.csv"), "--test", str(tmp_path / "t.csv")]
+    tiny = ["--variant", "swa", "--finetune-steps", "2", "--dim", "16", "--depth", "1", "--heads", "2"]
+    assert main(["dna", "classify", *data, *tiny, "--window", "16", "--no-progress"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["classes"] == [7, 10**12] and 0 <= report["test_accuracy"] <= 1
+
+
 def _tiny_budget(**kw) -> DNABudget:
     return DNABudget(
         **{

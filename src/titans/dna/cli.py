@@ -194,8 +194,8 @@ def cmd_classify(args) -> int:
                 f"({source}) and were cut to their last {length} bases",
                 file=sys.stderr,
             )
-    # the classifier has one output per class id up to the largest training label
-    if len(np.unique(train.y)) < 2:
+    classes = np.unique(train.y)
+    if len(classes) < 2:
         raise ValueError(
             f"--train {args.train!r}: every row has the same label; classifying needs two classes"
         )
@@ -204,6 +204,10 @@ def cmd_classify(args) -> int:
         raise ValueError(
             f"--test {args.test!r}: label(s) {unseen} never occur in --train, so can never be predicted"
         )
+    # one output per class that occurs in training, whatever its id: labels {0, 10**9} are two outputs (the
+    # head had one per id up to the largest, a billion)
+    train = ClassificationSet(train.x, np.searchsorted(classes, train.y))
+    test = ClassificationSet(test.x, np.searchsorted(classes, test.y))
     if args.pretrain_fasta:
         lm, _ = pretrain(
             args.variant,
@@ -220,6 +224,7 @@ def cmd_classify(args) -> int:
                 "variant": args.variant,
                 "train": len(train.y),
                 "test": len(test.y),
+                "classes": classes.tolist(),
                 "length": length,
                 "train_cut": train_cut,
                 "test_cut": test_cut,
