@@ -207,6 +207,36 @@ def test_eval_rebuilds_the_trained_model_and_names_a_damaged_file(tmp_path, caps
     assert err.startswith("titans forecast eval: error: ") and "model.pt is damaged" in err
 
 
+@pytest.mark.parametrize(
+    "change, want",
+    [
+        (dict(n=700, channels=["MT_001", "MT_003"]), "channels ['MT_001', 'MT_003'] where training had"),
+        (dict(n=760, channels=["MT_001", "MT_002"]), "760 steps where training had 700"),
+        (dict(n=700, channels=["MT_001", "MT_002"], seed=1), "its values changed since training"),
+        (dict(n=700, channels=["MT_001", "MT_002", "MT_003"]), "channels"),  # the LMM raised a traceback
+    ],
+    ids=["renamed", "longer", "values", "more-channels"],
+)
+def test_eval_refuses_a_series_changed_since_training(tmp_path, capsys, change, want):
+    """`forecast eval` reads the series again from the path training recorded: a CSV rewritten since then
+    was scored as if it were the trained-on test set (other numbers under this run's name)."""
+    from titans.cli import main
+
+    path = _write_csv(tmp_path / "ecl.csv", 700, ["MT_001", "MT_002"])
+    out = tmp_path / "run"
+    common = ["--series", str(path), "--lookback", "32", "--horizon", "8", "--no-progress"]
+    tiny = ["--max-steps", "1", "--dim", "16", "--depth", "1", "--heads", "2"]
+    assert main(["forecast", "train", *common, "--model", "lmm", *tiny, "--out", str(out)]) == 0
+    _write_csv(path, change.pop("n"), change.pop("channels"), **change)
+    capsys.readouterr()
+    assert main(["forecast", "eval", "--run", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert (
+        err.startswith("titans forecast eval: error: ") and "is not the one this model was trained on" in err
+    )
+    assert want in err, err
+
+
 def test_tmy3_from_pvlib():
     pytest.importorskip("pvlib")
     s = load_series("tmy3:greensboro")

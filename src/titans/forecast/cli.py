@@ -23,7 +23,14 @@ import torch
 from titans.data.series import load_series, split_series
 from titans.forecast.model import FORECAST_MODELS, build_forecaster
 from titans.forecast.seeds import aggregate_studies, aggregate_table, plot_aggregate
-from titans.forecast.train import ForecastRun, evaluate, plot_forecasts, run_record, train_forecaster
+from titans.forecast.train import (
+    ForecastRun,
+    evaluate,
+    plot_forecasts,
+    run_record,
+    series_digest,
+    train_forecaster,
+)
 from titans.runtime.device import set_cpu_threads
 from titans.training.signals import exit_status
 from titans.validation import did_you_mean, path_arg, seed_arg, seed_list
@@ -129,6 +136,12 @@ def cmd_eval(args) -> int:
     run = ForecastRun(**{k: v for k, v in rec["run"].items() if k in ForecastRun.__dataclass_fields__})
     series = load_series(rec["series_spec"], date_column=rec.get("date_column"))
     split = split_series(series, lookback=rec["lookback"], protocol=rec["protocol"])
+    changed = _series_changes(rec, split)
+    if changed:  # its numbers would be another test set's, printed as this run's
+        raise ValueError(
+            f"--run {args.run!r}: the series {rec['series_spec']!r} is not the one this model was trained on "
+            f"({'; '.join(changed)}); its test scores are in result.json"
+        )
     model = build_forecaster(
         run.model,
         lookback=rec["lookback"],
@@ -145,6 +158,21 @@ def cmd_eval(args) -> int:
     m = evaluate(model, split.windows(run.horizon)[2])
     print(json.dumps({"series": series.name, "model": run.model, "horizon": run.horizon, **m}, indent=2))
     return 0
+
+
+def _series_changes(rec: dict, split) -> list[str]:
+    """How the series `forecast eval` read differs from the one the run `rec` trained on (empty: the same
+    channels, length, split borders and, where the run recorded them, values)."""
+    series, changes = split.series, []
+    if list(series.channels) != rec["channels"]:
+        changes.append(f"channels {list(series.channels)} where training had {rec['channels']}")
+    if len(series.values) != rec["steps_total"]:
+        changes.append(f"{len(series.values)} steps where training had {rec['steps_total']}")
+    elif (borders := [list(b) for b in split.borders]) != rec["borders"]:
+        changes.append(f"split borders {borders} where training had {rec['borders']}")
+    if not changes and rec.get("values_sha256") not in (None, series_digest(series.values)):
+        changes.append("its values changed since training")
+    return changes
 
 
 def _study_splits(args) -> list:

@@ -18,6 +18,7 @@ A model without parameters (seasonal-naive) is not trained. Test metrics average
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import asdict, dataclass
 
@@ -177,6 +178,11 @@ def train_forecaster(
     return ForecastResult(run, model, metrics)
 
 
+def series_digest(values: np.ndarray) -> str:
+    """SHA-256 of a series' values (T, C) as float64: `forecast eval` compares it with the training run's."""
+    return hashlib.sha256(np.ascontiguousarray(values, dtype=np.float64).tobytes()).hexdigest()
+
+
 def run_record(split: SeriesSplit, result: ForecastResult) -> dict:
     """The JSON record of one trained forecaster."""
     return {
@@ -184,6 +190,7 @@ def run_record(split: SeriesSplit, result: ForecastResult) -> dict:
         "source": split.series.source,
         "channels": list(split.series.channels),
         "steps_total": len(split.series.values),
+        "values_sha256": series_digest(split.series.values),
         "protocol": split.protocol,
         "lookback": split.lookback,
         "borders": [list(b) for b in split.borders],
@@ -245,5 +252,6 @@ __all__ = [
     "plot_forecasts",
     "predict",
     "run_record",
+    "series_digest",
     "train_forecaster",
 ]
