@@ -237,6 +237,20 @@ def test_eval_refuses_a_series_changed_since_training(tmp_path, capsys, change, 
     assert want in err, err
 
 
+def test_a_csv_whose_dates_go_back_in_time_is_refused(tmp_path):
+    """A CSV sorted by value or shuffled was read in file order: windows mixed times, and the chronological
+    split tested on the past. Dates that do not parse (an index, labels) are not checked."""
+    path = _write_csv(tmp_path / "ecl.csv", 60, ["a", "b"])
+    frame = pd.read_csv(path)
+    frame.iloc[[20, 21]] = frame.iloc[[21, 20]].to_numpy()
+    frame.to_csv(path, index=False)
+    with pytest.raises(ValueError, match=r"goes back in time at data row 21 \('2016-07-01 20:00:00' after"):
+        read_series_csv(path)
+    frame["date"] = [f"t{i}" for i in range(60)]
+    frame.to_csv(path, index=False)
+    assert read_series_csv(path).values.shape == (60, 2)
+
+
 def test_tmy3_from_pvlib():
     pytest.importorskip("pvlib")
     s = load_series("tmy3:greensboro")

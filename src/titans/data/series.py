@@ -138,7 +138,30 @@ def read_series_csv(
             f"series CSV {spec!r}: non-numeric value {text.iat[row, col]!r} in column {chosen[col]!r} at "
             f"data row {row}"
         )
+    _check_time_order(frame[date], spec)
     return Series(Path(spec).stem, numeric.to_numpy(np.float64), tuple(chosen), spec)
+
+
+def _check_time_order(dates, spec: str) -> None:
+    """Refuse a date column that goes back in time (a sorted or shuffled export): the windows would mix
+    times and the chronological split would test on the past. A column that is not all dates is not
+    checked."""
+    import warnings
+
+    import pandas as pd
+
+    with warnings.catch_warnings():  # "could not infer format": mixed formats are parsed one by one
+        warnings.simplefilter("ignore")
+        times = pd.to_datetime(dates, errors="coerce")
+    if times.isna().any():
+        return
+    back = np.flatnonzero(np.diff(times.to_numpy().astype("datetime64[ns]").astype(np.int64)) < 0)
+    if len(back):
+        i = int(back[0]) + 1
+        raise ValueError(
+            f"series CSV {spec!r}: the date column {dates.name!r} goes back in time at data row {i} "
+            f"({dates.iat[i]!r} after {dates.iat[i - 1]!r}); sort the file by time"
+        )
 
 
 def _pvlib_file(kind: str, sites: dict, site: str) -> tuple[str, str]:
