@@ -263,6 +263,47 @@ def test_a_sigterm_stops_the_server_cleanly_with_status_143(checkpoint, keys, tm
     assert "leaked" not in text and "Traceback" not in text, text[-3000:]
 
 
+def test_without_worker_processes_a_call_past_the_shutdown_timeout_does_not_hold_the_exit(
+    checkpoint, keys, tmp_path
+):
+    """`--worker-processes no`: a read still running in a worker thread when --shutdown-timeout ends is
+    answered 503, and the process exits then (the interpreter waited for the thread, the whole read, to
+    let it write to a closed store)."""
+    log = tmp_path / "server.log"
+    server = ProcessServer(
+        checkpoint,
+        f"sqlite:///{tmp_path / 's.db'}",
+        log,
+        *("--api-keys", str(keys), "--worker-processes", "no", "--shutdown-timeout", "1"),
+        *("--max-tokens", "200000"),
+        fork=False,
+    )
+    answer: dict = {}
+
+    def long_read(sid: str) -> None:  # 120,000 tokens: tens of seconds on a tiny model
+        r = httpx.post(
+            f"{server.url}/v1/sessions/{sid}/read", headers=AUTH, json={"text": "ab" * 60000}, timeout=300
+        )
+        answer["status"] = r.status_code
+
+    try:
+        server.start().wait()
+        sid = httpx.post(f"{server.url}/v1/sessions", headers=AUTH, timeout=60).json()["id"]
+        client = threading.Thread(target=long_read, args=(sid,))
+        client.start()
+        time.sleep(1.5)
+        started = time.monotonic()
+        os.kill(server.proc.pid, signal.SIGTERM)
+        assert server.proc.wait(120) == 143
+        assert time.monotonic() - started < 20
+        client.join(60)
+    finally:
+        server.kill()
+    assert answer == {"status": 503}
+    text = log.read_text()
+    assert "1 model call(s) still running at exit" in text and "Traceback" not in text, text[-3000:]
+
+
 def test_worker_processes_finish_their_jobs_through_a_sigterm_and_are_not_replaced_after_close():
     """A SIGTERM to the whole process group (systemd's default KillMode) reaches the workers too: they
     ignore it, so the jobs in flight while the server drains still finish; and closing the pool (the

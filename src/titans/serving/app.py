@@ -524,6 +524,8 @@ class SessionService:
         self.processes: ProcessPool | None = None  # `use_processes`: the named operations run there
         self.stopping = False  # `stop`: the server is shutting down
         self.streams: set[asyncio.Queue] = set()  # the event queues of the streamed generations being sent
+        self._threads_lock = threading.Lock()
+        self._in_threads = 0  # `run` calls still running in a worker thread (`calls_in_threads`)
 
     def stop(self, grace_s: float | None = None) -> None:
         """The server began to stop (in the event loop's thread): the requests still waiting for a worker
@@ -556,7 +558,23 @@ class SessionService:
         self.processes = ProcessPool(n, _child_service, None, renew=payload)
 
     async def run(self, fn: Callable[[], T]) -> T:
-        return await anyio.to_thread.run_sync(fn, limiter=self.limiter)
+        def counted() -> T:  # counted in the thread: a cancelled request's call runs on after it
+            with self._threads_lock:
+                self._in_threads += 1
+            try:
+                return fn()
+            finally:
+                with self._threads_lock:
+                    self._in_threads -= 1
+
+        return await anyio.to_thread.run_sync(counted, limiter=self.limiter)
+
+    @property
+    def calls_in_threads(self) -> int:
+        """Operations still running in this process's worker threads: after the graceful-shutdown time
+        they are the calls of requests already answered 503, which a thread cannot be stopped from."""
+        with self._threads_lock:
+            return self._in_threads
 
     async def call(self, name: str, *args: Any) -> Any:
         """The operation `name` (a method of this class) with `args`: in a worker process when the service

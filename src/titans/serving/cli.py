@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -184,6 +185,15 @@ def run_serve(args: argparse.Namespace) -> int:
         server.run()
     finally:
         store.close()
+    left = app.state.service.calls_in_threads
+    if left:
+        # their requests were answered 503 ("may or may not have been applied"); a thread cannot be ended,
+        # and the interpreter would wait for them (a long read kept the process for its whole length,
+        # past --shutdown-timeout) to write to a closed store. Worker processes are killed instead.
+        log.warning("%d model call(s) still running at exit: ended unfinished", left)
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(128 + int(server.stopped_by) if server.stopped_by is not None else 1)
     if server.stopped_by is not None:  # the shell's convention, as `titans train`: 143 (SIGTERM), 130
         return 128 + int(server.stopped_by)
     return 0 if server.started else 1  # not started: uvicorn logged why (the port taken, ...)
