@@ -197,6 +197,20 @@ def test_guard_undoes_a_harmful_write_and_keeps_a_harmless_one(max_lr, clip):
     assert session.read(text(5, 3)).kept and session.position == 26
 
 
+def test_an_undone_write_keeps_every_snapshot_of_a_full_session():
+    """With as many snapshots as the session keeps, the guard's undo dropped the oldest one all the same
+    (it was trimmed when the write's snapshot was added): rollback(2) then found no snapshot 2."""
+    model, session = guarded_session()
+    assert session.read(text(16, 4)).kept
+    full = [(s.k, s.position) for s in session.snapshots]
+    assert len(full) == 2
+    _set_write_strength(model, 1.0, 1.0)
+    assert not session.read(text(16, 2)).kept and session.frozen
+    assert [(s.k, s.position) for s in session.snapshots] == full
+    session.rollback(2)
+    assert session.position == 0
+
+
 @pytest.mark.parametrize("compiled", [False, "eager"])
 def test_guard_undoes_a_write_that_diverges_while_sampling(compiled):
     """A write that diverges while the session generates, sampling: the static steps (compiled) refuse the

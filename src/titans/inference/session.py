@@ -584,20 +584,19 @@ class MemorySession:
             if not guard or "non-finite" not in str(e):
                 raise
             new_state, payload, generated, diverged = state, None, 0, str(e)
-        self._snapshots.append(snapshot)
-        del self._snapshots[: max(0, len(self._snapshots) - self.max_snapshots)]
         self._current = _kept(new_state, before.reads + reads, before.tokens_generated + generated)
         self._probe_loss = None
-        if not guard:
-            return None, payload
-        after = self._measure_probe(new_state) if diverged is None else float("nan")
-        limit = probe_before * (1 + self.guard_max_rise) if math.isfinite(probe_before) else math.inf
-        if math.isfinite(after) and after <= limit:
+        after = None
+        if guard:
+            after = self._measure_probe(new_state) if diverged is None else float("nan")
+            limit = probe_before * (1 + self.guard_max_rise) if math.isfinite(probe_before) else math.inf
+        if not guard or (math.isfinite(after) and after <= limit):
+            # the oldest snapshot goes only for a write that stays (an undone write leaves them as they are)
+            self._snapshots.append(snapshot)
+            del self._snapshots[: max(0, len(self._snapshots) - self.max_snapshots)]
             self._probe_loss = after
             return None, payload
         # undo: the state before the write (kept even with snapshots=0), and freeze
-        if self.max_snapshots:
-            self._snapshots.pop()
         self._current = before
         self._probe_loss = probe_before
         self._frozen = True
