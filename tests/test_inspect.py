@@ -81,6 +81,50 @@ def test_inspect_command_and_its_errors(run_dir, tmp_path, capsys):
     assert "no text file" in capsys.readouterr().err
 
 
+def test_inspect_reads_only_the_start_of_a_long_file_and_keeps_its_line_ends(run_dir, tmp_path, capsys):
+    """--max-tokens 40 of a long file: the file was read and tokenized whole first (a 48 MiB file took
+    0.7 GB for a 100-token report), and its "\r\n" became "\n"."""
+    from titans.inference.inspection import cli as inspect_cli
+    from titans.runtime.loading import load_trained
+
+    _, tokenizer = load_trained(run_dir)
+    text = tmp_path / "long.txt"
+    text.write_bytes(("line\r\n" * 60_000).encode())
+    read = []
+    encode = tokenizer.encode
+    ids, truncated = inspect_cli._first_tokens(text, _Counting(encode, read), 40)
+    assert truncated and ids[:40] == encode("line\r\n" * 7)[:40]
+    assert max(read) < 2_000  # characters encoded: the start of the 360,000
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"a\r\nb")
+    assert inspect_cli._first_tokens(short, tokenizer, 40) == (encode("a\r\nb"), False)
+    out = tmp_path / "r.html"
+    args = [
+        "inspect",
+        "--checkpoint",
+        str(run_dir),
+        "--text",
+        str(text),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+    ]
+    assert titans_main([*args, "--max-tokens", "40"]) == 0
+    assert "inspected 40 tokens (truncated)" in capsys.readouterr().out
+
+
+class _Counting:
+    """A tokenizer stand-in that records the length of each text it encodes."""
+
+    def __init__(self, encode, lengths: list[int]) -> None:
+        self.encode_, self.lengths = encode, lengths
+
+    def encode(self, text: str) -> list[int]:
+        self.lengths.append(len(text))
+        return self.encode_(text)
+
+
 def _screenshot(page: Path, png: Path, profile: Path) -> np.ndarray:
     """Headless Chromium's 1200 x 900 screenshot of `page`, as (900, 1200, 3) floats."""
     image = pytest.importorskip("PIL.Image", reason="Pillow is not installed (it comes with titans[train])")

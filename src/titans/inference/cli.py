@@ -45,14 +45,18 @@ def peak_rss_mib() -> float:
 
 def read_text_blocks(path: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> Iterator[str]:
     """The text of `path` ("-" for stdin) in blocks of about `block_chars` characters, each ending at a line
-    end (so a tokenizer sees whole lines); block_chars <= 0 reads the whole file as one block."""
+    end (so a tokenizer sees whole lines), or, in a line longer than a block, after its last space or tab
+    (whole words), or at the block's end if it has none; block_chars <= 0 reads the whole file as one block.
+    Line ends are kept as they are ("\r\n" stays two characters, as training reads files)."""
     if path == "-":
         # stdin read as a file is: invalid UTF-8 bytes become U+FFFD (Python's own stdin would pass them on
         # as lone surrogates, which no tokenizer encodes)
         raw = getattr(sys.stdin, "buffer", None)
-        stream = sys.stdin if raw is None else io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
+        stream = sys.stdin
+        if raw is not None:
+            stream = io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline="")
     else:
-        stream = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115
+        stream = open(path, encoding="utf-8", errors="replace", newline="")  # noqa: SIM115
     try:
         if block_chars <= 0:
             yield stream.read()
@@ -63,10 +67,9 @@ def read_text_blocks(path: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> Itera
             if not block:
                 break
             block = carry + block
-            cut = block.rfind("\n") + 1
-            if cut == 0:  # a single line longer than a block: keep reading
-                carry = block
-                continue
+            # a line longer than a block is cut too: carried whole, a file of one long line was held in
+            # memory entire and searched again at every block
+            cut = block.rfind("\n") + 1 or max(block.rfind(" "), block.rfind("\t")) + 1 or len(block)
             carry = block[cut:]
             yield block[:cut]
         if carry:

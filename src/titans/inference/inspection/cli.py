@@ -45,18 +45,20 @@ def run_inspect(args: argparse.Namespace) -> int:
         path = Path(args.text)
         if not path.is_file():
             raise FileNotFoundError(f"no text file at {str(path)!r}")
-        text = path.read_text(encoding="utf-8", errors="replace")
         source = str(path)
     else:
-        text, source = args.prompt, "--prompt"
+        source = "--prompt"
     device = resolve_device(args.device)
     model, tokenizer = load_trained(args.checkpoint, map_location=device)
     if args.threshold is not None:
         set_surprise_threshold(model, args.threshold)
-    ids = tokenizer.encode(text)
+    if args.text is not None:
+        ids, truncated = _first_tokens(path, tokenizer, args.max_tokens)
+    else:
+        ids = tokenizer.encode(args.prompt)
+        truncated = len(ids) > args.max_tokens
     if len(ids) < 2:
         raise ValueError(f"{source} holds {len(ids)} token(s); inspect needs at least 2")
-    truncated = len(ids) > args.max_tokens
     ids = ids[: args.max_tokens]
     trace = trace_text(model, torch.tensor(ids), max_norm=args.max_norm)
     cfg = model.config
@@ -76,6 +78,27 @@ def run_inspect(args: argparse.Namespace) -> int:
         f"{trace.report.write_rate:.1%}, mean surprise {fmt(float(np.nanmean(trace.surprise)))}; wrote {out}"
     )
     return 0
+
+
+# tokens past --max-tokens encoded before the text is cut: a subword tokenizer may merge across the cut,
+# and this many tokens later the first --max-tokens are those of the whole text
+_CUT_MARGIN = 64
+
+
+def _first_tokens(path: Path, tokenizer, max_tokens: int) -> tuple[list[int], bool]:
+    """(the ids of the start of the file at `path`, whether it holds more than `max_tokens`): read in
+    growing pieces until the tokens pass `max_tokens` (the whole file was read and encoded for a
+    100-token report). Line ends are kept as they are, as `titans read` and training read files."""
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        text = f.read(4 * (max_tokens + _CUT_MARGIN))
+        while True:
+            ids = tokenizer.encode(text)
+            if len(ids) > max_tokens + _CUT_MARGIN:
+                return ids, True
+            more = f.read(len(text))
+            if not more:
+                return ids, len(ids) > max_tokens
+            text += more
 
 
 def register(commands, evals) -> None:
