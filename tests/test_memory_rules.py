@@ -407,3 +407,48 @@ def test_half_gates_run_as_their_float32_values(half):
             assert a.dtype == torch.float32
             assert torch.equal(a, b), preset
             assert torch.equal(c, b), preset
+
+
+@pytest.mark.parametrize("rule", ["titans", "yaad", "moneta", "memora", "atlas"])
+def test_the_reference_layer_runs_under_no_grad_as_the_fast_path(rule):
+    """Under no_grad the layer's initial weights are views of its parameters that say they require grad
+    but belong to no graph: the reference took its inner gradients with respect to them and raised
+    ("appears to not have been used in the graph") for the rules whose retention is plain decay."""
+    torch.manual_seed(0)
+    ref = NeuralMemory(8, heads=2, depth=2, chunk_size=4, impl="reference", rule=rule).double()
+    fast = NeuralMemory(8, heads=2, depth=2, chunk_size=4, rule=rule).double()
+    fast.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 9, 8, dtype=torch.float64)
+    with torch.no_grad():
+        (y_ref, _), (y_fast, _) = ref(x), fast(x)
+    assert not y_ref.requires_grad
+    torch.testing.assert_close(y_ref, y_fast, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(activation="relu", surprise_clip=1.0), dict(rule="yaad", activation="relu"), dict(rule="atlas")],
+    ids=["relu-clip", "yaad-relu", "atlas-nothing-written"],
+)
+def test_the_reference_has_finite_gradients_where_a_surprise_is_exactly_zero(options):
+    """A token whose inner gradient is exactly zero (a dead relu layer; Muon's input with nothing written):
+    the reference differentiated sqrt at 0 and gave NaN gradients where the fast path gives finite ones."""
+    threshold = 1e9 if options.get("rule") == "atlas" else None
+    torch.manual_seed(0)
+    kw = dict(heads=3, depth=2, chunk_size=5, expansion=2.0, surprise_threshold=threshold, **options)
+    ref = NeuralMemory(6, impl="reference", **kw).double()
+    fast = NeuralMemory(6, **kw).double()
+    fast.load_state_dict(ref.state_dict())
+    torch.manual_seed(1)
+    x = torch.randn(3, 13, 6, dtype=torch.float64)
+    grads = []
+    for layer in (ref, fast):
+        xx = x.clone().requires_grad_()
+        layer(xx)[0].square().sum().backward()
+        grads.append([xx.grad, *(p.grad for p in layer.parameters() if p.grad is not None)])
+    if options.get("activation") == "relu":
+        with torch.no_grad():
+            assert (ref.forward_with_stats(x).stats.surprise < 1e-10).any()  # the case is met
+    for g_ref, g_fast in zip(*grads, strict=True):
+        assert torch.isfinite(g_ref).all()
+        torch.testing.assert_close(g_ref, g_fast, rtol=1e-6, atol=1e-9)

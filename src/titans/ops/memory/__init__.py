@@ -88,6 +88,11 @@ def _reference(fn, *args, **options):
     then hands back its outputs without the graph, as the other backends do there)."""
     if torch.is_grad_enabled():
         return fn(*args, **options)
+
+    def detached(x):  # a view made under no_grad may say it requires grad, yet has no graph to differentiate
+        return x.detach() if isinstance(x, Tensor) else tuple(map(detached, x)) if isinstance(x, tuple) else x
+
+    args, options = tuple(map(detached, args)), {k: detached(v) for k, v in options.items()}
     with torch.enable_grad():
         y, weights, momentum, surprise = fn(*args, **options)
     return (

@@ -85,7 +85,9 @@ def neural_memory_ref(
             loss = (pred - v[:, :, t : t + 1]).pow(2).sum()
             # Each (batch, head) owns its weights, so the gradient of the sum is the per-head gradient.
             u = torch.autograd.grad(loss, w_chunk, create_graph=True)
-            norm = torch.stack([g.pow(2).sum((-1, -2)) for g in u]).sum(0).sqrt()  # (B, H)
+            # (B, H); floored as the fast path floors it: sqrt's derivative at an exact 0 (a dead relu
+            # layer) is infinite, and times 0 a NaN gradient
+            norm = torch.stack([g.pow(2).sum((-1, -2)) for g in u]).sum(0).clamp_min(1e-30).sqrt()
             surprises.append(norm)
             if surprise_clip is not None:  # min(1, c / ||u||); a zero surprise stays zero
                 scale = torch.clamp(surprise_clip / norm.clamp_min(torch.finfo(norm.dtype).tiny), max=1.0)

@@ -92,8 +92,9 @@ def _orthogonalise(x: Tensor, steps: int) -> Tensor:
     flip = x.shape[-2] > x.shape[-1]
     if flip:
         x = x.transpose(-1, -2)
-    norm = torch.sqrt((x * x).sum((-1, -2), keepdim=True))
-    x = x / torch.clamp(norm, min=1e-7)
+    # ||X|| floored at 1e-7, through its square: sqrt's derivative at an exact 0 would be a NaN gradient
+    norm = torch.sqrt(torch.clamp((x * x).sum((-1, -2), keepdim=True), min=1e-14))
+    x = x / norm
     for _ in range(steps):
         gram = x @ x.transpose(-1, -2)
         x = 3.4445 * x - 4.7750 * (gram @ x) + 2.0315 * (gram @ (gram @ x))
@@ -144,7 +145,8 @@ def memory_rule_ref(
                 li = loss_of(rule.bias, e, None if delta is None else delta[:, :, i])
                 objective = objective + (li if omega is None else omega[:, :, i] * li)
             u = torch.autograd.grad(objective.sum(), w, create_graph=True)
-            norm = torch.sqrt(sum((g * g).sum((-1, -2)) for g in u))
+            # floored as the fast path floors it (an exact 0 would give a NaN gradient through sqrt)
+            norm = torch.sqrt(torch.clamp(sum((g * g).sum((-1, -2)) for g in u), min=1e-30))
             surprises.append(norm)
             if surprise_clip is not None:
                 factor = torch.clamp(surprise_clip / torch.clamp(norm, min=1e-300), max=1.0)
