@@ -3,7 +3,9 @@ every variant, the Titans path unchanged, bad input."""
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -387,6 +389,30 @@ def test_entry_point_runs_every_path_with_one_call_shape():
         neural_memory(q, k, v, gates, w, s, chunk_size=3, history=2)
     with pytest.raises(ValueError, match="rule 'titans' takes 3 gates per token"):
         neural_memory(q, k, v, torch.cat([gates, gates[..., :1]], -1), w, s, chunk_size=3)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("preset", ["titans", "atlas"])
+def test_a_state_that_does_not_fit_is_refused_by_name(backend, preset):
+    """Weights, momentum and anchors that do not fit q, k, v or each other raised from inside torch (a
+    matmul, a stack, an index) or, in the reference, broadcast a momentum of batch 1 silently."""
+    q, k, v, gates, w, s = rule_problem(RULE_PRESETS[preset], 7, 2)
+    run = functools.partial(neural_memory, chunk_size=3, rule=preset, backend=backend)
+    cases = [
+        ((q, k, v, gates, w, s[:1]), re.escape("momentum must hold one tensor per memory layer (2), got 1")),
+        ((q, k, v, gates, (), ()), re.escape("weights must hold one tensor per memory layer, got none")),
+        ((q, k, v, gates, (w[0][:1], w[1]), s), r"weights\[0\] must be \(B, H, d_in, d_out\) = \(2, 3, 5"),
+        ((q, k, v, gates, (w[0], w[1][:, :, :4]), s), r"weights\[1\] must be .* = \(2, 3, 10, \.\.\.\)"),
+        ((q, k, v, gates, w, (s[0][:1], s[1])), r"momentum\[0\] must be of weights\[0\]'s shape"),
+        ((q, k, v[..., :4], gates, w, s), re.escape("the last layer's output width 5 must be v's, 4")),
+        ((q[..., :4], k, v, gates, w, s), re.escape("q and k must be of one width, got 4 and 5")),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            run(*args)
+    if preset == "titans":
+        with pytest.raises(ValueError, match="anchor must hold one tensor per memory layer"):
+            run(q, k, v, gates, w, s, anchor=(w[0][0],))
 
 
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])

@@ -103,6 +103,43 @@ def _reference(fn, *args, **options):
     )
 
 
+def _check_state(
+    q: Tensor, k: Tensor, v: Tensor, weights: tuple, momentum: tuple, anchor: tuple | None
+) -> None:
+    """The memory's state against q, k, v, each mismatch named (torch raised from inside a matmul or a
+    stack, and the reference broadcast a momentum of batch 1 over weights of batch 2)."""
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"neural_memory: q and k must be of one width, got {q.shape[-1]} and {k.shape[-1]}")
+    if not weights:
+        raise ValueError("neural_memory: weights must hold one tensor per memory layer, got none")
+    for name, state in (("momentum", momentum), ("anchor", anchor)):
+        if state is not None and len(state) != len(weights):
+            layers = len(weights)
+            raise ValueError(
+                f"neural_memory: {name} must hold one tensor per memory layer ({layers}), got {len(state)}"
+            )
+    batch, heads, width = *q.shape[:2], k.shape[-1]
+    for i, w in enumerate(weights):
+        if w.dim() != 4 or tuple(w.shape[:3]) != (batch, heads, width):
+            raise ValueError(
+                f"neural_memory: weights[{i}] must be (B, H, d_in, d_out) = ({batch}, {heads}, {width}, ...)"
+                f" after the layer before it, got {tuple(w.shape)}"
+            )
+        width = w.shape[3]
+        if momentum[i].shape != w.shape:
+            raise ValueError(
+                f"neural_memory: momentum[{i}] must be of weights[{i}]'s shape {tuple(w.shape)}, got "
+                f"{tuple(momentum[i].shape)}"
+            )
+        if anchor is not None and tuple(anchor[i].shape[-2:]) != tuple(w.shape[-2:]):
+            raise ValueError(
+                f"neural_memory: anchor[{i}] must end in weights[{i}]'s (d_in, d_out) {tuple(w.shape[-2:])}, "
+                f"got {tuple(anchor[i].shape)}"
+            )
+    if width != v.shape[-1]:
+        raise ValueError(f"neural_memory: the last layer's output width {width} must be v's, {v.shape[-1]}")
+
+
 def _no_rows(v: Tensor, weights: tuple[Tensor, ...], momentum: tuple[Tensor, ...]):
     """What every backend returns for a call with no rows to read or write: empty y and surprise in the
     state's dtype, the state as it came."""
@@ -170,6 +207,7 @@ def neural_memory(
     rows = {name: tuple(t.shape[:3]) for name, t in (("q", q), ("k", k), ("v", v), ("gates", gates))}
     if len(set(rows.values())) > 1:
         raise ValueError(f"neural_memory: q, k, v and gates must agree on (B, H, T), got {rows}")
+    _check_state(q, k, v, tuple(weights), tuple(momentum), None if anchor is None else tuple(anchor))
     common = dict(
         chunk_size=chunk_size, activation=activation, residual=residual, surprise_clip=surprise_clip
     )
