@@ -307,6 +307,10 @@ def test_config_without_gate_inits_loads_with_defaults():
         ({"memory_heads": 0}, "memory_heads"),
         ({"memory_head_dim": 0}, "memory_head_dim"),
         ({"dim": 16, "heads": 2, "memory_heads": 32}, "memory_heads=32 leaves no width per head"),
+        # accepted, then floored (part of dim in no head) or refused by the model without naming the field
+        ({"dim": 12, "heads": 3, "memory_heads": 5}, "memory_heads=5 does not divide dim=12"),
+        ({"rope_base": 1.0}, "rope_base must be"),
+        ({"memory_expansion": 0.01}, "memory_expansion=0.01 gives the memory MLP a hidden width of 0"),
         # and these failed later, inside torch, naming no field
         ({"init_std": -0.02}, "init_std"),
         ({"norm_eps": float("nan")}, "norm_eps"),

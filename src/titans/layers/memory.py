@@ -82,7 +82,8 @@ class MemoryStats:
 
     @property
     def write_rate(self) -> float:
-        """The fraction of (row, head, token) entries written (1.0 with no tokens)."""
+        """The fraction of (row, head, token) entries written: 1.0 where `written` is None (every entry
+        written), NaN for a call with no tokens (as `LMOutput.write_rate`)."""
         if self.written is None or not self.written.numel():
             return 1.0 if self.written is None else float("nan")
         return int(self.written.sum()) / self.written.numel()
@@ -225,7 +226,10 @@ class NeuralMemory(nn.Module):
         super().__init__()
         for name, val in (("dim", dim), ("heads", heads), ("depth", depth), ("chunk_size", chunk_size)):
             check_int(f"NeuralMemory: {name}", val)
-        head_dim = dim // heads if head_dim is None else head_dim
+        if head_dim is None:
+            if dim % heads:  # flooring would leave part of dim out of every head, without a word
+                raise ValueError(f"NeuralMemory: heads={heads} does not divide dim={dim}; give head_dim")
+            head_dim = dim // heads
         check_int("NeuralMemory: head_dim", head_dim)
         if activation not in ACTIVATIONS:
             raise ValueError(f"NeuralMemory: activation must be one of {ACTIVATIONS}, got {activation!r}")

@@ -208,7 +208,7 @@ class TitansConfig:
     )
     # attention and the rest
     qk_norm: bool = option(True, help="RMS-normalise queries and keys")
-    rope_base: float = option(10000.0, help="rotary position embedding base", above=0)
+    rope_base: float = option(10000.0, help="rotary position embedding base", above=1)
     tie_embeddings: bool = option(True, help="the output head shares the token embedding")
     norm_eps: float = option(1e-6, help="epsilon of the RMS norms", above=0)
     init_std: float = option(0.02, help="standard deviation of the initial weights", min=0)
@@ -260,6 +260,17 @@ class TitansConfig:
             raise ValueError(
                 f"TitansConfig.memory_heads={memory_heads} leaves no width per head at dim={self.dim}; set "
                 "memory_head_dim or fewer memory_heads"
+            )
+        if self.memory_head_dim is None and self.dim % memory_heads:  # as the attention's heads
+            raise ValueError(
+                f"TitansConfig.memory_heads={memory_heads} does not divide dim={self.dim}; set "
+                "memory_head_dim explicitly"
+            )
+        memory_width = self.memory_head_dim or self.dim // memory_heads
+        if self.memory_depth > 1 and self.memory_expansion * memory_width < 1:
+            raise ValueError(
+                f"TitansConfig.memory_expansion={self.memory_expansion} gives the memory MLP a hidden width "
+                f"of 0 at a head width of {memory_width}: memory_expansion * head width must be at least 1"
             )
         try:
             self.memory_rule = resolve_rule(self.memory_rule).to_config()
