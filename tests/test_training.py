@@ -116,13 +116,14 @@ def test_a_changed_tokenizer_file_is_refused_on_resume_and_replaced_by_the_copy_
     with no copy either, loading is refused."""
     spec = tmp_path / "bpe.json"
     train_bpe(["the quick brown fox jumps over the lazy dog. " * 50], 300, spec)
-    run = tmp_path / "run"
-    Trainer(micro_config(run, cache_dir, steps=1, tokenizer=str(spec))).train()
+    run, data = tmp_path / "run", tmp_path / "fox.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog.\n" * 2000)  # builtin:prose took 23 s
+    Trainer(micro_config(run, cache_dir, steps=1, tokenizer=str(spec), data=str(data))).train()
     _, original = load_trained(run)
     train_bpe(["def f(x):\n    return x + 1\n" * 80], 300, spec)  # another text, the same vocabulary size
     assert load_tokenizer(spec).fingerprint != original.fingerprint
     with pytest.raises(ValueError, match=r"tokenizer: .*bpe\.json' is not the tokenizer the checkpoint"):
-        Trainer(micro_config(run, cache_dir, steps=2, tokenizer=str(spec)), resume=True)
+        Trainer(micro_config(run, cache_dir, steps=2, tokenizer=str(spec), data=str(data)), resume=True)
     _, loaded = load_trained(run)
     assert loaded.fingerprint == original.fingerprint
     text = "def quick(fox): return the dog"
