@@ -547,6 +547,13 @@ def test_a_non_ascii_key_is_refused_clearly(served, tmp_path):
     with pytest.raises(ValueError, match="the key on line 3 .* holds a non-ASCII character") as e:
         load_api_keys(keys)
     assert "clé" not in str(e.value)
+    # a control or line-separator character inside a key split it into shorter keys that each worked
+    for inside, what in (("\x1c", "a control character"), ("\x85", "a non-ASCII character")):
+        keys.write_bytes(f"goodkey\r\nsecret{inside}part2\n".encode())
+        with pytest.raises(ValueError, match=f"the key on line 2 .* holds {what}"):
+            load_api_keys(keys)
+    keys.write_bytes(b"goodkey\r\nother-key\r\n")  # Windows line ends stay line ends
+    assert load_api_keys(keys) == {hash_key("goodkey"), hash_key("other-key")}
 
 
 def test_a_record_with_a_damaged_field_is_a_409(served):

@@ -348,6 +348,14 @@ def test_store_urls_are_checked(tmp_path):
 
     with pytest.raises(StoreError, match="cannot reach"):
         RedisStore(f"unix://{tmp_path / 'no.sock'}", timeout_s=2)
+    # a password with a space: Redis's parser took it, and the log's redaction stopped at the space
+    for url in ("redis://:hunter 2@127.0.0.1:1/0", "unix:///tmp/r.sock?db=0&password=hunter 2"):
+        with pytest.raises(ValueError, match="holds whitespace .* percent-encode it") as e:
+            open_store(url)
+        assert "hunter" not in str(e.value)
+    spaced = tmp_path / "a folder"
+    spaced.mkdir()
+    assert isinstance(open_store(f"sqlite:///{spaced / 'x.db'}"), SQLiteStore)  # a path may hold spaces
 
 
 def test_a_store_password_reaches_no_client_and_no_log(checkpoint, keys, tmp_path):

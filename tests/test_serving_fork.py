@@ -259,6 +259,24 @@ def test_an_import_cannot_bring_settings_past_the_servers_limits(server, http, e
     assert http.post(f"{url}/v1/sessions/import", headers=A, content=data).status_code == 201
 
 
+def test_an_import_into_a_guarded_server_must_be_guarded_as_its_sessions(engine):
+    """On a server with --guard-probe, imported bytes of an unguarded session, or of one whose guard allows
+    a larger rise, were taken as they were: the one way a client had to an unguarded session there."""
+    probe = "The whale was white. Ahab chased it."
+    guarded = Engine(engine.model, engine.tokenizer, max_snapshots=4, probe=probe, guard_max_rise=0.05)
+    assert guarded.import_problem(guarded.new_session()) is None
+    assert "is not guarded, and this server guards every session" in guarded.import_problem(
+        MemorySession(engine.model, snapshots=2)
+    )
+    loose = MemorySession(engine.model, snapshots=2, probe=guarded.probe, guard_max_rise=1e12)
+    assert "allows the probe loss to rise by 1e+12; this server's by at most 0.05" in guarded.import_problem(
+        loose
+    )
+    stricter = MemorySession(engine.model, snapshots=2, probe=guarded.probe, guard_max_rise=0.01)
+    assert guarded.import_problem(stricter) is None
+    assert engine.import_problem(MemorySession(engine.model, snapshots=2)) is None  # an unguarded server
+
+
 def events_of(response: httpx.Response) -> list[tuple[str, dict]]:
     events = []
     for block in response.text.strip().split("\n\n"):

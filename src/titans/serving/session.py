@@ -107,6 +107,13 @@ class Engine:
             self.probe is None or session.probe.flatten().tolist() != list(self.probe)
         ):
             return "the session is guarded with a probe text other than this server's (--guard-probe)"
+        if self.probe is not None and session.probe is None:
+            return "the session is not guarded, and this server guards every session (--guard-probe)"
+        if self.probe is not None and session.guard_max_rise > self.guard_max_rise:
+            return (
+                f"the session's guard allows the probe loss to rise by {session.guard_max_rise:g}; this "
+                f"server's by at most {self.guard_max_rise:g} (--guard-max-rise)"
+            )
         if len(session.events) > mine.max_events:
             return (
                 f"the session holds {len(session.events)} events; a session keeps at most {mine.max_events}"

@@ -660,6 +660,15 @@ def open_store(url: str, *, pool_size: int = DEFAULT_POOL_SIZE) -> SessionStore:
     if scheme not in STORES:
         known = ", ".join(f"{name}://" for name in STORES)
         raise ValueError(f"--store: unknown store URL (expected one of {known})")
+    rest = url.split("://", 1)[1]
+    where, query = rest.split("/", 1)[0], rest.partition("?")[2]
+    if any(c.isspace() for c in where + query):
+        # a valid URL has none there; Redis's parser took a password with a space all the same, and the
+        # redaction of logged URLs (`redact`) ends a password at whitespace: the rest would be logged
+        raise ValueError(
+            "--store: the URL's host part or query holds whitespace (a password with a space?): "
+            "percent-encode it (a space is %20)"
+        )
     return STORES[scheme](url, pool_size)
 
 
