@@ -224,7 +224,8 @@ def test_a_worker_process_that_dies_is_replaced(checkpoint, keys, tmp_path):
             statuses.append(r.status_code)
             if r.status_code == 503:
                 assert r.headers["retry-after"] == "1" and r.json() == {
-                    "detail": "a worker of the server stopped while serving this request; retry"
+                    "detail": "a worker of the server stopped while serving this request; it may or may not "
+                    "have been applied: check the session (its version in stats) before sending it again"
                 }
         assert statuses[0] == 503 and statuses[-1] == 200, statuses
         assert set(statuses) == {200, 503}

@@ -585,8 +585,12 @@ class SessionService:
             return await self.processes.call(name, *args)
         except WorkerDied as e:
             log.error("%s", e)
+            # it may have died after its write reached the store: a blind retry could apply a read twice
             raise ApiError(
-                503, "a worker of the server stopped while serving this request; retry", {"Retry-After": "1"}
+                503,
+                "a worker of the server stopped while serving this request; it may or may not have been "
+                "applied: check the session (its version in stats) before sending it again",
+                {"Retry-After": "1"},
             ) from None
 
     # -------------------------------------------------------------- loading
