@@ -205,7 +205,7 @@ def test_other_runtime_errors_still_raise(monkeypatch):
 
 def test_a_config_whose_model_is_not_an_object_is_refused(tmp_path, capsys):
     """{"model": 5} raised a TypeError traceback (and "abc" an unreadable dict-update message)."""
-    for model in (5, [1, 2], "abc"):
+    for model in (5, [1, 2], "abc", [], False, 0, ""):  # the empty ones were taken as "no overrides"
         (tmp_path / "c.json").write_text(json.dumps({"model": model}))
         argv = [
             "train",

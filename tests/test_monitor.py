@@ -210,3 +210,19 @@ def test_max_norm_may_be_any_real_number():
     for good in (3, 3.0, np.float32(3.0), np.int64(3)):
         assert MemoryMonitor(model, max_norm=good).max_norm == 3.0
         assert memory_report(model, out.stats, out.state, max_norm=good).max_norm == 3.0
+
+
+def test_tensorboard_shows_each_step_once_after_a_restart_from_scratch(tmp_path):
+    """An attempt killed before its first checkpoint, then started again from step 0: the JSONL was cleared
+    but TensorBoard kept the old attempt's events (140 loss points up to step 120 after a 20-step rerun)."""
+    from titans.training.metrics import MetricsLogger
+
+    tb = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    for steps, resume_step in ((range(1, 8), 0), (range(1, 4), 0), (range(4, 6), 3)):
+        logger = MetricsLogger(tmp_path, resume_step=resume_step)
+        for step in steps:
+            logger.log("train", step, loss=float(step))
+        logger.close()
+    events = tb.EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5]

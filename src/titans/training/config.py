@@ -382,7 +382,8 @@ def model_mismatches(mine: TitansConfig, saved: dict[str, Any]) -> list[str]:
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """A copy of ``data`` with ``overrides`` applied; ``model.X`` keys go into the model overrides."""
     out = dict(data)
-    model = out.get("model") or {}
+    model = out.get("model")
+    model = {} if model is None else model  # null: no overrides; [] / false / "" are refused below
     if not isinstance(model, dict):
         raise ValueError(f"TrainConfig.model must be a JSON object of TitansConfig fields, got {model!r}")
     out["model"] = dict(model)

@@ -69,7 +69,8 @@ class MetricsLogger:
                     "tensorboard is not installed (pip install 'titans[train]'): skipping TensorBoard logs"
                 )
             else:
-                purge = resume_step + 1 if resume_step > 0 else None
+                # from scratch (step 0) too: an attempt killed before its first checkpoint left events
+                purge = resume_step + 1 if resume_step > 0 else 0
                 self._tb_dir = Path(run_dir) / TENSORBOARD_DIR
                 _quiet_tensorboard_write_errors()
                 with self._naming(self._tb_dir):
