@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     except (MemoryError, RuntimeError) as e:
         if not _out_of_memory(e):
             raise
-        print(f"{prog}: error: out of memory ({_message(e).splitlines()[0]})", file=sys.stderr)
+        detail = _message(e).strip().splitlines()  # a bare MemoryError has no text
+        print(f"{prog}: error: out of memory" + (f" ({detail[0]})" if detail else ""), file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status, not a traceback (`titans train`
         # handles its own signals: it saves a checkpoint first)

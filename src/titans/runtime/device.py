@@ -4,6 +4,7 @@ precision."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
@@ -45,12 +46,24 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
 
 
 def set_cpu_threads(threads: int | None, option: str = "--threads") -> None:
-    """torch's intra-op CPU threads from a command's option (None: torch's default), refusing < 1."""
+    """torch's intra-op CPU threads from a command's option (None: torch's default), refusing < 1 and more
+    than `max_cpu_threads()` (100,000 started that many threads, and the next thread the program needed
+    failed: "can't start new thread")."""
     if threads is None:
         return
     if threads < 1:
         raise ValueError(f"{option} must be >= 1, got {threads}")
+    if threads > max_cpu_threads():
+        raise ValueError(
+            f"{option} {threads} is more threads than this machine's {os.cpu_count()} cores can use; give at "
+            f"most {max_cpu_threads()}"
+        )
     torch.set_num_threads(threads)
+
+
+def max_cpu_threads() -> int:
+    """The most torch CPU threads a command takes: 4 per core, at least 64 (oversubscribed, but runs)."""
+    return max(64, 4 * (os.cpu_count() or 1))
 
 
 @contextlib.contextmanager
@@ -66,4 +79,4 @@ def tf32(enabled: bool) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-__all__ = ["resolve_device", "set_cpu_threads", "tf32"]
+__all__ = ["max_cpu_threads", "resolve_device", "set_cpu_threads", "tf32"]

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from titans.inference.session import DEFAULT_GUARD_MAX_RISE
-from titans.runtime.device import resolve_device
+from titans.runtime.device import max_cpu_threads, resolve_device, set_cpu_threads
 from titans.runtime.loading import load_trained
 from titans.serving import limits as d  # its defaults; it needs the serve extra only to serve
 from titans.serving.auth import is_loopback, load_api_keys
@@ -49,6 +49,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
     for name in ("max_body_bytes", "max_tokens", "torch_threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.torch_threads > max_cpu_threads():
+        raise ValueError(f"--torch-threads {args.torch_threads}: give at most {max_cpu_threads()}")
     for name in ("max_new_tokens", "snapshots"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -93,7 +95,7 @@ def build_app(args: argparse.Namespace):
         from titans.serving.app import Limits, create_app
     except ModuleNotFoundError as e:
         raise ImportError(f"titans serve needs the serve extra (pip install 'titans[serve]'): {e}") from e
-    torch.set_num_threads(args.torch_threads)
+    set_cpu_threads(args.torch_threads, "--torch-threads")
     reuse_freed_memory()  # here too: without worker processes, the model work runs in this process
     keys = load_api_keys(args.api_keys) if args.api_keys else None
     device = resolve_device(args.device)

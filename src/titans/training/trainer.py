@@ -57,7 +57,7 @@ from titans.runtime.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from titans.runtime.device import tf32
+from titans.runtime.device import set_cpu_threads, tf32
 from titans.runtime.loading import (
     TOKENIZER_DIR,
     keep_tokenizer_copy,
@@ -130,8 +130,7 @@ class Trainer:
         if resume and overwrite:
             raise ValueError("resume and overwrite contradict each other: choose one")
         self.config = cfg = config
-        if cfg.threads is not None:
-            torch.set_num_threads(cfg.threads)
+        set_cpu_threads(cfg.threads, "TrainConfig.threads")
         self.info = info or D.init_distributed(cfg.device)
         self.device = self.info.device
         self.run_dir = Path(cfg.run_dir)
