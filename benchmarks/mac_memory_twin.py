@@ -104,6 +104,11 @@ def main() -> None:
     )
     p.add_argument("--out", default="mac_memory_twin", help="a path, or a name in benchmarks/results/")
     args = p.parse_args()
+    for name in ("steps", "batch", "segment_len", "chunk_size", "dim", "memory_depth"):
+        if getattr(args, name) < 1:  # 0 steps raised OneCycleLR's error with a traceback
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.vocab < max(2, args.segment_len):  # a segment is a random permutation of distinct tokens
+        p.error(f"--vocab must be >= --segment-len ({args.segment_len}) and >= 2, got {args.vocab}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = [train_and_eval(True, args), train_and_eval(False, args)]
     chance_loss = math.log(args.vocab - 1)

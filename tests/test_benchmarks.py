@@ -251,6 +251,54 @@ def test_loss_by_position_without_its_data_says_to_run_make_data(tmp_path, monke
     assert "make_data.py" in message and "\n" not in message
 
 
+def test_loss_by_position_reports_bits_per_byte_of_a_subword_model_and_checks_its_options(
+    tmp_path, monkeypatch, capsys
+):
+    """With a BPE model the script printed bits per token labelled "bits per byte" (8.96 where the bytes
+    give 3.79); --doc out of range raised IndexError (-1 read the last document), --tokens 0 a torch error."""
+    from micro_train import micro_config
+    from titans.data.tokenizers import train_bpe
+    from titans.training.trainer import Trainer
+
+    spec = importlib.util.spec_from_file_location(
+        "loss_by_position", BENCH / "lm_eval_tasks" / "loss_by_position.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = "the quick brown fox jumps over the lazy dog.\n"
+    data = tmp_path / "heldout.jsonl"
+    data.write_text("".join(json.dumps({"text": text * k}) + "\n" for k in (5, 60)))
+    monkeypatch.setattr(module, "DATA", data, raising=False)
+    train_bpe([text * 50], 300, tmp_path / "bpe.json")
+    corpus = tmp_path / "fox.txt"
+    corpus.write_text(text * 500)
+    run = tmp_path / "run"
+    cfg = micro_config(
+        run, tmp_path / "cache", steps=1, tokenizer=str(tmp_path / "bpe.json"), data=str(corpus)
+    )
+    Trainer(cfg).train(handle_signals=False)
+    out = tmp_path / "lbp.json"
+    monkeypatch.setattr(sys, "argv", ["lbp", str(run), "--tokens", "400", "--out", str(out)])
+    module.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["from"], r["to"]) for r in rows] == [(0, 256), (256, 400)]
+    for r in rows:  # several bytes a token: fewer bits a byte than a token
+        assert 0 < r["bpb"] < r["bits_per_token"] / 2
+    tokenizer = module.load_model(str(run))[2]
+    targets = (module.separator_ids(tokenizer) + tokenizer.encode(text * 60))[1:401]  # one separator token
+    total_bytes = sum(r["bits_per_token"] * (r["to"] - r["from"]) / r["bpb"] for r in rows)
+    assert total_bytes == pytest.approx(len(tokenizer.decode(targets).encode()))
+    for argv, want in (
+        (["--doc", "2"], "--doc must be in [0, 1]"),
+        (["--doc", "-1"], "--doc must be in"),
+        (["--tokens", "0"], "--tokens must be >= 1"),
+    ):
+        monkeypatch.setattr(sys, "argv", ["lbp", str(run), *argv])
+        with pytest.raises(SystemExit) as e:
+            module.main()
+        assert want in str(e.value.code)
+
+
 def test_niah_seeds_keep_stages_trains_only_the_stages_without_a_good_checkpoint(tmp_path, monkeypatch):
     """`niah_seeds.py --keep-stages`: a stage whose folder holds a good checkpoint of a finished run is not
     trained again; a missing or damaged one, or one a signal stopped, is, and every later stage and

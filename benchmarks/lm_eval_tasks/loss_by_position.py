@@ -1,4 +1,5 @@
-"""Bits per byte of a checkpoint by position in one long held-out document, read through the state.
+"""Bits per byte and per token of a checkpoint by position in one long held-out document, read through
+the state.
 
     python benchmarks/lm_eval_tasks/loss_by_position.py RUN_DIR [--doc 1] [--tokens 16384] [--out FILE]
 
@@ -35,9 +36,18 @@ def main() -> None:
     args = p.parse_args()
     if not DATA.is_file():
         sys.exit(f"error: {DATA} not found: run python benchmarks/lm_eval_tasks/make_data.py first")
-    torch.set_num_threads(1)
-    model, _, tok = load_model(args.checkpoint)
+    if args.tokens < 1:
+        sys.exit(f"error: --tokens must be >= 1, got {args.tokens}")
     docs = [json.loads(line)["text"] for line in DATA.open()]
+    if not 0 <= args.doc < len(docs):  # -1 read the last document silently
+        sys.exit(
+            f"error: --doc must be in [0, {len(docs) - 1}] ({DATA.name} holds {len(docs)}), got {args.doc}"
+        )
+    torch.set_num_threads(1)
+    try:
+        model, _, tok = load_model(args.checkpoint)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: {e}")
     ids = torch.tensor([(separator_ids(tok) + tok.encode(docs[args.doc]))[: args.tokens + 1]])
     state, losses = None, []
     for start in range(0, ids.shape[1] - 1, 2048):
@@ -47,13 +57,29 @@ def main() -> None:
         losses.append(F.cross_entropy(logits[0].double(), target[0], reduction="none"))
     nll = torch.cat(losses)
     edges = [e for e in (0, 256, 1024, 4096, 16384, 65536) if e < len(nll)] + [len(nll)]
-    rows = [
-        {"from": a, "to": b, "bpb": (nll[a:b].mean() / math.log(2)).item()} for a, b in zip(edges, edges[1:])
-    ]
+    targets = ids[0, 1:].tolist()
+    # UTF-8 bytes of the targets before each edge: a subword token holds several bytes (the bits per token
+    # of a BPE model are not its bits per byte); exact for the byte tokenizer
+    before = {e: len(tok.decode(targets[:e]).encode("utf-8")) for e in edges}
+    rows = []
+    for a, b in zip(edges, edges[1:]):
+        bits = nll[a:b].sum().item() / math.log(2)
+        rows.append(
+            {"from": a, "to": b, "bpb": bits / (before[b] - before[a]), "bits_per_token": bits / (b - a)}
+        )
     for r in rows:
-        print(f"tokens {r['from']:>6}-{r['to']:<6} {r['bpb']:.3f} bits per byte")
+        print(
+            f"tokens {r['from']:>6}-{r['to']:<6} {r['bpb']:.3f} bits per byte, "
+            f"{r['bits_per_token']:.3f} bits per token"
+        )
     if args.out:
-        payload = {"checkpoint": args.checkpoint, "doc": args.doc, "tokens": len(nll), "rows": rows}
+        payload = {
+            "checkpoint": args.checkpoint,
+            "tokenizer": getattr(tok, "name", type(tok).__name__),
+            "doc": args.doc,
+            "tokens": len(nll),
+            "rows": rows,
+        }
         Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
 
 
