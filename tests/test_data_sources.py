@@ -293,6 +293,11 @@ def test_eval_ppl_context_and_resume_refuse_a_run_whose_data_changed(tmp_path, c
     assert len(err.splitlines()) == 1 and "changed since the run" in err and "data.jsonl" in err, err
     assert titans_main([*ppl, "--allow-changed-data"]) == 0
     capsys.readouterr()
+    # the result file says what it scored: the data changed, the precision and the command
+    result = json.loads((run / "eval_ppl.json").read_text())
+    assert "(held-out split; changed since the run: the held-out tokens differ" in result["data"]
+    assert result["dtype"] == "float32" and result["device"] == "cpu"
+    assert result["command"]["allow_changed_data"] is True and result["command"]["windows"] == 1
     # eval context scores the same held-out split: refused alike
     context = ["eval", "context", "--checkpoint", str(run), "--length", "16", "--windows", "1", "--no-frozen",
                "--device", "cpu", "--out", str(tmp_path / "ctx.json")]  # fmt: skip

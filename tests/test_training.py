@@ -443,6 +443,7 @@ def test_cli_train_then_eval_ppl(tmp_path, cache_dir, capsys):
     out = capsys.readouterr().out
     assert "bpb" in out
     result = json.loads((run_dir / "eval_ppl.json").read_text())
+    assert result["data"].endswith("(held-out split)") and result["dtype"] == "float32"
     # the checkpoint's own held-out split with the training windows: the trainer's final evaluation
     assert result["loss"] == pytest.approx(report["eval"]["loss"], rel=1e-5)
     assert result["bpb"] == pytest.approx(

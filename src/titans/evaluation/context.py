@@ -45,7 +45,12 @@ from titans.data.split import split_documents, split_tail
 from titans.data.stream import TokenStream, encode_documents
 from titans.data.tokenizers import Tokenizer
 from titans.evaluation.args import set_threads, str_list
-from titans.evaluation.perplexity import add_changed_data_arg, heldout_stream, whole_source_stream
+from titans.evaluation.perplexity import (
+    add_changed_data_arg,
+    heldout_description,
+    heldout_split,
+    whole_source_stream,
+)
 from titans.evaluation.reporting import command_line, plot_or_skip
 from titans.evaluation.scoring import new_figure, render_table, save_figure, write_json
 from titans.models.lm import TitansLM
@@ -550,11 +555,11 @@ def _load_windows(
     args: argparse.Namespace, cfg, tokenizer: Tokenizer, data_state: dict
 ) -> tuple[ContextWindows, str]:
     """The windows ``--data`` / ``--per-document`` ask for, and a description of the text. ``data_state``:
-    the checkpoint's record of its data, against which its held-out split is checked (`heldout_stream`)."""
+    the checkpoint's record of its data, against which its held-out split is checked (`heldout_split`)."""
     if args.data is None:  # the checkpoint's held-out split, as `titans eval ppl` scores it
-        desc, what = f"{cfg.data} (held-out split)", f"the held-out split of {cfg.data!r}"
         # built (cached) also for --per-document: it checks the split is still the run's
-        stream = heldout_stream(cfg, tokenizer, data_state, allow_changed=args.allow_changed_data)
+        stream, change = heldout_split(cfg, tokenizer, data_state, allow_changed=args.allow_changed_data)
+        desc, what = heldout_description(cfg, change), f"the held-out split of {cfg.data!r}"
         if args.per_document:
             docs = source_documents(
                 cfg.data, tokenizer, text_field=cfg.text_field, heldout_fraction=cfg.heldout_fraction

@@ -36,6 +36,7 @@ from titans.data.stream import (
     token_dtype,
 )
 from titans.data.tokenizers import Tokenizer
+from titans.evaluation.reporting import command_line
 from titans.evaluation.scoring import write_json
 from titans.runtime.device import resolve_device
 from titans.runtime.loading import load_checkpoint_from
@@ -86,6 +87,14 @@ def heldout_stream(
     ``data_state``: the checkpoint's ``trainer_state["data"]``; when the data differs from it (see the
     module docstring) a ValueError, or with ``allow_changed`` a warning. None: not checked.
     """
+    return heldout_split(cfg, tokenizer, data_state, allow_changed)[0]
+
+
+def heldout_split(
+    cfg, tokenizer: Tokenizer, data_state: dict[str, Any] | None = None, allow_changed: bool = False
+) -> tuple[TokenStream, str | None]:
+    """`heldout_stream`, and how the data changed since the run (None: it did not, or was not checked), for
+    a result file to say what it scored."""
     streams = load_token_streams(
         cfg.data,
         tokenizer,
@@ -105,7 +114,14 @@ def heldout_stream(
                 "to score it anyway"
             )
         log.warning("%s; scoring it anyway (--allow-changed-data)", what)
-    return streams.heldout
+    return streams.heldout, change
+
+
+def heldout_description(cfg, change: str | None) -> str:
+    """What a result file calls a run's held-out split: "DATA (held-out split)", saying so when the data
+    changed since the run (scored with --allow-changed-data)."""
+    changed = "" if change is None else f"; changed since the run: {change}"
+    return f"{cfg.data} (held-out split{changed})"
 
 
 def run_ppl(args) -> int:
@@ -117,8 +133,8 @@ def run_ppl(args) -> int:
     seq_len = cfg.seq_len if args.seq_len is None else args.seq_len
     if args.data is None:
         data_state = loaded.trainer_state.get("data") or {}
-        stream = heldout_stream(cfg, tokenizer, data_state, allow_changed=args.allow_changed_data)
-        data_desc, what = f"{cfg.data} (held-out split)", f"the held-out split of {cfg.data!r}"
+        stream, change = heldout_split(cfg, tokenizer, data_state, allow_changed=args.allow_changed_data)
+        data_desc, what = heldout_description(cfg, change), f"the held-out split of {cfg.data!r}"
     else:
         stream = whole_source_stream(args.data, tokenizer, text_field=args.text_field)
         data_desc, what = args.data, f"text source {args.data!r}"  # as whole_source_stream names it
@@ -127,12 +143,20 @@ def run_ppl(args) -> int:
     )
     autocast = autocast_dtype_for(cfg.dtype if args.dtype is None else args.dtype, device)
     result = _heldout.evaluate_perplexity(model, windows, device=device, autocast_dtype=autocast)
+    precision = str(autocast or next(model.parameters()).dtype).removeprefix("torch.")
     if not math.isfinite(result.loss):
         raise ValueError(
             f"{data_desc}: the loss is {result.loss}: the model's outputs are not finite (NaN or inf "
             "logits); nothing written"
         )
-    report = {"checkpoint": str(checkpoint), "data": data_desc, **result.to_dict()}
+    report = {
+        "checkpoint": str(checkpoint),
+        "data": data_desc,
+        **result.to_dict(),
+        "device": str(device),
+        "dtype": precision,  # what the forward passes ran in (autocast, else the weights' dtype)
+        "command": command_line(args),
+    }
     bpb = f"{result.bpb:.4f}" if result.bpb is not None else "n/a"
     print(
         f"{data_desc}: {result.windows} windows x {result.seq_len} tokens  "
