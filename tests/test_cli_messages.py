@@ -511,3 +511,19 @@ def test_an_eval_name_is_a_file_name(monkeypatch, tmp_path, capsys, name):
     assert exit_.value.code == 2
     assert "expected a file name without a folder" in error_line(capsys)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "command", [["ppl", "--windows", "1"], ["context", "--length", "8", "--windows", "1"]]
+)
+def test_an_eval_output_that_cannot_be_written_is_refused_before_scoring(tmp_path, capsys, command):
+    """`eval context --out /proc/x.json` scored every model first, then failed naming a hidden temporary
+    file ('/proc/.x.json.idii85dr.tmp'): the work was lost."""
+    run = save_tiny_run(tmp_path / "run", tiny_model("mac"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    out = blocker / "result.json"
+    argv = ["eval", *command, "--checkpoint", str(run), "--data", "nowhere.txt", "--out", str(out)]
+    assert titans_main(argv) == 2
+    err = error_line(capsys)
+    assert err == f"titans eval {command[0]}: error: not a directory: {str(blocker)!r}", err

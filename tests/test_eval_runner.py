@@ -325,6 +325,8 @@ def test_cli_niah_trains_saves_and_reloads(tmp_path, capsys):
     assert [s["prediction"] for s in reloaded["samples"]] == predictions
     # the record names the checkpoint's variant, not the unused fresh-model default (mac)
     assert reloaded["variant"] == "lmm" and "variant" not in reloaded["command"]
+    # the step folder scored, not the run folder as typed (which may train on)
+    assert reloaded["model"]["checkpoint"] == str(tmp_path / "model" / "checkpoints" / "step_00000002")
     # the gate-init flag is a config field: the checkpoint carries it
     assert reloaded["model"]["model_config"]["memory_alpha_init"] == 1e-3
     # --checkpoint with --train-recipe fine-tunes the saved model (a second stage) and saves it again

@@ -45,6 +45,8 @@ def test_babilong_seeds_trains_one_model_per_seed_on_the_same_samples(tmp_path, 
     assert titans_main(argv) == 0
     runs = {s: json.loads((tmp_path / f"bl_seed{s}.json").read_text()) for s in (3, 1)}
     assert [r["metadata"]["model"]["training"]["recipe"]["seed"] for r in runs.values()] == [3, 1]
+    # each seed's file names the seed its stories were drawn with (--seed, 0), not its training seed
+    assert [r["metadata"]["sample_seed"] for r in runs.values()] == [0, 0]
     answers = [[(x["length"], x["answer"]) for x in r["metadata"]["samples"]] for r in runs.values()]
     assert answers[0] == answers[1]  # the same stories for every seed: those of --seed (0), not seed 3's
     drawn = babilong_grid(ByteTokenizer(), [400, 430], ["qa1"], samples_per_cell=3, seed=0, num_facts=2)

@@ -8,6 +8,7 @@ A text file written atomically (`write_text_atomic`), and safetensors files writ
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -47,13 +48,36 @@ def atomic_target(path: str | Path) -> Path:
     return target
 
 
+def check_writable(path: str | Path) -> None:
+    """Refuse, before the work that produces it, a file that could not be written at `path`: its folder is
+    made (as the write would make it) and a temporary file created there and removed; a folder or device
+    at `path` is refused (`atomic_target`). A command that scored for minutes and then failed to write its
+    result lost the work."""
+    path = atomic_target(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as e:  # a file where its folder should be
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path.parent)) from e
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path.parent)) from e
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=path.parent)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from e
+    os.close(fd)
+    os.unlink(probe)
+
+
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """Write ``text`` (UTF-8) to ``path`` all or nothing: a temporary file in the same folder, flushed to
     disk, then renamed over ``path``. A write that fails part-way (a full disk) leaves the previous file as
     it was, never a truncated one; the file gets the mode ``open()`` would have given it. A symlink is
     written through (its target replaced); a device or folder at ``path`` is refused (`atomic_target`)."""
     given, path = Path(path), atomic_target(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:  # named after the file asked for, not its hidden temporary
+        raise OSError(e.errno, e.strerror, str(path)) from e
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)

@@ -156,6 +156,8 @@ def _babilong_once(
         skipped_lengths=skipped,
         eval_seconds=result.seconds,
         model=info,
+        # with --seeds, the command's seed is this model's training seed; the stories are --seed's
+        sample_seed=args.seed if sample_seed is None else sample_seed,
         samples=result.records(kept, "task"),
         # a seed of --seeds records the name its file got (<name>_seed<k>), as its own command would give
         command={**command_line(args), **({"name": name} if name_suffix else {})},

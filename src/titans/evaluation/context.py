@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from titans._fs import check_writable
 from titans.data.sources import load_source
 from titans.data.split import split_documents, split_tail
 from titans.data.stream import TokenStream, encode_documents
@@ -579,6 +580,8 @@ def run_context(args: argparse.Namespace) -> int:
     print the table, write JSON and PNG."""
     set_threads(args)
     loaded = load_checkpoint_from(args.checkpoint)
+    out = Path(args.out) if args.out else loaded.path.parent.parent / "eval_context.json"  # the run folder
+    check_writable(out)
     model, cfg, tokenizer = load_model(loaded, map_location=args.device)
     compares: list[tuple[str, Checkpoint]] = []  # all checked before any scoring
     for run in args.compare or []:
@@ -626,7 +629,6 @@ def run_context(args: argparse.Namespace) -> int:
     for c in result.curves:  # the twin has the weights of the --checkpoint
         c.checkpoint = paths[label] if c.frozen else paths.get(c.label)
 
-    out = Path(args.out) if args.out else loaded.path.parent.parent / "eval_context.json"  # the run folder
     png = out.with_suffix(".png")
     payload = {
         "task": "context",

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from titans._fs import check_writable
 from titans.data.loader import EvalWindows
 from titans.data.sources import load_source
 from titans.data.stream import (
@@ -128,6 +129,8 @@ def run_ppl(args) -> int:
     """``titans eval ppl``: load a checkpoint, score held-out text, print and write JSON."""
     loaded = load_checkpoint_from(args.checkpoint)
     checkpoint = loaded.path
+    out = Path(args.out) if args.out else checkpoint.parent.parent / "eval_ppl.json"  # the run folder
+    check_writable(out)
     device = resolve_device(args.device)
     model, cfg, tokenizer = load_model(loaded, map_location=device)
     seq_len = cfg.seq_len if args.seq_len is None else args.seq_len
@@ -162,7 +165,6 @@ def run_ppl(args) -> int:
         f"{data_desc}: {result.windows} windows x {result.seq_len} tokens  "
         f"loss {result.loss:.4f}  ppl {result.ppl:.3f}  bpb {bpb}"
     )
-    out = Path(args.out) if args.out else checkpoint.parent.parent / "eval_ppl.json"  # the run folder
     write_json(out, report)
     print(f"wrote {out}")
     return 0

@@ -218,7 +218,7 @@ def load_task_model(path: str | Path, device: str) -> tuple[Any, Any, dict]:
     model, _, tokenizer = load_model(checkpoint, map_location=device)
     saved = checkpoint.config
     info = {
-        "checkpoint": str(path),
+        "checkpoint": str(checkpoint.path),  # the step folder scored, not the run folder as typed
         "model_config": model.config.to_dict(),
         "parameters": model.num_parameters(),
     }
