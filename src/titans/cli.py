@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import re
 import sys
 
 from titans.validation import did_you_mean
@@ -163,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     except (MemoryError, RuntimeError) as e:
         if not _out_of_memory(e):
             raise
-        detail = _message(e).strip().splitlines()  # a bare MemoryError has no text
+        # a bare MemoryError has no text; torch's allocator starts its own with "[enforce fail at ...] ..."
+        detail = re.sub(r"^\[enforce fail at [^\]]*\] err == 0\. ", "", _message(e).strip()).splitlines()
         print(f"{prog}: error: out of memory" + (f" ({detail[0]})" if detail else ""), file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status, not a traceback (`titans train`

@@ -93,12 +93,11 @@ def _split(args):
 
 
 def cmd_train(args) -> int:
+    run = _run(args, args.model, args.horizon)  # its options checked before the series is read
     split = _split(args)
     # a SIGTERM / SIGINT stops training after the current step: the best weights so far are measured and
     # written as usual, then the command exits 128 + the signal's number
-    result = train_forecaster(
-        split, _run(args, args.model, args.horizon), progress=not args.no_progress, handle_signals=True
-    )
+    result = train_forecaster(split, run, progress=not args.no_progress, handle_signals=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {**run_record(split, result), "series_spec": args.series, "date_column": args.date_column}
