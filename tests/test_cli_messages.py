@@ -70,7 +70,7 @@ def test_a_missing_file_reads_as_such(tmp_path, capsys):
         (["dna", "study", "--variants", ","], "--variants: expected at least one variant"),
         (
             ["forecast", "train", "--series", "x.csv", "--lr", "nan"],
-            "ForecastRun.lr must be a positive number",
+            "ForecastRun.lr must be a finite number >= 0",
         ),
         (["train", "--steps", "2", "--tokens", "640"], "--steps and --tokens contradict each other"),
         (["train", "--config", "nowhere.json", "--compare", "a.json", "b.json"], "--config and --compare"),

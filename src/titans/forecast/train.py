@@ -63,8 +63,8 @@ class ForecastRun:
                 raise ValueError(f"ForecastRun.{name} must be >= 1, got {getattr(self, name)}")
         if self.patience is not None and self.patience < 1:
             raise ValueError(f"ForecastRun.patience must be >= 1 or None, got {self.patience}")
-        if not self.lr > 0 or not math.isfinite(self.lr):  # NaN reached AdamW: "Invalid learning rate: nan"
-            raise ValueError(f"ForecastRun.lr must be a positive number, got {self.lr!r}")
+        if not self.lr >= 0 or not math.isfinite(self.lr):  # NaN reached AdamW: "Invalid learning rate: nan"
+            raise ValueError(f"ForecastRun.lr must be a finite number >= 0, got {self.lr!r}")
         if self.time_budget is not None and not self.time_budget > 0:
             raise ValueError(f"ForecastRun.time_budget must be > 0 seconds or None, got {self.time_budget}")
 
