@@ -166,6 +166,53 @@ def test_cpu_kernels_propagate_non_finite_inputs():
         torch.testing.assert_close(got[finite], ref[finite], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("activation", ["relu", "silu", "gelu"])
+def test_the_fused_chunk_step_keeps_an_infinite_value_where_the_torch_ops_do(monkeypatch, activation):
+    """An inf value through the fused no-grad chunk step (depth 2, clipped): for relu act' multiplied the
+    inf by 0 (a NaN) where torch's threshold_backward selects 0; the NaN reached the clip's scale and every
+    weight of the new state (35 NaN entries where the torch ops give 20)."""
+    built_kernels()
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 1, 2, 5, generator=g) for _ in range(3))
+    v[0, 0, 1, 2] = float("inf")
+    gates = (torch.full((1, 1, 2), 0.1), torch.full((1, 1, 2), -0.1), torch.full((1, 1, 2), -0.01))
+    weights = (torch.randn(1, 1, 5, 7, generator=g) * 0.5, torch.randn(1, 1, 7, 5, generator=g) * 0.5)
+    momentum = tuple(torch.zeros_like(w) for w in weights)
+    results = []
+    for fused in (True, False):
+        calls = fused_steps(monkeypatch)
+        if not fused:
+            monkeypatch.setattr(ops_memory, "kernels", lambda: None)
+        with torch.no_grad():
+            out = neural_memory_chunked(
+                q, k, v, *gates, weights, momentum, chunk_size=2, activation=activation, surprise_clip=1.0
+            )
+        assert calls == ([2] if fused else [])
+        results.append(listed(out))
+    for got, ref in zip(*results, strict=True):
+        assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.isinf(), ref.isinf())
+        finite = torch.isfinite(ref)
+        torch.testing.assert_close(got[finite], ref[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["kernel", "torch-ops"])
+def test_the_conv_takes_an_empty_time_axis_on_both_paths(monkeypatch, fused):
+    """x of shape (B, 0, C) with a tail: the torch-op backward raised ("max() arg is an empty sequence")
+    where the kernel gives zero gradients."""
+    import titans.ops.conv as conv
+
+    if fused:
+        built_kernels()
+    else:
+        monkeypatch.setattr(conv, "kernels", lambda: None)
+    x, w, b = (torch.randn(*shape, requires_grad=True) for shape in ((2, 0, 6), (6, 1, 4), (6,)))
+    tail = torch.randn(2, 3, 6, requires_grad=True)
+    y = conv.causal_conv_silu(x, w, b, tail)
+    assert y.shape == (2, 0, 6)
+    y.sum().backward()
+    assert not tail.grad.any() and not w.grad.any() and not b.grad.any()
+
+
 def listed(out) -> list:
     """The op's (y, weights, momentum, surprise) as one list of tensors."""
     return [out[0], *out[1], *out[2], out[3]]

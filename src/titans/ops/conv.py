@@ -121,7 +121,7 @@ class _CausalConvSiLU(torch.autograd.Function):
         g_taps = torch.zeros(k, c, dtype=acc, device=x.device) if need_w else None
         g_bias = torch.zeros(c, dtype=acc, device=x.device) if need_b else None
         blocks = _blocks(x)
-        rows = max(t1 - t0 for t0, t1 in blocks)
+        rows = max((t1 - t0 for t0, t1 in blocks), default=0)  # T = 0: no block, zero gradients
         # ext: a block's pre-activation gradient g_pre followed by the first K - 1 rows of the next block's
         # (zeros past the end): the rows each input row of the block gathers from. Blocks run last first.
         ext_buf = x.new_empty(b, rows + k - 1, c)

@@ -167,7 +167,14 @@ std::vector<torch::Tensor> chunk_step_forward(torch::Tensor kq, torch::Tensor v,
       per_sequence(N, n * h, [&](int64_t s) {
         const T* z_s = zp + s * 2 * n * h;
         T* e_s = ep + s * n * h;
-        for (int64_t i = 0; i < n * h; ++i) e_s[i] *= act_grad(z_s[i], activation);
+        if (activation == kRelu) {
+          // selected, not multiplied, as torch's threshold_backward: an inf e times 0 would be a NaN
+          for (int64_t i = 0; i < n * h; ++i) {
+            if (!is_nan(z_s[i]) && z_s[i] <= T(0)) e_s[i] = T(0);
+          }
+        } else {
+          for (int64_t i = 0; i < n * h; ++i) e_s[i] *= act_grad(z_s[i], activation);
+        }
       });
     }
     // per token: sq = sum_l ||a_l||^2 ||delta_l||^2, the norm, the clip and mask, and the scaled inputs
