@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,24 @@ def load_version(spec: str, label: str, folder: Path):
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module
+
+
+def taking_todays_keywords(fn):
+    """`fn` (an older revision's op) called with the keywords today's layer passes: one it does not have is
+    dropped where it is off (None / False: the option did not exist, so the revision ran without it), and
+    refused where it is on (an older op raised a TypeError with a traceback)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn
+
+    def call(*args, **kwargs):
+        extra = {k: v for k, v in kwargs.items() if k not in params}
+        on = sorted(k for k, v in extra.items() if v is not None and v is not False)
+        if on:
+            raise SystemExit(f"memory_ab: this revision's op has no {', '.join(on)}, which the layer sets")
+        return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
+
+    return call
 
 
 def main() -> None:
@@ -86,7 +105,7 @@ def main() -> None:
     for rep in range(args.reps + 1):
         for label in ("A", "B") if rep % 2 == 0 else ("B", "A"):
             # the entry point's dispatch calls the torch path by this name
-            op_module.neural_memory_chunked = versions[label].neural_memory_chunked
+            op_module.neural_memory_chunked = taking_todays_keywords(versions[label].neural_memory_chunked)
             with Timer() as clock:
                 step()
             if rep:  # the first round is the warm-up
