@@ -59,6 +59,7 @@ def train_and_eval(write: bool, args: argparse.Namespace) -> dict:
         mac_gate=args.mac_gate,
         mac_norm_memory_tokens=args.mac_norm_memory_tokens == "true",
         mac_norm_memory_input=args.mac_norm_memory_input == "true",
+        mac_memory_residual=args.mac_memory_residual == "true",
     )
     model = TitansLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -102,6 +103,12 @@ def main() -> None:
         default=str(TitansConfig.mac_norm_memory_input).lower(),
         help="TitansConfig.mac_norm_memory_input",
     )
+    p.add_argument(
+        "--mac-memory-residual",
+        choices=("true", "false"),
+        default=str(TitansConfig.mac_memory_residual).lower(),
+        help="TitansConfig.mac_memory_residual (the block input added to what the memory writes)",
+    )
     p.add_argument("--out", default="mac_memory_twin", help="a path, or a name in benchmarks/results/")
     args = p.parse_args()
     for name in ("steps", "batch", "segment_len", "chunk_size", "dim", "memory_depth"):
@@ -116,7 +123,7 @@ def main() -> None:
         f"MAC memory-induction task: segment {args.segment_len}, vocab {args.vocab}, {args.steps} steps, "
         f"batch {args.batch}; chance accuracy {1 / args.vocab:.3f}, uniform loss {chance_loss:.2f}; "
         f"mac_gate={args.mac_gate}, mac_norm_memory_tokens={args.mac_norm_memory_tokens}, "
-        f"mac_norm_memory_input={args.mac_norm_memory_input}"
+        f"mac_norm_memory_input={args.mac_norm_memory_input}, mac_memory_residual={args.mac_memory_residual}"
     )
     print(f"{'model':24s} {'loss':>7s} {'accuracy':>9s} {'train s':>8s}")
     for r in rows:
