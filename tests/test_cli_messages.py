@@ -80,6 +80,7 @@ def test_a_missing_file_reads_as_such(tmp_path, capsys):
         (["train", "--threads", "100000", "--steps", "1"], "TrainConfig.threads 100000 is more threads than"),
         (["dna", "study", "--threads", "100000"], "--threads 100000 is more threads than this machine's"),
         (["serve", "--checkpoint", "nowhere", "--torch-threads", "100000"], "--torch-threads 100000: give"),
+        (["serve", "--checkpoint", "nowhere", "--workers", "1000000"], "--workers 1000000: give at most"),
         (["train", "--seed", "-1", "--steps", "1"], "TrainConfig.seed must be an integer in [0, 4294967295]"),
         (
             ["generate", "--checkpoint", "nowhere", "--prompt", "a", "--seed", "-4"],

@@ -62,7 +62,7 @@ def set_cpu_threads(threads: int | None, option: str = "--threads") -> None:
 
 
 def max_cpu_threads() -> int:
-    """The most torch CPU threads a command takes: 4 per core, at least 64 (oversubscribed, but runs)."""
+    """The most torch CPU threads (or server workers) a command takes: 4 per core, at least 64."""
     return max(64, 4 * (os.cpu_count() or 1))
 
 
