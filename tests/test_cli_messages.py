@@ -206,6 +206,22 @@ def test_running_out_of_memory_is_one_line(capsys, monkeypatch, error):
     assert str(error).split("err == 0. ")[-1].split(":")[0] in err, err
 
 
+def test_a_run_that_diverges_is_one_line(capsys, monkeypatch):
+    """The trainer's FloatingPointError (the weights became NaN, not saved as a checkpoint) was a traceback
+    through `eval ablate` / `eval depth` / `train`, where a loss that became NaN was one line."""
+    import titans.demo
+
+    def run_demo(*args, **kwargs):
+        raise FloatingPointError("the weights or the optimizer state became NaN or inf by step 3")
+
+    monkeypatch.setattr(titans.demo, "run_demo", run_demo)
+    assert titans_main(["demo"]) == 2
+    assert (
+        error_line(capsys)
+        == "titans demo: error: the weights or the optimizer state became NaN or inf by step 3"
+    )
+
+
 def test_other_runtime_errors_still_raise(monkeypatch):
     import titans.demo
 

@@ -190,3 +190,53 @@ def test_depth_refuses_lm_steps_below_1_naming_the_flag(tmp_path, capsys, steps)
     assert f"--lm-steps must be >= 1 (every depth is trained as a language model), got {steps}" in err
     assert "TrainConfig" not in err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (
+            ["depth", "--throughput-repeats", "0"],
+            "argument --throughput-repeats: expected a positive integer",
+        ),
+        (["depth", "--throughput-batch", "0"], "argument --throughput-batch: expected a positive integer"),
+        (
+            ["depth", "--throughput-lengths", "64,0"],
+            "argument --throughput-lengths: expected comma-separated",
+        ),
+        (
+            ["depth", "--eval-lengths", "-5"],
+            "argument --eval-lengths: expected comma-separated integers >= 1",
+        ),
+        (
+            ["ablate", "--eval-lengths", "0"],
+            "argument --eval-lengths: expected comma-separated integers >= 1",
+        ),
+        (["depth", "--depths", "1,1"], "--depths has duplicates: [1, 1]"),
+        (["ablate", "--rows", "full,full"], "--rows has duplicates: ['full', 'full']"),
+        (["depth", "--variant", "transformer"], "--variant transformer has no memory, so no memory depth"),
+        (["ablate", "--variant", "swa"], "--variant swa has no memory: there is no memory component"),
+    ],
+    ids=lambda a: " ".join(a) if isinstance(a, list) else None,
+)
+def test_depth_and_ablate_refuse_what_would_waste_or_mislabel_a_study(tmp_path, capsys, argv, want):
+    """Found only after training, or never: 0 timed repeats wrote 0 tokens/s as a result, a batch of 0
+    raised a reshape traceback, a repeated depth or row trained into the first one's folder and failed, and
+    a variant without memory gave identical rows labelled as different memory settings."""
+    argv = [
+        "eval",
+        *argv,
+        "--lm-steps",
+        "1",
+        "--run-root",
+        str(tmp_path / "runs"),
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    try:
+        code = titans_main(argv)
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    assert code == 2
+    assert want in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "o").exists()

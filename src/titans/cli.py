@@ -110,9 +110,9 @@ def _unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> None:
 
 
 # Errors in what the user asked for (a bad option or config value, a missing or damaged file, a missing
-# optional package) or in the machine (a full disk, a folder without write permission): one line on
-# stderr and exit status 2, not a traceback.
-USER_ERRORS = (ValueError, OSError, ImportError, KeyError)
+# optional package, a learning rate the run diverges at: the trainer's FloatingPointError) or in the machine
+# (a full disk, a folder without write permission): one line on stderr and exit status 2, not a traceback.
+USER_ERRORS = (ValueError, OSError, ImportError, KeyError, FloatingPointError)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -30,8 +30,8 @@ from titans.evaluation.args import (
     add_recipe_args,
     add_runtime_args,
     float_list,
-    int_list,
     model_overrides,
+    positive_int_list,
     set_threads,
     str_list,
 )
@@ -139,7 +139,11 @@ def run_ablate(args: argparse.Namespace) -> int:
     unknown = [r for r in args.rows if r not in ABLATIONS]
     if unknown:
         raise ValueError(f"unknown ablation row(s) {unknown}: choose from {list(ABLATIONS)}")
+    if len(set(args.rows)) != len(args.rows):  # the second trained into the first's run folder
+        raise ValueError(f"--rows has duplicates: {args.rows}")
     spec = VARIANT_SPECS.get(args.variant)
+    if spec is not None and not spec.memory:  # every row would be the same model under another label
+        raise ValueError(f"--variant {args.variant} has no memory: there is no memory component to remove")
     if spec is not None and not spec.attention and "no_persistent" in args.rows:
         # persistent tokens are attention keys: a memory-only variant has none, the row would equal `full`
         args.rows = [r for r in args.rows if r != "no_persistent"]
@@ -161,7 +165,9 @@ def add_parser(evals) -> None:
     p.add_argument("--variant", default="mac", help="the base model's variant")
     p.add_argument("--rows", type=str_list, default=list(ABLATIONS), help=f"subset of {','.join(ABLATIONS)}")
     add_lm_args(p, heldout_windows=32, lm_steps_help="LM steps per row (0: skip the LM stage)")
-    p.add_argument("--eval-lengths", type=int_list, default=[512, 1024], help="NIAH evaluation lengths")
+    p.add_argument(
+        "--eval-lengths", type=positive_int_list, default=[512, 1024], help="NIAH evaluation lengths"
+    )
     p.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="NIAH depths")
     add_model_args(p)
     add_recipe_args(p, default_length=512, steps_flag="--task-steps", default_steps=0)

@@ -23,11 +23,20 @@ import torch
 from titans.data.loader import EvalWindows
 from titans.data.stream import load_token_streams
 from titans.data.tokenizers import load_tokenizer
-from titans.evaluation.args import add_model_args, add_runtime_args, int_list, model_overrides, set_threads
+from titans.evaluation.args import (
+    add_model_args,
+    add_runtime_args,
+    int_list,
+    model_overrides,
+    positive_int,
+    positive_int_list,
+    set_threads,
+)
 from titans.evaluation.lm_study import add_lm_args, lm_train_config, run_root
 from titans.evaluation.reporting import write_study
 from titans.evaluation.scoring import new_figure, render_table, save_figure
 from titans.models import TitansConfig, TitansLM
+from titans.models.variants import VARIANT_SPECS
 from titans.training.perplexity import evaluate_perplexity
 from titans.training.trainer import Trainer
 
@@ -145,6 +154,11 @@ def run_depth_study(args: argparse.Namespace) -> int:
     set_threads(args)
     if any(d < 1 for d in args.depths):
         raise ValueError(f"--depths must be >= 1, got {args.depths}")
+    if len(set(args.depths)) != len(args.depths):  # the second trained into the first's run folder
+        raise ValueError(f"--depths has duplicates: {args.depths}")
+    spec = VARIANT_SPECS.get(args.variant)
+    if spec is not None and not spec.memory:  # every row would be the same model under another label
+        raise ValueError(f"--variant {args.variant} has no memory, so no memory depth to vary")
     if args.lm_steps < 1:  # the study's losses are those of the trained LMs: there is no LM stage to skip
         raise ValueError(
             f"--lm-steps must be >= 1 (every depth is trained as a language model), got {args.lm_steps}"
@@ -181,14 +195,26 @@ def add_parser(evals) -> None:
         p, heldout_windows=16, lm_steps_help="LM steps per depth (>= 1: every depth is trained as an LM)"
     )
     p.add_argument(
-        "--eval-lengths", type=int_list, default=[256, 512, 1024, 2048], help="held-out loss at these lengths"
+        "--eval-lengths",
+        type=positive_int_list,
+        default=[256, 512, 1024, 2048],
+        help="held-out loss at these lengths",
     )
-    p.add_argument("--eval-batch-size", type=int, default=4, help="held-out windows per forward pass")
     p.add_argument(
-        "--throughput-lengths", type=int_list, default=[256, 1024, 4096], help="tokens/s at these lengths"
+        "--eval-batch-size", type=positive_int, default=4, help="held-out windows per forward pass"
     )
-    p.add_argument("--throughput-batch", type=int, default=2, help="sequences per throughput measurement")
-    p.add_argument("--throughput-repeats", type=int, default=3, help="timed repeats (the best is kept)")
+    p.add_argument(
+        "--throughput-lengths",
+        type=positive_int_list,
+        default=[256, 1024, 4096],
+        help="tokens/s at these lengths",
+    )
+    p.add_argument(
+        "--throughput-batch", type=positive_int, default=2, help="sequences per throughput measurement"
+    )
+    p.add_argument(
+        "--throughput-repeats", type=positive_int, default=3, help="timed repeats (the best is kept)"
+    )
     add_model_args(p)
     add_runtime_args(p)
     p.set_defaults(func=run_depth_study)
