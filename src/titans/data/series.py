@@ -150,12 +150,15 @@ def _check_time_order(dates, spec: str) -> None:
 
     import pandas as pd
 
-    with warnings.catch_warnings():  # "could not infer format": mixed formats are parsed one by one
-        warnings.simplefilter("ignore")
-        times = pd.to_datetime(dates, errors="coerce")
+    try:
+        with warnings.catch_warnings():  # "could not infer format": mixed formats are parsed one by one
+            warnings.simplefilter("ignore")
+            times = pd.DatetimeIndex(pd.to_datetime(dates, errors="coerce"))
+    except (ValueError, TypeError):  # e.g. mixed time zones: not dates this check can order
+        return
     if times.isna().any():
         return
-    back = np.flatnonzero(np.diff(times.to_numpy().astype("datetime64[ns]").astype(np.int64)) < 0)
+    back = np.flatnonzero(np.diff(times.asi8) < 0)  # nanoseconds (UTC where zoned)
     if len(back):
         i = int(back[0]) + 1
         raise ValueError(
