@@ -215,7 +215,7 @@ def test_depth_refuses_lm_steps_below_1_naming_the_flag(tmp_path, capsys, steps)
         (["depth", "--depths", "1,1"], "--depths has duplicates: [1, 1]"),
         (["ablate", "--rows", "full,full"], "--rows has duplicates: ['full', 'full']"),
         (["depth", "--variant", "transformer"], "--variant transformer has no memory, so no memory depth"),
-        (["ablate", "--variant", "swa"], "--variant swa has no memory: there is no memory component"),
+        (["ablate", "--variant", "swa"], "--variant swa has no memory, so the rows ['linear_memory',"),
     ],
     ids=lambda a: " ".join(a) if isinstance(a, list) else None,
 )

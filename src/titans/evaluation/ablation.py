@@ -142,8 +142,12 @@ def run_ablate(args: argparse.Namespace) -> int:
     if len(set(args.rows)) != len(args.rows):  # the second trained into the first's run folder
         raise ValueError(f"--rows has duplicates: {args.rows}")
     spec = VARIANT_SPECS.get(args.variant)
-    if spec is not None and not spec.memory:  # every row would be the same model under another label
-        raise ValueError(f"--variant {args.variant} has no memory: there is no memory component to remove")
+    memory_rows = [r for r in args.rows if any(k.startswith("memory_") for k in ABLATIONS[r])]
+    if spec is not None and not spec.memory and memory_rows:  # each would be `full` under another label
+        raise ValueError(
+            f"--variant {args.variant} has no memory, so the rows {memory_rows} would remove nothing; give "
+            "--rows full (a baseline) or a variant with memory"
+        )
     if spec is not None and not spec.attention and "no_persistent" in args.rows:
         # persistent tokens are attention keys: a memory-only variant has none, the row would equal `full`
         args.rows = [r for r in args.rows if r != "no_persistent"]
