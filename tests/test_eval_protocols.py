@@ -181,13 +181,23 @@ def test_depth_and_ablate_each_say_what_lm_steps_0_means(tmp_path, capsys):
     assert "LM steps per depth (>= 1" in depth_help
 
 
-@pytest.mark.parametrize("steps", ["0", "-3"])
-def test_depth_refuses_lm_steps_below_1_naming_the_flag(tmp_path, capsys, steps):
+@pytest.mark.parametrize(
+    "steps, want",
+    [
+        ("0", "--lm-steps must be >= 1 (every depth is trained as a language model), got 0"),
+        ("-3", "argument --lm-steps: expected an integer >= 0, got '-3'"),
+    ],
+)
+def test_depth_refuses_lm_steps_below_1_naming_the_flag(tmp_path, capsys, steps, want):
     argv = ["eval", "depth", "--lm-steps", steps, "--depths", "1", "--eval-lengths", "64"]
     argv += ["--throughput-lengths", "64", "--run-root", str(tmp_path / "runs"), "--out", str(tmp_path / "o")]
-    assert titans_main(argv) == 2
+    try:
+        code = titans_main(argv)
+    except SystemExit as e:  # argparse's refusal
+        code = e.code
+    assert code == 2
     err = capsys.readouterr().err
-    assert f"--lm-steps must be >= 1 (every depth is trained as a language model), got {steps}" in err
+    assert want in err
     assert "TrainConfig" not in err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "o").exists()
 
@@ -216,6 +226,12 @@ def test_depth_refuses_lm_steps_below_1_naming_the_flag(tmp_path, capsys, steps)
         (["ablate", "--rows", "full,full"], "--rows has duplicates: ['full', 'full']"),
         (["depth", "--variant", "transformer"], "--variant transformer has no memory, so no memory depth"),
         (["ablate", "--variant", "swa"], "--variant swa has no memory, so the rows ['linear_memory',"),
+        (["ablate", "--task-steps", "-1"], "argument --task-steps: expected an integer >= 0"),
+        (["ablate", "--lm-lr", "nan"], "argument --lm-lr: expected a finite number > 0"),
+        # the NIAH stage's options, which the rows reach only after their LM stage
+        (["ablate", "--task-steps", "1", "--depths", "1.5"], "depth must be a number in [0, 1], got 1.5"),
+        (["ablate", "--task-steps", "1", "--eval-lengths", "8"], "length=8 is too short: the preamble"),
+        (["ablate", "--task-steps", "1", "--train-length", "100"], "train_length=100 is shorter than"),
     ],
     ids=lambda a: " ".join(a) if isinstance(a, list) else None,
 )
@@ -240,3 +256,44 @@ def test_depth_and_ablate_refuse_what_would_waste_or_mislabel_a_study(tmp_path, 
     assert code == 2
     assert want in capsys.readouterr().err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("study, rows", [("ablate", ["full", "no_conv"]), ("depth", ["depth1", "depth2"])])
+def test_a_run_root_holding_a_later_rows_run_is_refused_before_the_first_row_trains(
+    tmp_path, capsys, study, rows
+):
+    """Only the row whose folder was taken failed, after the rows before it had trained."""
+    (tmp_path / "runs" / rows[1] / "checkpoints" / "step_00000002").mkdir(parents=True)
+    argv = [
+        "eval",
+        study,
+        "--lm-steps",
+        "1",
+        "--run-root",
+        str(tmp_path / "runs"),
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    argv += ["--rows", ",".join(rows)] if study == "ablate" else ["--depths", "1,2"]
+    assert titans_main(argv) == 2
+    assert f"already holds runs of ['{rows[1]}']: give an empty or new folder" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / rows[0]).exists() and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["niah", "--depths", "1.5", "--lengths", "512"], "depth must be a number in [0, 1], got 1.5"),
+        (["niah", "--lengths", "8"], "length=8 is too short: the preamble"),
+        (["niah", "--lengths", "512", "--train-length", "100"], "train_length=100 is shorter than"),
+        (["babilong", "--lengths", "100"], "length=100 is too short: the preamble, facts"),
+    ],
+    ids=lambda a: " ".join(a) if isinstance(a, list) else None,
+)
+def test_niah_and_babilong_refuse_bad_lengths_and_depths_before_training(tmp_path, capsys, argv, want):
+    """The evaluation samples were drawn only after the recipe had trained the model."""
+    argv = ["eval", *argv, "--train-recipe", "--steps", "2", "--save-model", str(tmp_path / "m")]
+    assert titans_main([*argv, "--out", str(tmp_path / "o")]) == 2
+    captured = capsys.readouterr()
+    assert want in captured.err
+    assert "loss" not in captured.out and not (tmp_path / "m").exists()

@@ -40,7 +40,7 @@ def atomic_target(path: str | Path) -> Path:
     (IsADirectoryError for a folder, else ValueError), naming ``path``."""
     target = Path(os.path.realpath(path))
     if target.is_dir():
-        raise IsADirectoryError(21, "is a folder; give a file name", str(path))
+        raise IsADirectoryError(errno.EISDIR, "is a folder; give a file name", str(path))
     if target.exists() and not target.is_file():
         raise ValueError(
             f"{str(path)!r} is not a regular file (a device, FIFO or socket); give a file name to write"

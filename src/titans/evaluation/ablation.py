@@ -39,7 +39,7 @@ from titans.evaluation.lm_study import add_lm_args, lm_train_config, run_root
 from titans.evaluation.recipe import build_model, evaluate_lengths, niah_samples, task_config
 from titans.evaluation.reporting import write_study
 from titans.evaluation.scoring import new_figure, render_table, save_figure
-from titans.evaluation.task_training import train_on_task
+from titans.evaluation.task_training import check_train_length, train_on_task
 from titans.models.variants import VARIANT_SPECS
 from titans.training.trainer import Trainer
 
@@ -53,8 +53,11 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 }
 
 
-def run_row(args: argparse.Namespace, name: str, overrides: dict[str, Any], root: Path) -> dict:
-    """Train and evaluate one ablation row; returns its JSON-able record."""
+def run_row(
+    args: argparse.Namespace, name: str, overrides: dict[str, Any], root: Path, samples: list | None
+) -> dict:
+    """Train and evaluate one ablation row on the NIAH ``samples`` (None without a task stage); returns
+    its JSON-able record."""
     overrides = {**args.base_overrides, **overrides}
     record: dict[str, Any] = {"name": name, "overrides": overrides}
     t0 = time.perf_counter()
@@ -76,7 +79,6 @@ def run_row(args: argparse.Namespace, name: str, overrides: dict[str, Any], root
     if args.steps > 0:
         task_cfg = task_config(args, "niah", kind="passkey", haystack=None)
         history = train_on_task(model, tokenizer, task_cfg, max_seconds=args.task_time_budget)
-        samples = niah_samples(tokenizer, args, args.eval_lengths)
         # as `eval niah`: --eval-batch-size, --prefill-chunk, and --max-attention-length's skipped lengths
         res, _, skipped = evaluate_lengths(model, tokenizer, samples, by="depth", args=args, label=name)
         record.update(
@@ -156,8 +158,13 @@ def run_ablate(args: argparse.Namespace) -> int:
         raise ValueError("nothing to train: set --lm-steps and/or --task-steps above 0")
     args.base_overrides = model_overrides(args)
     args.task_time_budget = None if args.time_budget is None else 60.0 * args.time_budget
-    with run_root(args, "titans-ablate-") as root:
-        rows = [run_row(args, name, ABLATIONS[name], root) for name in args.rows]
+    samples = None
+    if args.steps > 0:  # the rows' common samples, and the recipe's length, checked before any row trains
+        tokenizer = load_tokenizer(args.tokenizer)
+        check_train_length(tokenizer, task_config(args, "niah", kind="passkey", haystack=None))
+        samples = niah_samples(tokenizer, args, args.eval_lengths)
+    with run_root(args, "titans-ablate-", args.rows) as root:
+        rows = [run_row(args, name, ABLATIONS[name], root, samples) for name in args.rows]
     title = f"ablation of {args.variant} ({args.preset}): {args.lm_steps} LM steps, {args.steps} NIAH steps"
     table = format_rows(rows, args.eval_lengths)
     write_study(args, "ablate", f"ablate_{args.variant}", rows, title, plot_rows, table)

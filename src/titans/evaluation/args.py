@@ -182,7 +182,9 @@ def add_recipe_args(
         default=None,
         help="adaptive curriculum: grow lengths by 25%% whenever the running answer loss is below this",
     )
-    g.add_argument(steps_flag, dest="steps", type=int, default=default_steps, help="fine-tuning steps")
+    g.add_argument(
+        steps_flag, dest="steps", type=nonnegative_int, default=default_steps, help="fine-tuning steps"
+    )
     g.add_argument("--batch-size", type=int, default=8, help="fine-tuning batch")
     g.add_argument("--lr", type=positive_float, default=3e-3, help="fine-tuning peak learning rate")
     g.add_argument("--warmup-steps", type=nonnegative_int, default=20, help="fine-tuning warm-up steps")

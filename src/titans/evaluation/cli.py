@@ -63,10 +63,11 @@ from titans.validation import path_arg, seed_list
 
 def run_niah(args: argparse.Namespace) -> int:
     set_threads(args)
-    model, tokenizer, info = obtain_model(
-        args, lambda: task_config(args, "niah", kind=args.kind, haystack=args.haystack)
+    model, tokenizer, info, samples = obtain_model(
+        args,
+        lambda: task_config(args, "niah", kind=args.kind, haystack=args.haystack),
+        lambda tokenizer: niah_samples(tokenizer, args, args.lengths),
     )
-    samples = niah_samples(tokenizer, args, args.lengths)
     result, kept, skipped = evaluate_lengths(model, tokenizer, samples, by="depth", args=args, label="niah")
     if result is None:
         raise ValueError("every requested length was skipped: nothing to evaluate")
@@ -127,14 +128,15 @@ def _babilong_once(
     """Obtain (train) one model, evaluate it on ``samples`` (default: drawn with ``sample_seed``, default
     ``--seed``), write its result file (``--name``, default after the tasks and the model's variant, then
     ``name_suffix``); returns (its path, its table, the samples, the model's variant)."""
-    model, tokenizer, info = obtain_model(
+    model, tokenizer, info, samples = obtain_model(
         args,
         lambda: task_config(
             args, "babilong", babi_tasks=tuple(args.tasks), haystack=args.haystack, num_facts=args.num_facts
         ),
+        lambda tokenizer: (
+            babilong_samples(tokenizer, args, args.lengths, seed=sample_seed) if samples is None else samples
+        ),
     )
-    if samples is None:
-        samples = babilong_samples(tokenizer, args, args.lengths, seed=sample_seed)
     result, kept, skipped = evaluate_lengths(
         model, tokenizer, samples, by="task", args=args, label="babilong"
     )

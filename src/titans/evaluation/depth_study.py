@@ -167,7 +167,7 @@ def run_depth_study(args: argparse.Namespace) -> int:
     heldout = load_token_streams(
         args.data, load_tokenizer(args.tokenizer), heldout_fraction=args.heldout_fraction
     ).heldout
-    with run_root(args, "titans-depth-") as root:
+    with run_root(args, "titans-depth-", [f"depth{d}" for d in args.depths]) as root:
         rows = [run_depth(args, d, root, heldout) for d in args.depths]
     models = {}
     for row in rows:  # fresh models of each depth, same seed, timed together

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from titans.evaluation.args import nonnegative_int, positive_float, positive_int
+from titans.runtime.checkpoint import list_checkpoints
 from titans.training.config import TrainConfig
 from titans.validation import path_arg
 
@@ -25,12 +27,12 @@ def add_lm_args(p: argparse.ArgumentParser, heldout_windows: int, lm_steps_help:
     g = p.add_argument_group("language-model training (the Trainer)")
     g.add_argument("--data", default="builtin:prose", help="text source for the LM training")
     g.add_argument("--heldout-fraction", type=float, default=0.05, help="share of the documents held out")
-    g.add_argument("--seq-len", type=int, default=256, help="training length")
-    g.add_argument("--lm-batch-size", type=int, default=8, help="LM training batch")
-    g.add_argument("--lm-steps", type=int, default=200, help=lm_steps_help)
-    g.add_argument("--lm-lr", type=float, default=3e-3, help="LM peak learning rate")
-    g.add_argument("--lm-warmup-steps", type=int, default=20, help="LM warm-up steps")
-    g.add_argument("--heldout-windows", type=int, default=heldout_windows, help="held-out windows")
+    g.add_argument("--seq-len", type=positive_int, default=256, help="training length")
+    g.add_argument("--lm-batch-size", type=positive_int, default=8, help="LM training batch")
+    g.add_argument("--lm-steps", type=nonnegative_int, default=200, help=lm_steps_help)
+    g.add_argument("--lm-lr", type=positive_float, default=3e-3, help="LM peak learning rate")
+    g.add_argument("--lm-warmup-steps", type=nonnegative_int, default=20, help="LM warm-up steps")
+    g.add_argument("--heldout-windows", type=positive_int, default=heldout_windows, help="held-out windows")
     g.add_argument(
         "--run-root", type=path_arg, default=None, help="keep each row's run folder here (default: temporary)"
     )
@@ -67,9 +69,15 @@ def lm_train_config(args: argparse.Namespace, run_dir: Path, overrides: dict[str
 
 
 @contextmanager
-def run_root(args: argparse.Namespace, prefix: str) -> Iterator[Path]:
-    """``--run-root`` if given (kept), else a temporary folder removed at the end."""
+def run_root(args: argparse.Namespace, prefix: str, rows: list[str]) -> Iterator[Path]:
+    """``--run-root`` if given (kept), else a temporary folder removed at the end. A ``--run-root`` that
+    already holds a run of one of the ``rows`` (their folder names) is refused before any row trains."""
     if args.run_root is not None:
+        taken = [row for row in rows if list_checkpoints(Path(args.run_root) / row)]
+        if taken:
+            raise ValueError(
+                f"--run-root {args.run_root} already holds runs of {taken}: give an empty or new folder"
+            )
         yield Path(args.run_root)
         return
     root = Path(tempfile.mkdtemp(prefix=prefix))

@@ -29,7 +29,7 @@ from titans.evaluation.args import model_overrides
 from titans.evaluation.babilong import babilong_grid
 from titans.evaluation.niah import niah_grid
 from titans.evaluation.runner import evaluate
-from titans.evaluation.task_training import TaskTrainConfig, train_on_task
+from titans.evaluation.task_training import TaskTrainConfig, check_train_length, train_on_task
 from titans.models import TitansConfig, TitansLM
 from titans.models.config import PRESETS
 from titans.runtime.checkpoint import META_FILE, list_checkpoints, save_checkpoint
@@ -228,9 +228,13 @@ def load_task_model(path: str | Path, device: str) -> tuple[Any, Any, dict]:
     return model, tokenizer, info
 
 
-def obtain_model(args: argparse.Namespace, task_cfg_factory) -> tuple[Any, Any, dict]:
-    """(model, tokenizer, info): the ``--checkpoint`` model or a fresh one, trained with the recipe first
-    when ``--train-recipe`` is given (a checkpoint is then fine-tuned: the paper's fine-tuning setup)."""
+def obtain_model(
+    args: argparse.Namespace, task_cfg_factory, draw_samples: Callable[[Any], list]
+) -> tuple[Any, Any, dict, list]:
+    """(model, tokenizer, info, samples): the ``--checkpoint`` model or a fresh one, trained with the recipe
+    first when ``--train-recipe`` is given (a checkpoint is then fine-tuned: the paper's fine-tuning setup),
+    and the evaluation samples, ``draw_samples(tokenizer)``. Those are drawn, and the recipe's length
+    checked, before any training: a length or depth they refuse ends the command before it trains."""
     if not args.checkpoint and not args.train_recipe:
         raise ValueError("give --checkpoint (a model to evaluate or fine-tune) and/or --train-recipe")
     if getattr(args, "ckpt_every", None) is not None and not (args.train_recipe and args.save_model):
@@ -252,12 +256,14 @@ def obtain_model(args: argparse.Namespace, task_cfg_factory) -> tuple[Any, Any, 
             )
         model, tokenizer, info = load_task_model(args.checkpoint, args.device)
         if not args.train_recipe:
-            return model, tokenizer, info
+            return model, tokenizer, info, draw_samples(tokenizer)
     else:
         tokenizer = load_tokenizer(args.tokenizer)
         model = build_model(args, args.variant, tokenizer.vocab_size)
         info = {"model_config": model.config.to_dict(), "parameters": model.num_parameters()}
+    samples = draw_samples(tokenizer)
     task_cfg = task_cfg_factory()
+    check_train_length(tokenizer, task_cfg)
     if args.save_model:
         check_save_folder(args.save_model)
     earlier = (
@@ -285,7 +291,7 @@ def obtain_model(args: argparse.Namespace, task_cfg_factory) -> tuple[Any, Any, 
             flush=True,
         )
         raise SystemExit(exit_status(signal.Signals[stopped_by]))
-    return model, tokenizer, info
+    return model, tokenizer, info, samples
 
 
 # ---------------------------------------------------------------------------------------------------------

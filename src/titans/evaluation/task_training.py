@@ -318,6 +318,15 @@ class LengthCurriculum:
         return max(self.min_length, length // self.multiple * self.multiple)
 
 
+def check_train_length(tokenizer: TextTokenizer, cfg: TaskTrainConfig) -> int:
+    """The task's minimum length (``min_task_length``); raises if ``cfg.train_length`` is under it. A
+    study that trains something else first calls it up front, so the error comes before any training."""
+    min_length = min_task_length(tokenizer, cfg)
+    if cfg.train_length < min_length:
+        raise ValueError(f"train_length={cfg.train_length} is shorter than the task's minimum {min_length}")
+    return min_length
+
+
 def train_on_task(
     model: nn.Module,
     tokenizer: TextTokenizer,
@@ -338,9 +347,7 @@ def train_on_task(
     whole. ``checkpoint(step, history)`` saves the model after ``step`` steps: every ``ckpt_every`` steps
     (None: never in between) and once after the last step or the step a stop came after.
     """
-    min_length = min_task_length(tokenizer, cfg)
-    if cfg.train_length < min_length:
-        raise ValueError(f"train_length={cfg.train_length} is shorter than the task's minimum {min_length}")
+    min_length = check_train_length(tokenizer, cfg)
     torch.manual_seed(cfg.seed)
     curriculum = LengthCurriculum(
         min_length,
