@@ -220,6 +220,69 @@ def test_a_crafted_import_header_is_a_422_naming_the_field(server, http, engine)
     assert http.post(f"{url}/v1/sessions/import", headers=A, content=data).status_code == 201
 
 
+def _rebuilt(data: bytes, edit_header, edit_blobs=lambda blobs: blobs) -> bytes:
+    """Session bytes rebuilt from edit_header(header) and edit_blobs(blobs) (the states' bytes), the
+    header's blob sizes set to match, under a checksum that matches."""
+    start = len(SESSION_MAGIC)
+    size = int.from_bytes(data[start : start + 8], "little")
+    header = json.loads(data[start + 8 : start + 8 + size])
+    blobs, pos = [], start + 8 + size
+    for n in header["blobs"]:
+        blobs.append(data[pos : pos + n])
+        pos += n
+    blobs = edit_blobs(blobs)
+    head = json.dumps({**edit_header(header), "blobs": [len(b) for b in blobs]}).encode()
+    body = SESSION_MAGIC + len(head).to_bytes(8, "little") + head + b"".join(blobs)
+    return body + hashlib.sha256(body).digest()
+
+
+def test_an_import_is_checked_and_stored_state_by_state(server, http, engine):
+    """An import's snapshots are decoded and its counters checked on the way in. A damaged snapshot was
+    stored and then failed every rollback and fork to it; blobs of no state were stored (each later load
+    read them all, the quota counted them once); a snapshot's position and the counters were taken from
+    the header, so a rollback answered a position /stats then contradicted, and tokens_read went negative."""
+    url = server.url
+    sid = new(http, url)
+    read(http, url, sid)
+    read(http, url, sid, "Whenever it is a damp, drizzly November in my soul.")
+    data = http.get(f"{url}/v1/sessions/{sid}/export", headers=A).content
+    usage = server.store.usage(hash_key(KEY_A))
+
+    def flip(blobs):  # a byte in the middle of the last blob, snapshot 1's state
+        last = bytearray(blobs[-1])
+        last[len(last) // 2] ^= 0xFF
+        return [*blobs[:-1], bytes(last)]
+
+    same = lambda h: h  # noqa: E731
+    refused = {
+        "one of its states is damaged": _rebuilt(data, same, flip),
+        "session bytes: damaged header (blobs": _rebuilt(data, same, lambda b: [*b, b[-1]]),
+        "tokens_generated": _rebuilt(data, lambda h: {**h, "tokens_generated": 10**12, "reads": 10**12}),
+    }
+    for want, body in refused.items():
+        r = http.post(f"{url}/v1/sessions/import", headers=A, content=body)
+        assert r.status_code == 422 and want in r.json()["detail"], (want, r.text)
+        assert "checksum" not in r.json()["detail"]
+    assert server.store.usage(hash_key(KEY_A)) == usage  # nothing was stored
+
+    # a snapshot's position is its state's, whatever the header says
+    original = http.get(f"{url}/v1/sessions/{sid}/snapshots", headers=A).json()["snapshots"]
+    lying = _rebuilt(
+        data,
+        lambda h: {
+            **h,
+            "snapshots": [s if s["state"] is None else {**s, "position": 999_999} for s in h["snapshots"]],
+        },
+    )
+    r = http.post(f"{url}/v1/sessions/import", headers=A, content=lying)
+    assert r.status_code == 201, r.text
+    copy = r.json()["id"]
+    assert http.get(f"{url}/v1/sessions/{copy}/snapshots", headers=A).json()["snapshots"] == original
+    r = http.post(f"{url}/v1/sessions/{copy}/rollback", headers=A, json={"snapshot": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["position"] == stats(http, url, copy)["position"] == original[0]["position"]
+
+
 def test_an_import_cannot_bring_settings_past_the_servers_limits(server, http, engine):
     """Imported bytes carry their session's settings: more snapshots than the server keeps, pieces of one
     token a model call, a guard probe the server does not have (every read runs it in full: a 2-token read

@@ -446,11 +446,14 @@ class MemorySession:
         map_location: str | torch.device | None = None,
         *,
         verified: bool = False,
+        check_snapshots: bool = False,
     ) -> MemorySession:
         """The session `to_bytes` wrote, for `model` (its tensors on `map_location`, default the model's
         device). Damaged or truncated bytes raise SessionFormatError; a session of a model with another
         config raises ValueError. verified: the caller has checked these bytes against a checksum of its
-        own (a store's), so their SHA-256 is not computed again."""
+        own (a store's), so their SHA-256 is not computed again. check_snapshots: decode the snapshots now
+        too (bytes from elsewhere, an upload): a damaged one raises StateFileError here, not when rolled
+        back to, and each takes its position from its state, as the current state always does."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"MemorySession.from_bytes: expected bytes, got {type(data).__name__}")
         data = bytes(data)
@@ -499,6 +502,14 @@ class MemorySession:
             current.position = state.position
             model.check_state(state, 1)
         session._current = current
+        for i, kept in enumerate(snapshots if check_snapshots else []):
+            snapshot = kept.tensors(model, session._device, f"snapshot {len(snapshots) - i}")
+            if snapshot is not None:
+                model.check_state(snapshot, 1)
+                kept.position, kept.state = snapshot.position, None  # checked; decoded again if used
+        for kept in [current, *snapshots]:  # the positions now those of the decoded states
+            if kept.tokens_generated > kept.position:
+                raise _damaged("tokens_generated", "at most the position of its state")
         session._snapshots = snapshots  # decoded when rolled back to
         session.events = [SessionEvent(**e) for e in header["events"]]
         session._probe_loss = None if header["probe_loss"] is None else float(header["probe_loss"])
@@ -700,6 +711,11 @@ def _session_header(raw: bytes, vocab_size: int) -> dict[str, Any]:
             raise _damaged(f"{where}: position", "0 where there is no state")
         if "created" in entry and not (_is_number(entry["created"]) and entry["created"] >= 0):
             raise _damaged(f"{where}: created", "a time (a finite number >= 0)")
+        if entry.get("tokens_generated", 0) > entry.get("position", 0):  # generated tokens were read too
+            raise _damaged(f"{where}: tokens_generated", "at most its position")
+    used = sorted(entry["state"] for _, entry in kept if entry["state"] is not None)
+    if used != list(range(blobs)):  # `to_parts` writes one blob per state: any other is not a state's
+        raise _damaged("blobs", "one per state (no blob shared by two states or of none)")
     for name in ("max_snapshots", "piece_len", "probe", "guard_max_rise", "frozen", "probe_loss"):
         if name not in header:
             raise _damaged(name, "present")

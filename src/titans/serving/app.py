@@ -87,7 +87,6 @@ from titans.serving.session import (
     generate_json,
     known_digests,
     read_json,
-    session_parts,
     snapshots_json,
     stats_json,
 )
@@ -654,8 +653,7 @@ class SessionService:
         return self._insert(owner, self.engine.new_session().to_parts())
 
     def _insert(self, owner: str, parts: list[bytes | memoryview]) -> dict[str, Any]:
-        """A new session of `owner` holding `parts` (`MemorySession.to_parts`, or `session_parts` of
-        session bytes) under a fresh id."""
+        """A new session of `owner` holding `parts` (`MemorySession.to_parts`) under a fresh id."""
         size = _stored_size(parts)
         with self.room.hold(owner):  # the count checked is the count until the record is in
             check_room(self.quotas, self.store.usage(owner), new_sessions=1, new_bytes=size)
@@ -729,8 +727,8 @@ class SessionService:
 
     def import_(self, owner: str, data: bytes) -> dict[str, Any]:
         """A new session of `owner` from bytes `MemorySession.to_bytes` wrote (for this model)."""
-        try:
-            session = self.engine.load(data)
+        try:  # every state decoded and checked: a snapshot is otherwise first read when rolled back to
+            session = self.engine.load(data, check_snapshots=True)
         except SessionFormatError as e:  # the session's own checks: fixed sentences naming the field
             raise ApiError(422, f"the body is not a session this server can load: {e}") from None
         except StateFileError as e:  # a state's bytes (its error may quote a library's own text)
@@ -748,7 +746,9 @@ class SessionService:
         problem = self.engine.import_problem(session)
         if problem is not None:
             raise ApiError(422, f"the body is not a session this server can take: {problem}")
-        result = self._insert(owner, session_parts(data))
+        # stored as the session writes itself, not as uploaded: the header's counters are then those of
+        # the decoded states (the states' bytes are the upload's, not copied)
+        result = self._insert(owner, session.to_parts())
         log.info("session %s imported", result["id"])
         return {**result, "position": session.position, "reads": session.reads}
 

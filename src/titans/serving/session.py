@@ -125,10 +125,11 @@ class Engine:
             self.model, snapshots=self.max_snapshots, probe=self.probe, guard_max_rise=self.guard_max_rise
         )
 
-    def load(self, data: bytes, *, verified: bool = False) -> MemorySession:
+    def load(self, data: bytes, *, verified: bool = False, check_snapshots: bool = False) -> MemorySession:
         """The session of `data` (`MemorySession.to_bytes`). Damaged bytes raise SessionFormatError, a
-        session of another model ValueError. verified: `data` matched a store's checksum already."""
-        return MemorySession.from_bytes(self.model, data, verified=verified)
+        session of another model ValueError. verified: `data` matched a store's checksum already.
+        check_snapshots: decode the snapshots too (an import), not only when rolled back to."""
+        return MemorySession.from_bytes(self.model, data, verified=verified, check_snapshots=check_snapshots)
 
 
 # ------------------------------------------------------------------------------------------ parts
