@@ -124,6 +124,21 @@ def test_json_config_values_are_type_checked_too(tmp_path):
         TrainConfig(fsdp=1)
 
 
+def test_a_steps_override_replaces_a_config_files_token_budget(tmp_path):
+    """ "defaults < --config < flags < --set": a file's "tokens" had set the steps whatever --steps said."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"tokens": 40960, "seq_len": 64, "batch_size": 2}))
+    assert TrainConfig.from_file(path).total_steps == 320
+    assert TrainConfig.from_file(path, {"steps": 2}).total_steps == 2
+    assert TrainConfig.from_file(path, {"steps": 2, "tokens": 1280}).total_steps == 10  # the budget wins
+
+
+def test_a_model_name_in_a_config_is_refused_by_name():
+    """It raised "TitansConfig.preset() got multiple values for argument 'name'" after tokenizing."""
+    with pytest.raises(ValueError, match="'name' is the preset's name"):
+        TrainConfig(model={"name": "mine"})
+
+
 def test_eval_set_uses_the_same_parser(tmp_path, capsys):
     import titans.evaluation.cli as eval_cli
 

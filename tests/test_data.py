@@ -8,6 +8,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import sys
 import sysconfig
 
@@ -67,7 +68,7 @@ def _gpt2_byte_chars() -> dict[str, int]:
     return {(chr(b) if b in printable else chr(next(extra))): b for b in range(256)}
 
 
-def test_tiktoken_ranks_file_round_trips(bpe_path, tmp_path):
+def test_tiktoken_ranks_file_round_trips(bpe_path, tmp_path, monkeypatch):
     # Convert the trained byte-level BPE into a tiktoken ranks file (rank = merge order).
     vocab = json.loads(bpe_path.read_text())["model"]["vocab"]
     inv = _gpt2_byte_chars()
@@ -83,6 +84,10 @@ def test_tiktoken_ranks_file_round_trips(bpe_path, tmp_path):
     ids = tok.encode(AWKWARD)
     assert tok.decode(ids) == AWKWARD and tok.eos_id not in ids
     assert len(ids) < len(AWKWARD.encode())
+    # a "~" path, as load_tokenizer and the other tokenizer classes take it (its fingerprint raised)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    home = tokmod.TiktokenTokenizer("~/small.tiktoken")
+    assert home.path == path and home.fingerprint == tok.fingerprint
 
 
 def test_tiktoken_ranks_file_errors_name_file_and_line(tmp_path):
@@ -335,6 +340,49 @@ def test_token_cache_is_reused_keyed_and_repaired(tmp_path, bpe_path, caplog):
         third = load_token_streams(src, tok, cache_dir=tmp_path, heldout_fraction=0.1)
     assert "damaged" in caplog.text
     np.testing.assert_array_equal(first.train.tokens, third.train.tokens)
+
+
+def test_token_cache_sees_edits_that_keep_size_and_mtime_and_flipped_bytes(tmp_path, caplog):
+    """The cache key knew a file by its size and mtime only: text edited with both kept (``cp -p``,
+    ``rsync -a``, a coarse-mtime file system) was served stale, and ``--resume``'s digest check compared
+    stale with stale. A byte flipped in a cached array was served under the digest of the tokens it had."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for i in range(6):
+        (folder / f"d{i}.txt").write_text(f"document {i}: " + "abcdefgh " * 50)
+    first = load_token_streams(str(folder), ByteTokenizer(), cache_dir=tmp_path / "c", heldout_fraction=0.3)
+    for f in folder.iterdir():  # the same size, the mtime set back
+        st = f.stat()
+        f.write_text(f.read_text().replace("abcdefgh", "ZYXWVUTS"))
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    edited = load_token_streams(str(folder), ByteTokenizer(), cache_dir=tmp_path / "c", heldout_fraction=0.3)
+    assert b"ZYXWVUTS" in np.asarray(edited.train.tokens, np.uint8).tobytes()
+    assert edited.train.digest != first.train.digest
+
+    entry = max((tmp_path / "c" / "tokens").iterdir(), key=lambda e: e.stat().st_mtime_ns)
+    array = np.load(entry / "train.npy", mmap_mode="r+")
+    array[len(array) // 2] ^= 1
+    array.flush()
+    del array
+    with caplog.at_level(logging.WARNING):
+        again = load_token_streams(
+            str(folder), ByteTokenizer(), cache_dir=tmp_path / "c", heldout_fraction=0.3
+        )
+    assert "does not match the digest" in caplog.text
+    np.testing.assert_array_equal(again.train.tokens, edited.train.tokens)
+
+
+def test_a_tokenizer_with_no_eos_and_no_blank_line_is_refused():
+    """Its documents were joined with no boundary between them (a WordPiece tokenizer drops whitespace)."""
+
+    class NoBoundary:
+        name, vocab_size, eos_id = "wordpiece-like", 100, None
+
+        def encode(self, text: str) -> list[int]:
+            return [ord(c) % 100 for c in text if not c.isspace()]
+
+    with pytest.raises(ValueError, match="encodes a blank line as nothing"):
+        separator_ids(NoBoundary())
 
 
 # ----------------------------------------------------------------------------------------- loaders

@@ -191,6 +191,18 @@ def test_a_lone_surrogate_in_a_jsonl_record_becomes_the_replacement_character(tm
 
 
 # ----------------------------------------------------------------------------------- token cache
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be"])
+def test_a_utf16_text_file_with_a_byte_order_mark_reads_as_its_text(tmp_path, encoding):
+    """Read as UTF-8, every other byte was a NUL: the byte tokenizer's document separator."""
+    text = "Call me Ishmael. Ça va? \u2603\n"
+    (tmp_path / "a.txt").write_bytes(
+        ("\ufeff" if encoding != "utf-16" else "").encode(encoding) + text.encode(encoding)
+    )
+    (tmp_path / "b.txt").write_text(text, encoding="utf-8")
+    docs = {d.id: d.text for d in load_source(str(tmp_path)).documents()}
+    assert docs["a.txt"].lstrip("\ufeff") == docs["b.txt"] == text
+
+
 def test_an_unusable_cache_folder_is_warned_about_and_skipped(tmp_path, caplog):
     (tmp_path / "a.txt").write_text("some text\n" * 50)
     (tmp_path / "b.txt").write_text("more text\n" * 50)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from titans.data.sources import Document, TextSource, load_hf_split
+from titans.data.sources import Document, TextSource, file_stamp, load_hf_split
 
 BASES = "ACGTN"
 SPECIALS = ("<pad>", "<eos>", "<cls>")
@@ -162,10 +162,8 @@ class FastaSource(TextSource):
             raise ValueError(f"FASTA file {str(path)!r}: record name {dup!r} appears more than once")
 
     def fingerprint(self) -> str:
-        st = self.path.stat()
-        return hashlib.sha256(
-            f"fasta|{self.path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()
-        ).hexdigest()
+        stamp = "|".join(file_stamp(self.path))
+        return hashlib.sha256(f"fasta|{self.path.resolve()}|{stamp}".encode()).hexdigest()
 
     def document_ids(self) -> list[str]:
         return [r.name for r in self._records]

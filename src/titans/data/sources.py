@@ -35,7 +35,8 @@ Public API (names are stable): ``Document``, ``TextSource`` (``spec``, ``fingerp
 ``document_ids()``, ``documents()``), ``FileSource``, ``JsonlSource``, ``HFDatasetSource``,
 ``InMemorySource`` (``from_texts``), ``load_source``, ``stdlib_files``.
 
-Documents are decoded as UTF-8 with invalid bytes replaced (U+FFFD), and so are lone UTF-16 surrogates
+Documents are decoded as UTF-8 (a text file that starts with a UTF-16 byte-order mark, as UTF-16) with
+invalid bytes replaced (U+FFFD), and so are lone UTF-16 surrogates
 that a JSON string escapes (``"\\ud83d"``, half an emoji); line endings are kept as they are. Empty
 documents (an empty file, a record with an empty text) are no documents: ``document_ids()`` and
 ``documents()`` leave them out, so the held-out split never picks one. A damaged ``.gz`` file is a
@@ -99,6 +100,15 @@ class TextSource(ABC):
         return f"{type(self).__name__}({self.spec!r})"
 
 
+def file_stamp(path: Path) -> list[str]:
+    """What a source fingerprint knows of a file without reading it: its size, modification time, change
+    time and inode. The change time is set by every write and by a reset of the modification time (``cp -p``,
+    ``rsync -a``, ``touch -d``), and a rewrite-and-rename gives a new inode, so an edit that keeps the size
+    and modification time still changes the stamp; a copy does too (its text is tokenized again)."""
+    st = path.stat()
+    return [str(st.st_size), str(st.st_mtime_ns), str(st.st_ctime_ns), str(st.st_ino)]
+
+
 def _sha(parts: Sequence[str]) -> str:
     h = hashlib.sha256()
     for p in parts:
@@ -119,6 +129,8 @@ def _read_text(path: Path) -> str:
             data = gzip.decompress(data)
         except _GZIP_ERRORS as e:
             raise _gzip_error(path, e) from None
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):  # a UTF-16 byte-order mark (Windows' "Unicode" text)
+        return data.decode("utf-16", errors="replace")  # as UTF-8, every other byte was a NUL
     return data.decode("utf-8", errors="replace")
 
 
@@ -194,8 +206,7 @@ class FileSource(TextSource):
     def fingerprint(self) -> str:
         parts = []
         for f in self.files:
-            st = f.stat()
-            parts += [self._id(f), str(st.st_size), str(st.st_mtime_ns)]
+            parts += [self._id(f), *file_stamp(f)]
         if any(_is_jsonl(f) for f in self.files):  # which field is read changes the documents
             parts.append(self.text_field)
         return _sha(parts)
@@ -228,8 +239,7 @@ class JsonlSource(TextSource):
         self.text_field = text_field
 
     def fingerprint(self) -> str:
-        st = self.path.stat()
-        return _sha([str(self.path.resolve()), str(st.st_size), str(st.st_mtime_ns), self.text_field])
+        return _sha([str(self.path.resolve()), *file_stamp(self.path), self.text_field])
 
     def _lines(self) -> Iterator[tuple[int, str]]:
         opener = gzip.open if self.path.suffix == ".gz" else open

@@ -8,7 +8,7 @@ vocabulary has <= 65536 symbols, else ``int32``).
 Separator (``separator_ids``): the tokenizer's eos token when it has one. The byte tokenizer has no eos
 and all 256 byte values are text, so documents are separated by the NUL byte (id 0, ``BYTE_SEPARATOR``),
 which never occurs in the prose or Python sources used here. A non-byte tokenizer without an eos uses the
-encoding of a blank line (``"\\n\\n"``).
+encoding of a blank line (``"\\n\\n"``), and is refused when that encodes to nothing.
 
 Empty documents are left out by the sources (``titans.data.sources``), so the split never holds out only
 empty text.
@@ -24,8 +24,10 @@ encodes, counting each separator as one byte. For the byte tokenizer this equals
 
 Cache: with ``cache=True`` the arrays are stored under ``cache_dir/tokens/<name>-<key>/`` (``train.npy``,
 ``heldout.npy``, ``meta.json``), where the key hashes the source fingerprint, the tokenizer fingerprint,
-the split settings and the format version; a second run memory-maps them. Entries are written to a temp
-folder and renamed into place, so a crash never leaves a half-written entry; a damaged entry is rebuilt.
+the split settings and the format version (a file's fingerprint is its ``file_stamp``: size, modification
+and change times, inode); a second run memory-maps them, checked against their recorded digests. Entries
+are written to a temp folder and renamed into place, so a crash never leaves a half-written entry; a
+damaged entry is rebuilt.
 A cache folder that cannot be written (read-only, no space, a file in its place) is warned about, and the
 run goes on without it.
 ``default_cache_dir()`` is ``$TITANS_CACHE_DIR``, else ``$XDG_CACHE_HOME/titans``, else ``~/.cache/titans``.
@@ -119,7 +121,13 @@ def separator_ids(tokenizer: Tokenizer) -> list[int]:
         return [int(tokenizer.eos_id)]
     if isinstance(tokenizer, ByteTokenizer) or tokenizer.vocab_size == 256:
         return [BYTE_SEPARATOR]
-    return list(tokenizer.encode("\n\n"))
+    blank_line = list(tokenizer.encode("\n\n"))
+    if not blank_line:  # documents would run into each other with no boundary between them
+        raise ValueError(
+            f"tokenizer {tokenizer.name!r} has no eos token and encodes a blank line as nothing, so it has "
+            "no way to mark where one document ends and the next begins: use a tokenizer with an eos token"
+        )
+    return blank_line
 
 
 def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> list[np.ndarray]:
@@ -217,8 +225,9 @@ def _read_cache(entry: Path, tokenizer_name: str, spec: str) -> TokenStreams | N
             tokens = np.load(entry / f"{name}.npy", mmap_mode="r")
             if tokens.shape != (info["n_tokens"],):
                 raise ValueError(f"{name}.npy has shape {tokens.shape}, meta.json says {info['n_tokens']}")
-            # entries written before digests were recorded: hash the tokens now
-            digest = info.get("digest") or token_digest(tokens)
+            digest = token_digest(tokens)  # a damaged array of the right shape is found here
+            if info.get("digest", digest) != digest:  # (entries written before digests have none)
+                raise ValueError(f"{name}.npy does not match the digest meta.json records")
             streams[name] = (tokens, int(info["n_bytes"]), tuple(info["document_ids"]), digest)
         return _streams(streams, spec, tokenizer_name)
     except (OSError, ValueError, KeyError, TypeError) as e:

@@ -180,8 +180,8 @@ class TiktokenTokenizer:
 
     def __init__(self, path: str | Path, pattern: str = GPT2_PATTERN, name: str | None = None):
         tiktoken = _require("tiktoken", "tiktoken", "a tiktoken ranks file")
-        self.path = Path(path)
-        ranks = read_tiktoken_ranks(path)
+        self.path = _existing_file(path, "tiktoken ranks")  # "~" expanded, as the ranks are read
+        ranks = read_tiktoken_ranks(self.path)
         eos = ranks.get(ENDOFTEXT.encode())
         special = {} if eos is not None else {ENDOFTEXT: max(ranks.values()) + 1}
         self._enc = tiktoken.Encoding(

@@ -200,7 +200,11 @@ def register(commands, evals) -> None:
     p.add_argument("--variant", help=f"mac, mag, mal, lmm, transformer or swa (config default: {d.variant})")
     p.add_argument("--data", help=f"{DATA_HELP} (config default: {d.data})")
     p.add_argument("--tokenizer", help=f"{TOKENIZER_HELP} (config default: {d.tokenizer})")
-    p.add_argument("--steps", type=int, help=f"optimizer steps (config default: {d.steps})")
+    p.add_argument(
+        "--steps",
+        type=int,
+        help=f"optimizer steps (config default: {d.steps}); replaces a config file's token budget",
+    )
     p.add_argument("--tokens", type=int, help="token budget (sets the steps)")
     p.add_argument("--seq-len", type=int, help=f"training sequence length (config default: {d.seq_len})")
     p.add_argument(

@@ -248,6 +248,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.model: unknown TitansConfig field(s) {unknown}")
         if "variant" in self.model:
             raise ValueError("TrainConfig.model: set the variant with the top-level 'variant' field")
+        if "name" in self.model:  # the preset's name, which `TitansConfig.preset` sets itself
+            raise ValueError(
+                "TrainConfig.model: 'name' is the preset's name: choose it with the 'preset' field"
+            )
         self.model = {
             k: check_field_value(TitansConfig, k, v, label=f"TrainConfig.model.{k}")
             for k, v in self.model.items()
@@ -339,7 +343,8 @@ class TrainConfig:
     def from_file(
         cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None
     ) -> TrainConfig:
-        """Defaults, then the JSON file (if any), then ``overrides`` ({"key": v, "model.field": v})."""
+        """Defaults, then the JSON file (if any), then ``overrides`` ({"key": v, "model.field": v}). A
+        ``steps`` override replaces the file's ``tokens`` budget too (a token budget sets the steps)."""
         data: dict[str, Any] = {}
         if path is not None:
             data = read_json_object(path, "TrainConfig")
@@ -347,7 +352,10 @@ class TrainConfig:
             unknown = sorted(set(data) - {f.name for f in fields(cls)})
             if unknown:
                 raise ValueError(f"TrainConfig: unknown field(s) {unknown} in {str(path)!r}")
-        return cls.from_dict(apply_overrides(data, overrides or {}))
+        overrides = overrides or {}
+        if "steps" in overrides and "tokens" not in overrides:  # a later budget replaces the file's one
+            data.pop("tokens", None)
+        return cls.from_dict(apply_overrides(data, overrides))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
