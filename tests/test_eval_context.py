@@ -252,12 +252,15 @@ def test_evaluate_context_scores_every_model_on_the_same_windows():
 
 
 # ------------------------------------------------------------------------------------------- the command
-def fresh_checkpoint(run_dir: Path, variant: str, tokenizer, **model) -> Path:
-    """A freshly initialised tiny model saved as a run folder, as the trainer saves one."""
+def fresh_checkpoint(run_dir: Path, variant: str, tokenizer, train: dict | None = None, **model) -> Path:
+    """A freshly initialised tiny model saved as a run folder, as the trainer saves one (``train``: its
+    TrainConfig fields besides the variant, the data and the tokenizer)."""
     torch.manual_seed(0)
     m = TitansLM(dataclasses.replace(tiny_model(variant).config, vocab_size=tokenizer.vocab_size, **model))
     config = {
-        "train": TrainConfig(variant=variant, data="builtin:prose", tokenizer=tokenizer.name).to_dict(),
+        "train": TrainConfig(
+            variant=variant, data="builtin:prose", tokenizer=tokenizer.name, **(train or {})
+        ).to_dict(),
         "model": m.config.to_dict(),
         "tokenizer": tokenizer_record(tokenizer.name, tokenizer),
     }
@@ -309,6 +312,20 @@ def test_cli_writes_every_bucket_of_every_model_and_a_png(trained_run, tmp_path,
     assert report["models"][labels[0]]["bucket_loss"] == pytest.approx(
         [want[:, :256].mean(), want[:, 256:].mean()], rel=1e-4
     )
+
+
+def test_a_compared_run_that_held_out_other_text_is_refused(trained_run, tmp_path, capsys):
+    """It was scored on the --checkpoint's held-out split, part of which it may have trained on, and the
+    result still said "held-out split"."""
+    other = fresh_checkpoint(tmp_path / "swa", "swa", ByteTokenizer(), train={"heldout_fraction": 0.002})
+    args = ["eval", "context", "--checkpoint", str(trained_run), "--compare", str(other), "--length", "300",
+            "--windows", "1", "--out", str(tmp_path / "c.json")]  # fmt: skip
+    assert titans_main(args) == 2
+    err = capsys.readouterr().err
+    assert f"--compare {str(other)!r} held out other text than --checkpoint (heldout_fraction 0.002" in err
+    assert not (tmp_path / "c.json").exists()
+    # on other text, every model is scored on the same tokens, none held out from anything
+    assert titans_main([*args, "--data", "builtin:prose"]) == 0
 
 
 def test_cli_labels_name_the_models(trained_run, tmp_path, capsys):

@@ -533,6 +533,20 @@ def _saved_tokenizer(ckpt: Checkpoint) -> Tokenizer:
     return tokenizer_from_record(record, ckpt.path)
 
 
+def _other_heldout(cfg, mine: Checkpoint, other: Checkpoint) -> str | None:
+    """How run ``other`` held out other text than ``mine`` (``cfg``: its TrainConfig), or None: by the
+    held-out digests both checkpoints record, else by the data and the split settings."""
+    digests = [(c.trainer_state.get("data") or {}).get("heldout") for c in (mine, other)]
+    if all(digests):
+        return None if digests[0] == digests[1] else "its held-out tokens differ"
+    train = other.config.get("train", {})
+    for name in ("data", "heldout_fraction", "text_field"):
+        theirs = train.get(name, getattr(type(cfg)(), name))
+        if theirs != getattr(cfg, name):
+            return f"{name} {theirs!r}, not {getattr(cfg, name)!r}"
+    return None
+
+
 def _describe(t: Tokenizer) -> str:
     return f"{t.name!r} ({t.vocab_size} symbols)"
 
@@ -592,6 +606,14 @@ def run_context(args: argparse.Namespace) -> int:
                 f"--compare {run!r} was trained with tokenizer {_describe(other_tokenizer)}, --checkpoint "
                 f"with {_describe(tokenizer)}: losses over different tokens cannot be compared"
             )
+        if args.data is None:  # each is scored on the --checkpoint's held-out split: none trained on it
+            mismatch = _other_heldout(cfg, loaded, other)
+            if mismatch:
+                raise ValueError(
+                    f"--compare {run!r} held out other text than --checkpoint ({mismatch}), so part of the "
+                    "held-out split scored may be text it trained on: score all of them on other text "
+                    "with --data"
+                )
         compares.append((run, other))
     win, data_desc = _load_windows(args, cfg, tokenizer, loaded.trainer_state.get("data") or {})
     if win.count < win.requested:
