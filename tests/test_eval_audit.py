@@ -76,7 +76,7 @@ def test_save_task_model_keeps_only_the_model_it_saves(tmp_path):
     torch.manual_seed(0)
     model = TitansLM(TitansConfig(variant="swa", vocab_size=256, dim=16, depth=1, heads=1, window=8))
     args = argparse.Namespace(tokenizer="bytes", lr=1e-3, seed=0)
-    summary = {"steps_done": 6, "recipe": {}, "final": None}
+    summary = {"steps_done": 6, "recipe": {"train_length": 320}, "final": None}
     recipe_module.save_task_model(tmp_path, model, tokenizer, args, summary)
     recipe_module.save_task_model(tmp_path, model, tokenizer, args, {**summary, "steps_done": 3})
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003"]

@@ -99,7 +99,8 @@ def test_eval_ppl_reproduces_a_bf16_runs_held_out_score_on_cpu(tmp_path, cache_d
     result = Trainer(cfg).train()
     report = json.loads((run_dir / "report.json").read_text())
     assert report["eval"]["loss"] == pytest.approx(result.eval.loss, rel=1e-7)
-    argv = ["eval", "ppl", "--checkpoint", str(run_dir), "--windows", "2", "--batch-size", "2"]
+    # the run's seq_len and eval_windows by default (64 windows had scored another loss)
+    argv = ["eval", "ppl", "--checkpoint", str(run_dir), "--batch-size", "2"]
     argv += ["--device", "cpu", "--out", str(tmp_path / "ppl.json")]
     assert titans_main(argv) == 0
     scored = json.loads((tmp_path / "ppl.json").read_text())["loss"]
@@ -287,6 +288,10 @@ def test_a_run_root_holding_a_later_rows_run_is_refused_before_the_first_row_tra
         (["niah", "--lengths", "8"], "length=8 is too short: the preamble"),
         (["niah", "--lengths", "512", "--train-length", "100"], "train_length=100 is shorter than"),
         (["babilong", "--lengths", "100"], "length=100 is too short: the preamble, facts"),
+        # a value given twice scored its cells twice, counted as twice the samples
+        (["niah", "--lengths", "512,512"], "lengths has duplicates: [512, 512]"),
+        (["niah", "--lengths", "512", "--depths", "0.5,0.5"], "depths has duplicates: [0.5, 0.5]"),
+        (["babilong", "--lengths", "1024", "--tasks", "qa1,qa1"], "tasks has duplicates: ['qa1', 'qa1']"),
     ],
     ids=lambda a: " ".join(a) if isinstance(a, list) else None,
 )
@@ -297,3 +302,10 @@ def test_niah_and_babilong_refuse_bad_lengths_and_depths_before_training(tmp_pat
     captured = capsys.readouterr()
     assert want in captured.err
     assert "loss" not in captured.out and not (tmp_path / "m").exists()
+
+
+def test_save_model_without_the_recipe_is_refused(tmp_path, capsys):
+    """Nothing is trained then, and nothing was saved: the flag was ignored without a word."""
+    argv = ["eval", "niah", "--checkpoint", str(tmp_path / "run"), "--save-model", str(tmp_path / "m")]
+    assert titans_main([*argv, "--out", str(tmp_path / "o")]) == 2
+    assert "--save-model saves the model the recipe trains: give --train-recipe" in capsys.readouterr().err

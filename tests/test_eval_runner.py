@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+import titans.evaluation.cli as eval_cli
 import titans.evaluation.recipe as recipe_module
 from titans.data.tokenizers import ByteTokenizer
 from titans.evaluation.babilong import babilong_grid
@@ -25,6 +26,7 @@ from titans.evaluation.task_training import (
     train_on_task,
 )
 from titans.models import TitansConfig, TitansLM
+from titans.runtime.loading import load_checkpoint_from
 
 TOK = ByteTokenizer()
 VOCAB = 256
@@ -255,11 +257,12 @@ def test_hold_lr_keeps_the_peak_until_the_curriculum_is_full_then_decays_to_the_
     caps = [h["max_length"] for h in history]
     full = caps.index(320)
     assert 0 < full < 20
-    lrs = [h["lr"] for h in history]  # the lr of the next step
-    assert all(lr == pytest.approx(1e-3) for lr in lrs[1 : full + 1])
-    assert history[-1]["lr_released_at"] == full + 1 and lrs[-1] == pytest.approx(1e-4)
+    lrs = [h["lr"] for h in history]  # the lr each step used (the next step's was logged)
+    assert lrs[0] == pytest.approx(0.5e-3)  # warm-up: step 0 of 2
+    assert all(lr == pytest.approx(1e-3) for lr in lrs[1 : full + 2])
+    assert history[-1]["lr_released_at"] == full + 1 and 1e-4 < lrs[-1] < 1.2e-4  # the last step's
     plain = train_on_task(TitansLM(tiny_config("lmm", depth=1)), TOK, replace(cfg, hold_lr=False), log=None)
-    assert plain[full]["lr"] < 1e-3 and "lr_released_at" not in plain[-1]
+    assert plain[full + 1]["lr"] < 1e-3 and "lr_released_at" not in plain[-1]
 
 
 def test_recipe_lowers_the_answer_loss_and_gates_are_set():
@@ -343,8 +346,19 @@ def test_cli_niah_trains_saves_and_reloads(tmp_path, capsys):
     argv += ["--lengths", "300", "--depths", "0", "--samples", "1", "--out", str(out), "--name", "c"]
     argv += ["--save-model", str(tmp_path / "stage2"), "--threads", "1"]
     assert run_cli(argv) == 0
-    training = read_json(out / "c.json")["metadata"]["model"]["training"]
+    model = read_json(out / "c.json")["metadata"]["model"]
+    training = model["training"]
     assert training["fine_tuned_from"] == str(tmp_path / "model") and training["earlier"]["steps_done"] == 2
+    # the model scored is the one saved now; the base checkpoint was named as if it were scored
+    assert model["checkpoint"] == model["saved"] == str(tmp_path / "stage2" / "checkpoints" / "step_00000001")
+    assert model["fine_tuned_from"] == reloaded["model"]["checkpoint"]
+    # a recipe model trained on prompts of up to --train-length tokens, none from its config's data
+    saved = load_checkpoint_from(tmp_path / "stage2")
+    assert saved.config["train"]["seq_len"] == 320  # it was TrainConfig's default, 256
+    for command in (["ppl"], ["context", "--length", "300", "--windows", "1"]):
+        argv = ["eval", *command, "--checkpoint", str(tmp_path / "stage2"), "--out", str(out / "p.json")]
+        assert run_cli(argv) == 2
+        assert "trained by the task recipe on generated prompts" in capsys.readouterr().err
     assert (tmp_path / "stage2" / "checkpoints").is_dir()
     assert run_cli(["eval", "niah", "--lengths", "300", "--out", str(out)]) == 2  # no model source
 
@@ -376,7 +390,7 @@ EVAL_300_400 = ["--eval-lengths", "300,400", "--depths", "0.5", "--samples", "1"
 EVAL_300_400 += ["--max-attention-length", "350"]
 
 
-def test_cli_tasks_marks_skipped_full_attention_and_reloads(tmp_path, capsys):
+def test_cli_tasks_marks_skipped_full_attention_and_reloads(tmp_path, capsys, monkeypatch):
     argv = ["eval", "tasks", "--task", "niah", "--variants", "lmm,transformer", *TINY_SET, *RECIPE]
     argv += EVAL_300_400
     argv += ["--out", str(tmp_path), "--name", "t", "--save-models", str(tmp_path / "models")]
@@ -396,6 +410,20 @@ def test_cli_tasks_marks_skipped_full_attention_and_reloads(tmp_path, capsys):
     assert again["cells"] == data["cells"]
     lmm = again["metadata"]["variants"]["lmm"]
     assert lmm["training"]["recipe"]["steps"] == 2 and "training:" not in capsys.readouterr().out
+    # a saved model of another tokenizer with as many symbols: its prompts would be --tokenizer's ids
+    real = eval_cli.load_task_model
+
+    class OtherBytes(ByteTokenizer):
+        fingerprint = "bytes:another"
+
+    def with_other_tokenizer(path, device):
+        model, _, entry = real(path, device)
+        return model, OtherBytes(), entry
+
+    monkeypatch.setattr(eval_cli, "load_task_model", with_other_tokenizer)
+    assert run_cli([*argv[:-4], "--name", "t3", "--threads", "1"]) == 2
+    assert "was trained with tokenizer 'bytes', not --tokenizer 'bytes'" in capsys.readouterr().err
+    assert not (tmp_path / "t3.json").exists()
 
 
 @pytest.fixture

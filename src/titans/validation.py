@@ -56,6 +56,13 @@ def seed_list(text: str) -> list[int]:
     return seeds
 
 
+def check_distinct(name: str, values: Iterable[Any]) -> None:
+    """ValueError naming ``name`` when a value repeats (an axis of a study given twice)."""
+    values = list(values)
+    if len(set(values)) != len(values):
+        raise ValueError(f"{name} has duplicates: {values}")
+
+
 def check_int(name: str, value: Any, minimum: int = 1, *, none_ok: bool = False) -> None:
     """Raise a ValueError naming `name` unless `value` is an int (not a bool) >= `minimum`, or None where
     `none_ok`. `name` is the value as the user knows it, e.g. "TitansConfig.dim"."""

@@ -42,6 +42,7 @@ from titans.evaluation.scoring import new_figure, render_table, save_figure
 from titans.evaluation.task_training import check_train_length, train_on_task
 from titans.models.variants import VARIANT_SPECS
 from titans.training.trainer import Trainer
+from titans.validation import check_distinct
 
 ABLATIONS: dict[str, dict[str, Any]] = {
     "full": {},
@@ -141,8 +142,7 @@ def run_ablate(args: argparse.Namespace) -> int:
     unknown = [r for r in args.rows if r not in ABLATIONS]
     if unknown:
         raise ValueError(f"unknown ablation row(s) {unknown}: choose from {list(ABLATIONS)}")
-    if len(set(args.rows)) != len(args.rows):  # the second trained into the first's run folder
-        raise ValueError(f"--rows has duplicates: {args.rows}")
+    check_distinct("--rows", args.rows)  # the second trained into the first's run folder
     spec = VARIANT_SPECS.get(args.variant)
     memory_rows = [r for r in args.rows if any(k.startswith("memory_") for k in ABLATIONS[r])]
     if spec is not None and not spec.memory and memory_rows:  # each would be `full` under another label

@@ -40,6 +40,7 @@ from titans.evaluation.haystack import (
     piece_separator,
     sample_haystack,
 )
+from titans.validation import check_distinct
 
 TASKS = ("qa1", "qa2", "qa3", "qa4", "qa5")
 LOCATIONS = ("bathroom", "hallway", "garden", "office", "bedroom", "kitchen")
@@ -482,10 +483,14 @@ def babilong_grid(
 ) -> list[BabiSample]:
     """``samples_per_cell`` samples for every (task, length).
 
-    Sample ``k`` of a task tells the same story at every length (only the amount of prose differs).
+    Sample ``k`` of a task tells the same story at every length (only the amount of prose differs): story
+    seed ``seed * samples_per_cell + k``, so ``seed=1, samples_per_cell=4`` tells the stories 4-7 of
+    ``seed=0, samples_per_cell=8``.
     """
     if samples_per_cell < 1:
         raise ValueError(f"samples_per_cell must be >= 1, got {samples_per_cell}")
+    check_distinct("lengths", lengths)
+    check_distinct("tasks", tasks)
     return [
         make_babilong_sample(
             tokenizer,

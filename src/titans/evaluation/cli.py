@@ -54,8 +54,8 @@ from titans.evaluation.scoring import AccuracyTable, format_table, write_json
 from titans.evaluation.seeds import aggregate_tables, format_seed_table
 from titans.models.config import VARIANTS
 from titans.runtime.checkpoint import CheckpointError
-from titans.runtime.loading import resolve_checkpoint
-from titans.validation import path_arg, seed_list
+from titans.runtime.loading import resolve_checkpoint, same_tokenizer
+from titans.validation import check_distinct, path_arg, seed_list
 
 # ---------------------------------------------------------------------------------------------------------
 # titans eval niah
@@ -236,6 +236,7 @@ def add_babilong_parser(evals) -> None:
 
 def run_tasks(args: argparse.Namespace) -> int:
     set_threads(args)
+    check_distinct("--variants", args.variants)  # one result per variant: a second would replace it
     tokenizer = load_tokenizer(args.tokenizer)
     if args.eval_task == "niah":
         task_cfg = task_config(args, "niah", kind=args.kind, haystack=args.haystack)
@@ -264,8 +265,12 @@ def run_tasks(args: argparse.Namespace) -> int:
             model, model_tokenizer, entry = load_task_model(Path(args.from_models) / variant, args.device)
             if model.config.variant != variant:
                 raise ValueError(f"{args.from_models}/{variant} holds a {model.config.variant} model")
-            if model_tokenizer.vocab_size != tokenizer.vocab_size:
-                raise ValueError(f"{args.from_models}/{variant} was trained with another tokenizer")
+            if not same_tokenizer(model_tokenizer, tokenizer):  # the prompts are --tokenizer's ids
+                raise ValueError(
+                    f"{args.from_models}/{variant} was trained with tokenizer {model_tokenizer.name!r}, not "
+                    f"--tokenizer {tokenizer.name!r} (or a file of that name with other contents): give "
+                    "its tokenizer"
+                )
             print(f"=== {variant}: loaded from {entry['checkpoint']}")
         else:
             print(f"=== {variant}: training {task_cfg.steps} steps at <= {task_cfg.train_length} tokens")

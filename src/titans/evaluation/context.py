@@ -48,6 +48,7 @@ from titans.data.tokenizers import Tokenizer
 from titans.evaluation.args import set_threads, str_list
 from titans.evaluation.perplexity import (
     add_changed_data_arg,
+    check_has_heldout_split,
     heldout_description,
     heldout_split,
     whole_source_stream,
@@ -56,7 +57,12 @@ from titans.evaluation.reporting import command_line, plot_or_skip
 from titans.evaluation.scoring import new_figure, render_table, save_figure, write_json
 from titans.models.lm import TitansLM
 from titans.runtime.checkpoint import Checkpoint, CheckpointError
-from titans.runtime.loading import load_checkpoint_from, load_weights, tokenizer_from_record
+from titans.runtime.loading import (
+    load_checkpoint_from,
+    load_weights,
+    same_tokenizer,
+    tokenizer_from_record,
+)
 from titans.training.model_io import load_model
 from titans.validation import check_int, path_arg
 
@@ -515,13 +521,6 @@ def plot_context(
 # titans eval context
 
 
-def _same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
-    fa, fb = getattr(a, "fingerprint", None), getattr(b, "fingerprint", None)
-    if fa and fb:
-        return str(fa) == str(fb) and a.vocab_size == b.vocab_size
-    return a.name == b.name and a.vocab_size == b.vocab_size
-
-
 def _saved_tokenizer(ckpt: Checkpoint) -> Tokenizer:
     """A trainer checkpoint's tokenizer, without building its model."""
     saved = ckpt.config
@@ -567,11 +566,13 @@ def check_context_args(args: argparse.Namespace) -> None:
 
 
 def _load_windows(
-    args: argparse.Namespace, cfg, tokenizer: Tokenizer, data_state: dict
+    args: argparse.Namespace, cfg, tokenizer: Tokenizer, checkpoint: Checkpoint
 ) -> tuple[ContextWindows, str]:
-    """The windows ``--data`` / ``--per-document`` ask for, and a description of the text. ``data_state``:
-    the checkpoint's record of its data, against which its held-out split is checked (`heldout_split`)."""
+    """The windows ``--data`` / ``--per-document`` ask for, and a description of the text. Without
+    ``--data``, ``checkpoint``'s held-out split, checked against its record of its data (`heldout_split`)."""
     if args.data is None:  # the checkpoint's held-out split, as `titans eval ppl` scores it
+        check_has_heldout_split(checkpoint)
+        data_state = checkpoint.trainer_state.get("data") or {}
         # built (cached) also for --per-document: it checks the split is still the run's
         stream, change = heldout_split(cfg, tokenizer, data_state, allow_changed=args.allow_changed_data)
         desc, what = heldout_description(cfg, change), f"the held-out split of {cfg.data!r}"
@@ -601,7 +602,7 @@ def run_context(args: argparse.Namespace) -> int:
     for run in args.compare or []:
         other = load_checkpoint_from(run)
         other_tokenizer = _saved_tokenizer(other)
-        if not _same_tokenizer(tokenizer, other_tokenizer):
+        if not same_tokenizer(tokenizer, other_tokenizer):
             raise ValueError(
                 f"--compare {run!r} was trained with tokenizer {_describe(other_tokenizer)}, --checkpoint "
                 f"with {_describe(tokenizer)}: losses over different tokens cannot be compared"
@@ -615,7 +616,7 @@ def run_context(args: argparse.Namespace) -> int:
                     "with --data"
                 )
         compares.append((run, other))
-    win, data_desc = _load_windows(args, cfg, tokenizer, loaded.trainer_state.get("data") or {})
+    win, data_desc = _load_windows(args, cfg, tokenizer, loaded)
     if win.count < win.requested:
         print(
             f"note: {data_desc} has room for {win.count} windows of {win.length} tokens, not {win.requested}"

@@ -39,6 +39,7 @@ from titans.models import TitansConfig, TitansLM
 from titans.models.variants import VARIANT_SPECS
 from titans.training.perplexity import evaluate_perplexity
 from titans.training.trainer import Trainer
+from titans.validation import check_distinct
 
 
 def _train_step_seconds(model: torch.nn.Module, seq_len: int, batch_size: int) -> float:
@@ -154,8 +155,7 @@ def run_depth_study(args: argparse.Namespace) -> int:
     set_threads(args)
     if any(d < 1 for d in args.depths):
         raise ValueError(f"--depths must be >= 1, got {args.depths}")
-    if len(set(args.depths)) != len(args.depths):  # the second trained into the first's run folder
-        raise ValueError(f"--depths has duplicates: {args.depths}")
+    check_distinct("--depths", args.depths)  # the second trained into the first's run folder
     spec = VARIANT_SPECS.get(args.variant)
     if spec is not None and not spec.memory:  # every row would be the same model under another label
         raise ValueError(f"--variant {args.variant} has no memory, so no memory depth to vary")

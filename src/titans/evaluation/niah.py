@@ -39,6 +39,7 @@ from titans.evaluation.haystack import (
     piece_separator,
     sample_haystack,
 )
+from titans.validation import check_distinct
 
 # Key words are "adjective-noun" pairs, like RULER's random-word keys.
 _ADJECTIVES_TEXT = """
@@ -285,10 +286,15 @@ def niah_grid(
     needle's position): a length's ``samples_per_cell * len(depths)`` prompts hold ``samples_per_cell``
     distinct needles. Seeds differ across lengths and ``k`` within one grid; they follow a length's index
     in ``lengths``, not its value, so two grids with the same ``seed`` and different ``lengths`` repeat
-    their needles (the first length of each gets the same ones). A different ``seed`` gives new needles.
+    their needles (the first length of each gets the same ones). Cell ``(i, k)`` has seed
+    ``(seed * len(lengths) + i) * samples_per_cell + k``: with the same number of lengths and samples, a
+    different ``seed`` gives new needles; grids that differ in those can share seeds (``--lengths a,b
+    --samples 4 --seed 3`` puts at ``b`` the needles ``--lengths c,d --samples 4 --seed 3`` puts at ``d``).
     """
     if samples_per_cell < 1:
         raise ValueError(f"samples_per_cell must be >= 1, got {samples_per_cell}")
+    check_distinct("lengths", lengths)  # a value given twice would score its cells twice
+    check_distinct("depths", depths)
     samples = []
     for i, length in enumerate(lengths):
         for k in range(samples_per_cell):

@@ -5,9 +5,10 @@
 
 scores a checkpoint's own held-out split, or all of the text named by ``--data`` (see
 ``titans.data.sources``), with ``titans.training.perplexity.evaluate_perplexity`` (the function the
-trainer's own evaluations use), prints the result and writes it as JSON. The precision is the run's
-(``TrainConfig.dtype``, by the trainer's rule: ``titans.training.config.autocast_dtype_for``) unless
-``--dtype`` names another, so the held-out score is the one the trainer reported.
+trainer's own evaluations use), prints the result and writes it as JSON. The windows (their number and
+length) and the precision are the run's (``eval_windows``, ``seq_len``, ``TrainConfig.dtype`` by the
+trainer's rule: ``titans.training.config.autocast_dtype_for``) unless ``--windows``, ``--seq-len`` or
+``--dtype`` name others, so the held-out score is the one the trainer reported.
 
 The held-out split is rebuilt from the run's data as it is now, and checked against the digests the
 checkpoint recorded (``TokenBatches.state_dict``; an older checkpoint records only the training token
@@ -118,6 +119,16 @@ def heldout_split(
     return streams.heldout, change
 
 
+def check_has_heldout_split(checkpoint) -> None:
+    """Refuse a model the task recipe trained (`eval niah` / `babilong` / `tasks` with `--save-model`): it
+    trained on generated prompts, not on its config's ``data``, so that has no held-out split for it."""
+    if "task_training" in checkpoint.config:
+        raise ValueError(
+            f"{str(checkpoint.path)!r} was trained by the task recipe on generated prompts, so it has no "
+            "held-out split of its own: give the text to score with --data"
+        )
+
+
 def heldout_description(cfg, change: str | None) -> str:
     """What a result file calls a run's held-out split: "DATA (held-out split)", saying so when the data
     changed since the run (scored with --allow-changed-data)."""
@@ -135,6 +146,7 @@ def run_ppl(args) -> int:
     model, cfg, tokenizer = load_model(loaded, map_location=device)
     seq_len = cfg.seq_len if args.seq_len is None else args.seq_len
     if args.data is None:
+        check_has_heldout_split(loaded)
         data_state = loaded.trainer_state.get("data") or {}
         stream, change = heldout_split(cfg, tokenizer, data_state, allow_changed=args.allow_changed_data)
         data_desc, what = heldout_description(cfg, change), f"the held-out split of {cfg.data!r}"
@@ -142,7 +154,11 @@ def run_ppl(args) -> int:
         stream = whole_source_stream(args.data, tokenizer, text_field=args.text_field)
         data_desc, what = args.data, f"text source {args.data!r}"  # as whole_source_stream names it
     windows = EvalWindows(
-        stream, seq_len=seq_len, num_windows=args.windows, batch_size=args.batch_size, what=what
+        stream,
+        seq_len=seq_len,
+        num_windows=cfg.eval_windows if args.windows is None else args.windows,  # as the run scored
+        batch_size=args.batch_size,
+        what=what,
     )
     autocast = autocast_dtype_for(cfg.dtype if args.dtype is None else args.dtype, device)
     result = _heldout.evaluate_perplexity(model, windows, device=device, autocast_dtype=autocast)
@@ -198,7 +214,12 @@ def add_ppl_parser(evals) -> None:
     p.add_argument("--text-field", default="text", help="JSONL / dataset text field for --data")
     add_changed_data_arg(p)
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: the training seq_len)")
-    p.add_argument("--windows", type=int, default=64, help="number of windows, spread over the text")
+    p.add_argument(
+        "--windows",
+        type=int,
+        default=None,
+        help="number of windows, spread over the text (default: the run's eval_windows)",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1")
     p.add_argument(

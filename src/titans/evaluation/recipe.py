@@ -191,6 +191,7 @@ def save_task_model(
         variant=cfg.variant,
         model={k: v for k, v in cfg.to_dict().items() if k not in ("name", "variant")},
         tokenizer=args.tokenizer,
+        seq_len=summary["recipe"]["train_length"],  # its longest training prompt (`eval context` marks it)
         steps=max(1, summary["steps_done"]),
         lr=args.lr,
         seed=args.seed,
@@ -239,6 +240,8 @@ def obtain_model(
         raise ValueError("give --checkpoint (a model to evaluate or fine-tune) and/or --train-recipe")
     if getattr(args, "ckpt_every", None) is not None and not (args.train_recipe and args.save_model):
         raise ValueError("--ckpt-every saves the model being trained: give --train-recipe and --save-model")
+    if args.save_model and not args.train_recipe:  # nothing is trained, so nothing would be saved
+        raise ValueError("--save-model saves the model the recipe trains: give --train-recipe")
     if args.checkpoint:
         fresh_only = [
             flag
@@ -278,9 +281,14 @@ def obtain_model(
 
     summary = {**train_with_recipe(args, model, tokenizer, task_cfg, checkpoint), **earlier}
     info["training"] = summary
+    if args.checkpoint:  # what is scored is that checkpoint fine-tuned: the model saved now, if any
+        info["fine_tuned_from"] = info.pop("checkpoint")
+        info["checkpoint"] = None
     if args.save_model:
         saved = save_task_model(args.save_model, model, tokenizer, args, summary, info.get("tokenizer"))
         info["saved"] = str(saved)
+        if args.checkpoint:
+            info["checkpoint"] = info["saved"]
         print(f"saved the trained model to {info['saved']}")
     stopped_by = (summary["final"] or {}).get("stopped_by")
     if stopped_by is not None:  # the model is saved; the evaluation is not what a stop asked for

@@ -389,7 +389,7 @@ def train_on_task(
             "loss": value,
             "loss_avg": running,
             "grad_norm": float(grad_norm),
-            "lr": sched.get_last_lr()[0],
+            "lr": loop.step_lr,  # not the scheduler's: it has moved on to the next step's
             "seconds": time.perf_counter() - t0,
         }
         if hold is not None:

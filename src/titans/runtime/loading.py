@@ -44,6 +44,14 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     return str(getattr(tokenizer, "fingerprint", ""))
 
 
+def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether ``a`` and ``b`` give the same ids: their fingerprints, where both have one, else their
+    names; and their vocabulary sizes."""
+    fa, fb = tokenizer_fingerprint(a), tokenizer_fingerprint(b)
+    same = fa == fb if fa and fb else a.name == b.name
+    return same and a.vocab_size == b.vocab_size
+
+
 def tokenizer_record(spec: str, tokenizer: Tokenizer) -> dict[str, Any]:
     """What a checkpoint stores about its tokenizer."""
     return {
@@ -168,6 +176,7 @@ __all__ = [
     "load_trained",
     "load_weights",
     "resolve_checkpoint",
+    "same_tokenizer",
     "tokenizer_fingerprint",
     "tokenizer_from_record",
     "tokenizer_record",

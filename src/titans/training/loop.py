@@ -176,6 +176,7 @@ class TrainLoop:
         self.bar: Any = None
         self.stop_reason: str | None = None
         self.warned_grad_norm = False
+        self.step_lr: float | None = None  # the lr the current step uses (the scheduler moves on in it)
 
     def request_stop(self, reason: str) -> None:
         """Stop after the current step (call it from ``evaluate``, ``on_step`` or ``after_log``), as a time
@@ -233,7 +234,7 @@ class TrainLoop:
         try:
             while self.step < end:
                 t0 = time.perf_counter()
-                lr = self.optimizer.param_groups[0]["lr"]  # the lr this step uses
+                lr = self.step_lr = self.optimizer.param_groups[0]["lr"]  # the lr this step uses
                 if self.step_fn is not None:
                     loss, grad_norm = self.step_fn(self.step)
                     aux: dict[str, Any] = {}
