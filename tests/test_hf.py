@@ -17,6 +17,7 @@ from titans import VARIANTS  # noqa: E402
 from titans.hf import TitansCache, TitansForCausalLM, TitansHFConfig  # noqa: E402
 from titans.hf.modeling import _OUTPUT_CACHE  # noqa: E402
 from titans.inference import generate, prefill  # noqa: E402
+from titans.models import TitansLM  # noqa: E402
 from titans.models.state import select_rows, state_batch_size  # noqa: E402
 
 VOCAB = 41
@@ -56,6 +57,51 @@ def test_transformers_generate_equals_ours(variant):
     ours = generate(model, prompt, 17, greedy=True)
     theirs = hf.generate(prompt, max_new_tokens=17, do_sample=False)
     assert torch.equal(theirs, ours)
+
+
+def test_weights_a_checkpoint_lacks_are_initialised_as_a_fresh_model_does(saved_dir, tmp_path):
+    """transformers builds the model on the meta device and leaves the tensors a checkpoint lacks (or that
+    ``ignore_mismatched_sizes`` re-makes) to ``_init_weights``, which did nothing: they were uninitialised
+    memory (NaN here), and the first forward failed."""
+    from safetensors.torch import load_file, save_file
+
+    path, model = saved_dir
+    folder = tmp_path / "partial"
+    TitansForCausalLM.from_titans(model).save_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    dropped = [
+        "model.blocks.0.mlp.down_proj.weight",  # a projection into the residual stream
+        "model.blocks.0.norm_mix.weight",  # a norm
+        "model.blocks.0.memory.to_gates.bias",  # the memory's gates
+        "model.blocks.0.memory.init_weights.0",  # the memory's initial weights
+        "model.blocks.0.attn.qk_log_scale",
+    ]
+    for key in dropped:
+        del weights[key]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    got = dict(loaded.named_parameters())
+    fresh = dict(TitansForCausalLM(TitansHFConfig.from_titans(model.config)).named_parameters())
+    for key in dropped:
+        assert torch.isfinite(got[key]).all(), key
+        if key.endswith(("norm_mix.weight", "to_gates.bias", "qk_log_scale")):  # constants at init
+            torch.testing.assert_close(got[key], fresh[key], msg=key)
+        else:  # random at init: the same distribution
+            assert got[key].std().item() == pytest.approx(fresh[key].std().item(), rel=0.3), key
+    for key, value in weights.items():  # the rest as saved
+        torch.testing.assert_close(got[key], value)
+    with torch.no_grad():
+        assert torch.isfinite(loaded(tokens(1, 13)).logits).all()
+
+
+def test_a_new_wrapper_keeps_titans_own_initialisation():
+    config = TitansHFConfig.from_titans(tiny_model("mac").config)
+    torch.manual_seed(3)
+    hf = TitansForCausalLM(config)
+    torch.manual_seed(3)
+    plain = TitansLM(hf.config.to_titans())
+    for (name, a), b in zip(hf.model.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 def test_generate_continues_a_saved_state(saved_dir, tmp_path):

@@ -160,10 +160,42 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: TitansHFConfig):
         super().__init__(config)
         self.model = TitansLM(config.to_titans())
+        if not next(self.model.parameters()).is_meta:  # initialised by TitansLM: `_init_weights` keeps them
+            for tensor in (*self.model.parameters(), *self.model.buffers()):
+                tensor._is_hf_initialized = True
         self.post_init()
 
     def _init_weights(self, module) -> None:
-        """Titans modules initialise themselves (TitansLM.reset_parameters and the memory's own init)."""
+        """Initialise ``module``'s own tensors that were not loaded (transformers calls it for those a
+        checkpoint lacks, or whose shape it changed: ``ignore_mismatched_sizes``) as a fresh TitansLM
+        initialises them: copied from one built for this config, so that every kind of tensor (projections,
+        norms, the memory's gates and initial weights, persistent tokens) gets its own initialisation."""
+        own = [
+            (name, t)
+            for name, t in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
+            if t is not None and not getattr(t, "_is_hf_initialized", False)
+        ]
+        if not own:
+            return
+        fresh = self.__dict__.get("_fresh_tensors")
+        if fresh is None:  # one fresh model per loading, dropped when `initialize_weights` ends
+            with torch.device("cpu"):
+                reference = TitansLM(self.config.to_titans())
+            fresh = {f"model.{k}": v for k, v in reference.state_dict().items()}
+            fresh.update({f"model.{k}": v for k, v in reference.named_buffers()})
+            self.__dict__["_fresh_tensors"] = fresh
+            self.__dict__["_module_names"] = {id(m): n for n, m in self.named_modules()}
+        prefix = self.__dict__["_module_names"][id(module)]
+        with torch.no_grad():
+            for name, tensor in own:
+                tensor.copy_(fresh[f"{prefix}.{name}" if prefix else name])
+
+    def initialize_weights(self) -> None:
+        try:
+            super().initialize_weights()
+        finally:
+            self.__dict__.pop("_fresh_tensors", None)
+            self.__dict__.pop("_module_names", None)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
