@@ -1,9 +1,11 @@
 """A session store for `titans serve` that keeps every session in this process's memory: `memory://`.
 
 Nothing survives a restart, so it suits tests and demos only; it shows what a store has to do. Importing
-this module registers the scheme; then
+this module registers the scheme, so the server is started from a Python process that imports it first
+(the ``titans`` command itself knows only the built-in schemes); from the repository root:
 
-    titans serve --checkpoint runs/main --store memory://  (with this module imported first)
+    PYTHONPATH=examples python -c "import sys, memory_store; from titans.cli import main; \
+        sys.exit(main(['serve', '--checkpoint', 'runs/main', '--store', 'memory://']))"
 
 or, from Python, ``open_store("memory://")``. docs/extending.md walks through it.
 """

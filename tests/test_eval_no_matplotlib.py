@@ -29,7 +29,9 @@ def test_titans_eval_niah_without_matplotlib_writes_json_and_exits_0(tmp_path):
     torch.manual_seed(0)
     run = tmp_path / "run"
     args = argparse.Namespace(tokenizer="bytes", lr=1e-3, seed=0)
-    save_task_model(run, TitansLM(cfg), ByteTokenizer(), args, {"steps_done": 1})
+    save_task_model(
+        run, TitansLM(cfg), ByteTokenizer(), args, {"steps_done": 1, "recipe": {"train_length": 64}}
+    )
     out = tmp_path / "out"
     cmd = [sys.executable, "-c", NO_MATPLOTLIB, "eval", "niah", "--checkpoint", str(run), "--lengths", "300"]
     cmd += ["--depths", "0.5", "--samples", "1", "--threads", "1", "--out", str(out), "--name", "n"]

@@ -58,6 +58,10 @@ def test_a_bias_written_as_one_class_runs_in_the_memory(examples):
     # gradients reach the layer's parameters through the new part
     whole.square().sum().backward()
     assert all(p.grad is not None and p.grad.isfinite().all() for p in half.parameters() if p.requires_grad)
+    # its field is checked as the built-in parts' are: NaN and inf filled the memory with NaN
+    for bad in (float("nan"), float("inf"), True, "abc", -1.0):
+        with pytest.raises(ValueError, match="ScaledL2Bias: c must be"):
+            example.ScaledL2Bias(bad)
     # a rule with the part round-trips through the config form, and a second class cannot take its kind
     rule = MemoryRule(bias=example.ScaledL2Bias(0.5))
     assert MemoryRule.from_dict(rule.to_dict()) == rule

@@ -412,6 +412,8 @@ def test_export_hf_command_writes_a_folder_pipeline_loads(tmp_path, capsys):
     assert main(["export-hf", "--checkpoint", str(run), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert str(out / "tokenizer.json") in printed and str(out / "model.safetensors") in printed
+    # both Auto classes read the config's auto_map: without the flag AutoTokenizer asks on a terminal
+    assert printed.count("from_pretrained(") == printed.count("trust_remote_code=True") == 2
     model, _, tok = load_model(run)
     pipe = transformers.pipeline("text-generation", model=str(out), trust_remote_code=True)
     got = pipe("The ", max_new_tokens=12, do_sample=False)[0]["generated_text"]

@@ -105,6 +105,9 @@ def test_greedy_flag_true_for_the_models_own_argmax_chain():
     stop = text[3:5]
     [cut] = lm.generate_until([req("generate_until", ("Once upon a time, ", {"until": [stop]}))])
     assert cut == text.split(stop)[0]
+    # max_gen_toks None (a task's generation_kwargs can say so): the default, as when it is absent
+    none = {"until": [stop], "max_gen_toks": None}
+    assert lm.generate_until([req("generate_until", ("Once upon a time, ", none))]) == [cut]
 
 
 def test_rolling_equals_full_sequence_loglikelihood():
@@ -289,7 +292,7 @@ def save_tiny_checkpoint(run: Path) -> TitansLM:
 
     model = tiny_model("lmm", seed=2, dtype=torch.float32)
     args = type("A", (), {"tokenizer": "bytes", "lr": 1e-3, "seed": 0})()
-    save_task_model(run, model, TOK, args, {"steps_done": 1})
+    save_task_model(run, model, TOK, args, {"steps_done": 1, "recipe": {"train_length": 64}})
     return model
 
 

@@ -6,7 +6,7 @@ Importing this package registers the "titans" model type with `AutoConfig` and `
     titans.hf.save_pretrained(model, "out/", tokenizer)             # weights, config, remote code, tokenizer
     hf_model = AutoModelForCausalLM.from_pretrained("out/")         # after `import titans.hf`
     hf_model = AutoModelForCausalLM.from_pretrained("out/", trust_remote_code=True)  # in any process
-    tok = AutoTokenizer.from_pretrained("out/")
+    tok = AutoTokenizer.from_pretrained("out/", trust_remote_code=True)  # it reads the config too
     ids = hf_model.generate(prompt, max_new_tokens=20, do_sample=False)
     hf_model = titans.hf.TitansForCausalLM.from_titans(model)       # wrap a TitansLM (shares its weights)
 

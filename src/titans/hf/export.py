@@ -5,7 +5,7 @@ save_pretrained`), the generation config (eos and pad ids from the tokenizer, `s
 id for bytes, each of which is text) and the tokenizer as a transformers fast tokenizer
 (`titans.hf.tokenization.to_hf_tokenizer`). From it:
 
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)   # it reads the config, remote code
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)   # or after `import titans.hf`
     pipeline("text-generation", model=path, trust_remote_code=True)("def ", max_new_tokens=20)
 """

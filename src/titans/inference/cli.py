@@ -253,7 +253,7 @@ def run_export_hf(args: argparse.Namespace) -> int:
     print(f"wrote {', '.join(str(f) for f in files)}")
     print(
         f"load with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True) and "
-        f"AutoTokenizer.from_pretrained({str(out)!r})"
+        f"AutoTokenizer.from_pretrained({str(out)!r}, trust_remote_code=True)"
     )
     return 0
 
