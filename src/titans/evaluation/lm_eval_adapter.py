@@ -295,7 +295,8 @@ class TitansEvalLM(LM):
     def _generate(self, context: str, kwargs: dict) -> str:
         until = kwargs.pop("until", None)
         until = [until] if isinstance(until, str) else list(until or [])
-        max_new = _int_arg("max_gen_toks", kwargs.pop("max_gen_toks", None)) or _DEFAULT_GEN_TOKENS  # None too
+        # absent or None (a task's generation_kwargs may say so): the default
+        max_new = _int_arg("max_gen_toks", kwargs.pop("max_gen_toks", None)) or _DEFAULT_GEN_TOKENS
         do_sample = bool(kwargs.pop("do_sample", False))
         temperature = float(kwargs.pop("temperature", 1.0 if do_sample else 0.0))
         top_k = kwargs.pop("top_k", None)
