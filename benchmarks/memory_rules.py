@@ -156,11 +156,13 @@ def lm(rules: list[str], rest: list[str], control: bool = False) -> tuple[list[d
     set_threads(args)
     args.base_overrides = model_overrides(args)
     args.task_time_budget = None if args.time_budget is None else 60.0 * args.time_budget
-    with run_root(args, "titans-rules-") as root:
-        rows = [ablation.run_row(args, name, {"memory_rule": name}, root) for name in rules]
+    samples = ablation.task_samples(args)
+    control_row = "titans, eta = 0"
+    with run_root(args, "titans-rules-", [*rules, *([control_row] if control else [])]) as root:
+        rows = [ablation.run_row(args, name, {"memory_rule": name}, root, samples) for name in rules]
         if control:
             overrides = {"memory_rule": "titans", "memory_momentum": False}
-            rows.append(ablation.run_row(args, "titans, eta = 0", overrides, root))
+            rows.append(ablation.run_row(args, control_row, overrides, root, samples))
     return rows, vars(args)
 
 

@@ -195,12 +195,16 @@ def test_a_lone_surrogate_in_a_jsonl_record_becomes_the_replacement_character(tm
 def test_a_utf16_text_file_with_a_byte_order_mark_reads_as_its_text(tmp_path, encoding):
     """Read as UTF-8, every other byte was a NUL: the byte tokenizer's document separator."""
     text = "Call me Ishmael. Ça va? \u2603\n"
-    (tmp_path / "a.txt").write_bytes(
-        ("\ufeff" if encoding != "utf-16" else "").encode(encoding) + text.encode(encoding)
-    )
+    mark = b"" if encoding == "utf-16" else "\ufeff".encode(encoding)  # "utf-16" writes its own
+    (tmp_path / "a.txt").write_bytes(mark + text.encode(encoding))
     (tmp_path / "b.txt").write_text(text, encoding="utf-8")
-    docs = {d.id: d.text for d in load_source(str(tmp_path)).documents()}
-    assert docs["a.txt"].lstrip("\ufeff") == docs["b.txt"] == text
+    (tmp_path / "empty.txt").write_bytes("".encode("utf-16"))  # a byte-order mark alone: no text
+    (tmp_path / "c.jsonl").write_bytes(mark + (json.dumps({"text": text}) + "\n").encode(encoding))
+    source = load_source(str(tmp_path))
+    docs = {d.id: d.text for d in source.documents()}
+    assert docs["a.txt"] == docs["b.txt"] == text
+    assert [d.text for d in load_source(str(tmp_path / "c.jsonl")).documents()] == [text]
+    assert "empty.txt" not in source.document_ids()  # it could have been the only held-out document
 
 
 def test_an_unusable_cache_folder_is_warned_about_and_skipped(tmp_path, caplog):

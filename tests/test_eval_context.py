@@ -252,7 +252,9 @@ def test_evaluate_context_scores_every_model_on_the_same_windows():
 
 
 # ------------------------------------------------------------------------------------------- the command
-def fresh_checkpoint(run_dir: Path, variant: str, tokenizer, train: dict | None = None, **model) -> Path:
+def fresh_checkpoint(
+    run_dir: Path, variant: str, tokenizer, train: dict | None = None, recipe: bool = False, **model
+) -> Path:
     """A freshly initialised tiny model saved as a run folder, as the trainer saves one (``train``: its
     TrainConfig fields besides the variant, the data and the tokenizer)."""
     torch.manual_seed(0)
@@ -263,6 +265,7 @@ def fresh_checkpoint(run_dir: Path, variant: str, tokenizer, train: dict | None 
         ).to_dict(),
         "model": m.config.to_dict(),
         "tokenizer": tokenizer_record(tokenizer.name, tokenizer),
+        **({"task_training": {"recipe": {"task": "niah"}}} if recipe else {}),  # as `save_task_model`
     }
     save_checkpoint(run_dir, 1, model_state=m.state_dict(), trainer_state={}, config=config)
     return run_dir
@@ -326,6 +329,15 @@ def test_a_compared_run_that_held_out_other_text_is_refused(trained_run, tmp_pat
     assert not (tmp_path / "c.json").exists()
     # on other text, every model is scored on the same tokens, none held out from anything
     assert titans_main([*args, "--data", "builtin:prose"]) == 0
+    # a model the task recipe trained has no held-out split, as a compared run or as the checkpoint
+    recipe = fresh_checkpoint(tmp_path / "recipe", "swa", ByteTokenizer(), recipe=True)
+    for pair in ([trained_run, recipe], [recipe, trained_run]):
+        argv = ["eval", "context", "--checkpoint", str(pair[0]), "--compare", str(pair[1])]
+        assert (
+            titans_main([*argv, "--length", "300", "--windows", "1", "--out", str(tmp_path / "r.json")]) == 2
+        )
+        err = capsys.readouterr().err
+        assert f"{str(recipe / 'checkpoints')}" in err and "trained by the task recipe" in err
 
 
 def test_cli_labels_name_the_models(trained_run, tmp_path, capsys):

@@ -129,25 +129,33 @@ def _read_text(path: Path) -> str:
             data = gzip.decompress(data)
         except _GZIP_ERRORS as e:
             raise _gzip_error(path, e) from None
-    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):  # a UTF-16 byte-order mark (Windows' "Unicode" text)
-        return data.decode("utf-16", errors="replace")  # as UTF-8, every other byte was a NUL
-    return data.decode("utf-8", errors="replace")
+    return data.decode(_encoding(data[:2]), errors="replace")
+
+
+_UTF16_MARKS = (b"\xff\xfe", b"\xfe\xff")  # the byte-order marks of Windows' "Unicode" text
+
+
+def _encoding(head: bytes) -> str:
+    """A text file's encoding from its first two bytes: UTF-16 after its byte-order mark (read as UTF-8,
+    every other byte was a NUL), else UTF-8."""
+    return "utf-16" if head in _UTF16_MARKS else "utf-8"
 
 
 def _has_text(path: Path) -> bool:
-    """Whether a file holds any text (a ``.gz`` file: any decompressed byte); a broken symlink holds none."""
+    """Whether a file holds any text (a ``.gz`` file: any decompressed byte; a lone UTF-16 byte-order
+    mark is none); a broken symlink holds none."""
     try:
         if path.stat().st_size == 0:
             return False
     except FileNotFoundError:
         return False
-    if path.suffix != ".gz":
-        return True
+    opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with gzip.open(path) as f:
-            return f.read(1) != b""
+        with opener(path, "rb") as f:
+            head = f.read(3)
     except _GZIP_ERRORS as e:
         raise _gzip_error(path, e) from None
+    return head != b"" and head not in _UTF16_MARKS
 
 
 def _valid_text(text: str) -> str:
@@ -243,7 +251,12 @@ class JsonlSource(TextSource):
 
     def _lines(self) -> Iterator[tuple[int, str]]:
         opener = gzip.open if self.path.suffix == ".gz" else open
-        with opener(self.path, "rt", encoding="utf-8", errors="replace") as f:
+        try:
+            with opener(self.path, "rb") as raw:
+                encoding = _encoding(raw.read(2))
+        except _GZIP_ERRORS as e:
+            raise _gzip_error(self.path, e) from None
+        with opener(self.path, "rt", encoding=encoding, errors="replace") as f:
             try:
                 for lineno, line in enumerate(f, 1):
                     if line.strip():

@@ -25,9 +25,10 @@ encodes, counting each separator as one byte. For the byte tokenizer this equals
 Cache: with ``cache=True`` the arrays are stored under ``cache_dir/tokens/<name>-<key>/`` (``train.npy``,
 ``heldout.npy``, ``meta.json``), where the key hashes the source fingerprint, the tokenizer fingerprint,
 the split settings and the format version (a file's fingerprint is its ``file_stamp``: size, modification
-and change times, inode); a second run memory-maps them, checked against their recorded digests. Entries
-are written to a temp folder and renamed into place, so a crash never leaves a half-written entry; a
-damaged entry is rebuilt.
+and change times, inode); a second run memory-maps them. An array whose file's stamp changed since it was
+written is checked against its recorded digest (an untouched 1 GB entry is not hashed on every load).
+Entries are written to a temp folder and renamed into place, so a crash never leaves a half-written entry;
+a damaged entry is rebuilt.
 A cache folder that cannot be written (read-only, no space, a file in its place) is warned about, and the
 run goes on without it.
 ``default_cache_dir()`` is ``$TITANS_CACHE_DIR``, else ``$XDG_CACHE_HOME/titans``, else ``~/.cache/titans``.
@@ -55,7 +56,7 @@ from typing import NamedTuple
 import numpy as np
 
 from titans._fs import ordinary_mode
-from titans.data.sources import TextSource, load_source
+from titans.data.sources import TextSource, file_stamp, load_source
 from titans.data.split import DEFAULT_SALT, split_documents, split_tail
 from titans.data.tokenizers import ByteTokenizer, Tokenizer
 
@@ -225,9 +226,14 @@ def _read_cache(entry: Path, tokenizer_name: str, spec: str) -> TokenStreams | N
             tokens = np.load(entry / f"{name}.npy", mmap_mode="r")
             if tokens.shape != (info["n_tokens"],):
                 raise ValueError(f"{name}.npy has shape {tokens.shape}, meta.json says {info['n_tokens']}")
-            digest = token_digest(tokens)  # a damaged array of the right shape is found here
-            if info.get("digest", digest) != digest:  # (entries written before digests have none)
-                raise ValueError(f"{name}.npy does not match the digest meta.json records")
+            digest = info.get("digest")
+            # an array changed since it was written (its file stamp differs) is hashed: one damaged but of
+            # the right shape is found; an untouched one is not read whole (seconds a GB, on every load)
+            if not digest or info.get("stamp") != file_stamp(entry / f"{name}.npy"):
+                found = token_digest(tokens)
+                if digest and found != digest:
+                    raise ValueError(f"{name}.npy does not match the digest meta.json records")
+                digest = found
             streams[name] = (tokens, int(info["n_bytes"]), tuple(info["document_ids"]), digest)
         return _streams(streams, spec, tokenizer_name)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -260,6 +266,7 @@ def _write_cache(entry: Path, built: dict, meta: dict, replace_damaged: bool) ->
                 "n_bytes": n_bytes,
                 "document_ids": ids,
                 "digest": digest,
+                "stamp": file_stamp(tmp / f"{name}.npy"),  # moving the folder into place keeps it
             }
         (tmp / "meta.json").write_text(json.dumps(meta))
         if replace_damaged:

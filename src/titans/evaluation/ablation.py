@@ -94,6 +94,16 @@ def run_row(
     return record
 
 
+def task_samples(args: argparse.Namespace) -> list | None:
+    """The NIAH samples every row is evaluated on (None without a task stage), drawn, and the recipe's
+    length checked, before any row trains: a length or depth they refuse ends the study at once."""
+    if args.steps <= 0:
+        return None
+    tokenizer = load_tokenizer(args.tokenizer)
+    check_train_length(tokenizer, task_config(args, "niah", kind="passkey", haystack=None))
+    return niah_samples(tokenizer, args, args.eval_lengths)
+
+
 def format_rows(rows: list[dict], eval_lengths: list[int]) -> str:
     head = ["row", "params", "heldout loss", "NIAH all"] + [f"NIAH@{n}" for n in eval_lengths]
     lines = [head]
@@ -158,11 +168,7 @@ def run_ablate(args: argparse.Namespace) -> int:
         raise ValueError("nothing to train: set --lm-steps and/or --task-steps above 0")
     args.base_overrides = model_overrides(args)
     args.task_time_budget = None if args.time_budget is None else 60.0 * args.time_budget
-    samples = None
-    if args.steps > 0:  # the rows' common samples, and the recipe's length, checked before any row trains
-        tokenizer = load_tokenizer(args.tokenizer)
-        check_train_length(tokenizer, task_config(args, "niah", kind="passkey", haystack=None))
-        samples = niah_samples(tokenizer, args, args.eval_lengths)
+    samples = task_samples(args)
     with run_root(args, "titans-ablate-", args.rows) as root:
         rows = [run_row(args, name, ABLATIONS[name], root, samples) for name in args.rows]
     title = f"ablation of {args.variant} ({args.preset}): {args.lm_steps} LM steps, {args.steps} NIAH steps"

@@ -571,7 +571,6 @@ def _load_windows(
     """The windows ``--data`` / ``--per-document`` ask for, and a description of the text. Without
     ``--data``, ``checkpoint``'s held-out split, checked against its record of its data (`heldout_split`)."""
     if args.data is None:  # the checkpoint's held-out split, as `titans eval ppl` scores it
-        check_has_heldout_split(checkpoint)
         data_state = checkpoint.trainer_state.get("data") or {}
         # built (cached) also for --per-document: it checks the split is still the run's
         stream, change = heldout_split(cfg, tokenizer, data_state, allow_changed=args.allow_changed_data)
@@ -599,6 +598,8 @@ def run_context(args: argparse.Namespace) -> int:
     check_writable(out)
     model, cfg, tokenizer = load_model(loaded, map_location=args.device)
     compares: list[tuple[str, Checkpoint]] = []  # all checked before any scoring
+    if args.data is None:
+        check_has_heldout_split(loaded)
     for run in args.compare or []:
         other = load_checkpoint_from(run)
         other_tokenizer = _saved_tokenizer(other)
@@ -608,6 +609,7 @@ def run_context(args: argparse.Namespace) -> int:
                 f"with {_describe(tokenizer)}: losses over different tokens cannot be compared"
             )
         if args.data is None:  # each is scored on the --checkpoint's held-out split: none trained on it
+            check_has_heldout_split(other)
             mismatch = _other_heldout(cfg, loaded, other)
             if mismatch:
                 raise ValueError(

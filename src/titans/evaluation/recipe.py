@@ -191,7 +191,7 @@ def save_task_model(
         variant=cfg.variant,
         model={k: v for k, v in cfg.to_dict().items() if k not in ("name", "variant")},
         tokenizer=args.tokenizer,
-        seq_len=summary["recipe"]["train_length"],  # its longest training prompt (`eval context` marks it)
+        seq_len=summary["recipe"]["train_length"],  # the length it trained up to (`eval context` marks it)
         steps=max(1, summary["steps_done"]),
         lr=args.lr,
         seed=args.seed,
