@@ -58,6 +58,11 @@ def test_read_fasta_plain_and_gzip(tmp_path, gz):
     recs = read_fasta(path)
     assert [r.name for r in recs] == ["chr1 first record", "chr2"]
     assert recs[0].sequence == "ACGTNACGTNACG" and recs[1].sequence == "TTTTGGGGCCCCAAAA"
+    # a UTF-8 byte-order mark (Windows editors write one) was read as text before the first header
+    marked = tmp_path / ("m.fa.gz" if gz else "m.fa")
+    data = "\ufeff".encode() + FASTA.encode()
+    marked.write_bytes(gzip.compress(data) if gz else data)
+    assert read_fasta(marked) == recs
 
 
 def test_fasta_bad_input(tmp_path):
@@ -478,6 +483,15 @@ def test_dna_study_refuses_too_few_records(tmp_path, capsys, n):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     want = "the DNA study needs at least 9 FASTA records (every 5th is a test record, every 8th of the rest"
     assert err == f"titans dna study: error: {want} a validation record), got {n}"
+
+
+def test_dna_study_refuses_a_variant_given_twice(tmp_path, capsys):
+    """It trained twice, kept one row, and --resume never matched the study again."""
+    from titans.cli import main
+
+    argv = ["dna", "study", "--variants", "swa,swa", "--fasta", str(tmp_path / "none.fa")]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    assert "--variants has duplicates: ['swa', 'swa']" in capsys.readouterr().err
 
 
 def test_study_refuses_a_test_split_left_empty_by_repeats(monkeypatch):

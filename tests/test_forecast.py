@@ -476,6 +476,34 @@ def test_study_strips_series_entries_and_checks_them_all_before_training(tmp_pat
     assert json.loads((tmp_path / "out2" / "ecl.json").read_text())["source"] == str(one)
 
 
+@pytest.mark.parametrize(
+    "options, want",
+    [
+        (["--models", "linear,linear"], "--models has duplicates: ['linear', 'linear']"),
+        (["--horizons", "5,5"], "--horizons has duplicates: [5, 5]"),
+        (["--models", "linear,seasonal-naive", "--lookback", "12"], "period must be in 1..lookback (12)"),
+        (["--models", "linear,patchtst", "--dim", "30"], "dim (30) must be divisible by heads"),
+    ],
+)
+def test_study_refuses_repeats_and_bad_model_options_before_training(
+    tmp_path, capsys, monkeypatch, options, want
+):
+    """A repeat trained twice and then failed the aggregate; a model's bad option was found when its turn
+    came, after the models before it had trained, and no JSON was written."""
+    from titans.cli import main
+    from titans.forecast import cli as forecast_cli
+
+    def no_training(*a, **k):
+        raise AssertionError("trained before every model was checked")
+
+    monkeypatch.setattr(forecast_cli, "train_forecaster", no_training)
+    series = _write_csv(tmp_path / "ecl.csv", 300, ["x"])
+    argv = ["forecast", "study", "--series", str(series), "--models", "linear", "--horizons", "5"]
+    argv += ["--lookback", "24", "--no-progress", "--out", str(tmp_path / "out"), *options]
+    assert main(argv) == 2
+    assert want in capsys.readouterr().err
+
+
 def _sigterm_at_step(monkeypatch, at: int) -> list[int]:
     """Make every forecaster's training send this process a SIGTERM after step ``at`` (inside the loop,
     where train_forecaster(handle_signals=True) has the handler installed); the steps seen."""
@@ -649,6 +677,8 @@ def test_seed_aggregate_refuses_runs_on_other_data_or_splits():
         "borders": ([[0, 10080], [9984, 11520], [11424, 14400]], r"borders: \[\[0, 8640\]"),
         "steps_total": (14000, "steps_total: 14400 vs 14000"),
         "channels": (["a"], r"channels: \['a', 'b'\] vs \['a'\]"),
+        # the same file, shape and borders, other values: it was averaged without a word
+        "values_sha256": ("f" * 64, "values_sha256: None vs 'fff"),
     }
     for field, (value, want) in other.items():
         with pytest.raises(

@@ -35,7 +35,7 @@ from titans.dna.study import (
 from titans.dna.tasks import ClassificationSet, encode_records
 from titans.models.config import VARIANTS
 from titans.runtime.device import set_cpu_threads
-from titans.validation import did_you_mean, path_arg, seed_arg, seed_list
+from titans.validation import check_distinct, did_you_mean, path_arg, seed_arg, seed_list
 
 
 def _budget(args) -> DNABudget:
@@ -78,6 +78,7 @@ def cmd_study(args) -> int:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not variants:  # ran no model and wrote an empty study over any earlier one
         raise ValueError(f"--variants: expected at least one variant, got {args.variants!r}")
+    check_distinct("--variants", variants)  # one row per variant: a repeat trained twice, kept once
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise ValueError(

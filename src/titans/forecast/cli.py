@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 
 from titans.data.series import load_series, split_series
-from titans.forecast.model import FORECAST_MODELS, build_forecaster
+from titans.forecast.model import FORECAST_MODELS
 from titans.forecast.seeds import aggregate_studies, aggregate_table, plot_aggregate
 from titans.forecast.train import (
     ForecastRun,
     evaluate,
+    forecaster_for,
     plot_forecasts,
     run_record,
     series_digest,
@@ -33,7 +34,7 @@ from titans.forecast.train import (
 )
 from titans.runtime.device import set_cpu_threads
 from titans.training.signals import exit_status
-from titans.validation import did_you_mean, path_arg, seed_arg, seed_list
+from titans.validation import check_distinct, did_you_mean, path_arg, seed_arg, seed_list
 
 HORIZONS = (96, 192, 336, 720)
 
@@ -141,18 +142,7 @@ def cmd_eval(args) -> int:
             f"--run {args.run!r}: the series {rec['series_spec']!r} is not the one this model was trained on "
             f"({'; '.join(changed)}); its test scores are in result.json"
         )
-    model = build_forecaster(
-        run.model,
-        lookback=rec["lookback"],
-        horizon=run.horizon,
-        channels=len(series.channels),
-        dim=run.dim,
-        depth=run.depth,
-        heads=run.heads,
-        revin=run.revin,
-        period=run.period,
-        seed=run.seed,
-    )
+    model = forecaster_for(split, run)
     model.load_state_dict(saved["state_dict"])
     m = evaluate(model, split.windows(run.horizon)[2])
     print(json.dumps({"series": series.name, "model": run.model, "horizon": run.horizon, **m}, indent=2))
@@ -276,17 +266,29 @@ def _aggregate(paths: list[Path], out: Path) -> list[Path]:
     return written
 
 
+def _check_models(args, splits: list, models: list[str], horizons: list[int]) -> None:
+    """Every model built once for every series and horizon before any trains: options a model refuses (a
+    seasonal period past the lookback, heads that do not divide dim) end the study at once, not after the
+    models before it trained."""
+    for split in splits:
+        for h in horizons:
+            for m in models:
+                forecaster_for(split, _run(args, m, h))
+
+
 def cmd_study(args) -> int:
     out = Path(args.out)
-    _models(args.models)  # a bad model or horizon is refused before any series is read
-    _ints(args.horizons)
+    models, horizons = _models(args.models), _ints(args.horizons)  # refused before any series is read
+    check_distinct("--models", models)  # a run given twice trained twice, then the aggregate refused it
+    check_distinct("--horizons", horizons)
+    if args.seeds is not None and args.seed is not None:
+        raise ValueError("give --seed or --seeds, not both")
+    splits = _study_splits(args)
+    _check_models(args, splits, models, horizons)
     if args.seeds is None:
-        written, signum = _study(args, out, _study_splits(args))
+        written, signum = _study(args, out, splits)
     else:
-        seeds = args.seeds
-        if args.seed is not None:
-            raise ValueError("give --seed or --seeds, not both")
-        splits, written = _study_splits(args), []
+        seeds, written = args.seeds, []
         for seed in seeds:
             args.seed = seed
             files, signum = _study(args, out / f"seed{seed}", splits)

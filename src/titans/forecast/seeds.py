@@ -5,7 +5,7 @@
 
 Each input is the JSON ``titans forecast study`` writes for one series and one seed. Every seed must be
 the same study but for the seed (same series, lookback, models, horizons and budget, and the same data:
-source, channels, length, split protocol and borders, ``DATA_FIELDS``) and no run may
+source, channels, length, split protocol, borders and values, ``DATA_FIELDS``) and no run may
 appear twice, so a mean never mixes settings or counts one run twice; the inputs of one seed with
 disjoint runs (horizons 96 and 720 in one study, 192 and 336 in another) are merged into one study.
 Per (series, lookback, horizon, model) the aggregate holds, for the test MSE and MAE, the per-seed
@@ -67,7 +67,8 @@ def _check(doc: object, where: str) -> None:
         keys.add(key)
 
 
-DATA_FIELDS = ("source", "channels", "steps_total", "protocol", "borders")  # a run's data and split
+# a run's data and split (a record from before `values_sha256` has None there)
+DATA_FIELDS = ("source", "channels", "steps_total", "protocol", "borders", "values_sha256")
 
 
 def _data_of(doc: dict, where: str) -> dict:
