@@ -271,6 +271,26 @@ def test_incremental_decoder_emits_complete_characters():
     assert "".join([broken.push(b) for b in [104, 0xE2, 0x82]] + [broken.finish()]) == "h\ufffd"
 
 
+def test_a_continuation_keeps_the_space_a_sentencepiece_word_carries():
+    """Decoded alone, a SentencePiece continuation drops the space its first word's "▁" stands for:
+    `titans generate` printed "Call medetailed" and the server answered "detailed" after "Call me"."""
+    pytest.importorskip("mistral_common", reason="the tokenizers extra is not installed")
+    from titans.data.tokenizers import ByteTokenizer, load_tokenizer
+    from titans.inference.generation import IncrementalDecoder, continuation_text
+
+    for tok in (load_tokenizer("mistral-32k"), ByteTokenizer()):
+        prompt, rest = (
+            tok.encode("Call me"),
+            tok.encode("Call me Ishmael, said he.")[len(tok.encode("Call me")) :],
+        )
+        want = tok.decode(prompt + rest)[len(tok.decode(prompt)) :]
+        assert want.startswith(" Ishmael")
+        assert continuation_text(tok, prompt, rest) == want
+        decoder = IncrementalDecoder(tok, context=prompt)
+        assert "".join(decoder.push(t) for t in rest) + decoder.finish() == want
+    assert not load_tokenizer("mistral-32k").decode(rest).startswith(" ")  # what it was before
+
+
 def test_generate_streams_pieces_as_they_are_generated(monkeypatch):
     from tiny_lm import tiny_model
     from titans.data.tokenizers import ByteTokenizer

@@ -87,6 +87,19 @@ def test_a_missing_file_reads_as_such(tmp_path, capsys):
             "--seed must be in [0, 2**64)",
         ),
         (["generate", "--checkpoint", "nowhere", "--prompt", "a", "--save-state", "."], "is a folder"),
+        # found only after the whole text was read (a minute here), naming a file of its path
+        (
+            [
+                "read",
+                "--checkpoint",
+                "nowhere",
+                "--input",
+                "-",
+                "--save-state",
+                "/proc/version/s.safetensors",
+            ],
+            "not a directory: '/proc/version'",
+        ),
         (
             ["generate", "--checkpoint=nowhere", "--prompt=a", "--compile=cuda_graph", "--device=cpu"],
             "--compile cuda_graph needs a CUDA device, this run is on cpu",

@@ -300,6 +300,15 @@ def test_refusals():
         _, state = _model("transformer")(torch.zeros(1, 3, dtype=torch.long))
         with pytest.raises(ValueError, match="full causal attention"):
             StaticDecoder(_model("transformer"), state, mode="eager")
+        # generate refuses it before the prompt is read, whatever max_new_tokens (0 and 1 built no
+        # decoder and ran eagerly; 2 read the whole prompt first)
+        read = []
+        transformer = _model("transformer")
+        transformer.forward = lambda *a, **k: read.append(1)
+        for n in (0, 1, 2):
+            with pytest.raises(ValueError, match="generate: full causal attention"):
+                generate(transformer, torch.zeros(1, 3, dtype=torch.long), n, compiled=True)
+        assert not read
         model = _model("lmm")
         _, state = model(torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="mode must be one of"):

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 
+from titans._fs import check_writable
 from titans.inference.generation import IncrementalDecoder, generate
+from titans.models.decode_graph import check_static_decoding
 from titans.models.lm import TitansLM
 from titans.models.state import TitansState, load_state, read_state_header, save_state, state_nbytes
 from titans.models.streaming import prefill
@@ -82,9 +84,11 @@ def read_text_blocks(path: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> Itera
 
 
 def check_save_state(path: str) -> None:
-    """Refuse a --save-state that names a folder before any work (the write would fail only at the end)."""
+    """Refuse a --save-state that could not be written (a folder, a file where its folder should be, no
+    permission) before any work: the write comes only after the whole text was read."""
     if Path(path).is_dir():
         raise ValueError(f"--save-state {path!r} is a folder; give a file name (e.g. state.safetensors)")
+    check_writable(path)
 
 
 def weights_id(checkpoint: Checkpoint) -> str | None:
@@ -190,6 +194,8 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--compile cuda_graph needs a CUDA device, this run is on {device}")
     checkpoint = checkpoint_of(args.checkpoint)
     model, tokenizer = load_trained(checkpoint, map_location=device)
+    if args.compile:  # before the prompt is printed
+        check_static_decoding(model, "--compile")
     state = load_continued_state(args.state, checkpoint, model, device) if args.state else None
     ids = tokenizer.encode(args.prompt)
     if not ids:
@@ -206,7 +212,7 @@ def run_generate(args: argparse.Namespace) -> int:
         if args.num_samples > 1:
             print(f"--- sample {i + 1}")
         print(args.prompt, end="", flush=True)
-        decoder = IncrementalDecoder(tokenizer)
+        decoder = IncrementalDecoder(tokenizer, context=ids)  # continues the prompt printed above
 
         def show(token: torch.Tensor, decoder: IncrementalDecoder = decoder) -> None:
             if int(token[0]) != stop:  # the end-of-text token ends the sample unprinted

@@ -21,6 +21,7 @@ The decoding loop lives in `titans.models.streaming` (`TitansLM.generate` is the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from titans.models.streaming import decode_step, generate, sample_next
@@ -28,6 +29,18 @@ from titans.models.streaming import decode_step, generate, sample_next
 
 class _Decodes(Protocol):
     def decode(self, ids: list[int]) -> str: ...
+
+
+CONTEXT_TOKENS = 4  # the context's last tokens a continuation is decoded after
+
+
+def continuation_text(tokenizer: _Decodes, context: Sequence[int], ids: Sequence[int]) -> str:
+    """The text ``ids`` add after ``context`` (the prompt): decoded after the context's last tokens. Decoded
+    alone, a SentencePiece continuation loses the space before its first word (its "▁" starts the text)."""
+    tail = [int(i) for i in list(context)[-CONTEXT_TOKENS:]]
+    before = tokenizer.decode(tail)
+    after = tokenizer.decode(tail + [int(i) for i in ids])
+    return after[len(before) :] if after.startswith(before) else tokenizer.decode([int(i) for i in ids])
 
 
 class IncrementalDecoder:
@@ -38,14 +51,16 @@ class IncrementalDecoder:
 
     Each piece is decoded together with the tokens of the piece before it, so a tokenizer that decodes a
     word's leading space or a multi-byte character from context gets it right; text that ends in U+FFFD
-    (an incomplete UTF-8 sequence) is held back until a later token completes it.
+    (an incomplete UTF-8 sequence) is held back until a later token completes it. ``context``: the ids
+    the text continues (the prompt, already shown): the first piece is decoded after its last tokens, so
+    that a SentencePiece tokenizer keeps the space its first word's "▁" stands for.
     """
 
-    def __init__(self, tokenizer: _Decodes):
+    def __init__(self, tokenizer: _Decodes, context: Sequence[int] = ()):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self.ids: list[int] = [int(i) for i in list(context)[-CONTEXT_TOKENS:]]
         self._prefix = 0  # ids[_prefix:_read] were emitted with the piece before the last one
-        self._read = 0  # ids[:_read] have been emitted
+        self._read = len(self.ids)  # ids[:_read] have been emitted (or shown before: the context)
 
     def push(self, token_id: int) -> str:
         self.ids.append(int(token_id))
@@ -64,4 +79,4 @@ class IncrementalDecoder:
         return text[len(done) :]
 
 
-__all__ = ["IncrementalDecoder", "decode_step", "generate", "sample_next"]
+__all__ = ["IncrementalDecoder", "continuation_text", "decode_step", "generate", "sample_next"]

@@ -701,6 +701,16 @@ def _pool(model: nn.Module) -> DecoderPool:
     return model.__dict__.setdefault("_static_decoders", DecoderPool())  # a plain attribute
 
 
+def check_static_decoding(model: nn.Module, who: str) -> None:
+    """Refuse a model whose state no fixed buffers hold, before any work (``StaticDecoder`` would refuse
+    it only once built, after the prompt was read)."""
+    if model.config.spec.quadratic:
+        raise ValueError(
+            f"{who}: full causal attention (variant {model.config.variant!r}) has a KV cache that grows with "
+            "the context; only windowed attention decodes with fixed buffers: decode it without compiling"
+        )
+
+
 def decode_cycle(model: nn.Module) -> int:
     """Tokens after which the phases repeat (the lcm of the memories' chunk sizes and, in MAC, the
     segment length): decoding this many consecutive tokens runs every step the decoder has."""
@@ -732,4 +742,12 @@ def _state_batch(state: TitansState) -> int:
     return sizes.pop()
 
 
-__all__ = ["MODES", "DecoderPool", "StaticDecoder", "checkout", "decode_cycle", "state_dtypes"]
+__all__ = [
+    "MODES",
+    "DecoderPool",
+    "StaticDecoder",
+    "check_static_decoding",
+    "checkout",
+    "decode_cycle",
+    "state_dtypes",
+]

@@ -311,8 +311,11 @@ def save_state(state: TitansState, path: str | Path, *, weights: str | None = No
     tensors, metadata = _file_contents(state, f"save_state: refusing to write {str(given)!r}")
     if weights is not None:
         metadata["titans.weights"] = str(weights)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:  # a failure here names `path`, not a hidden temporary file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise _write_failure(e, path) from e
     os.close(fd)
     try:
         save_safetensors(tensors, tmp, metadata)

@@ -421,7 +421,12 @@ def generate(
     max_new_tokens = int(max_new_tokens)
     vocab = model.config.vocab_size
     temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
-    from titans.models.decode_graph import GUARDS, MODES, checkout  # same layer; it imports the blocks
+    from titans.models.decode_graph import (  # same layer; it imports the blocks
+        GUARDS,
+        MODES,
+        check_static_decoding,
+        checkout,
+    )
 
     if not (isinstance(compiled, bool) or (isinstance(compiled, str) and compiled in MODES)):
         raise ValueError(f"generate: compiled must be False, True or one of {MODES}, got {compiled!r}")
@@ -430,6 +435,8 @@ def generate(
     device = next(model.parameters()).device
     if compiled == "cuda_graph" and device.type != "cuda":  # as StaticDecoder does, whatever max_new_tokens
         raise ValueError(f"generate: compiled='cuda_graph' needs a CUDA model, this one is on {device}")
+    if compiled:  # also before the prompt is read, whatever max_new_tokens
+        check_static_decoding(model, "generate")
     check_token_dtype(prompt, "generate", "prompt")
     prompt = prompt.to(device=device, dtype=torch.int64)
     stops = _stop_tensor(stop_tokens, vocab, device)

@@ -52,7 +52,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
@@ -66,6 +66,7 @@ from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from titans.inference.generation import continuation_text
 from titans.inference.session import MemorySession, SessionFormatError
 from titans.models.decode_graph import decode_cycle
 from titans.models.state import StateFileError
@@ -1386,8 +1387,11 @@ def add_session_routes(
             sent = True
             loop.call_soon_threadsafe(events.put_nowait, ("token", token))
 
+        prompt: list[int] = []  # its ids, once read (before the first token): the text continues them
+
         def work() -> dict[str, Any]:
             ids = service.tokens(body.prompt, "prompt")
+            prompt[:] = ids
 
             def op(session: MemorySession) -> dict[str, Any]:
                 if sent:
@@ -1426,7 +1430,7 @@ def add_session_routes(
         if kind == STREAM_CUT:
             raise ApiError(503, _STREAM_CUT_DETAIL, {"Retry-After": "1"})
         return StreamingResponse(
-            _sse(engine, body.stop_at_eos, (kind, first), events, service.streams),
+            _sse(engine, body.stop_at_eos, (kind, first), events, service.streams, context=prompt),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
@@ -1455,12 +1459,14 @@ async def _sse(
     first: tuple[str, Any],
     events: asyncio.Queue,
     streams: set[asyncio.Queue] | None = None,
+    context: Sequence[int] = (),
 ):
     """Server-sent events: ``token`` ({"id", "text"}: the text it adds), then ``done`` (the generate
     route's answer, once the session is stored) or ``error`` ({"status", "detail"}). The token texts add
     up to done's text: a token that adds no text yet (a character still incomplete, or the end-of-text
     token) is sent when the next one comes, and the last such one carries the rest of the answer (the
-    text ended mid-character). `events` is taken out of `streams` once the last event is sent."""
+    text ended mid-character). `events` is taken out of `streams` once the last event is sent. `context`:
+    the prompt's ids, which the text continues (`continuation_text`)."""
     ids: list[int] = []
     text = ""
     held: int | None = None  # the last token, sent with "" or with the answer's rest
@@ -1473,7 +1479,7 @@ async def _sse(
                 ids.append(value)
                 piece = ""
                 if value != eos:
-                    decoded = engine.tokenizer.decode([t for t in ids if t != eos])
+                    decoded = continuation_text(engine.tokenizer, context, [t for t in ids if t != eos])
                     if not decoded.endswith("\ufffd"):  # a character still incomplete waits for its bytes
                         piece, text = decoded[len(text) :], decoded
                 if held is not None:

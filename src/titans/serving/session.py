@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from titans.data.tokenizers import Tokenizer
+from titans.inference.generation import continuation_text
 from titans.inference.session import DEFAULT_GUARD_MAX_RISE, SESSION_MAGIC, MemorySession
 from titans.layers.memory import MemoryStats
 from titans.models.decode_graph import MODES, StaticDecoder
@@ -277,7 +278,8 @@ def generate_json(
         compiled=engine.decode_graph or False,
     )
     new = out[0, len(ids) :].tolist()
-    text = engine.tokenizer.decode(new[:-1] if eos is not None and new and new[-1] == eos else new)
+    new_text = new[:-1] if eos is not None and new and new[-1] == eos else new
+    text = continuation_text(engine.tokenizer, ids, new_text)  # as it continues the prompt
     guard = next((e for e in session.events[events:] if e.kind == "guard"), None)
     return {"text": text, "prompt_tokens": len(ids), "new_tokens": len(new), **_course(session, guard)}
 
