@@ -344,6 +344,29 @@ def test_a_write_error_that_is_not_a_full_disk_is_named_as_such(tmp_path, monkey
     assert os.listdir(tmp_path / "checkpoints") == []
 
 
+def test_a_failed_write_inside_torch_save_keeps_its_os_error(tmp_path):
+    """torch's zip writer reported it as its own assertion ("inline_container.cc ... unexpected pos"),
+    without the errno: a used-up quota or a file-size limit read as a mystery. A file-size limit
+    (RLIMIT_FSIZE, in a child process) makes the write fail as a quota would."""
+    script = f"""
+import resource, torch
+from titans.runtime.checkpoint import save_checkpoint
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # model.safetensors fits, trainer.pt not
+try:
+    save_checkpoint({str(tmp_path)!r}, 1, model_state={{"w": torch.ones(3)}},
+                    trainer_state={{"x": torch.zeros(1 << 20)}}, config={{}})
+except Exception as e:
+    print(type(e).__name__, e.errno, e)
+"""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.stdout.startswith(f"CheckpointWriteError {errno.EFBIG} "), done.stdout + done.stderr
+    assert "File too large" in done.stdout and "unexpected pos" not in done.stdout
+    assert os.listdir(tmp_path / "checkpoints") == []
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 256 KiB tmpfs (needs root and mount; skipped where either is missing)."""

@@ -107,6 +107,10 @@ def test_resume_refuses_fewer_steps_than_done(tmp_path, cache_dir):
         Trainer(micro_config(tmp_path, cache_dir, steps=1), resume=True)
     assert json.loads((tmp_path / "config.json").read_text())["steps"] == 2
     assert Trainer(micro_config(tmp_path, cache_dir, steps=2), resume=True).step == 2
+    # resumed, the finished run evaluates again but logs its evaluation at step 2 once (it was logged twice)
+    Trainer(micro_config(tmp_path, cache_dir, steps=2, tensorboard=True), resume=True).train()
+    evals = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["split"] == "eval"]
+    assert evals == [2]
 
 
 def test_a_changed_tokenizer_file_is_refused_on_resume_and_replaced_by_the_copy_on_load(tmp_path, cache_dir):
@@ -475,6 +479,19 @@ def test_compare_refuses_configs_whose_models_differ(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "differs from" in err and "['model']" in err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_compare_refuses_a_later_configs_used_run_dir_before_training(tmp_path, capsys):
+    """Only the config whose turn came was checked: the ones before it trained to the end first."""
+    paths = []
+    for name in ("a", "b"):
+        config = {"variant": "mac" if name == "a" else "swa", "run_dir": str(tmp_path / name), "steps": 1}
+        (tmp_path / f"{name}.json").write_text(json.dumps(config))
+        paths.append(str(tmp_path / f"{name}.json"))
+    (tmp_path / "b" / "checkpoints" / "step_00000001").mkdir(parents=True)
+    assert titans_main(["train", "--compare", *paths]) == 2
+    assert f"run_dir {str(tmp_path / 'b')!r} already holds checkpoints" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
 
 
 def test_load_model_reproduces_the_trained_model(tmp_path, cache_dir):

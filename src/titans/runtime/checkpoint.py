@@ -83,6 +83,25 @@ class CheckpointWriteError(OSError, CheckpointError):
 _DISK_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
+class _KeepWriteError:
+    """A file for ``torch.save`` that keeps the OSError of a write that failed: torch's zip writer reports
+    it as a failed assertion of its own ("inline_container.cc ... unexpected pos"), without the errno that
+    tells a full disk (ENOSPC), a used-up quota (EDQUOT) or a file-size limit (EFBIG) apart."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def _write_failure(e: BaseException, where: Path) -> CheckpointWriteError:
     """Why writing into ``where`` failed, in words. safetensors reports the OS error inside its own
     exception's text, and torch.save's zip writer can report a full disk as a failed assertion of its
@@ -285,7 +304,11 @@ def save_checkpoint(
     try:
         save_safetensors(tensors, tmp / MODEL_FILE, {"format": "pt", _ALIASES_KEY: json.dumps(aliases)})
         with open(tmp / TRAINER_FILE, "wb") as f:
-            torch.save(_numpy_free(trainer_state), f)
+            writer = _KeepWriteError(f)
+            try:
+                torch.save(_numpy_free(trainer_state), writer)
+            except RuntimeError as e:  # its own assertion, "unexpected pos": the OS error says why
+                raise (writer.error or e) from e
         files = {}
         for name in (MODEL_FILE, TRAINER_FILE):
             ordinary_mode(tmp / name)  # safetensors writes its file private (0600)

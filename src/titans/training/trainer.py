@@ -113,6 +113,16 @@ class TrainResult:
         return d
 
 
+def check_fresh_run_dir(run_dir: str | Path) -> None:
+    """Refuse a run folder that holds an earlier run's checkpoints (FileExistsError saying what to pass)."""
+    existing = list_checkpoints(run_dir)
+    if existing:
+        raise FileExistsError(
+            f"run_dir {str(run_dir)!r} already holds checkpoints (newest {existing[-1].name}): "
+            "pass --resume to continue that run, --overwrite to start it again, or another run_dir"
+        )
+
+
 class Trainer:
     """Builds everything a run needs from a TrainConfig (model, data, optimizer, logging) and trains it."""
 
@@ -254,12 +264,7 @@ class Trainer:
     # ---------------------------------------------------------------------------------------- resume
     def _find_checkpoint(self, resume: bool) -> Path | None:
         if not resume:
-            existing = list_checkpoints(self.run_dir)
-            if existing:
-                raise FileExistsError(
-                    f"run_dir {str(self.run_dir)!r} already holds checkpoints (newest {existing[-1].name}): "
-                    "pass --resume to continue that run, --overwrite to start it again, or another run_dir"
-                )
+            check_fresh_run_dir(self.run_dir)
             return None
         found = latest_checkpoint(self.run_dir)  # skips damaged checkpoints (with a warning)
         if self.info.is_main:
@@ -578,7 +583,12 @@ class Trainer:
         self.step = done.step
         last_logged, train_time, stopped_by = done.last_logged, done.train_time_s, done.stopped_by
         final_eval = self.evaluate()
-        self._log_eval(final_eval, None)
+        # a finished run resumed (nothing trained now) may have logged this evaluation when it finished
+        again = self.step == start_step and any(
+            r.get("split") == "eval" and r.get("step") == self.step
+            for r in read_metrics(self.run_dir / METRICS_FILE)
+        )
+        self._log_eval(final_eval, None, record=not again)
         session_tokens = (self.step - start_step) * cfg.tokens_per_step
         tokens_per_s = session_tokens / train_time if train_time > 0 else 0.0
         if last_logged is None:  # nothing left to train (a finished run resumed): report its last log
@@ -649,8 +659,10 @@ class Trainer:
             model.train(was_training)
         self.metrics.log("memory", self.step, **report.summary())
 
-    def _log_eval(self, result: PerplexityResult, loop: TrainLoop | None) -> None:
-        self.metrics.log("eval", self.step, loss=result.loss, ppl=result.ppl, bpb=result.bpb)
+    def _log_eval(self, result: PerplexityResult, loop: TrainLoop | None, record: bool = True) -> None:
+        """Print the evaluation; with ``record``, also log it (metrics.jsonl, TensorBoard)."""
+        if record:
+            self.metrics.log("eval", self.step, loss=result.loss, ppl=result.ppl, bpb=result.bpb)
         if self.info.is_main:
             bpb = f"{result.bpb:.4f}" if result.bpb is not None else "n/a"
             line = f"step {self.step}: held-out loss {result.loss:.4f}  ppl {result.ppl:.3f}  bpb {bpb}"
