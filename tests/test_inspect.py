@@ -79,6 +79,14 @@ def test_inspect_command_and_its_errors(run_dir, tmp_path, capsys):
         == 2
     )
     assert "no text file" in capsys.readouterr().err
+    # an --out that would replace the text, or could not be written, is refused before the trace
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    argv = ["inspect", "--checkpoint", str(run_dir), "--text", str(text), "--device", "cpu"]
+    assert titans_main([*argv, "--out", str(text)]) == 2
+    assert "is the --text file" in capsys.readouterr().err and text.read_text() == TEXT
+    assert titans_main([*argv, "--out", str(text / "r.html")]) == 2
+    assert "not a directory" in capsys.readouterr().err
 
 
 def test_inspect_reads_only_the_start_of_a_long_file_and_keeps_its_line_ends(run_dir, tmp_path, capsys):

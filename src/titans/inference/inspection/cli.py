@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from titans._fs import check_writable, write_text_atomic
 from titans.inference.inspection.render import fmt, render_html
 from titans.inference.inspection.trace import set_surprise_threshold, token_texts, trace_text
 from titans.runtime.device import resolve_device
@@ -48,6 +49,10 @@ def run_inspect(args: argparse.Namespace) -> int:
         source = str(path)
     else:
         source = "--prompt"
+    out = Path(args.out)
+    if args.text is not None and out.exists() and out.resolve() == path.resolve():
+        raise ValueError(f"--out {args.out!r} is the --text file: the report would replace the text")
+    check_writable(out)  # before the trace: a report that cannot be written loses it
     device = resolve_device(args.device)
     model, tokenizer = load_trained(args.checkpoint, map_location=device)
     if args.threshold is not None:
@@ -70,9 +75,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         "mean loss": fmt(float(np.nanmean(trace.loss))),
     }
     page = render_html(trace, token_texts(tokenizer, ids), f"titans inspect: {Path(source).name}", meta)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page, encoding="utf-8")
+    write_text_atomic(out, page)
     print(
         f"inspected {len(ids):,} tokens{' (truncated)' if truncated else ''}: write rate "
         f"{trace.report.write_rate:.1%}, mean surprise {fmt(float(np.nanmean(trace.surprise)))}; wrote {out}"
