@@ -16,6 +16,7 @@ pytest.importorskip("httpx", reason="the serve-test extra is not installed")
 import httpx  # noqa: E402
 
 from serving_support import ThreadServer, make_checkpoint, start_redis, stop_redis  # noqa: E402
+from session_support import rebuilt  # noqa: E402
 from titans.data.tokenizers import ByteTokenizer  # noqa: E402
 from titans.inference.session import SESSION_MAGIC, MemorySession  # noqa: E402
 from titans.models.state import state_digest  # noqa: E402
@@ -220,22 +221,6 @@ def test_a_crafted_import_header_is_a_422_naming_the_field(server, http, engine)
     assert http.post(f"{url}/v1/sessions/import", headers=A, content=data).status_code == 201
 
 
-def _rebuilt(data: bytes, edit_header, edit_blobs=lambda blobs: blobs) -> bytes:
-    """Session bytes rebuilt from edit_header(header) and edit_blobs(blobs) (the states' bytes), the
-    header's blob sizes set to match, under a checksum that matches."""
-    start = len(SESSION_MAGIC)
-    size = int.from_bytes(data[start : start + 8], "little")
-    header = json.loads(data[start + 8 : start + 8 + size])
-    blobs, pos = [], start + 8 + size
-    for n in header["blobs"]:
-        blobs.append(data[pos : pos + n])
-        pos += n
-    blobs = edit_blobs(blobs)
-    head = json.dumps({**edit_header(header), "blobs": [len(b) for b in blobs]}).encode()
-    body = SESSION_MAGIC + len(head).to_bytes(8, "little") + head + b"".join(blobs)
-    return body + hashlib.sha256(body).digest()
-
-
 def test_an_import_is_checked_and_stored_state_by_state(server, http, engine):
     """An import's snapshots are decoded and its counters checked on the way in. A damaged snapshot was
     stored and then failed every rollback and fork to it; blobs of no state were stored (each later load
@@ -255,9 +240,9 @@ def test_an_import_is_checked_and_stored_state_by_state(server, http, engine):
 
     same = lambda h: h  # noqa: E731
     refused = {
-        "one of its states is damaged": _rebuilt(data, same, flip),
-        "session bytes: damaged header (blobs": _rebuilt(data, same, lambda b: [*b, b[-1]]),
-        "tokens_generated": _rebuilt(data, lambda h: {**h, "tokens_generated": 10**12, "reads": 10**12}),
+        "one of its states is damaged": rebuilt(data, same, flip),
+        "session bytes: damaged header (blobs": rebuilt(data, same, lambda b: [*b, b[-1]]),
+        "tokens_generated": rebuilt(data, lambda h: {**h, "tokens_generated": 10**12, "reads": 10**12}),
     }
     for want, body in refused.items():
         r = http.post(f"{url}/v1/sessions/import", headers=A, content=body)
@@ -267,7 +252,7 @@ def test_an_import_is_checked_and_stored_state_by_state(server, http, engine):
 
     # a snapshot's position is its state's, whatever the header says
     original = http.get(f"{url}/v1/sessions/{sid}/snapshots", headers=A).json()["snapshots"]
-    lying = _rebuilt(
+    lying = rebuilt(
         data,
         lambda h: {
             **h,

@@ -4,13 +4,13 @@ only that), and a session survives its bytes; the state's bytes format."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 import pytest
 import torch
 
-from titans.inference.session import SESSION_MAGIC, MemorySession, SessionFormatError, frozen_twin
+from session_support import rebuilt
+from titans.inference.session import MemorySession, SessionFormatError, frozen_twin
 from titans.models import TitansConfig, TitansLM
 from titans.models.monitor import find_memory_state
 from titans.models.state import (
@@ -262,21 +262,6 @@ def test_session_bytes_round_trip_and_damage():
         MemorySession.from_bytes(tiny(dim=48), blob)
 
 
-def _resealed(blob: bytes, edit_header, edit_states=lambda states: states) -> bytes:
-    """Session bytes rebuilt from edit_header(header) and edit_states(states' bytes), checksum matching."""
-    start = len(SESSION_MAGIC)
-    size = int.from_bytes(blob[start : start + 8], "little")
-    header = json.loads(blob[start + 8 : start + 8 + size])
-    states, pos = [], start + 8 + size
-    for n in header["blobs"]:
-        states.append(blob[pos : pos + n])
-        pos += n
-    states = edit_states(states)
-    head = json.dumps({**edit_header(header), "blobs": [len(b) for b in states]}).encode()
-    body = SESSION_MAGIC + len(head).to_bytes(8, "little") + head + b"".join(states)
-    return body + hashlib.sha256(body).digest()
-
-
 def test_session_bytes_from_elsewhere_are_checked_state_by_state():
     """Bytes under a matching checksum (crafted, or damaged before they were sealed): every blob must be
     one state's, and no state holds more generated tokens than its position; with check_snapshots, the
@@ -288,16 +273,16 @@ def test_session_bytes_from_elsewhere_are_checked_state_by_state():
     blob = session.to_bytes()
     same = lambda h: h  # noqa: E731
     with pytest.raises(SessionFormatError, match=r"blobs must be one per state"):
-        MemorySession.from_bytes(model, _resealed(blob, same, lambda b: [*b, b[-1]]))
+        MemorySession.from_bytes(model, rebuilt(blob, same, lambda b: [*b, b[-1]]))
     with pytest.raises(SessionFormatError, match=r"tokens_generated must be at most its position"):
-        MemorySession.from_bytes(model, _resealed(blob, lambda h: {**h, "tokens_generated": 10**9}))
+        MemorySession.from_bytes(model, rebuilt(blob, lambda h: {**h, "tokens_generated": 10**9}))
 
     def flip(states):  # snapshot 1's state, the last blob
         last = bytearray(states[-1])
         last[len(last) // 2] ^= 0xFF
         return [*states[:-1], bytes(last)]
 
-    damaged = _resealed(blob, same, flip)
+    damaged = rebuilt(blob, same, flip)
     MemorySession.from_bytes(model, damaged)  # lazily: found only when rolled back to
     with pytest.raises(StateFileError):
         MemorySession.from_bytes(model, damaged, check_snapshots=True)
@@ -308,7 +293,7 @@ def test_session_bytes_from_elsewhere_are_checked_state_by_state():
             "snapshots": [e if e["state"] is None else {**e, "position": 10**6} for e in h["snapshots"]],
         }
 
-    checked = MemorySession.from_bytes(model, _resealed(blob, lie), check_snapshots=True)
+    checked = MemorySession.from_bytes(model, rebuilt(blob, lie), check_snapshots=True)
     assert checked.snapshots == session.snapshots
     assert MemorySession.from_bytes(model, blob, check_snapshots=True).to_bytes() == blob
 
