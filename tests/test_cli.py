@@ -289,6 +289,12 @@ def test_a_continuation_keeps_the_space_a_sentencepiece_word_carries():
         decoder = IncrementalDecoder(tok, context=prompt)
         assert "".join(decoder.push(t) for t in rest) + decoder.finish() == want
     assert not load_tokenizer("mistral-32k").decode(rest).startswith(" ")  # what it was before
+    # a context that ends mid-character: as continuation_text, the text decoded alone (it waited forever)
+    ids = list("hé wörld".encode())
+    decoder = IncrementalDecoder(ByteTokenizer(), context=ids[:2])
+    pieces = [decoder.push(i) for i in ids[2:]] + [decoder.finish()]
+    assert "".join(pieces) == continuation_text(ByteTokenizer(), ids[:2], ids[2:]) == "\ufffd wörld"
+    assert pieces[1] == "\ufffd "
 
 
 def test_generate_streams_pieces_as_they_are_generated(monkeypatch):

@@ -84,6 +84,10 @@ def test_fasta_bad_input(tmp_path):
     with pytest.raises(ValueError, match="ambiguous='N' maps IUPAC"):
         read_fasta(iupac)
     assert read_fasta(iupac, ambiguous="N")[0].sequence == "ACNNGT"
+    # a letter outside ASCII whose upper case is one ("ſ" -> "S", an IUPAC code) is refused, not an N
+    (tmp_path / "long_s.fa").write_text(">r\nAC\u017fGT\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="unknown letter 'ſ' in record 'r' at line 2, column 3"):
+        read_fasta(tmp_path / "long_s.fa", ambiguous="N")
     (tmp_path / "headless.fa").write_text("ACGT\n")
     with pytest.raises(ValueError, match="before the first '>' header"):
         read_fasta(tmp_path / "headless.fa")

@@ -528,3 +528,13 @@ def test_model_with_memory_checkpointing_matches(variant):
     assert g_plain.keys() == g_ckpt.keys()
     for name in g_plain:
         assert_close_rel(g_ckpt[name], g_plain[name], 1e-10)
+
+
+@pytest.mark.parametrize("rule", ["moneta", "memora", "atlas"])
+def test_checkpointing_a_rule_off_the_fast_path_is_refused(rule):
+    """It was ignored without a word: these rules saved all their chunks' states (3-10x the Titans
+    rule's), as if checkpoint_every were unset."""
+    with pytest.raises(ValueError, match=f"not to the rule '{rule}': leave it unset"):
+        NeuralMemory(dim=16, heads=2, rule=rule, checkpoint_every=2)
+    NeuralMemory(dim=16, heads=2, rule=rule)  # without it, as before
+    NeuralMemory(dim=16, heads=2, rule="yaad", checkpoint_every=2)  # on the fast path: checkpointed

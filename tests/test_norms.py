@@ -130,3 +130,23 @@ def test_rms_norm_default_eps_keeps_float32_and_float64_results(dtype):
     with torch.no_grad():
         for weight in (w, None):
             assert torch.equal(rms_norm(x, weight), F.rms_norm(x, (13,), weight))
+
+
+def test_float16_zero_rows_and_small_rows_stay_finite():
+    """In float16, l2_normalize's eps (1e-12) rounded to 0, so a zero row (a zero token's key) gave 0 / 0,
+    and the memory written with it was NaN from then on; the fused rms_norm backward formed rstd^3 of a
+    small row in float16 (inf) before x scaled it down, so every gradient of a float16 model was NaN."""
+    x = torch.randn(4, 8, dtype=torch.float16)
+    x[1] = 0
+    for fused in (True, False):
+        xr = x.clone().requires_grad_()
+        y = l2_normalize(xr, fused_backward=fused)
+        y.sum().backward()
+        assert torch.isfinite(y).all() and torch.isfinite(xr.grad).all()
+        assert torch.equal(y[1], torch.zeros(8, dtype=torch.float16))
+    small = (torch.randn(4, 16) * 1e-3).half().requires_grad_()
+    g = torch.randn(4, 16).half()
+    rms_norm(small).backward(g)
+    want = torch.autograd.grad(F.rms_norm(small.float(), (16,)), small, g.float())[0]  # float32 reference
+    assert torch.isfinite(small.grad).all()
+    torch.testing.assert_close(small.grad.float(), want.float(), rtol=2e-2, atol=5e-2)

@@ -85,7 +85,8 @@ def read_fasta(path: str | Path, ambiguous: str = "error") -> list[FastaRecord]:
                 raise ValueError(
                     f"FASTA file {str(path)!r}: sequence before the first '>' header (line {lineno})"
                 )
-            seq = line.upper()
+            # an ASCII letter's upper case only: "ſ".upper() is "S" (an IUPAC code), "ß".upper() "SS"
+            seq = "".join(c.upper() if c.isascii() else c for c in line)
             bad = set(seq) - allowed
             if bad:
                 if ambiguous == "N" and bad <= IUPAC_AMBIGUOUS:
@@ -93,15 +94,11 @@ def read_fasta(path: str | Path, ambiguous: str = "error") -> list[FastaRecord]:
                 else:
                     # the first letter refused: with ambiguous='N' the IUPAC codes before it are accepted
                     accepted = allowed | IUPAC_AMBIGUOUS if ambiguous == "N" else allowed
-                    col = next(i for i, c in enumerate(line) if c.upper() not in accepted)
+                    col = next(i for i, c in enumerate(seq) if c not in accepted)
                     raise ValueError(
                         f"FASTA file {str(path)!r}: unknown letter {line[col]!r} in record {name!r} at line "
                         f"{lineno}, column {col + 1} (expected A, C, G, T or N"
-                        + (
-                            "; ambiguous='N' maps IUPAC codes to N)"
-                            if line[col].upper() in IUPAC_AMBIGUOUS
-                            else ")"
-                        )
+                        + ("; ambiguous='N' maps IUPAC codes to N)" if seq[col] in IUPAC_AMBIGUOUS else ")")
                     )
             parts.append(seq)
     if name is not None:

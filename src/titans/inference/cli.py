@@ -173,8 +173,6 @@ def check_generate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not 0 <= args.seed < 2**64:  # what a torch generator takes
         raise ValueError(f"--seed must be in [0, 2**64), got {args.seed}")
-    if args.save_state:
-        check_save_state(args.save_state)
     if args.greedy and args.sampling_given:
         given = ", ".join(dict.fromkeys(args.sampling_given))
         raise ValueError(f"--greedy takes the most likely token: give it or {given}, not both")
@@ -184,6 +182,8 @@ def check_generate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--top-k must be >= 1, got {args.top_k}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.save_state:  # last: it makes the file's folder, as the write would
+        check_save_state(args.save_state)
 
 
 def run_generate(args: argparse.Namespace) -> int:

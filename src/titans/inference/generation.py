@@ -59,6 +59,8 @@ class IncrementalDecoder:
     def __init__(self, tokenizer: _Decodes, context: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.ids: list[int] = [int(i) for i in list(context)[-CONTEXT_TOKENS:]]
+        if tokenizer.decode(self.ids).endswith("\ufffd"):  # a context cut mid-character: decoded alone
+            self.ids = []
         self._prefix = 0  # ids[_prefix:_read] were emitted with the piece before the last one
         self._read = len(self.ids)  # ids[:_read] have been emitted (or shown before: the context)
 

@@ -29,6 +29,7 @@ from titans.ops.memory import (
     check_max_norm,
     check_threshold,
     dot_precision,
+    fits_fast_path,
     memory_forward,
     neural_memory,
     resolve_rule,
@@ -292,6 +293,11 @@ class NeuralMemory(nn.Module):
         self.to_gate = nn.Linear(dim, inner, bias=False) if output_gate else None
         self.to_out = residual_output(nn.Linear(inner, dim, bias=False))
         self.rule = resolve_rule(rule)
+        if checkpoint_every is not None and not fits_fast_path(self.rule):  # it was ignored without a word
+            raise ValueError(
+                "NeuralMemory: checkpoint_every applies to the rules on the fast path (`titans.ops.memory."
+                f"fits_fast_path`), not to the rule {self.rule.to_config()!r}: leave it unset"
+            )
         self._check_titans_only_options()
         self._add_rule_gates()
         reason = self._triton_config_reason() if backend == "triton" else None

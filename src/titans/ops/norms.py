@@ -76,7 +76,12 @@ def l2_normalize(
     in_float32: compute in at least float32 and return x's dtype, as x * rsqrt(max(||x||^2, eps^2)) (the
         attention's queries and keys, which are bf16 under autocast).
     fused_backward=False: autograd's backward through `F.normalize` (MAC's retrieval queries).
+
+    An eps below x's smallest normal number (1e-12 in float16) is raised to it: rounded to 0 there, a zero
+    row gave 0 / 0, and the memory written with that key was NaN from then on.
     """
+    if not in_float32 and x.dtype.is_floating_point:
+        eps = max(eps, torch.finfo(x.dtype).tiny)
     if in_float32:
         # on every device (not only where `_records_grad` picks the CPU's fused backwards)
         if (
@@ -119,7 +124,10 @@ class _RMSNorm(torch.autograd.Function):
             return None, g_w, None
         # g_x = rstd (g - x rstd^2 <g, x> / d)
         dot = (g * x).sum(-1, keepdim=True, dtype=rstd.dtype)
-        coef = (dot * rstd.pow(3) / x.shape[-1]).to(x.dtype)
+        coef = dot * rstd.pow(3) / x.shape[-1]
+        if x.dtype != rstd.dtype:  # float16: rstd^3 of a small row overflows before x scales it down
+            acc = rstd.dtype
+            return (g.to(acc) * rstd - x.to(acc) * coef).to(x.dtype), g_w, None
         return torch.mul(g, r).addcmul_(x, coef, value=-1), g_w, None
 
 
