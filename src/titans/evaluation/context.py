@@ -539,8 +539,9 @@ def _other_heldout(cfg, mine: Checkpoint, other: Checkpoint) -> str | None:
     if all(digests):
         return None if digests[0] == digests[1] else "its held-out tokens differ"
     train = other.config.get("train", {})
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}  # a field its config predates
     for name in ("data", "heldout_fraction", "text_field"):
-        theirs = train.get(name, getattr(type(cfg)(), name))
+        theirs = train.get(name, defaults[name])
         if theirs != getattr(cfg, name):
             return f"{name} {theirs!r}, not {getattr(cfg, name)!r}"
     return None
