@@ -51,8 +51,8 @@ class FastaRecord:
 def _open_text(path: Path):
     with open(path, "rb") as f:
         gz = f.read(2) == b"\x1f\x8b"
-    # utf-8-sig: a byte-order mark (Windows editors write one) is skipped, not read as a line's first
-    # characters (it made the first header "a sequence before the first '>' header")
+    # utf-8-sig: a byte-order mark (Windows editors write one) is skipped, not read as characters before
+    # the first header
     return (
         gzip.open(path, "rt", encoding="utf-8-sig", errors="replace")
         if gz

@@ -293,7 +293,7 @@ class NeuralMemory(nn.Module):
         self.to_gate = nn.Linear(dim, inner, bias=False) if output_gate else None
         self.to_out = residual_output(nn.Linear(inner, dim, bias=False))
         self.rule = resolve_rule(rule)
-        if checkpoint_every is not None and not fits_fast_path(self.rule):  # it was ignored without a word
+        if checkpoint_every is not None and not fits_fast_path(self.rule):  # the other rules cannot honour it
             raise ValueError(
                 "NeuralMemory: checkpoint_every applies to the rules on the fast path (`titans.ops.memory."
                 f"fits_fast_path`), not to the rule {self.rule.to_config()!r}: leave it unset"
