@@ -203,6 +203,11 @@ def test_depth_refuses_lm_steps_below_1_naming_the_flag(tmp_path, capsys, steps,
     assert not (tmp_path / "runs").exists() and not (tmp_path / "o").exists()
 
 
+def _study_folders(tmp_path) -> list[str]:
+    """One LM step, and the study's run root and output under ``tmp_path`` (neither may be made)."""
+    return ["--lm-steps", "1", "--run-root", str(tmp_path / "runs"), "--out", str(tmp_path / "o")]
+
+
 @pytest.mark.parametrize(
     "argv, want",
     [
@@ -240,16 +245,7 @@ def test_depth_and_ablate_refuse_what_would_waste_or_mislabel_a_study(tmp_path, 
     """Found only after training, or never: 0 timed repeats wrote 0 tokens/s as a result, a batch of 0
     raised a reshape traceback, a repeated depth or row trained into the first one's folder and failed, and
     a variant without memory gave identical rows labelled as different memory settings."""
-    argv = [
-        "eval",
-        *argv,
-        "--lm-steps",
-        "1",
-        "--run-root",
-        str(tmp_path / "runs"),
-        "--out",
-        str(tmp_path / "o"),
-    ]
+    argv = ["eval", *argv, *_study_folders(tmp_path)]
     try:
         code = titans_main(argv)
     except SystemExit as e:  # argparse's refusals
@@ -265,16 +261,7 @@ def test_a_run_root_holding_a_later_rows_run_is_refused_before_the_first_row_tra
 ):
     """Only the row whose folder was taken failed, after the rows before it had trained."""
     (tmp_path / "runs" / rows[1] / "checkpoints" / "step_00000002").mkdir(parents=True)
-    argv = [
-        "eval",
-        study,
-        "--lm-steps",
-        "1",
-        "--run-root",
-        str(tmp_path / "runs"),
-        "--out",
-        str(tmp_path / "o"),
-    ]
+    argv = ["eval", study, *_study_folders(tmp_path)]
     argv += ["--rows", ",".join(rows)] if study == "ablate" else ["--depths", "1,2"]
     assert titans_main(argv) == 2
     assert f"already holds runs of ['{rows[1]}']: give an empty or new folder" in capsys.readouterr().err

@@ -103,14 +103,14 @@ def predict(
     return x[0], y[0], model(torch.from_numpy(x))[0].numpy()
 
 
-def forecaster_for(split: SeriesSplit, run: ForecastRun, channels: int | None = None) -> nn.Module:
-    """The untrained model of ``run`` for ``split`` (``channels``: its parts' channels, default the
-    series'). A study builds each once before any trains, so options a model refuses end it at once."""
+def forecaster_for(split: SeriesSplit, run: ForecastRun) -> nn.Module:
+    """The untrained model of ``run`` for ``split``. A study builds each once before any trains, so options
+    a model refuses end it at once."""
     return build_forecaster(
         run.model,
         lookback=split.lookback,
         horizon=run.horizon,
-        channels=split.series.values.shape[1] if channels is None else channels,
+        channels=split.series.values.shape[1],
         dim=run.dim,
         depth=run.depth,
         heads=run.heads,
@@ -131,7 +131,7 @@ def train_forecaster(
     train, val, test = split.windows(run.horizon)
     torch.manual_seed(run.seed)
     rng = np.random.default_rng(run.seed)
-    model = forecaster_for(split, run, channels=train.part.shape[1])
+    model = forecaster_for(split, run)
     params = [p for p in model.parameters() if p.requires_grad]
     # built before the clock starts: the first optimiser of a process imports torch._dynamo (seconds), which
     # would otherwise be charged to the first model's training time and time budget

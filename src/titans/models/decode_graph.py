@@ -159,11 +159,7 @@ class _WindowAttention(_Static):
     """`SelfAttention` with a window w: a ring of w key/value slots, slot = position mod w."""
 
     def __init__(self, attn: SelfAttention, state: AttentionState | None, batch: int, like: Tensor):
-        if attn.window is None:
-            raise ValueError(
-                "StaticDecoder: full causal attention (variant 'transformer') has a KV cache that grows "
-                "with the context; only windowed attention decodes with fixed buffers"
-            )
+        assert attn.window is not None  # full attention: refused by `check_static_decoding`
         self.attn, w = attn, attn.window
         shape = (batch, attn.heads, w, attn.head_dim)
         # in the state's dtype (autocast's, if it was prefilled under autocast: the eager step's caches are),
@@ -449,6 +445,7 @@ class StaticDecoder:
             raise ValueError(
                 f"StaticDecoder: mode 'cuda_graph' needs a CUDA model, this one is on {like.device}"
             )
+        check_static_decoding(model, "StaticDecoder")
         model.check_state(state)
         self.model, self.mode, self.compile_backend = model, mode, compile_backend
         self.compile_options, self.guards, self.mm = compile_options, guards, mm
