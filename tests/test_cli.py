@@ -459,3 +459,21 @@ def test_a_state_continued_with_other_weights_of_the_config_is_warned_about(tmp_
         == 0
     )
     assert "written by other weights" in capsys.readouterr().err
+
+
+def test_a_command_refused_after_its_output_check_leaves_no_folder(tmp_path, capsys):
+    """The output checks made the output's folders (`check_writable`), so `titans read` refused for a
+    missing checkpoint had left an empty folder behind; the folders made for the check are removed."""
+    from titans._fs import check_writable
+
+    (tmp_path / "doc.txt").write_text("12 3\n")
+    out = tmp_path / "states" / "deeper" / "s.safetensors"
+    args = ["read", "--checkpoint", str(tmp_path / "nowhere"), "--input", str(tmp_path / "doc.txt")]
+    assert titans_main([*args, "--save-state", str(out), "--no-progress"]) != 0
+    assert "nowhere" in one_error_line(capsys)
+    assert not (tmp_path / "states").exists()
+    (tmp_path / "kept").mkdir()
+    check_writable(tmp_path / "kept" / "new" / "r.json")
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == ["kept"] and not (
+        tmp_path / "kept" / "new"
+    ).exists()

@@ -52,8 +52,19 @@ def check_writable(path: str | Path) -> None:
     """Refuse, before the work that produces it, a file that could not be written at `path`: its folder is
     made (as the write would make it) and a temporary file created there and removed; a folder or device
     at `path` is refused (`atomic_target`). A command that scored for minutes and then failed to write its
-    result lost the work."""
+    result lost the work. Folders it made for the probe are removed again (the write makes them): a command
+    refused after this check leaves nothing behind."""
     path = atomic_target(path)
+    made = [p for p in (path.parent, *path.parent.parents) if not p.exists()]  # deepest first
+    try:
+        _check_writable_in(path)
+    finally:
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+def _check_writable_in(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError as e:  # a file where its folder should be
@@ -75,6 +86,7 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     written through (its target replaced); a device or folder at ``path`` is refused (`atomic_target`)."""
     given, path = Path(path), atomic_target(path)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:  # named after the file asked for, not its hidden temporary
         raise OSError(e.errno, e.strerror, str(path)) from e
