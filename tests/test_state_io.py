@@ -411,3 +411,34 @@ def test_pending_rows_pass_gradients_back():
         loss.backward()
         grads.append(model.blocks[0].memory.to_qkv.weight.grad.clone())
     torch.testing.assert_close(grads[1], grads[0], atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(memory_momentum=False),
+        dict(memory_rule="yaad"),
+        dict(memory_rule="memora"),
+        dict(memory_rule="moneta"),
+    ],
+    ids=["no-momentum", "yaad", "memora", "moneta"],
+)
+def test_a_state_without_momentum_saves_and_continues(tmp_path, overrides):
+    """A memory without momentum keeps log(eta) = -inf in the gates of tokens pending a chunk (eta = 0
+    exactly): the state was refused as "diverged" by `save_state` and `state_to_bytes` at any position
+    off a chunk boundary. It saves, and continues as the uninterrupted model does; NaN is still refused."""
+    from titans.models.state import state_from_bytes, state_to_bytes
+
+    model = tiny_model("lmm", **overrides)
+    ids = tokens(2, 19)  # 3 tokens pending a chunk of 4 after 11
+    with torch.no_grad():
+        whole, _ = model(ids)
+        _, state = model(ids[:, :11])
+        assert bool(torch.isneginf(state.layers[0].pending_gates).any())
+        path = save_state(state, tmp_path / "s.safetensors")
+        for restored in (load_state(path, model=model), state_from_bytes(state_to_bytes(state))):
+            rest, _ = model(ids[:, 11:], state=restored)
+            torch.testing.assert_close(rest, whole[:, 11:], rtol=0, atol=1e-12)
+    state.layers[0].pending_gates[0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="1 NaN or inf"):
+        state_to_bytes(state)
