@@ -558,6 +558,17 @@ def test_empty_input_gives_empty_output_and_the_state_unchanged():
         ({"surprise_clip": float("nan")}, "surprise_clip"),  # NaN weights
         ({"max_lr": 0.0}, "max_lr"),  # a ZeroDivisionError
         ({"expansion": float("nan")}, "expansion"),
+        ({"expansion": "2"}, "expansion"),  # a TypeError comparing str and int
+        ({"conv_kernel": 2.5}, "conv_kernel"),  # a TypeError inside torch.empty
+        ({"conv_kernel": "4"}, "conv_kernel"),
+        # a string "false" is truthy: the switch was silently on (an ablation that was not one)
+        ({"write": "false"}, "write"),
+        ({"momentum": "false"}, "momentum"),
+        ({"forgetting": "false"}, "forgetting"),
+        ({"residual": "false"}, "residual"),
+        ({"qk_norm": "false"}, "qk_norm"),
+        ({"output_gate": "false"}, "output_gate"),
+        ({"learned_init": "false"}, "learned_init"),
     ],
 )
 def test_bad_config_names_field(kwargs, field):

@@ -73,6 +73,13 @@ def check_int(name: str, value: Any, minimum: int = 1, *, none_ok: bool = False)
         raise ValueError(f"{name} must be {what}{' or None' if none_ok else ''}, got {value!r}")
 
 
+def check_bool(name: str, value: Any) -> None:
+    """Raise a ValueError naming `name` unless `value` is a bool: a string "false" is truthy, so a switch
+    given one would silently be on."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool (true or false), got {value!r}")
+
+
 def option(
     default: Any = dataclasses.MISSING,
     *,
@@ -127,8 +134,8 @@ def check_bounds(obj: Any) -> None:
     field is declared one); None passes where the type allows it."""
     owner = type(obj).__name__
     for f in dataclasses.fields(obj):
-        if _declared(f) == ["bool"] and not isinstance(getattr(obj, f.name), bool):
-            raise ValueError(f"{owner}.{f.name} must be a bool (true or false), got {getattr(obj, f.name)!r}")
+        if _declared(f) == ["bool"]:
+            check_bool(f"{owner}.{f.name}", getattr(obj, f.name))
         if not any(k in f.metadata for k in _BOUNDS):
             continue
         value = getattr(obj, f.name)
@@ -154,4 +161,12 @@ def check_bounds(obj: Any) -> None:
             raise ValueError(f"{owner}.{f.name} must be {what}{' or null' if none_ok else ''}, got {value!r}")
 
 
-__all__ = ["check_bounds", "check_int", "describe_bounds", "did_you_mean", "field_help", "option"]
+__all__ = [
+    "check_bool",
+    "check_bounds",
+    "check_int",
+    "describe_bounds",
+    "did_you_mean",
+    "field_help",
+    "option",
+]

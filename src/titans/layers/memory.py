@@ -37,7 +37,7 @@ from titans.ops.memory import (
     write_mask,
 )
 from titans.ops.norms import l2_normalize, rms_norm
-from titans.validation import check_int
+from titans.validation import check_bool, check_int
 
 log = logging.getLogger(__name__)
 BACKENDS = ("auto", "triton", "torch")
@@ -234,15 +234,22 @@ class NeuralMemory(nn.Module):
         check_int("NeuralMemory: head_dim", head_dim)
         if activation not in ACTIVATIONS:
             raise ValueError(f"NeuralMemory: activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if conv_kernel < 0:
-            raise ValueError(f"NeuralMemory: conv_kernel must be >= 0, got {conv_kernel}")
+        check_int("NeuralMemory: conv_kernel", conv_kernel, minimum=0)
+        switches = dict(qk_norm=qk_norm, momentum=momentum, forgetting=forgetting, residual=residual)
+        switches.update(output_gate=output_gate, learned_init=learned_init, write=write)
+        for name, val in switches.items():
+            check_bool(f"NeuralMemory: {name}", val)
         check_int("NeuralMemory: checkpoint_every", checkpoint_every, none_ok=True)
         check_threshold("NeuralMemory: surprise_threshold", surprise_threshold)
         check_max_norm("NeuralMemory: max_norm", max_norm)
         check_max_norm("NeuralMemory: surprise_clip", surprise_clip)
         if isinstance(max_lr, bool) or not isinstance(max_lr, (int, float)) or not 0 < max_lr < math.inf:
             raise ValueError(f"NeuralMemory: max_lr must be a finite number > 0, got {max_lr!r}")
-        if not 0 < expansion < math.inf:
+        if (
+            isinstance(expansion, bool)
+            or not isinstance(expansion, (int, float))
+            or not 0 < expansion < math.inf
+        ):
             raise ValueError(f"NeuralMemory: expansion must be a finite number > 0, got {expansion!r}")
         if forget_to not in ("zero", "init"):
             raise ValueError(f"NeuralMemory: forget_to must be 'zero' or 'init', got {forget_to!r}")
