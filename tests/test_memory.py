@@ -492,6 +492,8 @@ def test_bad_inputs_raise_clear_errors():
         mem(torch.randn(5, 16))
     with pytest.raises(TypeError, match="floating point"):
         mem(torch.ones(2, 5, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match="at least one sequence"):  # a reshape error deep in the op
+        mem(torch.randn(0, 5, 16))
     other = NeuralMemory(16, heads=4, depth=2, chunk_size=8)
     _, state = other(torch.randn(2, 5, 16))
     with pytest.raises(ValueError, match="does not match this memory"):

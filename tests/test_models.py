@@ -357,6 +357,14 @@ def test_bad_tokens_and_state():
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_an_empty_batch_is_refused_by_every_variant(variant):
+    """Batch size 0 had failed in a reshape inside the memory op (MAG, MAL, LMM; MAC with grad) and run
+    through the baselines: every variant refuses it by name."""
+    with pytest.raises(ValueError, match="at least one sequence"):
+        TitansLM(tiny(variant))(torch.randint(0, 64, (0, 7)))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_state_of_another_batch_size_is_refused(variant):
     model = TitansLM(tiny(variant))
     _, state = model(torch.randint(0, 64, (2, 11)))

@@ -409,6 +409,10 @@ class NeuralMemory(nn.Module):
             raise TypeError(f"NeuralMemory: input must be a tensor, got {type(x).__name__}")
         if x.dim() != 3:
             raise ValueError(f"NeuralMemory: input must be (batch, seq, dim), got shape {tuple(x.shape)}")
+        if not x.shape[0]:
+            raise ValueError(
+                f"NeuralMemory: input must hold at least one sequence, got shape {tuple(x.shape)}"
+            )
         if x.shape[-1] != self.dim:
             raise ValueError(f"NeuralMemory: input's last dim is {x.shape[-1]}, expected dim={self.dim}")
         if not x.is_floating_point():

@@ -244,6 +244,10 @@ class TitansLM(nn.Module):
         if not isinstance(tokens, Tensor) or tokens.dim() != 2:
             shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
             raise ValueError(f"TitansLM: tokens must be a (batch, seq) tensor, got {shape}")
+        if not tokens.shape[0]:  # the memory's state has a row per sequence: none to keep
+            raise ValueError(
+                f"TitansLM: tokens must hold at least one sequence, got shape {tuple(tokens.shape)}"
+            )
         check_token_dtype(tokens)
         # (a host sync; skipped while a CUDA graph is captured, whose caller checks each batch instead)
         if not (tokens.is_cuda and torch.cuda.is_current_stream_capturing()):
