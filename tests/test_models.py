@@ -318,6 +318,9 @@ def test_config_without_gate_inits_loads_with_defaults():
         ({"memory_expansion": float("nan")}, "memory_expansion"),
         # accepted and not applied: no memory anywhere; an MLP of width 0 refused by the model's SwiGLU
         ({"dim": 32, "mlp_mult": 0.01}, "mlp_mult=0.01 gives an MLP of width 0 at dim=32"),
+        # accepted (and saved) by the config, refused only by the layer when a model was built
+        ({"memory_rule": "atlas", "memory_checkpoint_every": 4}, "memory_checkpoint_every applies"),
+        ({"memory_rule": "moneta", "memory_checkpoint_every": 4}, "memory_checkpoint_every applies"),
     ],
 )
 def test_bad_config_names_field(kwargs, field):

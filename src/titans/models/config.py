@@ -9,7 +9,7 @@ from typing import Any
 
 from titans.layers.attention import PERSISTENT_ROPE
 from titans.models.variants import VARIANT_SPECS, Variant
-from titans.ops.memory import ACTIVATIONS, TRITON_DEPTHS, resolve_rule
+from titans.ops.memory import ACTIVATIONS, TRITON_DEPTHS, fits_fast_path, resolve_rule
 from titans.validation import check_bounds, did_you_mean, field_help, option
 
 VARIANTS = tuple(VARIANT_SPECS)
@@ -298,6 +298,12 @@ class TitansConfig:
                     f"TitansConfig.{name}={val!r} is not covered by memory_rule={self.memory_rule!r} (only "
                     "'titans')"
                 )
+        rule = resolve_rule(self.memory_rule)
+        if self.memory_checkpoint_every is not None and not fits_fast_path(rule):  # refused by the layer
+            raise ValueError(
+                f"TitansConfig.memory_checkpoint_every applies to the rules on the fast path, not to "
+                f"memory_rule={self.memory_rule!r}: leave it null"
+            )
         if self.memory_backend == "triton":  # the kernels run the default rule, every token written
             if self.memory_rule != "titans":
                 raise ValueError(
