@@ -897,3 +897,13 @@ def test_every_entry_point_names_a_bad_chunk_size(bad):
     for name, call in calls.items():
         with pytest.raises(ValueError, match=f"{name}: chunk_size must be a positive integer"):
             call()
+
+
+@pytest.mark.parametrize("rule", ["titans", "moneta"])
+def test_the_op_entry_point_names_a_state_of_two_dtypes(rule):
+    """float64 weights with float32 momentum failed inside a matmul of the chunk step."""
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64) for _ in range(3))
+    gates = torch.rand(1, 2, 8, 3 + len(resolve_rule(rule).extra_gates), dtype=torch.float64)
+    weights = (torch.zeros(1, 2, 4, 4, dtype=torch.float64),)
+    with pytest.raises(TypeError, match=r"share one dtype.*momentum\[0\] torch.float32"):
+        neural_memory(q, k, v, gates, weights, (weights[0].float(),), chunk_size=4, rule=rule)

@@ -131,6 +131,11 @@ def _check_state(
                 f"neural_memory: momentum[{i}] must be of weights[{i}]'s shape {tuple(w.shape)}, got "
                 f"{tuple(momentum[i].shape)}"
             )
+        if w.dtype != weights[0].dtype or momentum[i].dtype != w.dtype:  # the state computes in one dtype
+            raise TypeError(
+                f"neural_memory: weights and momentum must share one dtype, got weights[{i}] {w.dtype} and "
+                f"momentum[{i}] {momentum[i].dtype} (weights[0] {weights[0].dtype})"
+            )
         if anchor is not None and tuple(anchor[i].shape[-2:]) != tuple(w.shape[-2:]):
             raise ValueError(
                 f"neural_memory: anchor[{i}] must end in weights[{i}]'s (d_in, d_out) {tuple(w.shape[-2:])}, "
