@@ -99,6 +99,24 @@ def test_resume_refuses_a_config_that_matters(tmp_path, cache_dir):
     assert fresh.step == 0 and list_checkpoints(tmp_path) == []
 
 
+@pytest.mark.parametrize("mode", [{}, {"overwrite": True}, {"resume": True}])
+def test_a_folder_no_run_wrote_keeps_its_files(tmp_path, cache_dir, mode):
+    """A run folder whose config.json and tokenizer/ a project holds (no run wrote them) is refused:
+    --overwrite had deleted tokenizer/ and the other names a run writes, and a fresh run or --resume (no
+    checkpoint: from scratch) had replaced config.json. A folder an earlier run wrote is still reused."""
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "bpe.py").write_text("# mine\n")
+    (tmp_path / "config.json").write_text('{"a": 1}\n')
+    with pytest.raises(FileExistsError, match="config.json, which no training run wrote"):
+        Trainer(micro_config(tmp_path, cache_dir, steps=1), **mode)
+    assert (tmp_path / "tokenizer" / "bpe.py").read_text() == "# mine\n"
+    assert (tmp_path / "config.json").read_text() == '{"a": 1}\n'
+    run = tmp_path / "run"  # a run stopped before its first checkpoint left config.json: a run may go there
+    Trainer(micro_config(run, cache_dir, steps=1))
+    assert not list_checkpoints(run) and (run / "config.json").is_file()
+    Trainer(micro_config(run, cache_dir, steps=1), **mode)
+
+
 def test_resume_refuses_fewer_steps_than_done(tmp_path, cache_dir):
     """A resume whose steps end before the checkpoint's step is refused (it rewrote config.json with the
     smaller count beside weights of the later step); the same count, a finished run resumed, is fine."""

@@ -28,7 +28,7 @@ from titans.training import distributed as D
 from titans.training.config import DATA_HELP, TOKENIZER_HELP, TrainConfig, field_listing, parse_set
 from titans.training.report import compare_table, format_report
 from titans.training.signals import exit_status
-from titans.training.trainer import Trainer, check_fresh_run_dir
+from titans.training.trainer import Trainer, check_fresh_run_dir, check_run_dir_files
 from titans.validation import path_arg
 
 # explicit flag (argparse dest) -> TrainConfig field
@@ -162,9 +162,8 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.compare:
         configs = [TrainConfig.from_file(p, overrides) for p in args.compare]
         _comparable(configs, args.compare)
-        if not (args.resume or args.overwrite):  # every run folder, before the first config trains
-            for cfg in configs:
-                check_fresh_run_dir(cfg.run_dir)
+        for cfg in configs:  # every run folder, before the first config trains
+            (check_run_dir_files if args.resume or args.overwrite else check_fresh_run_dir)(cfg.run_dir)
         for cfg in configs:
             is_main, status = _train_one(cfg, args.resume, args.overwrite)
             if status:  # stopped by a signal: train none of the others

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from titans._fs import write_text_atomic
 from titans.data.loader import check_curriculum
 from titans.models.config import FIELD_HELP as MODEL_FIELD_HELP
 from titans.models.config import PRESETS, VARIANTS, TitansConfig, read_json_object
@@ -358,7 +359,7 @@ class TrainConfig:
         return cls.from_dict(apply_overrides(data, overrides))
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")  # never half-written
 
 
 def _default(f: Field) -> Any:

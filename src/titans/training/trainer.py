@@ -29,6 +29,7 @@ import contextlib
 import errno
 import json
 import logging
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -113,8 +114,42 @@ class TrainResult:
         return d
 
 
+# what a run writes in its folder (all that `clear_run` deletes)
+RUN_FILES = (CHECKPOINTS, TENSORBOARD_DIR, TOKENIZER_DIR, METRICS_FILE, PLOT_FILE, REPORT_FILE, CONFIG_FILE)
+
+
+def _holds_a_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a training run: checkpoints, or the config.json a run writes first (a run
+    stopped before its first checkpoint has only that, its metrics and its tokenizer copy)."""
+    if list_checkpoints(run_dir):
+        return True
+    try:
+        saved = json.loads((run_dir / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(saved, dict):
+        return False
+    return isinstance(saved.get("model"), dict) and {"seq_len", "lr"} <= saved.keys()
+
+
+def check_run_dir_files(run_dir: str | Path) -> None:
+    """Refuse a run folder holding, under the names a run writes (`RUN_FILES`), files no run wrote: a
+    project folder's config.json or tokenizer/ would be replaced (or deleted by --overwrite)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir() or _holds_a_run(run_dir):
+        return
+    taken = [name for name in RUN_FILES if os.path.lexists(run_dir / name)]
+    if taken:
+        raise FileExistsError(
+            f"run_dir {str(run_dir)!r} holds {', '.join(taken)}, which no training run wrote there: a run "
+            "would replace them; give another run_dir"
+        )
+
+
 def check_fresh_run_dir(run_dir: str | Path) -> None:
-    """Refuse a run folder that holds an earlier run's checkpoints (FileExistsError saying what to pass)."""
+    """Refuse a run folder that holds an earlier run's checkpoints (FileExistsError saying what to pass),
+    or files of the names a run writes that no run wrote (`check_run_dir_files`)."""
+    check_run_dir_files(run_dir)
     existing = list_checkpoints(run_dir)
     if existing:
         raise FileExistsError(
@@ -162,6 +197,7 @@ class Trainer:
 
         # --overwrite clears the earlier run only once all that the options name has loaded (below): a
         # command that fails on its own options (a mistyped data path) leaves that run as it was
+        check_run_dir_files(self.run_dir)  # also under --resume and --overwrite (which deletes those names)
         checkpoint = None if overwrite else self._find_checkpoint(resume)
         torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
         self.tokenizer = load_tokenizer(cfg.tokenizer)
