@@ -477,3 +477,12 @@ def test_a_command_refused_after_its_output_check_leaves_no_folder(tmp_path, cap
     assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == ["kept"] and not (
         tmp_path / "kept" / "new"
     ).exists()
+
+
+def test_read_refuses_to_save_its_state_over_its_input(tmp_path, capsys):
+    """`titans read --input d.txt --save-state d.txt` replaced the text with the state file, exit 0."""
+    doc = tmp_path / "d.txt"
+    doc.write_text("12 3\n")
+    argv = ["read", "--checkpoint", str(tmp_path / "nowhere"), "--input", str(doc), "--save-state", str(doc)]
+    assert titans_main(argv) == 2
+    assert "is the --input file" in one_error_line(capsys) and doc.read_text() == "12 3\n"

@@ -406,3 +406,27 @@ def test_cli_refuses_bad_input(trained_run, tmp_path, capsys):
     assert titans_main([*base, "--compare", str(trained_run), "--labels", "a,a"]) == 2
     assert "distinct" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_outputs_never_replace_an_input_or_each_other(trained_run, tmp_path, capsys):
+    """`eval ppl --out` / `eval context --out` naming the --data file replaced the text with JSON, and
+    `eval context --out X.png` wrote the JSON and then the plot over it; all are refused before scoring.
+    A checkpoint folder copied out of its run gets its results in itself, not two folders up (where every
+    copied checkpoint beside it wrote the same file)."""
+    import shutil
+
+    data = tmp_path / "held.txt"
+    data.write_text("held-out text for the scorer. " * 40)
+    ppl = ["eval", "ppl", "--checkpoint", str(trained_run), "--windows", "1", "--device", "cpu"]
+    context = ["eval", "context", "--checkpoint", str(trained_run), "--length", "64", "--windows", "1"]
+    for argv in ([*ppl, "--data", str(data)], [*context, "--data", str(data)]):
+        assert titans_main([*argv, "--out", str(data)]) == 2
+        assert "is the --data file" in capsys.readouterr().err
+    assert data.read_text().startswith("held-out text")
+    assert titans_main([*context, "--out", str(tmp_path / "c.png")]) == 2
+    assert "ends in .png" in capsys.readouterr().err and not (tmp_path / "c.png").exists()
+
+    copied = tmp_path / "models" / "m"
+    shutil.copytree(sorted((trained_run / "checkpoints").iterdir())[-1], copied)
+    assert titans_main(["eval", "ppl", "--checkpoint", str(copied), "--windows", "1", "--device", "cpu"]) == 0
+    assert (copied / "eval_ppl.json").is_file() and not (tmp_path / "eval_ppl.json").exists()

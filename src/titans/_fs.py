@@ -48,13 +48,17 @@ def atomic_target(path: str | Path) -> Path:
     return target
 
 
-def check_writable(path: str | Path) -> None:
+def check_writable(path: str | Path, inputs: dict[str, str | Path | None] | None = None) -> None:
     """Refuse, before the work that produces it, a file that could not be written at `path`: its folder is
     made (as the write would make it) and a temporary file created there and removed; a folder or device
     at `path` is refused (`atomic_target`). A command that scored for minutes and then failed to write its
     result lost the work. Folders it made for the probe are removed again (the write makes them): a command
-    refused after this check leaves nothing behind."""
-    path = atomic_target(path)
+    refused after this check leaves nothing behind. `inputs` ({option: path}): files the command reads,
+    which `path` must not be (the output would replace its own input)."""
+    given, path = path, atomic_target(path)
+    for option, source in (inputs or {}).items():
+        if source is not None and os.path.isfile(source) and os.path.realpath(source) == str(path):
+            raise ValueError(f"{str(given)!r} is the {option} file: writing it would replace that input")
     made = [p for p in (path.parent, *path.parent.parents) if not p.exists()]  # deepest first
     try:
         _check_writable_in(path)

@@ -56,7 +56,7 @@ from titans.evaluation.perplexity import (
 from titans.evaluation.reporting import command_line, plot_or_skip
 from titans.evaluation.scoring import new_figure, render_table, save_figure, write_json
 from titans.models.lm import TitansLM
-from titans.runtime.checkpoint import Checkpoint, CheckpointError
+from titans.runtime.checkpoint import Checkpoint, CheckpointError, run_folder_of
 from titans.runtime.loading import (
     load_checkpoint_from,
     load_weights,
@@ -595,8 +595,14 @@ def run_context(args: argparse.Namespace) -> int:
     print the table, write JSON and PNG."""
     set_threads(args)
     loaded = load_checkpoint_from(args.checkpoint)
-    out = Path(args.out) if args.out else loaded.path.parent.parent / "eval_context.json"  # the run folder
-    check_writable(out)
+    out = Path(args.out) if args.out else run_folder_of(loaded.path) / "eval_context.json"
+    png = out.with_suffix(".png")
+    if png == out:
+        raise ValueError(
+            f"--out {args.out!r} ends in .png: the plot is written beside the JSON under that name"
+        )
+    for path in (out, png):
+        check_writable(path, {"--data": args.data})
     model, cfg, tokenizer = load_model(loaded, map_location=args.device)
     compares: list[tuple[str, Checkpoint]] = []  # all checked before any scoring
     if args.data is None:
@@ -655,7 +661,6 @@ def run_context(args: argparse.Namespace) -> int:
     for c in result.curves:  # the twin has the weights of the --checkpoint
         c.checkpoint = paths[label] if c.frozen else paths.get(c.label)
 
-    png = out.with_suffix(".png")
     payload = {
         "task": "context",
         "checkpoint": str(loaded.path),
@@ -729,6 +734,7 @@ def add_parser(evals) -> None:
         "--out",
         type=path_arg,
         default=None,
-        help="JSON output, the PNG beside it (default: RUN_DIR/eval_context.json)",
+        help="JSON output, the PNG beside it (default: RUN_DIR/eval_context.json; a checkpoint folder "
+        "outside a run: in it)",
     )
     p.set_defaults(func=run_context, check=check_context_args)

@@ -40,6 +40,7 @@ from titans.data.stream import (
 from titans.data.tokenizers import Tokenizer
 from titans.evaluation.reporting import command_line
 from titans.evaluation.scoring import write_json
+from titans.runtime.checkpoint import run_folder_of
 from titans.runtime.device import resolve_device
 from titans.runtime.loading import load_checkpoint_from
 from titans.training import perplexity as _heldout
@@ -140,8 +141,8 @@ def run_ppl(args) -> int:
     """``titans eval ppl``: load a checkpoint, score held-out text, print and write JSON."""
     loaded = load_checkpoint_from(args.checkpoint)
     checkpoint = loaded.path
-    out = Path(args.out) if args.out else checkpoint.parent.parent / "eval_ppl.json"  # the run folder
-    check_writable(out)
+    out = Path(args.out) if args.out else run_folder_of(checkpoint) / "eval_ppl.json"
+    check_writable(out, {"--data": args.data})
     device = resolve_device(args.device)
     model, cfg, tokenizer = load_model(loaded, map_location=device)
     seq_len = cfg.seq_len if args.seq_len is None else args.seq_len
@@ -229,5 +230,10 @@ def add_ppl_parser(evals) -> None:
         help="precision, as the trainer's dtype: bfloat16 (bf16 autocast), float32, auto (bf16 on CUDA, "
         "float32 on CPU) (default: the run's dtype, as the trainer scored it)",
     )
-    p.add_argument("--out", type=path_arg, default=None, help="JSON output (default: RUN_DIR/eval_ppl.json)")
+    p.add_argument(
+        "--out",
+        type=path_arg,
+        default=None,
+        help="JSON output (default: RUN_DIR/eval_ppl.json; a checkpoint folder outside a run: in it)",
+    )
     p.set_defaults(func=run_ppl)

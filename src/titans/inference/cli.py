@@ -83,12 +83,13 @@ def read_text_blocks(path: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> Itera
             stream.detach()  # leaves sys.stdin's buffer open
 
 
-def check_save_state(path: str) -> None:
+def check_save_state(path: str, inputs: dict[str, str | None] | None = None) -> None:
     """Refuse a --save-state that could not be written (a folder, a file where its folder should be, no
-    permission) before any work: the write comes only after the whole text was read."""
+    permission, one of the command's `inputs`) before any work: the write comes only after the whole text
+    was read."""
     if Path(path).is_dir():
         raise ValueError(f"--save-state {path!r} is a folder; give a file name (e.g. state.safetensors)")
-    check_writable(path)
+    check_writable(path, inputs)
 
 
 def weights_id(checkpoint: Checkpoint) -> str | None:
@@ -118,7 +119,7 @@ def run_read(args: argparse.Namespace) -> int:
     path = Path(args.input)
     if args.input != "-" and not path.is_file():
         raise FileNotFoundError(f"--input: no such file {str(path)!r}")
-    check_save_state(args.save_state)
+    check_save_state(args.save_state, {"--input": None if args.input == "-" else args.input})
     device = resolve_device(args.device)
     checkpoint = checkpoint_of(args.checkpoint)
     model, tokenizer = load_trained(checkpoint, map_location=device)

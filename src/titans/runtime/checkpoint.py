@@ -263,6 +263,13 @@ def _step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def run_folder_of(checkpoint: str | Path) -> Path:
+    """The run folder of a checkpoint a run saved (``<run>/checkpoints/step_N``), else the checkpoint's own
+    folder (one copied out of its run): where results about it go by default."""
+    path = Path(checkpoint)
+    return path.parent.parent if path.parent.name == CHECKPOINTS else path
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Checkpoint folders of a run, oldest step first (not verified)."""
     return [p for _, p in _step_dirs(Path(run_dir))]

@@ -31,6 +31,7 @@ from titans.runtime.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
+    run_folder_of,
 )
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def tokenizer_from_record(record: dict[str, Any], checkpoint: Path | None = None
     (the file gone, or its contents changed since) from the run's copy; a tokenizer whose contents differ
     from the checkpoint's, with no matching copy, is refused."""
     spec = record.get("spec", DEFAULT_TOKENIZER)
-    copy = checkpoint.parent.parent / TOKENIZER_DIR / Path(spec).name if checkpoint else None
+    copy = run_folder_of(checkpoint) / TOKENIZER_DIR / Path(spec).name if checkpoint else None
     try:
         tokenizer = load_tokenizer(spec)
     except FileNotFoundError:

@@ -50,9 +50,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     else:
         source = "--prompt"
     out = Path(args.out)
-    if args.text is not None and out.exists() and out.resolve() == path.resolve():
-        raise ValueError(f"--out {args.out!r} is the --text file: the report would replace the text")
-    check_writable(out)  # before the trace: a report that cannot be written loses it
+    check_writable(out, {"--text": args.text})  # before the trace: a report that cannot be written loses it
     device = resolve_device(args.device)
     model, tokenizer = load_trained(args.checkpoint, map_location=device)
     if args.threshold is not None:
