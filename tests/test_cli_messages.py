@@ -72,7 +72,22 @@ def test_a_missing_file_reads_as_such(tmp_path, capsys):
             ["forecast", "train", "--series", "x.csv", "--lr", "nan"],
             "ForecastRun.lr must be a finite number >= 0",
         ),
-        (["train", "--steps", "2", "--tokens", "640"], "--steps and --tokens contradict each other"),
+        (
+            ["train", "--steps", "2", "--tokens", "640"],
+            "steps and tokens (--steps, --tokens, --set) contradict",
+        ),
+        # through --set the token budget won over --steps (and over a --set steps the flag --tokens)
+        (["train", "--steps", "1", "--set", "tokens=640"], "steps and tokens (--steps, --tokens, --set)"),
+        (["train", "--tokens", "640", "--set", "steps=2"], "steps and tokens (--steps, --tokens, --set)"),
+        # every config had trained as the one variant, into the folders named after the others
+        (
+            ["train", "--compare", "a.json", "b.json", "--variant", "swa"],
+            "--compare varies variant by config",
+        ),
+        (
+            ["train", "--compare", "a.json", "b.json", "--set", "run_dir=r"],
+            "--compare varies run_dir by config",
+        ),
         (["train", "--config", "nowhere.json", "--compare", "a.json", "b.json"], "--config and --compare"),
         (["train", "--set", "cache_dir= ", "--steps", "1"], "TrainConfig.cache_dir: an empty path"),
         (["demo", "--pairs", "0"], "--pairs must be >= 1, got 0"),  # printed NaN surprises

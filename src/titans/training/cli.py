@@ -156,10 +156,13 @@ def _run_train(args: argparse.Namespace) -> int:
         raise ValueError("--resume and --overwrite contradict each other: choose one")
     if args.compare and args.config:
         raise ValueError("--config and --compare contradict each other: --compare trains its own configs")
-    if args.steps is not None and args.tokens is not None:  # a token budget sets the steps
-        raise ValueError("--steps and --tokens contradict each other: give one budget")
     overrides = overrides_from_args(args)
+    if "steps" in overrides and "tokens" in overrides:  # a token budget sets the steps
+        raise ValueError("steps and tokens (--steps, --tokens, --set) contradict each other: give one budget")
     if args.compare:
+        varied = sorted({"variant", "run_dir"} & overrides.keys())
+        if varied:  # each config trains its own variant in its own folder: one override would make them one
+            raise ValueError(f"--compare varies {' and '.join(varied)} by config: do not override it")
         configs = [TrainConfig.from_file(p, overrides) for p in args.compare]
         _comparable(configs, args.compare)
         for cfg in configs:  # every run folder, before the first config trains
