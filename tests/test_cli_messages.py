@@ -78,6 +78,13 @@ def test_a_missing_file_reads_as_such(tmp_path, capsys):
         ),
         # through --set the token budget won over --steps (and over a --set steps the flag --tokens)
         (["train", "--steps", "1", "--set", "tokens=640"], "steps and tokens (--steps, --tokens, --set)"),
+        (
+            ["dna", "study", "--seed", "7", "--seeds", "0"],
+            "give --seed or --seeds, not both",
+        ),  # --seed dropped
+        # accepted, then written into result.json / dna.json as Infinity (not JSON)
+        (["forecast", "train", "--time-budget", "inf"], "ForecastRun.time_budget must be finite seconds > 0"),
+        (["dna", "study", "--time-budget", "inf"], "DNABudget.time_budget must be finite seconds > 0"),
         (["train", "--tokens", "640", "--set", "steps=2"], "steps and tokens (--steps, --tokens, --set)"),
         # every config had trained as the one variant, into the folders named after the others
         (
@@ -580,3 +587,14 @@ def test_an_eval_output_that_cannot_be_written_is_refused_before_scoring(tmp_pat
     assert titans_main(argv) == 2
     err = error_line(capsys)
     assert err == f"titans eval {command[0]}: error: not a directory: {str(blocker)!r}", err
+
+
+def test_forecast_train_checks_its_output_folder_before_training(tmp_path, capsys, monkeypatch):
+    """`forecast train --out FILE` trained every step, then failed to make the folder (the work lost)."""
+    import titans.forecast.cli as forecast_cli
+
+    monkeypatch.setattr(forecast_cli, "train_forecaster", lambda *a, **k: pytest.fail("trained first"))
+    (tmp_path / "afile").write_text("")
+    argv = ["forecast", "train", "--model", "linear", "--steps", "3", "--out", str(tmp_path / "afile")]
+    assert titans_main(argv) == 2
+    assert "afile" in error_line(capsys)

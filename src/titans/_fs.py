@@ -84,10 +84,15 @@ def _check_writable_in(path: Path) -> None:
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` all or nothing: a temporary file in the same folder, flushed to
-    disk, then renamed over ``path``. A write that fails part-way (a full disk) leaves the previous file as
-    it was, never a truncated one; the file gets the mode ``open()`` would have given it. A symlink is
-    written through (its target replaced); a device or folder at ``path`` is refused (`atomic_target`)."""
+    """Write ``text`` (UTF-8) to ``path`` all or nothing (`write_bytes_atomic`)."""
+    return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` all or nothing: a temporary file in the same folder, flushed to disk,
+    then renamed over ``path``. A write that fails part-way (a full disk) or a kill leaves the previous
+    file as it was, never a truncated one; the file gets the mode ``open()`` would have given it. A symlink
+    is written through (its target replaced); a device or folder at ``path`` is refused (`atomic_target`)."""
     given, path = Path(path), atomic_target(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,8 +100,8 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     except OSError as e:  # named after the file asked for, not its hidden temporary
         raise OSError(e.errno, e.strerror, str(path)) from e
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         ordinary_mode(tmp)

@@ -39,7 +39,10 @@ from titans.validation import check_distinct, did_you_mean, path_arg, seed_arg, 
 
 
 def _budget(args) -> DNABudget:
-    return DNABudget(**{f.name: getattr(args, f.name) for f in fields(DNABudget)})
+    given = {f.name: getattr(args, f.name) for f in fields(DNABudget)}
+    if given["seed"] is None:  # --seed defaults to None to tell it from a given one (study: not with --seeds)
+        del given["seed"]
+    return DNABudget(**given)
 
 
 def _fasta(spec: str) -> Path:
@@ -84,7 +87,9 @@ def cmd_study(args) -> int:
         raise ValueError(
             f"unknown variant(s) {bad}; expected from {', '.join(VARIANTS)}" + did_you_mean(bad[0], VARIANTS)
         )
-    seeds = [args.seed] if args.seeds is None else args.seeds
+    if args.seeds is not None and args.seed is not None:  # --seed had been dropped without a word
+        raise ValueError("give --seed or --seeds, not both")
+    seeds = [_budget(args).seed] if args.seeds is None else args.seeds
     records = read_fasta(_fasta(args.fasta))
     builtin = f"builtin (titans/data/genomes/{dm3_sample_path().name})"
     out = Path(args.out)
@@ -237,7 +242,8 @@ def cmd_classify(args) -> int:
     return 0
 
 
-def _budget_options(p) -> None:
+def _budget_options(p, converges: bool) -> None:
+    """The budget's options; `converges`: the command has `_convergence_options` (--patience, ...)."""
     d = DNABudget()
     p.add_argument(
         "--pretrain-steps", dest="pretrain_steps", type=int, default=d.pretrain_steps, help="LM steps"
@@ -248,7 +254,9 @@ def _budget_options(p) -> None:
         dest="finetune_steps",
         type=int,
         default=d.finetune_steps,
-        help="classifier steps (at most, with --patience / --time-budget)",
+        help="classifier steps (at most, with --patience / --time-budget)"
+        if converges
+        else "classifier steps",
     )
     p.add_argument(
         "--batch-size", dest="batch_size", type=int, default=d.batch_size, help="sequences per step"
@@ -269,7 +277,7 @@ def _budget_options(p) -> None:
     p.add_argument("--depth", type=int, default=d.depth, help="blocks")
     p.add_argument("--heads", type=int, default=d.heads, help="attention / memory heads")
     p.add_argument("--window", type=int, default=d.window, help="sliding window (swa, mag, mal; mac segment)")
-    p.add_argument("--seed", type=seed_arg, default=d.seed, help="seed")
+    p.add_argument("--seed", type=seed_arg, default=None, help=f"seed (default: {d.seed})")
     p.add_argument(
         "--eval-windows",
         dest="eval_windows",
@@ -329,7 +337,7 @@ def register(commands, evals) -> None:
         help="keep the seeds of --out's dna.json made with the same data, variants and budget (and the "
         "same split counts and reference baselines)",
     )
-    _budget_options(p)
+    _budget_options(p, converges=True)
     _convergence_options(p)
     p.set_defaults(func=cmd_study)
     p = sub.add_parser("classify", help="fine-tune on labelled sequences (GenomicsBenchmarks format)")
@@ -340,7 +348,7 @@ def register(commands, evals) -> None:
         "--length", type=int, default=None, help="sequence length (default: the longest train one)"
     )
     p.add_argument("--pretrain-fasta", default=None, help="pre-train the LM on this FASTA first (or builtin)")
-    _budget_options(p)
+    _budget_options(p, converges=False)
     p.set_defaults(func=cmd_classify, val_every=DNABudget.val_every, patience=None, time_budget=None)
 
 

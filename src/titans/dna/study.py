@@ -79,8 +79,10 @@ class DNABudget:
         for name in ("lr", "finetune_lr"):
             if not getattr(self, name) > 0 or not math.isfinite(getattr(self, name)):
                 raise ValueError(f"DNABudget.{name} must be a positive number, got {getattr(self, name)!r}")
-        if self.time_budget is not None and not self.time_budget > 0:
-            raise ValueError(f"DNABudget.time_budget must be > 0 seconds or None, got {self.time_budget!r}")
+        if self.time_budget is not None and not 0 < self.time_budget < math.inf:  # inf: not strict JSON
+            raise ValueError(
+                f"DNABudget.time_budget must be finite seconds > 0 or None, got {self.time_budget!r}"
+            )
 
 
 def pretrain(

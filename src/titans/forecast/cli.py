@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from titans._fs import check_writable, write_bytes_atomic, write_text_atomic
 from titans.data.series import load_series, split_series
 from titans.forecast.model import FORECAST_MODELS
 from titans.forecast.seeds import aggregate_studies, aggregate_table, plot_aggregate
@@ -96,14 +98,17 @@ def _split(args):
 def cmd_train(args) -> int:
     run = _run(args, args.model, args.horizon)  # its options checked before the series is read
     split = _split(args)
+    out = Path(args.out)
+    for name in ("model.pt", "result.json", "forecast.png"):  # before training: a failed write loses it
+        check_writable(out / name)
     # a SIGTERM / SIGINT stops training after the current step: the best weights so far are measured and
     # written as usual, then the command exits 128 + the signal's number
     result = train_forecaster(split, run, progress=not args.no_progress, handle_signals=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     record = {**run_record(split, result), "series_spec": args.series, "date_column": args.date_column}
-    (out / "result.json").write_text(json.dumps(record, indent=2) + "\n")
-    torch.save({"record": record, "state_dict": result.model.state_dict()}, out / "model.pt")
+    model = io.BytesIO()
+    torch.save({"record": record, "state_dict": result.model.state_dict()}, model)
+    write_bytes_atomic(out / "model.pt", model.getvalue())  # each file whole or not at all
+    write_text_atomic(out / "result.json", json.dumps(record, indent=2, allow_nan=False) + "\n")
     _, _, test = split.windows(args.horizon)
     plot_forecasts(
         out / "forecast.png",

@@ -65,8 +65,10 @@ class ForecastRun:
             raise ValueError(f"ForecastRun.patience must be >= 1 or None, got {self.patience}")
         if not self.lr >= 0 or not math.isfinite(self.lr):  # NaN reached AdamW: "Invalid learning rate: nan"
             raise ValueError(f"ForecastRun.lr must be a finite number >= 0, got {self.lr!r}")
-        if self.time_budget is not None and not self.time_budget > 0:
-            raise ValueError(f"ForecastRun.time_budget must be > 0 seconds or None, got {self.time_budget}")
+        if self.time_budget is not None and not 0 < self.time_budget < math.inf:  # inf: not strict JSON
+            raise ValueError(
+                f"ForecastRun.time_budget must be finite seconds > 0 or None, got {self.time_budget}"
+            )
 
 
 @dataclass
