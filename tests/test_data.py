@@ -340,6 +340,15 @@ def test_token_cache_is_reused_keyed_and_repaired(tmp_path, bpe_path, caplog):
         third = load_token_streams(src, tok, cache_dir=tmp_path, heldout_fraction=0.1)
     assert "damaged" in caplog.text
     np.testing.assert_array_equal(first.train.tokens, third.train.tokens)
+    # an empty array file (EOFError) or a garbled .npy header (tokenize.TokenError) had failed every load
+    for damage in (lambda b: b"", lambda b: b[:10] + b"(((((((" + b[17:]):
+        npy = entries[0] / "heldout.npy"
+        npy.write_bytes(damage(npy.read_bytes()))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            again = load_token_streams(src, tok, cache_dir=tmp_path, heldout_fraction=0.1)
+        assert "damaged" in caplog.text
+        np.testing.assert_array_equal(first.heldout.tokens, again.heldout.tokens)
 
 
 def test_token_cache_sees_edits_that_keep_size_and_mtime_and_flipped_bytes(tmp_path, caplog):

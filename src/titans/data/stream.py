@@ -55,7 +55,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from titans._fs import ordinary_mode
+from titans._fs import ordinary_mode, write_text_atomic
 from titans.data.sources import TextSource, file_stamp, load_source
 from titans.data.split import DEFAULT_SALT, split_documents, split_tail
 from titans.data.tokenizers import ByteTokenizer, Tokenizer
@@ -236,8 +236,9 @@ def _read_cache(entry: Path, tokenizer_name: str, spec: str) -> TokenStreams | N
                 digest = found
             streams[name] = (tokens, int(info["n_bytes"]), tuple(info["document_ids"]), digest)
         return _streams(streams, spec, tokenizer_name)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        log.warning("token cache %s is damaged (%s); rebuilding it", entry, e)
+    except Exception as e:  # noqa: BLE001 - the cache only saves time: any damage (an empty .npy raises
+        # EOFError, a garbled header tokenize.TokenError) is rebuilt, never left to fail every later load
+        log.warning("token cache %s is damaged (%s: %s); rebuilding it", entry, type(e).__name__, e)
         return None
 
 
@@ -260,7 +261,10 @@ def _write_cache(entry: Path, built: dict, meta: dict, replace_damaged: bool) ->
         ordinary_mode(tmp)  # mkdtemp's folder is private; the cache entry is an ordinary folder
         meta = dict(meta, splits={})
         for name, (tokens, n_bytes, ids, digest) in built.items():
-            np.save(tmp / f"{name}.npy", tokens)
+            with open(tmp / f"{name}.npy", "wb") as f:  # on disk before the folder is renamed into place
+                np.save(f, tokens)
+                f.flush()
+                os.fsync(f.fileno())
             meta["splits"][name] = {
                 "n_tokens": int(tokens.shape[0]),
                 "n_bytes": n_bytes,
@@ -268,7 +272,7 @@ def _write_cache(entry: Path, built: dict, meta: dict, replace_damaged: bool) ->
                 "digest": digest,
                 "stamp": file_stamp(tmp / f"{name}.npy"),  # moving the folder into place keeps it
             }
-        (tmp / "meta.json").write_text(json.dumps(meta))
+        write_text_atomic(tmp / "meta.json", json.dumps(meta))  # flushed to disk too
         if replace_damaged:
             shutil.rmtree(entry, ignore_errors=True)
         try:
