@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from functools import partial
@@ -397,6 +399,44 @@ def test_save_pretrained_refuses_before_writing(tmp_path):
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="push_to_hub"):  # it would upload before the remote code is written
         TitansForCausalLM.from_titans(model).save_pretrained(tmp_path / "out", push_to_hub=True)
+
+
+def test_save_pretrained_over_a_folder_is_all_or_nothing_with_ordinary_modes(tmp_path, monkeypatch):
+    """An export over an earlier one wrote file by file into it: stopped part-way (a kill), the new
+    config.json sat beside the old weights and loaded as a model of random weights. It is written beside
+    the folder and renamed into place; a failure leaves the earlier export whole. transformers writes the
+    weights 0600: every file gets the mode open() gives (a served folder other users read)."""
+    import stat
+
+    import titans.hf
+    from titans.data.tokenizers import ByteTokenizer
+    from titans.hf import tokenization
+
+    out = tmp_path / "hf"
+    mac = shared_model("mac", vocab_size=256, dtype=torch.float32)
+    umask = os.umask(0o022)
+    try:
+        titans.hf.save_pretrained(mac, out, ByteTokenizer())
+    finally:
+        os.umask(umask)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {0o644}
+    (out / "README.md").write_text("my model card\n")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def fails(*args, **kwargs):  # after the model's files were written
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tokenization.PreTrainedTokenizerFast, "save_pretrained", fails, raising=False)
+    mal = shared_model("mal", vocab_size=256, dtype=torch.float32)
+    with pytest.raises(OSError, match="No space"):
+        titans.hf.save_pretrained(mal, out, ByteTokenizer())
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary folder left
+    monkeypatch.undo()
+    titans.hf.save_pretrained(mal, out, ByteTokenizer())
+    assert json.loads((out / "config.json").read_text())["titans"]["variant"] == "mal"
+    assert (out / "README.md").read_text() == "my model card\n"  # the folder's other files stay
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
 def test_export_hf_command_writes_a_folder_pipeline_loads(tmp_path, capsys):

@@ -13,8 +13,11 @@ id for bytes, each of which is text) and the tokenizer as a transformers fast to
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
+from titans._fs import ordinary_mode
 from titans.data.tokenizers import Tokenizer
 from titans.hf.modeling import TitansForCausalLM
 from titans.hf.tokenization import special_token_ids, to_hf_tokenizer
@@ -41,14 +44,39 @@ def save_pretrained(
         hf_tokenizer = to_hf_tokenizer(tokenizer)
         ids = special_token_ids(tokenizer)
     out = Path(path).expanduser()
-    before = {p for p in out.rglob("*") if p.is_file()} if out.is_dir() else set()
-    times = {p: p.stat().st_mtime_ns for p in before}
-    TitansForCausalLM.from_titans(model, **ids).save_pretrained(out)
-    if hf_tokenizer is not None:
-        hf_tokenizer.save_pretrained(out)
-    return sorted(
-        p for p in out.rglob("*") if p.is_file() and (p not in before or p.stat().st_mtime_ns != times[p])
-    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # written beside `out`, then renamed into place: a kill or a failure part-way leaves the folder as it
+    # was (a new config.json beside the old weights had loaded, their keys reported, as a random model)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        TitansForCausalLM.from_titans(model, **ids).save_pretrained(tmp)
+        if hf_tokenizer is not None:
+            hf_tokenizer.save_pretrained(tmp)
+        written = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file())
+        for p in (tmp, *tmp.rglob("*")):  # transformers writes the weights 0600, tempfile the folder 0700
+            ordinary_mode(p)
+        if out.is_dir():
+            _replace_folder(tmp, out)
+        else:
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [out / p for p in written]
+
+
+def _replace_folder(new: Path, out: Path) -> None:
+    """Put the folder `new` at `out`, an existing folder, by two renames; the files of `out` that `new`
+    lacks are moved into it after (an export writes into a folder: a model card there stays)."""
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    old.rmdir()  # a free name for the rename
+    os.replace(out, old)
+    os.replace(new, out)
+    for p in sorted(old.rglob("*")):
+        target = out / p.relative_to(old)
+        if p.is_file() and not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(p, target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 __all__ = ["save_pretrained"]
