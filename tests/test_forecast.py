@@ -207,6 +207,34 @@ def test_eval_rebuilds_the_trained_model_and_names_a_damaged_file(tmp_path, caps
     assert err.startswith("titans forecast eval: error: ") and "model.pt is damaged" in err
 
 
+def test_eval_refuses_a_model_whose_weights_were_flipped(tmp_path, capsys):
+    """Bytes flipped inside a tensor of model.pt loaded (torch's zip reader checks no CRC) and were scored
+    as the trained model; the weights' digest saved beside them finds it."""
+    import zipfile
+
+    from titans.cli import main
+
+    path = _write_csv(tmp_path / "ecl.csv", 700, ["MT_001", "MT_002"])
+    out, model = tmp_path / "run", tmp_path / "run" / "model.pt"
+    common = ["--series", str(path), "--lookback", "32", "--horizon", "8", "--no-progress"]
+    assert main(["forecast", "train", *common, "--model", "linear", "--steps", "2", "--out", str(out)]) == 0
+    with zipfile.ZipFile(model) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    raw = bytearray(model.read_bytes())
+    at = info.header_offset  # the local header: 30 bytes, then the name and extra field, then the data
+    start = (
+        at
+        + 30
+        + int.from_bytes(raw[at + 26 : at + 28], "little")
+        + int.from_bytes(raw[at + 28 : at + 30], "little")
+    )
+    raw[start + info.file_size // 2] ^= 0x40
+    model.write_bytes(bytes(raw))
+    capsys.readouterr()
+    assert main(["forecast", "eval", "--run", str(out)]) == 2
+    assert "model.pt is damaged" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "change, want",
     [

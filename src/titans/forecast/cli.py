@@ -34,6 +34,7 @@ from titans.forecast.train import (
     series_digest,
     train_forecaster,
 )
+from titans.models.state import tensors_digest
 from titans.runtime.device import set_cpu_threads
 from titans.training.signals import exit_status
 from titans.validation import check_distinct, did_you_mean, path_arg, seed_arg, seed_list
@@ -106,7 +107,8 @@ def cmd_train(args) -> int:
     result = train_forecaster(split, run, progress=not args.no_progress, handle_signals=True)
     record = {**run_record(split, result), "series_spec": args.series, "date_column": args.date_column}
     model = io.BytesIO()
-    torch.save({"record": record, "state_dict": result.model.state_dict()}, model)
+    weights = result.model.state_dict()  # with their digest: torch's zip reader checks no CRC
+    torch.save({"record": record, "state_dict": weights, "sha256": tensors_digest(weights)}, model)
     write_bytes_atomic(out / "model.pt", model.getvalue())  # each file whole or not at all
     write_text_atomic(out / "result.json", json.dumps(record, indent=2, allow_nan=False) + "\n")
     _, _, test = split.windows(args.horizon)
@@ -134,6 +136,9 @@ def cmd_eval(args) -> int:
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
         rec = saved["record"]
+        # flipped bytes in a tensor load as other weights (torch checks no CRC): the digest finds them
+        if "sha256" in saved and tensors_digest(saved["state_dict"]) != saved["sha256"]:
+            raise ValueError("its weights do not match the digest it records")
     except Exception as e:  # torch.load raises many types for a damaged file (OSError, pickle errors, ...)
         raise ValueError(
             f"--run {args.run!r}: model.pt is damaged or not a `titans forecast train` file"

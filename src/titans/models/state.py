@@ -280,7 +280,8 @@ def _decode(spec: Any, tensors: dict[str, Tensor], where: str) -> Any:
     raise StateFileError(f"{where}: malformed state header entry {str(spec)[:80]!r}")
 
 
-def _digest(tensors: dict[str, Tensor]) -> str:
+def tensors_digest(tensors: dict[str, Tensor]) -> str:
+    """sha256 of every tensor's name, dtype, shape and bytes, in name order (any device or layout)."""
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
@@ -295,7 +296,7 @@ def state_digest(state: TitansState | None) -> str:
     its metadata freely); this is."""
     tensors = {} if state is None else state_tensors(state)
     position = 0 if state is None else state.position
-    return hashlib.sha256(f"position={position}|{_digest(tensors)}".encode()).hexdigest()
+    return hashlib.sha256(f"position={position}|{tensors_digest(tensors)}".encode()).hexdigest()
 
 
 # ------------------------------------------------------------------------------------------ files
@@ -355,7 +356,7 @@ def _file_contents(state: TitansState, refusal: str) -> tuple[dict[str, Tensor],
         "titans.config": json.dumps(dict(state.config) if state.config is not None else None),
         "titans.position": str(int(state.position)),
         "titans.layers": json.dumps(layers),
-        "titans.sha256": _digest(tensors),
+        "titans.sha256": tensors_digest(tensors),
     }
     return tensors, metadata
 
@@ -444,7 +445,7 @@ def _build_state(
     extra = sorted(set(tensors) - set(used))
     if extra:
         raise StateFileError(f"{where} holds tensors no layer uses: {extra[:5]}")
-    if _digest(tensors) != header["sha256"]:
+    if tensors_digest(tensors) != header["sha256"]:
         raise StateFileError(f"{where} is corrupted: its tensors do not match the header checksum")
     config = header["config"]
     # read-only, as the states a model returns carry it
