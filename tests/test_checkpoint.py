@@ -169,6 +169,36 @@ def test_truncated_and_bit_flipped_files_are_refused(tmp_path):
         load_checkpoint(tmp_path / "nowhere")
 
 
+def test_an_edited_config_in_meta_json_is_refused(tmp_path):
+    """The files' hashes did not cover meta.json's config: a checkpoint whose config was edited (another
+    attention window) loaded and ran as another model; another width failed in torch with a traceback.
+    A meta.json of a checkpoint saved before the config's digest was recorded loads as before."""
+    model, _, trainer = _trained_state()
+    path = _save(tmp_path, 1, model, trainer)
+    meta = json.loads((path / "meta.json").read_text())
+    edited = dict(meta, config={**meta["config"], "dim": 13})
+    (path / "meta.json").write_text(json.dumps(edited))
+    with pytest.raises(CheckpointError, match=r"meta\.json.*config does not match the sha256 it records"):
+        load_checkpoint(path)
+    del edited["config_sha256"]
+    (path / "meta.json").write_text(json.dumps(edited))
+    assert load_checkpoint(path).config["dim"] == 13
+    for config in ([1, 2], {"model": [1, 2]}, {"train": "x"}):  # a TypeError / AttributeError later
+        (path / "meta.json").write_text(json.dumps(dict(edited, config=config)))
+        with pytest.raises(CheckpointError, match=r"meta\.json.*corrupted: its (config|model|train) must be"):
+            load_checkpoint(path)
+
+
+def test_weights_that_do_not_fit_the_config_are_one_line():
+    from tiny_lm import tiny_model
+    from titans.runtime.loading import load_weights
+
+    small, wide = tiny_model("mac"), tiny_model("mac", dim=32)
+    with pytest.raises(ValueError, match=r"^the weights do not fit .*size mismatch for embed\.weight") as e:
+        load_weights(wide, small.state_dict())
+    assert "\n" not in str(e.value) and "more)" in str(e.value)
+
+
 def test_run_folder_checkpoint_is_hashed_once(tmp_path, monkeypatch):
     """latest_checkpoint hashes the files; loading what it picked (verified=True) does not hash them
     again, but still refuses a file whose size no longer matches."""
@@ -184,7 +214,7 @@ def test_run_folder_checkpoint_is_hashed_once(tmp_path, monkeypatch):
         return file_hash(p)
 
     def count_bytes(*data):  # hashlib.sha256(data): a whole file in memory (_sha256_file streams)
-        if data:
+        if data and not data[0].startswith(b"{"):  # not meta.json's config (its digest is checked too)
             hashed.append("bytes")
         return bytes_hash(*data)
 

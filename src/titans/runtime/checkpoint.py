@@ -325,6 +325,7 @@ def save_checkpoint(
             "format": FORMAT_VERSION,
             "step": step,
             "config": config,
+            "config_sha256": _config_digest(config),
             "files": files,
             "torch": torch.__version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -403,6 +404,11 @@ def _prune(root: Path, keep_last: int | None, step: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def _config_digest(config: Any) -> str:
+    """sha256 of a config in canonical JSON: the files' hashes do not cover meta.json's own config."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 # --------------------------------------------------------------------------------------------- load
 def _read_meta(path: Path) -> dict[str, Any]:
     meta_path = path / META_FILE
@@ -422,6 +428,23 @@ def _read_meta(path: Path) -> dict[str, Any]:
         ) from e
     if meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{str(meta_path)!r}: unsupported checkpoint format {meta.get('format')!r}")
+    config = meta.get("config") or {}
+    if not isinstance(config, dict):
+        wrong = ["config"]
+    else:  # a list or a string here failed later with a TypeError or AttributeError
+        wrong = [
+            k for k in ("train", "model", "tokenizer") if k in config and not isinstance(config[k], dict)
+        ]
+    if wrong:
+        raise CheckpointError(
+            f"{str(meta_path)!r} is corrupted: its {', '.join(wrong)} must be a JSON object"
+        )
+    # a config edited or damaged since the save (another window, another width) was loaded as the run's
+    if "config_sha256" in meta and _config_digest(meta.get("config")) != meta["config_sha256"]:
+        raise CheckpointError(
+            f"{str(meta_path)!r}: its config does not match the sha256 it records (edited or damaged since "
+            "the checkpoint was written)"
+        )
     return meta
 
 

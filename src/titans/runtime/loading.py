@@ -135,7 +135,14 @@ def load_weights(model: TitansLM, state: dict[str, torch.Tensor]) -> None:
     state = dict(state)
     if model.config.tie_embeddings and "head.weight" not in state and "embed.weight" in state:
         state["head.weight"] = state["embed.weight"]
-    model.load_state_dict(state, strict=True)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:  # torch's message: a header line, then one line per tensor (a traceback above)
+        problems = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ValueError(
+            f"the weights do not fit the model its config describes: {'; '.join(problems[:3])}{more}"
+        ) from None
     if model.config.tie_embeddings:
         model.head.weight = model.embed.weight  # keep the tie whatever load_state_dict did
 
