@@ -381,6 +381,13 @@ def test_dna_study_resume_keeps_finished_seeds(tmp_path, capsys):
     assert "kept from" not in capsys.readouterr().out
     rerun = json.loads(path.read_text())["runs"][0]
     assert rerun["reference"] == first["reference"] and "dropped" in rerun
+    # a damaged dna.json: a traceback (a list, a run that is a number) or an error naming no file
+    for damaged in ("[1, 2]", '{"runs": [5]}', ""):
+        path.write_text(damaged)
+        assert main(["dna", "study", *tiny.split(), "--seeds", "0", "--resume"]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "dna.json' is not a readable dna study JSON" in err
+        assert path.read_text() == damaged
 
 
 def _study_without_training(monkeypatch, records, budget):

@@ -58,20 +58,26 @@ def _finished_runs(
     split or scored otherwise is not kept); {} when there is none."""
     if not path.is_file():
         return {}
-    doc = json.loads(path.read_text())
     same = {k: v for k, v in asdict(budget).items() if k != "seed"}
     summary = json.loads(json.dumps(summary))  # as read back from JSON: lists, not tuples
     kept = {}
-    for run in doc.get("runs", []):
-        rows = run.get("variants", {})
-        if (
-            doc.get("fasta") == fasta
-            and list(rows) == variants
-            and {k: v for k, v in run["budget"].items() if k != "seed"} == same
-            and all(("scratch" in row) == scratch for row in rows.values())
-            and all(run.get(k) == v for k, v in summary.items())
-        ):
-            kept[run["budget"]["seed"]] = run
+    try:
+        doc = json.loads(path.read_text())
+        for run in doc.get("runs", []):
+            rows = run.get("variants", {})
+            if (
+                doc.get("fasta") == fasta
+                and list(rows) == variants
+                and {k: v for k, v in run["budget"].items() if k != "seed"} == same
+                and all(("scratch" in row) == scratch for row in rows.values())
+                and all(run.get(k) == v for k, v in summary.items())
+            ):
+                kept[run["budget"]["seed"]] = run
+    except (OSError, ValueError, AttributeError, KeyError, TypeError) as e:  # damaged, or not a study's
+        raise ValueError(
+            f"--resume: {str(path)!r} is not a readable dna study JSON ({type(e).__name__}: {e}); move it "
+            "away to start the study again"
+        ) from None
     return kept
 
 
