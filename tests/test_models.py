@@ -344,6 +344,12 @@ def test_bad_config_file(tmp_path):
     (tmp_path / "bad.json").write_text('{"variant": "mac", "dimension": 3}')
     with pytest.raises(ValueError, match="dimension"):
         TitansConfig.load(tmp_path / "bad.json")
+    # a file in Latin-1 raised UnicodeDecodeError naming no file; one saved as UTF-16 is read
+    (tmp_path / "latin1.json").write_bytes('{"variant": "mac", "x": "\xe9"}'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.json' is not valid JSON"):
+        TitansConfig.load(tmp_path / "latin1.json")
+    (tmp_path / "utf16.json").write_text('{"variant": "swa", "dim": 32}', encoding="utf-16")
+    assert TitansConfig.load(tmp_path / "utf16.json").variant == "swa"
 
 
 def test_bad_tokens_and_state():

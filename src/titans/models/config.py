@@ -21,9 +21,9 @@ def read_json_object(path: str | Path, owner: str) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{owner}: no config file at {str(path)!r}")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    try:  # bytes: json detects UTF-8 / 16 / 32 and a byte-order mark, whatever the locale
+        data = json.loads(path.read_bytes())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError (a file in another encoding)
         raise ValueError(f"{owner}: {str(path)!r} is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise ValueError(f"{owner}: {str(path)!r} must hold a JSON object")
