@@ -486,3 +486,10 @@ def test_read_refuses_to_save_its_state_over_its_input(tmp_path, capsys):
     argv = ["read", "--checkpoint", str(tmp_path / "nowhere"), "--input", str(doc), "--save-state", str(doc)]
     assert titans_main(argv) == 2
     assert "is the --input file" in one_error_line(capsys) and doc.read_text() == "12 3\n"
+
+
+def test_presets_reads_a_variant_list_with_spaces(capsys):
+    """`titans presets --variants 'mac, swa'` was refused ("got ' swa'"); every other list strips blanks."""
+    assert titans_main(["presets", "--variants", "mac, swa"]) == 0
+    header = capsys.readouterr().out.splitlines()[0].split()
+    assert header == ["preset", "mac", "swa"]

@@ -82,6 +82,19 @@ def test_a_missing_file_reads_as_such(tmp_path, capsys):
             ["dna", "study", "--seed", "7", "--seeds", "0"],
             "give --seed or --seeds, not both",
         ),  # --seed dropped
+        # ignored, and recorded in the result as used
+        (
+            ["eval", "ppl", "--checkpoint", "nowhere", "--text-field", "body"],
+            "--text-field applies to --data",
+        ),
+        (
+            ["eval", "context", "--checkpoint", "nowhere", "--text-field", "b"],
+            "--text-field applies to --data",
+        ),
+        (
+            ["forecast", "train", "--series", "tmy3:greensboro", "--date-column", "Foo"],
+            "date_column apply to a CSV series, not to the bundled 'tmy3:greensboro'",
+        ),
         # accepted, then written into result.json / dna.json as Infinity (not JSON)
         (["forecast", "train", "--time-budget", "inf"], "ForecastRun.time_budget must be finite seconds > 0"),
         (["dna", "study", "--time-budget", "inf"], "DNABudget.time_budget must be finite seconds > 0"),

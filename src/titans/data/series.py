@@ -216,11 +216,19 @@ def read_soiling(site: str) -> Series:
 _BUNDLED_READERS = {"tmy3": read_tmy3, "tmy2": read_tmy2, "soiling": read_soiling}
 
 
+def is_bundled(spec: str) -> bool:
+    """Whether ``spec`` names a bundled series (``tmy3:SITE``, ...) rather than a CSV."""
+    return spec.partition(":")[0] in _BUNDLED_READERS
+
+
 def load_series(spec: str, *, date_column: str | None = None, columns: list[str] | None = None) -> Series:
     """A bundled series (``BUNDLED_SERIES``: ``tmy3:SITE``, ``tmy2:SITE``, ``soiling:SITE``) or a CSV path /
     URL (see the module docstring)."""
     kind, _, site = spec.partition(":")
-    if kind in _BUNDLED_READERS:
+    if is_bundled(spec):
+        given = [name for name, value in (("date_column", date_column), ("columns", columns)) if value]
+        if given:  # they had been ignored, and recorded in the result as used
+            raise ValueError(f"{' and '.join(given)} apply to a CSV series, not to the bundled {spec!r}")
         return _BUNDLED_READERS[kind](site)
     return read_series_csv(spec, date_column=date_column, columns=columns)
 
@@ -340,6 +348,7 @@ def split_series(series: Series, lookback: int = 96, protocol: str = "auto") -> 
 
 __all__ = [
     "BUNDLED_SERIES",
+    "is_bundled",
     "PROTOCOLS",
     "TMY3_SITES",
     "ForecastWindows",

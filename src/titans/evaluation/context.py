@@ -48,9 +48,11 @@ from titans.data.tokenizers import Tokenizer
 from titans.evaluation.args import set_threads, str_list
 from titans.evaluation.perplexity import (
     add_changed_data_arg,
+    add_text_field_arg,
     check_has_heldout_split,
     heldout_description,
     heldout_split,
+    text_field_of,
     whole_source_stream,
 )
 from titans.evaluation.reporting import command_line, plot_or_skip
@@ -584,9 +586,9 @@ def _load_windows(
         return context_windows(stream, args.length, args.windows, what=what), desc
     what = f"text source {args.data!r}"
     if args.per_document:
-        docs = source_documents(args.data, tokenizer, text_field=args.text_field)
+        docs = source_documents(args.data, tokenizer, text_field=text_field_of(args))
         return document_windows(docs, args.length, args.windows, what=what), args.data
-    stream = whole_source_stream(args.data, tokenizer, text_field=args.text_field)
+    stream = whole_source_stream(args.data, tokenizer, text_field=text_field_of(args))
     return context_windows(stream, args.length, args.windows, what=what), args.data
 
 
@@ -594,6 +596,7 @@ def run_context(args: argparse.Namespace) -> int:
     """``titans eval context``: score the checkpoint (its frozen twin, the compared runs) on long windows,
     print the table, write JSON and PNG."""
     set_threads(args)
+    text_field_of(args)  # refused without --data before anything loads
     loaded = load_checkpoint_from(args.checkpoint)
     out = Path(args.out) if args.out else run_folder_of(loaded.path) / "eval_context.json"
     png = out.with_suffix(".png")
@@ -698,7 +701,7 @@ def add_parser(evals) -> None:
     p.add_argument(
         "--data", default=None, help="text source to use in full (default: the checkpoint's held-out split)"
     )
-    p.add_argument("--text-field", default="text", help="JSONL / dataset text field for --data")
+    add_text_field_arg(p)
     add_changed_data_arg(p)
     p.add_argument("--length", type=int, default=65536, help="tokens per window (positions scored)")
     p.add_argument("--windows", type=int, default=8, help="windows (spread over the text) or documents")

@@ -139,6 +139,7 @@ def heldout_description(cfg, change: str | None) -> str:
 
 def run_ppl(args) -> int:
     """``titans eval ppl``: load a checkpoint, score held-out text, print and write JSON."""
+    text_field = text_field_of(args)
     loaded = load_checkpoint_from(args.checkpoint)
     checkpoint = loaded.path
     out = Path(args.out) if args.out else run_folder_of(checkpoint) / "eval_ppl.json"
@@ -152,7 +153,7 @@ def run_ppl(args) -> int:
         stream, change = heldout_split(cfg, tokenizer, data_state, allow_changed=args.allow_changed_data)
         data_desc, what = heldout_description(cfg, change), f"the held-out split of {cfg.data!r}"
     else:
-        stream = whole_source_stream(args.data, tokenizer, text_field=args.text_field)
+        stream = whole_source_stream(args.data, tokenizer, text_field=text_field)
         data_desc, what = args.data, f"text source {args.data!r}"  # as whole_source_stream names it
     windows = EvalWindows(
         stream,
@@ -187,6 +188,20 @@ def run_ppl(args) -> int:
     return 0
 
 
+def add_text_field_arg(p) -> None:
+    p.add_argument("--text-field", default=None, help="JSONL / dataset text field for --data (default: text)")
+
+
+def text_field_of(args) -> str:
+    """``--text-field`` (default "text"), refused without ``--data``: the held-out split is read with the
+    run's own text_field (the option had been ignored there, and recorded in the result as used)."""
+    if args.text_field is not None and args.data is None:
+        raise ValueError(
+            "--text-field applies to --data; the held-out split is read with the run's text_field"
+        )
+    return args.text_field or "text"
+
+
 def add_changed_data_arg(p) -> None:
     """``--allow-changed-data``, for the commands that rebuild a run's held-out split (`heldout_stream`)."""
     p.add_argument(
@@ -212,7 +227,7 @@ def add_ppl_parser(evals) -> None:
         help="text source to score: --windows windows spread over it (default: the checkpoint's held-out "
         "split)",
     )
-    p.add_argument("--text-field", default="text", help="JSONL / dataset text field for --data")
+    add_text_field_arg(p)
     add_changed_data_arg(p)
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: the training seq_len)")
     p.add_argument(

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from titans._fs import check_writable, write_bytes_atomic, write_text_atomic
-from titans.data.series import load_series, split_series
+from titans.data.series import is_bundled, load_series, split_series
 from titans.forecast.model import FORECAST_MODELS
 from titans.forecast.seeds import aggregate_studies, aggregate_table, plot_aggregate
 from titans.forecast.train import (
@@ -183,8 +183,9 @@ def _study_splits(args) -> list:
         raise ValueError(f"--series {args.series!r}: no series given")
     set_cpu_threads(args.threads)
     splits, by_name = [], {}
-    for spec in specs:
-        series = load_series(spec, date_column=args.date_column)
+    csv = [spec for spec in specs if not is_bundled(spec)]
+    for spec in specs:  # --date-column is for the CSVs (refused with bundled series alone)
+        series = load_series(spec, date_column=args.date_column if spec in csv or not csv else None)
         if series.name in by_name:
             raise ValueError(
                 f"--series: {by_name[series.name]!r} and {spec!r} are both series {series.name!r}, and their "

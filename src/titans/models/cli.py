@@ -19,7 +19,7 @@ def parameter_table(variants=VARIANTS, presets=tuple(PRESETS)) -> list[tuple[str
 
 
 def main(args) -> int:
-    rows = parameter_table(args.variants.split(","))
+    rows = parameter_table([v.strip() for v in args.variants.split(",")])  # "mac, swa" as "mac,swa"
     variants = list(dict.fromkeys(v for _, v, _ in rows))
     print(f"{'preset':8s} " + " ".join(f"{v:>12s}" for v in variants))
     for name in PRESETS:
