@@ -44,6 +44,8 @@ def save_pretrained(
         hf_tokenizer = to_hf_tokenizer(tokenizer)
         ids = special_token_ids(tokenizer)
     out = Path(path).expanduser()
+    if out.is_symlink() and out.is_dir():  # the folder it names is replaced, not the link
+        out = Path(os.path.realpath(out))
     out.parent.mkdir(parents=True, exist_ok=True)
     # written beside `out`, then renamed into place: a kill or a failure part-way leaves the folder as it
     # was (a new config.json beside the old weights had loaded, their keys reported, as a random model)
