@@ -48,6 +48,29 @@ def run_worker(script: str, spec: dict, timeout: float = 1800) -> dict:
     return json.loads(lines[-1])
 
 
+def finished_run(run_dir: Path, train_args: list[str]) -> bool:
+    """Whether ``run_dir`` holds a finished run of what ``titans train *train_args`` trains (its report is
+    then read, not trained again); False when it holds none. A finished run of other settings is refused:
+    its numbers would be recorded under this call's steps, seed or options."""
+    from titans.cli import build_parser
+    from titans.training.cli import overrides_from_args
+    from titans.training.config import TrainConfig
+    from titans.training.trainer import CONFIG_FILE, REPORT_FILE
+
+    if not (Path(run_dir) / REPORT_FILE).is_file():
+        return False
+    args = build_parser().parse_args(["train", *train_args])
+    want = TrainConfig.from_file(args.config, overrides_from_args(args)).to_dict()
+    have = json.loads((Path(run_dir) / CONFIG_FILE).read_text())
+    differ = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k))
+    if differ:
+        raise SystemExit(
+            f"{run_dir} holds a finished run with other settings ({', '.join(differ)}): delete it, or give "
+            "another --out-dir"
+        )
+    return True
+
+
 def reply(result: dict) -> None:
     """A worker's answer to `run_worker`: its result as one JSON line on stdout."""
     print(json.dumps(result), flush=True)

@@ -61,7 +61,7 @@ def run_path(model, path: str, logits, state, args, cycle: int) -> dict:
         step = partial(decoder.step, check_ids=False)  # ids it sampled itself, as `generate` steps
     sync = torch.cuda.synchronize if logits.is_cuda else None
     token = logits.argmax(-1, keepdim=True)
-    warmup = math.ceil(args.warmup / cycle) * cycle  # every phase's step compiled before timing
+    warmup = args.warmup  # whole cycles (main)
     times, all_logits = [], []
     with torch.no_grad(), Timer() as total:
         for i in range(warmup + args.steps):
@@ -112,7 +112,9 @@ def main() -> None:
         p.error(f"--warmup must be at least 1 (the first steps compile), got {args.warmup}")
     machine, model, cycle = decode_setup(args.preset, args.variant, args.threads, args.device)
     cfg = model.config
+    # whole cycles, as run (and recorded): every phase's step compiled before timing, each timed alike
     args.steps = math.ceil(args.steps / cycle) * cycle
+    args.warmup = math.ceil(args.warmup / cycle) * cycle
     with torch.no_grad():
         prompt = torch.randint(0, cfg.vocab_size, (args.batch, args.context), device=args.device)
         out, state = model(prompt, last_only=True)

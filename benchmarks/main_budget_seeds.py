@@ -26,22 +26,22 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench_utils import machine_info, save_json
+from bench_utils import finished_run, machine_info, save_json
 from titans.training.report import read_report
-from titans.training.trainer import REPORT_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(variant: str, seed: int, run_dir: Path, extra: list[str]) -> dict:
     """Train one run (unless finished already) and return its report."""
-    if not (run_dir / REPORT_FILE).is_file():
-        cmd = [sys.executable, "-m", "titans", "train", "--config", str(ROOT / "configs/mac.json")]
-        cmd += ["--variant", variant, "--seed", str(seed), "--run-dir", str(run_dir), "--overwrite"]
-        cmd += ["--no-progress", "--set", "threads=1", "--set", "sample_tokens=0", "--set", "plot=false"]
-        cmd += ["--set", "time_budget_min=null"]  # the same 800 steps for every run, however slow
-        for kv in extra:
-            cmd += ["--set", kv]
+    cmd = ["--config", str(ROOT / "configs/mac.json")]
+    cmd += ["--variant", variant, "--seed", str(seed), "--run-dir", str(run_dir)]
+    cmd += ["--no-progress", "--set", "threads=1", "--set", "sample_tokens=0", "--set", "plot=false"]
+    cmd += ["--set", "time_budget_min=null"]  # the same 800 steps for every run, however slow
+    for kv in extra:
+        cmd += ["--set", kv]
+    if not finished_run(run_dir, cmd):
+        cmd = [sys.executable, "-m", "titans", "train", *cmd, "--overwrite"]
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)

@@ -13,7 +13,7 @@ as tables:
    versions in `titans.ops.norms` against `F.normalize` / `F.rms_norm`;
 5. a 2048^3 matmul in float32 and bfloat16 (whether bf16 could help on this CPU).
 
-    python benchmarks/memory_profile.py [--threads 2] [--reps 5] [--json]
+    python benchmarks/memory_profile.py [--threads 2] [--reps 5] [--json [PATH]]
 """
 
 from __future__ import annotations
@@ -182,7 +182,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--json", action="store_true", help="write benchmarks/results/memory_profile.json")
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="memory_profile",
+        default=None,
+        help="write the results: a path, or a name in benchmarks/results/ "
+        "(--json alone: memory_profile.json there)",
+    )
     args = p.parse_args()
     torch.set_flush_denormal(True)
     torch.set_num_threads(args.threads)
@@ -198,7 +205,7 @@ def main() -> None:
     for title, rows in results.items():
         show(title, rows)
     if args.json:
-        path = save_json("memory_profile", {"threads": args.threads, **results}, machine_info())
+        path = save_json(args.json, {"threads": args.threads, **results}, machine_info())
         print(f"\nwrote {path}")
 
 

@@ -181,10 +181,16 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--name", default="memory_rules")
     p.add_argument("--control", action="store_true", help="lm: add Titans with momentum off (eta = 0)")
-    args, rest = p.parse_known_args()
+    args, rest = p.parse_known_args()  # the rest: `titans eval ablate`'s options, for the lm section
+    rules = [r.strip() for r in args.rules.split(",") if r.strip()]
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [f"section {s!r}" for s in sections if s not in ("speed", "capacity", "lm")]
+    unknown += [f"rule {r!r}" for r in rules if r not in RULE_PRESETS]  # a bare KeyError
+    if unknown or not sections or not rules:
+        p.error(f"unknown {', '.join(unknown)}" if unknown else "give at least one section and one rule")
+    if (rest or args.control) and "lm" not in sections:  # a typo was dropped without a word
+        p.error(f"{' '.join(rest) or '--control'}: options of the lm section, which --sections leaves out")
     torch.set_num_threads(args.threads)
-    rules = args.rules.split(",")
-    sections = args.sections.split(",")
     out = {"machine": machine_info(), "rules": rules}
     clock = Timer.started()
     if "speed" in sections:

@@ -22,9 +22,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench_utils import machine_info, save_json
+from bench_utils import finished_run, machine_info, save_json
 from titans.training.report import read_report
-from titans.training.trainer import REPORT_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,14 +47,15 @@ ROWS: dict[str, tuple[str, dict[str, object], str]] = {
 
 def train(row: str, steps: int, seed: int, run_dir: Path) -> dict:
     variant, options, what = ROWS[row]
-    if not (run_dir / REPORT_FILE).is_file():
-        config = ROOT / "configs/compare_mac.json"  # the compare configs differ only in variant and run_dir
-        cmd = [sys.executable, "-m", "titans", "train", "--config", str(config), "--variant", variant]
-        cmd += ["--steps", str(steps), "--seed", str(seed), "--run-dir", str(run_dir), "--overwrite"]
-        cmd += ["--no-progress", "--set", "threads=1", "--set", "plot=false", "--set", "sample_tokens=0"]
-        cmd += ["--set", f"eval_every={steps}", "--set", f"ckpt_every={steps}"]
-        for key, value in options.items():
-            cmd += ["--set", f"model.{key}={str(value).lower() if isinstance(value, bool) else value}"]
+    config = ROOT / "configs/compare_mac.json"  # the compare configs differ only in variant and run_dir
+    cmd = ["--config", str(config), "--variant", variant]
+    cmd += ["--steps", str(steps), "--seed", str(seed), "--run-dir", str(run_dir)]
+    cmd += ["--no-progress", "--set", "threads=1", "--set", "plot=false", "--set", "sample_tokens=0"]
+    cmd += ["--set", f"eval_every={steps}", "--set", f"ckpt_every={steps}"]
+    for key, value in options.items():
+        cmd += ["--set", f"model.{key}={str(value).lower() if isinstance(value, bool) else value}"]
+    if not finished_run(run_dir, cmd):
+        cmd = [sys.executable, "-m", "titans", "train", *cmd, "--overwrite"]
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)

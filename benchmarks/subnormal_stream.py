@@ -4,7 +4,7 @@ Tiny MAC (random weights, random tokens), pieces of 4096 tokens, 1 thread. Each 
 process, because `torch.set_flush_denormal` must be set before torch starts its thread pool. Prints the
 time of every --every-th piece and, at the end, the share of memory weights that are subnormal.
 
-    python benchmarks/subnormal_stream.py [--pieces 49] [--json]
+    python benchmarks/subnormal_stream.py [--pieces 49] [--json [PATH]]
 """
 
 from __future__ import annotations
@@ -47,7 +47,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pieces", type=int, default=49)
     p.add_argument("--every", type=int, default=8, help="report every n-th piece")
-    p.add_argument("--json", action="store_true", help="write benchmarks/results/subnormal_stream.json")
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="subnormal_stream",
+        default=None,
+        help="write the results: a path, or a name in benchmarks/results/ "
+        "(--json alone: subnormal_stream.json there)",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -73,7 +80,7 @@ def main() -> None:
         label = "flushed" if row["flush"] else "kept"
         print(f"subnormal memory weights at the end ({label}): {100 * row['subnormal_weight_share']:.1f}%")
     if args.json:
-        path = save_json("subnormal_stream", {"rows": rows}, machine)
+        path = save_json(args.json, {"rows": rows}, machine)
         print(f"wrote {path}")
 
 

@@ -5,7 +5,7 @@ are spread), and 1e30 (above every surprise: nothing written, only the decay act
 is read from a fresh state with `forward_with_stats`; the mean next-token loss (nats; bits per byte for a
 byte tokenizer: loss / ln 2) and the share of (layer, head, token) entries written are reported. 1 thread.
 
-    python benchmarks/surprise_threshold.py --checkpoint RUN [--seq-len 1024] [--windows 16] [--json]
+    python benchmarks/surprise_threshold.py --checkpoint RUN [--seq-len 1024] [--windows 16] [--json [PATH]]
 """
 
 from __future__ import annotations
@@ -26,7 +26,14 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--windows", type=int, default=16)
     p.add_argument("--quantiles", default="0.1,0.25,0.5,0.75,0.9")
-    p.add_argument("--json", action="store_true", help="write benchmarks/results/surprise_threshold.json")
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="surprise_threshold",
+        default=None,
+        help="write the results: a path, or a name in benchmarks/results/ "
+        "(--json alone: surprise_threshold.json there)",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
@@ -78,8 +85,8 @@ def main() -> None:
     for r in rows:
         del r["surprise"]
     if args.json:
-        save_json(
-            "surprise_threshold",
+        path = save_json(
+            args.json,
             {
                 "checkpoint": args.checkpoint,
                 "seq_len": args.seq_len,
@@ -88,6 +95,7 @@ def main() -> None:
                 "machine": machine_info(),
             },
         )
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -580,3 +580,58 @@ def test_fused_chunk_step_benchmark_times_both_steps(monkeypatch):
     row = fused_chunk_step.measure("lmm", "tiny", 2, 40, 1, 1)
     assert row["logits_max_abs_diff"] < 1e-4
     assert row["torch_step_us"] > 0 and row["fused_step_us"] > 0 and row["speedup"] > 0
+
+
+def test_a_finished_run_is_reused_only_for_the_settings_it_was_trained_with(tmp_path):
+    """paper_options.py and main_budget_seeds.py read a run folder's report when it had one, whatever it
+    was trained with: a second call with another --steps, --seed or --set recorded the first call's numbers
+    under its own settings. `finished_run` reuses a run only if its config is the one asked for."""
+    from titans.training.config import TrainConfig
+
+    run = tmp_path / "mac"
+    args = ["--config", str(ROOT / "configs/compare_mac.json"), "--variant", "mac", "--steps", "2"]
+    args += [
+        "--seed",
+        "0",
+        "--run-dir",
+        str(run),
+        "--set",
+        "threads=1",
+        "--set",
+        "model.attn_output_gate=true",
+    ]
+    assert not harness.finished_run(run, args)
+    cfg = TrainConfig.from_file(ROOT / "configs/compare_mac.json", {"variant": "mac", "steps": 2, "seed": 0})
+    cfg.run_dir, cfg.threads, cfg.model = str(run), 1, {**cfg.model, "attn_output_gate": True}
+    run.mkdir()
+    cfg.save(run / "config.json")
+    (run / "report.json").write_text("{}")
+    assert harness.finished_run(run, args)
+    for changed in (["--seed", "1"], ["--steps", "3"], ["--set", "lr=0.5"]):
+        with pytest.raises(SystemExit, match="holds a finished run with other settings"):
+            harness.finished_run(run, [*args, *changed])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--sections", "sped"], "unknown section 'sped'"),  # wrote a JSON with no results, exit 0
+        (["--sections", "speed", "--rules", "titan"], "unknown rule 'titan'"),  # a bare KeyError
+        (["--sections", "speed", "--tokns", "9"], "--tokns 9: options of the lm section"),  # dropped silently
+    ],
+)
+def test_memory_rules_refuses_unknown_sections_rules_and_options(argv, message, tmp_path):
+    cmd = [sys.executable, str(BENCH / "memory_rules.py"), *argv, "--name", str(tmp_path / "r.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=BENCH)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_grad_vs_length_takes_a_string_field_in_set(tmp_path):
+    """`--set memory_forget_to=init` failed in ast.literal_eval: each --set is read as its field's type."""
+    out = tmp_path / "g.json"
+    cmd = [sys.executable, str(BENCH / "diagnostics" / "grad_vs_length.py"), "--preset", "tiny"]
+    cmd += ["--variant", "lmm", "--lengths", "8", "--set", "memory_forget_to=init", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=BENCH)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "memory_forget_to=init" in proc.stdout

@@ -16,7 +16,6 @@ training config instead (its preset, variant and model fields: `configs/main.jso
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_utils import Timer, machine_info, save_json  # noqa: E402
+from titans.training.config import parse_set  # noqa: E402
 
 
 def measure(
@@ -76,7 +76,8 @@ def main() -> None:
         train = TrainConfig.from_file(args.config)
         args.preset, args.variant, base = train.preset, train.variant, dict(train.model)
     machine = machine_info()
-    settings = [{}] + [{k: ast.literal_eval(v)} for k, v in (s.split("=", 1) for s in args.set)]
+    # each --set is one row, its value read as the field's type (a string field too: memory_forget_to=init)
+    settings = [{}] + [parse_set([item], model_only=True) for item in args.set]
     lengths = [int(x) for x in args.lengths.split(",")]
     other = [int(x) for x in args.setting_lengths.split(",")] if args.setting_lengths else lengths
     rows = []

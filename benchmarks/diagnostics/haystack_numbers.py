@@ -24,7 +24,7 @@ import torch
 
 from titans.data.tokenizers import ByteTokenizer
 from titans.evaluation.args import int_list, str_list
-from titans.evaluation.haystack import HAYSTACK_NAMES, HaystackSource, get_haystack
+from titans.evaluation.haystack import HaystackSource, get_haystack
 from titans.evaluation.niah import make_niah_sample, niah_grid
 from titans.evaluation.recipe import load_task_model
 from titans.evaluation.runner import evaluate
@@ -60,7 +60,7 @@ def main() -> None:
         return compare_without_numbers(args)
 
     print("| haystack | digits per 1,000 characters |\n|---|---:|")
-    for name in HAYSTACK_NAMES:
+    for name in args.haystacks:
         print(f"| {name} | {digits_per_1000(name):.2f} |")
 
     tokenizer = ByteTokenizer()

@@ -6,9 +6,9 @@ key) and the spread of the values across tokens (standard deviation over tokens 
 over channels). Rows: MAC writing its attention output y as it is (`mac_norm_memory_input=false`), MAC
 writing norm(y) (the default), and the LMM (which writes its normed block input) for reference.
 
-    python benchmarks/diagnostics/mac_memory_keys.py [--tokens 64] [--seed 0]
+    python benchmarks/diagnostics/mac_memory_keys.py [--tokens 64] [--seed 0] [--json [PATH]]
 
-Writes benchmarks/results/mac_memory_keys.json.
+`--json` alone writes benchmarks/results/mac_memory_keys.json.
 """
 
 from __future__ import annotations
@@ -62,6 +62,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=64, help="sequence length (one MAC segment of the preset)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="mac_memory_keys",
+        default=None,
+        help="write the results: a path, or a name in benchmarks/results/ "
+        "(--json alone: mac_memory_keys.json there)",
+    )
     args = p.parse_args()
     tokens = torch.randint(0, 256, (2, args.tokens), generator=torch.Generator().manual_seed(args.seed))
     results = {}
@@ -75,7 +83,8 @@ def main() -> None:
                 f"{name:<32}{i:>5}{c['input_rms']:>11.4g}{c['key_mean_pairwise_cosine']:>10.6f}"
                 f"{c['value_spread']:>14.4f}"
             )
-    save_json("mac_memory_keys", {"args": vars(args), "rows": results})
+    if args.json:
+        print(f"wrote {save_json(args.json, {'args': vars(args), 'rows': results})}")
 
 
 if __name__ == "__main__":

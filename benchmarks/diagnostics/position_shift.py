@@ -47,8 +47,8 @@ def main() -> None:
     cfg = model.config
     print(f"{args.checkpoint} ({cfg.variant}, {what}, persistent_rope={cfg.persistent_rope})")
     print(f"{'tokens':>13s}  {'from position 0':>16s}  {'as their own window':>20s}  {'gap':>7s}")
-    edges = [0, 256, 1024] + [e for e in (2048, 4096, 8192, 16384) if e < args.length - args.shift]
-    edges.append(args.length - args.shift)
+    scored = args.length - args.shift  # positions scored as their own window: edges inside it only
+    edges = [0] + [e for e in (256, 1024, 2048, 4096, 8192, 16384) if e < scored] + [scored]
     for a, b in zip(edges, edges[1:]):
         w, s = whole[args.shift + a : args.shift + b].mean(), alone[a:b].mean()
         print(f"{args.shift + a:>6d}-{args.shift + b:<6d}  {w:16.3f}  {s:20.3f}  {w - s:+7.3f}")
