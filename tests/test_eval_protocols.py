@@ -255,6 +255,24 @@ def test_depth_and_ablate_refuse_what_would_waste_or_mislabel_a_study(tmp_path, 
     assert not (tmp_path / "runs").exists() and not (tmp_path / "o").exists()
 
 
+def test_ablate_skips_rows_that_remove_what_the_base_model_lacks(tmp_path, capsys, monkeypatch):
+    """With a rule without momentum (yaad) the no_momentum row trained `full`'s model again, and with
+    --set memory_conv_kernel=0 no_conv did: both were reported as removals with full's numbers."""
+    from titans.evaluation import ablation
+
+    trained = []
+    monkeypatch.setattr(ablation, "run_row", lambda args, name, *rest: trained.append(name) or {"name": name})
+    monkeypatch.setattr(ablation, "write_study", lambda *a, **k: None)
+    monkeypatch.setattr(ablation, "format_rows", lambda *a: "")
+    argv = ["eval", "ablate", "--rows", "full,no_momentum,no_conv,linear_memory", *_study_folders(tmp_path)]
+    argv += ["--set", "memory_rule=yaad", "--set", "memory_conv_kernel=0", "--lm-steps", "1"]
+    assert titans_main(argv) == 0
+    assert trained == ["full", "linear_memory"]
+    assert (
+        "skipping no_momentum, no_conv: the base model has nothing there to remove" in capsys.readouterr().out
+    )
+
+
 @pytest.mark.parametrize("study, rows", [("ablate", ["full", "no_conv"]), ("depth", ["depth1", "depth2"])])
 def test_a_run_root_holding_a_later_rows_run_is_refused_before_the_first_row_trains(
     tmp_path, capsys, study, rows

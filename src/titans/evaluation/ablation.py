@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,9 @@ from titans.evaluation.recipe import build_model, evaluate_lengths, niah_samples
 from titans.evaluation.reporting import write_study
 from titans.evaluation.scoring import new_figure, render_table, save_figure
 from titans.evaluation.task_training import check_train_length, train_on_task
+from titans.models.config import TitansConfig
 from titans.models.variants import VARIANT_SPECS
+from titans.ops.memory import resolve_rule
 from titans.training.trainer import Trainer
 from titans.validation import check_distinct
 
@@ -147,6 +150,16 @@ def plot_rows(rows: list[dict], png_path: Path, title: str) -> Path:
     return save_figure(fig, png_path)
 
 
+def removes_nothing(args: argparse.Namespace, row: str) -> bool:
+    """Whether ablation ``row`` trains `full`'s model again: the base model (its preset, variant, --set
+    and memory rule) lacks already what the row removes (a rule without momentum, a conv kernel of 0)."""
+    config = partial(TitansConfig.preset, args.preset, variant=args.variant)
+    base = config(**args.base_overrides)
+    if row == "no_momentum" and base.spec.memory and not resolve_rule(base.memory_rule).uses_momentum:
+        return True
+    return config(**{**args.base_overrides, **ABLATIONS[row]}) == base
+
+
 def run_ablate(args: argparse.Namespace) -> int:
     set_threads(args)
     unknown = [r for r in args.rows if r not in ABLATIONS]
@@ -167,6 +180,10 @@ def run_ablate(args: argparse.Namespace) -> int:
     if args.lm_steps <= 0 and args.steps <= 0:
         raise ValueError("nothing to train: set --lm-steps and/or --task-steps above 0")
     args.base_overrides = model_overrides(args)
+    same = [r for r in args.rows if r != "full" and removes_nothing(args, r)]
+    if same:  # each would be `full` under another label, reported as a removal
+        args.rows = [r for r in args.rows if r not in same]
+        print(f"skipping {', '.join(same)}: the base model has nothing there to remove")
     args.task_time_budget = None if args.time_budget is None else 60.0 * args.time_budget
     samples = task_samples(args)
     with run_root(args, "titans-ablate-", args.rows) as root:
