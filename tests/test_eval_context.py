@@ -105,6 +105,11 @@ def test_frozen_twin_is_the_model_without_writes():
 def test_no_frozen_twin_without_memory():
     assert frozen_twin(tiny_model("swa")) is None
     assert frozen_twin(tiny_model("transformer")) is None
+    # a model whose memory never writes, or that has no memory layer, was scored against itself as its
+    # "frozen twin": "writing - frozen" 0 by construction, the writing label on a read-only model
+    assert frozen_twin(tiny_model("mac", memory_write=False)) is None
+    assert frozen_twin(tiny_model("mal", memory_layers=[])) is None
+    assert frozen_twin(tiny_model("mal", memory_layers=[1])) is not None
 
 
 # ------------------------------------------------------------------------------------------- buckets

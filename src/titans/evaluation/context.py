@@ -302,9 +302,10 @@ def per_token_losses(
 def frozen_twin(model: TitansLM) -> TitansLM | None:
     """The same model with the memory's writes off (``memory_write=False``: every token reads the
     memory's initial weights, nothing is learned at test time), on the model's device and dtype, in eval
-    mode; None for a model without a memory. The caller's RNG is left as it was."""
+    mode; None for a model without a memory, or whose memory never writes (it would be its own twin, its
+    "writing - frozen" 0 by construction). The caller's RNG is left as it was."""
     cfg = model.config
-    if not cfg.spec.memory:
+    if not cfg.memory_write or not any(cfg.has_memory(i) for i in range(cfg.depth)):
         return None
     param = next(model.parameters())
     with torch.random.fork_rng(devices=[]):  # the fresh init is overwritten: do not move the caller's RNG
