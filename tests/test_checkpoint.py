@@ -183,10 +183,23 @@ def test_an_edited_config_in_meta_json_is_refused(tmp_path):
     del edited["config_sha256"]
     (path / "meta.json").write_text(json.dumps(edited))
     assert load_checkpoint(path).config["dim"] == 13
+    (path / "meta.json").write_text(json.dumps(dict(edited, config={**edited["config"], "tokenizer": None})))
+    assert load_checkpoint(path).config["tokenizer"] is None  # null: the train config's tokenizer
     for config in ([1, 2], {"model": [1, 2]}, {"train": "x"}):  # a TypeError / AttributeError later
         (path / "meta.json").write_text(json.dumps(dict(edited, config=config)))
         with pytest.raises(CheckpointError, match=r"meta\.json.*corrupted: its (config|model|train) must be"):
             load_checkpoint(path)
+
+
+def test_a_config_with_number_keys_saves_and_loads(tmp_path):
+    """The config's digest was of its keys as given: number keys sort otherwise once meta.json holds them
+    as strings (a checkpoint refused as edited at once), and mixed keys could not be sorted at all."""
+    model, _, trainer = _trained_state()
+    for config in ({"schedule": {2: 1e-3, 10: 1e-4}}, {"m": {1: "a", "b": 2}}):
+        path = save_checkpoint(
+            tmp_path, 1, model_state=model.state_dict(), trainer_state=trainer, config=config
+        )
+        assert load_checkpoint(path).config == json.loads(json.dumps(config))
 
 
 def test_weights_that_do_not_fit_the_config_are_one_line():

@@ -93,7 +93,7 @@ def test_a_missing_file_reads_as_such(tmp_path, capsys):
         ),
         (
             ["forecast", "train", "--series", "tmy3:greensboro", "--date-column", "Foo"],
-            "date_column apply to a CSV series, not to the bundled 'tmy3:greensboro'",
+            "date_column: for a CSV series, not for the bundled 'tmy3:greensboro'",
         ),
         # accepted, then written into result.json / dna.json as Infinity (not JSON)
         (["forecast", "train", "--time-budget", "inf"], "ForecastRun.time_budget must be finite seconds > 0"),

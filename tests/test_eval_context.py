@@ -413,7 +413,7 @@ def test_cli_refuses_bad_input(trained_run, tmp_path, capsys):
     assert not (tmp_path / "x.json").exists()
 
 
-def test_outputs_never_replace_an_input_or_each_other(trained_run, tmp_path, capsys):
+def test_outputs_never_replace_an_input_or_each_other(trained_run, tmp_path, capsys, monkeypatch):
     """`eval ppl --out` / `eval context --out` naming the --data file replaced the text with JSON, and
     `eval context --out X.png` wrote the JSON and then the plot over it; all are refused before scoring.
     A checkpoint folder copied out of its run gets its results in itself, not two folders up (where every
@@ -430,6 +430,9 @@ def test_outputs_never_replace_an_input_or_each_other(trained_run, tmp_path, cap
     assert data.read_text().startswith("held-out text")
     assert titans_main([*context, "--out", str(tmp_path / "c.png")]) == 2
     assert "ends in .png" in capsys.readouterr().err and not (tmp_path / "c.png").exists()
+    monkeypatch.chdir(tmp_path)
+    assert titans_main([*context, "--out", "."]) == 2  # "PosixPath('.') has an empty name"
+    assert "is a folder" in capsys.readouterr().err
 
     copied = tmp_path / "models" / "m"
     shutil.copytree(sorted((trained_run / "checkpoints").iterdir())[-1], copied)

@@ -271,6 +271,18 @@ def test_ablate_skips_rows_that_remove_what_the_base_model_lacks(tmp_path, capsy
     assert (
         "skipping no_momentum, no_conv: the base model has nothing there to remove" in capsys.readouterr().out
     )
+    trained.clear()  # a MAL without memory layers: every memory row is full's model
+    argv = [
+        "eval",
+        "ablate",
+        "--variant",
+        "mal",
+        "--rows",
+        "full,no_momentum,no_conv",
+        *_study_folders(tmp_path),
+    ]
+    assert titans_main([*argv, "--set", "memory_layers=[]", "--lm-steps", "1"]) == 0
+    assert trained == ["full"]
 
 
 @pytest.mark.parametrize("study, rows", [("ablate", ["full", "no_conv"]), ("depth", ["depth1", "depth2"])])

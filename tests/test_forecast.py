@@ -730,3 +730,19 @@ def test_patchtst_takes_a_lookback_of_16_or_less():
         assert model(torch.randn(3, lookback, 2)).shape == (3, 4, 2)
     with pytest.raises(ValueError, match="patchtst: --lookback must be >= 2"):
         PatchTSTAdapter(1, 4, 2, dim=16, depth=1, heads=2)
+
+
+def test_eval_scores_a_bundled_series_run_that_recorded_a_date_column(tmp_path, capsys):
+    """`forecast train --date-column X` on a bundled series was accepted (and X recorded) before that was
+    refused; `forecast eval` of such a run passed X back and was refused. It is scored."""
+    from titans.cli import main
+
+    out = tmp_path / "run"
+    argv = ["forecast", "train", "--series", "tmy3:greensboro", "--model", "linear", "--steps", "2"]
+    assert main([*argv, "--lookback", "32", "--horizon", "8", "--no-progress", "--out", str(out)]) == 0
+    saved = torch.load(out / "model.pt", weights_only=True)
+    saved["record"]["date_column"] = "Date"  # as such a run recorded it
+    torch.save(saved, out / "model.pt")
+    capsys.readouterr()
+    assert main(["forecast", "eval", "--run", str(out)]) == 0
+    assert "mse" in json.loads(capsys.readouterr().out)

@@ -403,8 +403,9 @@ def test_save_pretrained_refuses_before_writing(tmp_path):
 
 def test_save_pretrained_over_a_folder_is_all_or_nothing_with_ordinary_modes(tmp_path, monkeypatch):
     """An export over an earlier one wrote file by file into it: stopped part-way (a kill), the new
-    config.json sat beside the old weights and loaded as a model of random weights. It is written beside
-    the folder and renamed into place; a failure leaves the earlier export whole. transformers writes the
+    config.json sat beside the old weights and loaded as a model of random weights. It is staged in a
+    temporary folder and moved in, config.json last after the old one is removed; a failure while writing
+    leaves the earlier export whole, and the folder's other entries and mode stay. transformers writes the
     weights 0600: every file gets the mode open() gives (a served folder other users read)."""
     import stat
 
@@ -433,10 +434,20 @@ def test_save_pretrained_over_a_folder_is_all_or_nothing_with_ordinary_modes(tmp
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary folder left
     monkeypatch.undo()
+    (out / "assets").symlink_to(tmp_path)
+    (out / "empty").mkdir()
+    out.chmod(0o750)
     titans.hf.save_pretrained(mal, out, ByteTokenizer())
     assert json.loads((out / "config.json").read_text())["titans"]["variant"] == "mal"
-    assert (out / "README.md").read_text() == "my model card\n"  # the folder's other files stay
+    assert (out / "README.md").read_text() == "my model card\n"  # the folder's other entries stay
+    assert (out / "assets").is_symlink() and (out / "empty").is_dir()
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750 and not list(out.glob(".export-*"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    here = tmp_path / "here"  # `--out .`: a folder that cannot be renamed (a shell's working folder)
+    here.mkdir()
+    monkeypatch.chdir(here)
+    titans.hf.save_pretrained(mal, ".", ByteTokenizer())
+    assert (here / "model.safetensors").is_file() and not list(here.glob(".export-*"))
 
 
 def test_export_hf_command_writes_a_folder_pipeline_loads(tmp_path, capsys):

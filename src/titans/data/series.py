@@ -228,7 +228,7 @@ def load_series(spec: str, *, date_column: str | None = None, columns: list[str]
     if is_bundled(spec):
         given = [name for name, value in (("date_column", date_column), ("columns", columns)) if value]
         if given:  # they had been ignored, and recorded in the result as used
-            raise ValueError(f"{' and '.join(given)} apply to a CSV series, not to the bundled {spec!r}")
+            raise ValueError(f"{' and '.join(given)}: for a CSV series, not for the bundled {spec!r}")
         return _BUNDLED_READERS[kind](site)
     return read_series_csv(spec, date_column=date_column, columns=columns)
 

@@ -155,8 +155,11 @@ def removes_nothing(args: argparse.Namespace, row: str) -> bool:
     and memory rule) lacks already what the row removes (a rule without momentum, a conv kernel of 0)."""
     config = partial(TitansConfig.preset, args.preset, variant=args.variant)
     base = config(**args.base_overrides)
-    if row == "no_momentum" and base.spec.memory and not resolve_rule(base.memory_rule).uses_momentum:
-        return True
+    if any(k.startswith("memory_") for k in ABLATIONS[row]):
+        if not any(base.has_memory(i) for i in range(base.depth)) or not base.memory_write:
+            return True  # no memory layer (`memory_layers=[]`), or one that never writes: nothing to remove
+        if row == "no_momentum" and not resolve_rule(base.memory_rule).uses_momentum:
+            return True
     return config(**{**args.base_overrides, **ABLATIONS[row]}) == base
 
 

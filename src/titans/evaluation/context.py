@@ -600,13 +600,13 @@ def run_context(args: argparse.Namespace) -> int:
     text_field_of(args)  # refused without --data before anything loads
     loaded = load_checkpoint_from(args.checkpoint)
     out = Path(args.out) if args.out else run_folder_of(loaded.path) / "eval_context.json"
+    check_writable(out, {"--data": args.data})  # first: a folder (`--out .`) is named as one
     png = out.with_suffix(".png")
     if png == out:
         raise ValueError(
             f"--out {args.out!r} ends in .png: the plot is written beside the JSON under that name"
         )
-    for path in (out, png):
-        check_writable(path, {"--data": args.data})
+    check_writable(png, {"--data": args.data})
     model, cfg, tokenizer = load_model(loaded, map_location=args.device)
     compares: list[tuple[str, Checkpoint]] = []  # all checked before any scoring
     if args.data is None:

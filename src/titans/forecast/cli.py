@@ -144,7 +144,9 @@ def cmd_eval(args) -> int:
             f"--run {args.run!r}: model.pt is damaged or not a `titans forecast train` file"
         ) from e
     run = ForecastRun(**{k: v for k, v in rec["run"].items() if k in ForecastRun.__dataclass_fields__})
-    series = load_series(rec["series_spec"], date_column=rec.get("date_column"))
+    # a bundled series has no date column (runs from before that was refused may record one)
+    date_column = None if is_bundled(rec["series_spec"]) else rec.get("date_column")
+    series = load_series(rec["series_spec"], date_column=date_column)
     split = split_series(series, lookback=rec["lookback"], protocol=rec["protocol"])
     changed = _series_changes(rec, split)
     if changed:  # its numbers would be another test set's, printed as this run's

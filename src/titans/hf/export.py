@@ -44,12 +44,12 @@ def save_pretrained(
         hf_tokenizer = to_hf_tokenizer(tokenizer)
         ids = special_token_ids(tokenizer)
     out = Path(path).expanduser()
-    if out.is_symlink() and out.is_dir():  # the folder it names is replaced, not the link
-        out = Path(os.path.realpath(out))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # written beside `out`, then renamed into place: a kill or a failure part-way leaves the folder as it
-    # was (a new config.json beside the old weights had loaded, their keys reported, as a random model)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    # staged in a temporary folder, then moved into place: a failure while writing leaves `out` as it was
+    # (a kill part-way had left a new config.json beside the old weights, which loaded as a random model)
+    exists = out.is_dir()
+    stage_in = out if exists else out.parent  # in `out` itself: its parent may be read-only or a mount's
+    stage_in.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=stage_in))
     try:
         TitansForCausalLM.from_titans(model, **ids).save_pretrained(tmp)
         if hf_tokenizer is not None:
@@ -57,8 +57,8 @@ def save_pretrained(
         written = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file())
         for p in (tmp, *tmp.rglob("*")):  # transformers writes the weights 0600, tempfile the folder 0700
             ordinary_mode(p)
-        if out.is_dir():
-            _replace_folder(tmp, out)
+        if exists:
+            _move_into(tmp, out, written)
         else:
             os.replace(tmp, out)
     finally:
@@ -66,19 +66,16 @@ def save_pretrained(
     return [out / p for p in written]
 
 
-def _replace_folder(new: Path, out: Path) -> None:
-    """Put the folder `new` at `out`, an existing folder, by two renames; the files of `out` that `new`
-    lacks are moved into it after (an export writes into a folder: a model card there stays)."""
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    old.rmdir()  # a free name for the rename
-    os.replace(out, old)
-    os.replace(new, out)
-    for p in sorted(old.rglob("*")):
-        target = out / p.relative_to(old)
-        if p.is_file() and not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(p, target)
-    shutil.rmtree(old, ignore_errors=True)
+def _move_into(new: Path, out: Path, files: list[Path]) -> None:
+    """Move the export's `files` from `new` into the existing folder `out`, each by a rename, config.json
+    last, after the old one was removed first: stopped part-way, the folder has no config.json and does
+    not load, rather than loading the new config with the old weights. The folder's other files, links
+    and mode stay as they were."""
+    config = Path("config.json")
+    (out / config).unlink(missing_ok=True)
+    for rel in sorted(files, key=lambda p: p == config):
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(new / rel, out / rel)
 
 
 __all__ = ["save_pretrained"]

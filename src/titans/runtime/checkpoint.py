@@ -294,8 +294,8 @@ def save_checkpoint(
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-    try:
-        json.dumps(config)
+    try:  # as meta.json will hold it (keys as strings), so that its digest is the one a load computes
+        config = json.loads(json.dumps(config))
     except (TypeError, ValueError) as e:
         raise ValueError(f"config must be JSON-serializable: {e}") from e
     tensors, aliases = _prepare_tensors(model_state)
@@ -432,9 +432,8 @@ def _read_meta(path: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         wrong = ["config"]
     else:  # a list or a string here failed later with a TypeError or AttributeError
-        wrong = [
-            k for k in ("train", "model", "tokenizer") if k in config and not isinstance(config[k], dict)
-        ]
+        wrong = [k for k in ("train", "model") if k in config and not isinstance(config[k], dict)]
+        wrong += [] if isinstance(config.get("tokenizer") or {}, dict) else ["tokenizer"]  # null: the default
     if wrong:
         raise CheckpointError(
             f"{str(meta_path)!r} is corrupted: its {', '.join(wrong)} must be a JSON object"
