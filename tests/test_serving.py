@@ -548,7 +548,12 @@ def test_a_non_ascii_key_is_refused_clearly(served, tmp_path):
         load_api_keys(keys)
     assert "clé" not in str(e.value)
     # a control or line-separator character inside a key split it into shorter keys that each worked
-    for inside, what in (("\x1c", "a control character"), ("\x85", "a non-ASCII character")):
+    # a lone "\r" too: read as text, universal newlines made it a line end ("gamma\rdelta": two keys)
+    for inside, what in (
+        ("\x1c", "a control character"),
+        ("\x85", "a non-ASCII character"),
+        ("\r", "a control"),
+    ):
         keys.write_bytes(f"goodkey\r\nsecret{inside}part2\n".encode())
         with pytest.raises(ValueError, match=f"the key on line 2 .* holds {what}"):
             load_api_keys(keys)
@@ -559,17 +564,17 @@ def test_a_non_ascii_key_is_refused_clearly(served, tmp_path):
 def test_a_record_with_a_damaged_field_is_a_409(served):
     """A stored version that is not an integer (a record another program wrote) is refused like other damage,
     and DELETE still removes it."""
-    sid = served.new()
-    if isinstance(served.store, SQLiteStore):
-        served.store._run("UPDATE sessions SET version = 'x' WHERE id = ?", (sid,))
-    else:
-        served.store.client.hset(served.store.prefix + sid, "version", "x")
-    for method, path, body in [("post", "read", {"text": "more"}), ("get", "stats", None)]:
-        r = served.http.request(method, f"{served.url}/v1/sessions/{sid}/{path}", headers=A, json=body)
-        assert r.status_code == 409 and f"stored record of session {sid} is damaged" in r.json()["detail"], (
-            r.text
-        )
-    assert served.http.delete(f"{served.url}/v1/sessions/{sid}", headers=A).status_code == 200
+    for bad in ("x", 2.5):  # 2.5 was read as 2: every later write a version conflict ("changed 20 times")
+        sid = served.new()
+        if isinstance(served.store, SQLiteStore):
+            served.store._run("UPDATE sessions SET version = ? WHERE id = ?", (bad, sid))
+        else:
+            served.store.client.hset(served.store.prefix + sid, "version", str(bad))
+        for method, path, body in [("post", "read", {"text": "more"}), ("get", "stats", None)]:
+            r = served.http.request(method, f"{served.url}/v1/sessions/{sid}/{path}", headers=A, json=body)
+            assert r.status_code == 409, r.text
+            assert f"stored record of session {sid} is damaged" in r.json()["detail"], r.text
+        assert served.http.delete(f"{served.url}/v1/sessions/{sid}", headers=A).status_code == 200
 
 
 def test_a_corrupted_stored_state_is_refused_and_reported(served, caplog):

@@ -42,7 +42,8 @@ def load_api_keys(path: str | Path) -> frozenset[str]:
     try:
         # lines end at "\n" only: splitlines() also cut at \x0b, \x1c, U+0085, U+2028 ..., making the
         # pieces of one key into shorter keys that each worked
-        lines = [line.removesuffix("\r") for line in path.read_text(encoding="utf-8").split("\n")]
+        # bytes, not read_text(): its universal newlines made a lone "\r" a line end as well
+        lines = [line.removesuffix("\r") for line in path.read_bytes().decode("utf-8").split("\n")]
     except UnicodeDecodeError as e:
         raise ValueError(
             f"--api-keys: {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})"

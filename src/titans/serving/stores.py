@@ -354,10 +354,9 @@ class SQLiteStore:
                 order, missing = (), True
             data, damaged = _assemble(order, found)
             missing = missing or damaged
-        try:
-            version = int(row[2])
-        except (TypeError, ValueError):
-            version, missing = -1, True  # a damaged version: the record is refused, not a crash
+        # a damaged version (text, or 2.5, which int() would truncate) refuses the record, not a crash
+        version = row[2] if isinstance(row[2], int) and not isinstance(row[2], bool) else -1
+        missing = missing or version < 0
         size = int(row[8] or 0) + len(row[4])
         times = float(row[5]), float(row[6])
         return Record(row[0], row[1], version, row[3], data, *times, order, missing, size)
