@@ -47,7 +47,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
     if args.workers < 0:
         raise ValueError(f"--workers must be >= 0 (0: one per CPU core), got {args.workers}")
     if args.workers > max_cpu_threads():  # 1,000,000 set about starting as many worker processes
-        raise ValueError(f"--workers {args.workers}: give at most {max_cpu_threads()} (4 per CPU core)")
+        raise ValueError(
+            f"--workers {args.workers}: give at most {max_cpu_threads()} (4 per CPU core, at least 64)"
+        )
     for name in ("max_body_bytes", "max_tokens", "torch_threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
