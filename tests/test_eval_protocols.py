@@ -283,6 +283,9 @@ def test_ablate_skips_rows_that_remove_what_the_base_model_lacks(tmp_path, capsy
     ]
     assert titans_main([*argv, "--set", "memory_layers=[]", "--lm-steps", "1"]) == 0
     assert trained == ["full"]
+    trained.clear()  # a frozen memory: momentum is part of the write; the conv still shapes its reads
+    assert titans_main([*argv, "--set", "memory_write=false", "--lm-steps", "1"]) == 0
+    assert trained == ["full", "no_conv"]
 
 
 @pytest.mark.parametrize("study, rows", [("ablate", ["full", "no_conv"]), ("depth", ["depth1", "depth2"])])

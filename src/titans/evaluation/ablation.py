@@ -156,8 +156,10 @@ def removes_nothing(args: argparse.Namespace, row: str) -> bool:
     config = partial(TitansConfig.preset, args.preset, variant=args.variant)
     base = config(**args.base_overrides)
     if any(k.startswith("memory_") for k in ABLATIONS[row]):
-        if not any(base.has_memory(i) for i in range(base.depth)) or not base.memory_write:
-            return True  # no memory layer (`memory_layers=[]`), or one that never writes: nothing to remove
+        if not any(base.has_memory(i) for i in range(base.depth)):
+            return True  # no memory layer (`memory_layers=[]`)
+        if row in ("no_momentum", "no_weight_decay") and not base.memory_write:
+            return True  # parts of the write, which a frozen memory never makes (its reads stay the same)
         if row == "no_momentum" and not resolve_rule(base.memory_rule).uses_momentum:
             return True
     return config(**{**args.base_overrides, **ABLATIONS[row]}) == base
