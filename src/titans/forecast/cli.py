@@ -185,9 +185,10 @@ def _study_splits(args) -> list:
         raise ValueError(f"--series {args.series!r}: no series given")
     set_cpu_threads(args.threads)
     splits, by_name = [], {}
-    csv = [spec for spec in specs if not is_bundled(spec)]
-    for spec in specs:  # --date-column is for the CSVs (refused with bundled series alone)
-        series = load_series(spec, date_column=args.date_column if spec in csv or not csv else None)
+    only_bundled = all(map(is_bundled, specs))
+    for spec in specs:  # --date-column is for the CSVs (with bundled series alone, load_series refuses it)
+        date_column = args.date_column if only_bundled or not is_bundled(spec) else None
+        series = load_series(spec, date_column=date_column)
         if series.name in by_name:
             raise ValueError(
                 f"--series: {by_name[series.name]!r} and {spec!r} are both series {series.name!r}, and their "

@@ -273,7 +273,8 @@ class TitansConfig:
                 f"of 0 at a head width of {memory_width}: memory_expansion * head width must be at least 1"
             )
         try:
-            self.memory_rule = resolve_rule(self.memory_rule).to_config()
+            rule = resolve_rule(self.memory_rule)
+            self.memory_rule = rule.to_config()
         except (TypeError, ValueError) as e:
             raise ValueError(f"TitansConfig.memory_rule: {e}") from e
         if self.memory_backend not in ("auto", "triton", "torch"):
@@ -298,7 +299,6 @@ class TitansConfig:
                     f"TitansConfig.{name}={val!r} is not covered by memory_rule={self.memory_rule!r} (only "
                     "'titans')"
                 )
-        rule = resolve_rule(self.memory_rule)
         if self.memory_checkpoint_every is not None and not fits_fast_path(rule):  # refused by the layer
             raise ValueError(
                 f"TitansConfig.memory_checkpoint_every applies to the rules on the fast path, not to "

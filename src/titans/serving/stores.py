@@ -355,7 +355,7 @@ class SQLiteStore:
             data, damaged = _assemble(order, found)
             missing = missing or damaged
         # a damaged version (text, or 2.5, which int() would truncate) refuses the record, not a crash
-        version = row[2] if isinstance(row[2], int) and not isinstance(row[2], bool) else -1
+        version = row[2] if isinstance(row[2], int) else -1
         missing = missing or version < 0
         size = int(row[8] or 0) + len(row[4])
         times = float(row[5]), float(row[6])

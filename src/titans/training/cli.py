@@ -166,7 +166,9 @@ def _run_train(args: argparse.Namespace) -> int:
         configs = [TrainConfig.from_file(p, overrides) for p in args.compare]
         _comparable(configs, args.compare)
         for cfg in configs:  # every run folder, before the first config trains
-            (check_run_dir_files if args.resume or args.overwrite else check_fresh_run_dir)(cfg.run_dir)
+            check_run_dir_files(cfg.run_dir)  # as each Trainer checks it, but for all before any trains
+            if not (args.resume or args.overwrite):
+                check_fresh_run_dir(cfg.run_dir)
         for cfg in configs:
             is_main, status = _train_one(cfg, args.resume, args.overwrite)
             if status:  # stopped by a signal: train none of the others

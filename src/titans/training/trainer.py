@@ -147,9 +147,7 @@ def check_run_dir_files(run_dir: str | Path) -> None:
 
 
 def check_fresh_run_dir(run_dir: str | Path) -> None:
-    """Refuse a run folder that holds an earlier run's checkpoints (FileExistsError saying what to pass),
-    or files of the names a run writes that no run wrote (`check_run_dir_files`)."""
-    check_run_dir_files(run_dir)
+    """Refuse a run folder that holds an earlier run's checkpoints (FileExistsError saying what to pass)."""
     existing = list_checkpoints(run_dir)
     if existing:
         raise FileExistsError(
