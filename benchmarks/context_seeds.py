@@ -106,6 +106,14 @@ def main() -> None:
     baselines = (
         None if args.baseline_from is None else [json.loads(Path(f).read_text()) for f in args.baseline_from]
     )
+    for files, loaded in ((args.files, results), (args.baseline_from, baselines or [])):
+        # one checkpoint is one seed: a file given twice would count as two seeds in the means and ranges
+        seen: dict[str, str] = {}
+        for f, result in zip(files or [], loaded):
+            model = str(result.get("checkpoint"))
+            if model in seen:
+                p.error(f"{f} and {seen[model]} are results of one checkpoint ({model}): one file per seed")
+            seen[model] = f
     summary = summarise(results, baselines)
     summary["sources"] = args.files
     if args.baseline_from:

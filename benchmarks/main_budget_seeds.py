@@ -27,7 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench_utils import finished_run, machine_info, save_json
+from titans.evaluation.args import str_list
 from titans.training.report import read_report
+from titans.validation import check_distinct, seed_list
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,15 +92,18 @@ def summary(runs: list[dict], variants: list[str], seeds: list[int]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seeds", default="0,1,2,3,4")
-    p.add_argument("--variants", default="mac,swa,transformer")
+    p.add_argument("--seeds", type=seed_list, default="0,1,2,3,4", help="distinct, comma separated")
+    p.add_argument("--variants", type=str_list, default="mac,swa,transformer")
     p.add_argument("--jobs", type=int, default=2, help="runs side by side (one thread each)")
     p.add_argument("--out-dir", default="runs/seeds")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to every run")
     p.add_argument("--name", default="main_budget_seeds", help="results file name (no extension)")
     args = p.parse_args()
-    seeds = [int(s) for s in args.seeds.split(",")]
-    variants = args.variants.split(",")
+    seeds, variants = args.seeds, args.variants
+    try:  # a repeat would train into the same folder twice and count twice in the means
+        check_distinct("--variants", variants)
+    except ValueError as e:
+        p.error(str(e))
     out_dir = Path(args.out_dir).resolve()
     # seed by seed, so that an interrupted benchmark leaves whole seeds behind
     jobs = [(v, s) for s in seeds for v in variants]

@@ -36,9 +36,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from titans.evaluation.args import str_list
 from titans.evaluation.haystack import get_haystack
 from titans.evaluation.recipe import RECIPES, variant_recipe
 from titans.runtime.checkpoint import latest_checkpoint, verify_checkpoint
+from titans.validation import check_distinct, seed_list
 
 
 def run_commands(variant: str, seed: int, args: argparse.Namespace) -> list[list[str]]:
@@ -197,8 +199,8 @@ def markdown(summary: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default="lmm,mac,mag,mal,swa,transformer")
-    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--variants", type=str_list, default="lmm,mac,mag,mal,swa,transformer")
+    p.add_argument("--seeds", type=seed_list, default="0,1,2", help="distinct, comma separated")
     p.add_argument("--kind", default="passkey", help="needle kind: passkey, number, uuid")
     p.add_argument("--haystacks", default="noise,essays,moby_dick")
     p.add_argument("--lengths", default="1024,4096,16384")
@@ -232,12 +234,16 @@ def main() -> None:
     args.out = args.out or f"results/evals/niah_seeds/{args.name}"
     args.runs = args.runs or f"runs/evals/niah_seeds/{args.name}"
     if not args.aggregate_only:
+        try:  # a repeat would run two pipelines into one checkpoint folder at once
+            check_distinct("--variants", args.variants)
+        except ValueError as e:
+            p.error(str(e))
         for haystack in args.haystacks.split(","):  # a missing one fails now, not after hours of training
             try:
                 get_haystack(haystack)
             except (ValueError, OSError, ImportError) as e:
                 p.error(str(e))
-        jobs = [(v, int(s)) for v in args.variants.split(",") for s in args.seeds.split(",")]
+        jobs = [(v, s) for v in args.variants for s in args.seeds]
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             list(pool.map(lambda job: run_pipeline(*job, args), jobs))
     out = Path(args.out)

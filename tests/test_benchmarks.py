@@ -635,3 +635,44 @@ def test_grad_vs_length_takes_a_string_field_in_set(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=BENCH)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "memory_forget_to=init" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "script, argv, message",
+    [
+        # seed 0 counted twice in the means, sd and paired t; its run folder trained twice, maybe at once
+        ("main_budget_seeds.py", ["--seeds", "0,0,1"], "expected distinct seeds"),
+        ("main_budget_seeds.py", ["--seeds", "0", "--variants", "mac,mac"], "--variants has duplicates"),
+        # two pipelines into one checkpoint folder and one log at once
+        ("niah_seeds.py", ["--seeds", "0,0"], "expected distinct seeds"),
+        ("niah_seeds.py", ["--seeds", "0", "--variants", "lmm,lmm"], "--variants has duplicates"),
+    ],
+)
+def test_seed_studies_refuse_a_repeated_seed_or_variant_before_training(script, argv, message, tmp_path):
+    cmd = [sys.executable, str(BENCH / script), *argv]
+    cmd += ["--out-dir" if script == "main_budget_seeds.py" else "--runs", str(tmp_path / "runs")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=BENCH)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_context_seeds_refuses_one_checkpoint_given_as_two_seeds(tmp_path):
+    """A file given twice counted as two seeds in the means and ranges."""
+    files = [str(ROOT / "results" / "long_context" / f"lmm_init_s{s}_8k.json") for s in (0, 0, 2)]
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "context_seeds.py"), *files], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and "one file per seed" in proc.stderr, proc.stderr[-2000:]
+    ok = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "context_seeds.py"),
+            *(f.replace("s0_8k", "s1_8k", 1) for f in files[1:2]),
+            files[0],
+            files[2],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ok.returncode == 0 and "3 files" in ok.stdout, ok.stderr[-2000:]
