@@ -329,6 +329,25 @@ def test_causal_conv_silu_float32_paths_agree(conv_path):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
 
 
+def test_conv_kernel_weight_gradients_repeat_bit_for_bit_on_many_threads():
+    """The kernel's backward sums the taps' and bias's gradients over tasks run on several threads: the
+    per-thread sums are added in a fixed order, so a run repeats bit for bit (added as threads finished,
+    3 or more threads gave other bits on most calls, and training runs with `--threads 4` drifted apart)."""
+    if cpu_kernels.kernels() is None:
+        pytest.skip("the CPU conv kernel could not be built here")
+    torch.manual_seed(0)
+    x, g = torch.randn(16, 250, 128), torch.randn(16, 250, 128)
+    weight, bias = torch.randn(128, 1, 4, requires_grad=True), torch.randn(128, requires_grad=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        runs = [torch.autograd.grad(causal_conv_silu(x, weight, bias), (weight, bias), g) for _ in range(12)]
+    finally:
+        torch.set_num_threads(threads)
+    for gw, gb in runs[1:]:
+        assert torch.equal(gw, runs[0][0]) and torch.equal(gb, runs[0][1])
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_causal_conv_silu_traces_to_one_graph(bias, monkeypatch):
     """Under torch.compile the conv traces whole (fullgraph) into the split layout at batch 3, where the

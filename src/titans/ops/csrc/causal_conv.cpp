@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 #include <vector>
@@ -99,6 +100,9 @@ std::vector<torch::Tensor> backward(torch::Tensor x, torch::Tensor tail, torch::
   auto g_b = torch::zeros({C}, x.options().dtype(acc_dtype));
   std::mutex lock;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "causal_conv_silu_bwd", [&] {
+    // each range of tasks' tap and bias sums (K * C, then C), keyed by the range's first task: added in that
+    // order after the loop, so a run's gradients do not depend on which thread finished first
+    std::vector<std::pair<int64_t, std::vector<at::opmath_type<scalar_t>>>> partials;
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* tp = tail.data_ptr<scalar_t>();
@@ -151,10 +155,17 @@ std::vector<torch::Tensor> backward(torch::Tensor x, torch::Tensor tail, torch::
           for (int64_t c = 0; c < C; ++c) dst[c] = static_cast<scalar_t>(gx[c]);
         }
       }
+      gw.insert(gw.end(), gb.begin(), gb.end());
       std::lock_guard<std::mutex> guard(lock);
-      for (int64_t i = 0; i < K * C; ++i) gwp[i] += gw[i];
-      for (int64_t c = 0; c < C; ++c) gbp[c] += gb[c];
+      partials.emplace_back(begin, std::move(gw));
     });
+    std::sort(partials.begin(), partials.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (const auto& part : partials) {
+      const acc_t* sums = part.second.data();
+      for (int64_t i = 0; i < K * C; ++i) gwp[i] += sums[i];
+      for (int64_t c = 0; c < C; ++c) gbp[c] += sums[K * C + c];
+    }
   });
   return {g_x, g_tail, g_wt, g_b};
 }

@@ -9,7 +9,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
-#include <mutex>
 #include <vector>
 
 void state_mix_forward(torch::Tensor x, torch::Tensor mix, torch::Tensor out) {
@@ -46,8 +45,9 @@ void state_mix_backward(torch::Tensor g, torch::Tensor x, torch::Tensor mix, c10
   const int64_t N = g.size(0), P = g.size(2);
   const int64_t piece = 1 << 14;  // elements of a row per task
   const int64_t pieces = (P + piece - 1) / piece;
-  std::vector<double> sums(N * 4, 0.0);
-  std::mutex lock;
+  // each task's four sums, added over a row's pieces in order after the loop (not in the order threads
+  // finish: a run's gradients are the same from one run to the next)
+  std::vector<double> partials(N * pieces * 4, 0.0);
   AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "state_mix_backward", [&] {
     const scalar_t* gp = g.data_ptr<scalar_t>();
     const scalar_t* xp = x.data_ptr<scalar_t>();
@@ -72,11 +72,11 @@ void state_mix_backward(torch::Tensor g, torch::Tensor x, torch::Tensor mix, c10
             s10 += b * w;
             s11 += b * s;
           }
-          std::lock_guard<std::mutex> guard(lock);
-          sums[n * 4] += s00;
-          sums[n * 4 + 1] += s01;
-          sums[n * 4 + 2] += s10;
-          sums[n * 4 + 3] += s11;
+          double* part = partials.data() + task * 4;
+          part[0] = s00;
+          part[1] = s01;
+          part[2] = s10;
+          part[3] = s11;
         }
         if (gxp) {
           const scalar_t m00 = mp[n * 4], m01 = mp[n * 4 + 1], m10 = mp[n * 4 + 2], m11 = mp[n * 4 + 3];
@@ -92,7 +92,13 @@ void state_mix_backward(torch::Tensor g, torch::Tensor x, torch::Tensor mix, c10
     });
     if (want_mix) {
       scalar_t* out = g_mix->data_ptr<scalar_t>();
-      for (int64_t k = 0; k < N * 4; ++k) out[k] += static_cast<scalar_t>(sums[k]);
+      for (int64_t n = 0; n < N; ++n) {
+        double sums[4] = {0.0, 0.0, 0.0, 0.0};
+        for (int64_t i = 0; i < pieces; ++i) {
+          for (int64_t k = 0; k < 4; ++k) sums[k] += partials[(n * pieces + i) * 4 + k];
+        }
+        for (int64_t k = 0; k < 4; ++k) out[n * 4 + k] += static_cast<scalar_t>(sums[k]);
+      }
     }
   });
 }
