@@ -231,6 +231,8 @@ def test_a_signal_after_the_last_step_stops_the_run_without_a_sample(tmp_path, c
     assert result.stopped_by == "SIGINT" and result.sample is None
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["stopped_by"] == "SIGINT" and report["sample"] is None and report["eval"]["bpb"] > 0
+    # the config's threads may be null (one per core): the report says how many ran
+    assert report["torch_threads"] == torch.get_num_threads()
     assert latest_checkpoint(tmp_path).name == "step_00000002"
 
 
