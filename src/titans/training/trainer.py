@@ -661,7 +661,7 @@ class Trainer:
         if info.is_main:
             report = {"config": cfg.to_dict(), **result.to_dict()}
             report["eval"] = final_eval.to_dict()
-            # the threads the run used (config "threads": null is one per core): a CPU run's numbers follow them
+            # the threads the run used (config threads null: one per core); its numbers follow them
             report["torch_threads"] = torch.get_num_threads()
             write_text_atomic(self.run_dir / REPORT_FILE, json.dumps(report, indent=2) + "\n")
         return result
