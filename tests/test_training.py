@@ -664,3 +664,18 @@ def test_training_runs_float32_matmuls_in_tf32_as_configured_and_restores_the_fl
         assert flags() == (not enabled, not enabled)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def test_a_data_path_with_a_dollar_or_undecodable_bytes_keeps_the_plot_and_report(tmp_path, cache_dir):
+    """The plot's title names the data: a ``$`` in it started a matplotlib formula that failed to parse, and a
+    folder name's undecodable byte (a lone surrogate) failed in the font renderer, both after the last step,
+    losing the plot, the report and the sample."""
+    text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(400))
+    for name in ("m$^$x", os.fsdecode(b"d\xff3")):
+        data = tmp_path / name
+        data.mkdir()
+        for i in range(3):
+            (data / f"{i}.txt").write_text(text)
+        run = tmp_path / f"run{len(name)}"
+        Trainer(micro_config(run, cache_dir, data=str(data), steps=1, plot=True)).train()
+        assert (run / "loss.png").stat().st_size > 0 and (run / "report.json").is_file()

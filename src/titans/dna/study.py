@@ -43,6 +43,7 @@ from titans.dna.tasks import (
 from titans.models.lm import TitansLM
 from titans.training.early_stopping import EarlyStopping
 from titans.training.loop import TrainLoop
+from titans.training.metrics import save_plot
 from titans.validation import check_int
 
 VAL_EVERY_RECORD = 8  # of the training records, every eighth is a validation record
@@ -462,8 +463,7 @@ def plot_study(doc: dict, path) -> None:
     b.set_xlabel("variant")
     b.set_ylabel("test accuracy (proximal vs distal)")
     b.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    save_plot(fig, path, dpi=90)
     plt.close(fig)
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from titans._fs import write_text_atomic
+from titans.training.metrics import save_plot
 
 _ARTICLES = {"a", "an", "the"}
 
@@ -273,11 +274,8 @@ def new_figure(figsize: tuple[float, float]):
 
 
 def save_figure(fig, png_path: str | Path) -> Path:
-    fig.tight_layout()
-    path = Path(png_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return path
+    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
+    return save_plot(fig, png_path, dpi=120)
 
 
 def plot_heatmap(table: AccuracyTable, png_path: str | Path, *, title: str | None = None) -> Path:

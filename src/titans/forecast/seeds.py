@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from titans.training.metrics import save_plot
+
 METRICS = ("mse", "mae")
 
 
@@ -278,8 +280,7 @@ def plot_aggregate(path: str | Path, agg: dict, metric: str = "mse") -> None:
         ax.set_title(f"{cell[0]}, lookback {cell[1]}, H {cell[2]}", fontsize=8)
         ax.set_ylabel(f"test {metric.upper()} (standardised)", fontsize=8)
     fig.suptitle(f"seeds {', '.join(map(str, agg['seeds']))}: mean ± std, dots per seed", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    save_plot(fig, path, dpi=90)
     plt.close(fig)
 
 

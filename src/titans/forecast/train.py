@@ -31,6 +31,7 @@ from titans.data.series import ForecastWindows, SeriesSplit, StandardScaler
 from titans.forecast.model import FORECAST_MODELS, build_forecaster
 from titans.training.early_stopping import EarlyStopping
 from titans.training.loop import TrainLoop
+from titans.training.metrics import save_plot
 
 
 @dataclass
@@ -251,8 +252,7 @@ def plot_forecasts(
         ax.axvline(L - 0.5, color="grey", lw=0.5)
     axes[0, 0].legend(fontsize=7, ncol=len(preds) + 2)
     axes[0, 0].set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    save_plot(fig, path, dpi=90)
     plt.close(fig)
 
 

@@ -144,6 +144,22 @@ def truncate_metrics(path: str | Path, last_step: int) -> None:
     write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
+def save_plot(fig, path: str | Path, *, dpi: float | None = None) -> Path:
+    """Lay out and save the matplotlib Figure `fig` as `path`, every text in it drawn as written: paths and
+    names a user chose go into titles and legends, where a ``$`` would start a formula that fails to parse
+    and a file name's undecodable bytes (lone surrogates) fail in the font renderer, losing the plot."""
+    from matplotlib.text import Text
+
+    for text in fig.findobj(Text):
+        text.set_parse_math(False)
+        if text.get_text():
+            text.set_text(text.get_text().encode("utf-8", "backslashreplace").decode("utf-8"))
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=dpi)
+    return path
+
+
 def plot_losses(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path | None:
     """The run as a PNG, three panels over the step: train and held-out loss, held-out bits per byte, and
     the learning rate. None (with a note) when matplotlib is missing."""
@@ -192,9 +208,7 @@ def plot_losses(metrics_path: str | Path, png_path: str | Path, title: str = "")
         ax.grid(alpha=0.3)
     loss_ax.set_title(title, fontsize=10)
     fig.align_ylabels()
-    fig.tight_layout()
-    png_path = Path(png_path)
-    fig.savefig(png_path)
+    png_path = save_plot(fig, png_path)
     plt.close(fig)
     return png_path
 
