@@ -611,3 +611,25 @@ def test_forecast_train_checks_its_output_folder_before_training(tmp_path, capsy
     argv = ["forecast", "train", "--model", "linear", "--steps", "3", "--out", str(tmp_path / "afile")]
     assert titans_main(argv) == 2
     assert "afile" in error_line(capsys)
+
+
+@pytest.mark.parametrize("command", ["generate", "inspect"])
+@pytest.mark.parametrize(
+    "prompt, want",
+    [
+        (
+            os.fsdecode(b"caf\xff"),
+            "(byte 0xff at character 3)",
+        ),  # as the shell passes a byte that is not UTF-8
+        ("a\ud800", "(lone surrogate U+D800 at character 1)"),
+    ],
+)
+def test_a_prompt_that_is_not_utf8_is_refused_by_the_parser(command, prompt, want, capsys):
+    """The BPE and SentencePiece libraries failed on such a prompt with a TypeError / RuntimeError."""
+    with pytest.raises(SystemExit) as exit_:
+        titans_main([command, "--checkpoint", "nowhere", "--prompt", prompt])
+    assert exit_.value.code == 2
+    assert (
+        error_line(capsys)
+        == f"titans {command}: error: argument --prompt: the text is not valid UTF-8 {want}"
+    )

@@ -90,6 +90,20 @@ def test_tiktoken_ranks_file_round_trips(bpe_path, tmp_path, monkeypatch):
     assert home.path == path and home.fingerprint == tok.fingerprint
 
 
+@pytest.mark.parametrize("kind", ["bytes", "bpe", "mistral-32k"])
+def test_text_that_is_not_utf8_is_refused_by_name(kind, bpe_path):
+    """A command-line argument's byte that is not UTF-8 reaches Python as a lone surrogate: the BPE and
+    SentencePiece libraries failed on it with a TypeError / RuntimeError naming no text."""
+    if kind == "mistral-32k":
+        pytest.importorskip("mistral_common")
+    tok = ByteTokenizer() if kind == "bytes" else load_tokenizer(str(bpe_path) if kind == "bpe" else kind)
+    with pytest.raises(ValueError, match=r"not valid UTF-8 \(byte 0xff at character 3\)"):
+        tok.encode(os.fsdecode(b"caf\xff tea"))
+    with pytest.raises(ValueError, match=r"not valid UTF-8 \(lone surrogate U\+D800 at character 1\)"):
+        tok.encode("a\ud800")
+    assert tok.decode(tok.encode("café")) == "café"
+
+
 def test_tiktoken_ranks_file_errors_name_file_and_line(tmp_path):
     bad = tmp_path / "bad.tiktoken"
     bad.write_text("YQ== 0\nnot-base64!! 1\n")

@@ -46,6 +46,26 @@ def seed_arg(text: str) -> int:
     return seed
 
 
+def utf8(text: str) -> bytes:
+    """`text` as UTF-8, or a ValueError naming the first character that has none: a lone surrogate, which is
+    how Python holds a byte of a command-line argument that was not UTF-8 (0xff in ``--prompt caf\\xff``)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        char = ord(text[e.start])
+        what = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"lone surrogate U+{char:04X}"
+        raise ValueError(f"the text is not valid UTF-8 ({what} at character {e.start})") from None
+
+
+def text_arg(text: str) -> str:
+    """An argparse ``type`` for text a tokenizer will read (``--prompt``): refused unless valid UTF-8."""
+    try:
+        utf8(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def seed_list(text: str) -> list[int]:
     """An argparse ``type`` for a ``--seeds``: distinct comma-separated seeds, each as `seed_arg` takes."""
     seeds = [seed_arg(v.strip()) for v in text.split(",") if v.strip()]

@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from titans.validation import did_you_mean
+from titans.validation import did_you_mean, utf8
 
 # The GPT-2 pre-tokenization regex (contractions, letters, numbers, other symbols, whitespace runs). Used
 # for tiktoken ranks files, which carry no pattern of their own.
@@ -87,7 +87,7 @@ class ByteTokenizer:
     fingerprint = "bytes:v1"
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        return list(utf8(text))
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
@@ -116,6 +116,7 @@ class HFTokenizer:
         self.fingerprint = f"hf:{_file_sha256(self.path)}"
 
     def encode(self, text: str) -> list[int]:
+        utf8(text)  # the library's own error for a lone surrogate is a TypeError that names no text
         # add_special_tokens=False: no BOS/EOS from a post-processor; the data pipeline adds separators.
         return self._tok.encode(text, add_special_tokens=False).ids
 
@@ -143,6 +144,7 @@ class SentencePieceTokenizer:
         self.fingerprint = f"spm:{_file_sha256(self.path)}"
 
     def encode(self, text: str) -> list[int]:
+        utf8(text)  # the library's own error for a lone surrogate names no text
         return self._sp.encode(text)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -194,6 +196,7 @@ class TiktokenTokenizer:
         self.fingerprint = f"tiktoken:{digest}"
 
     def encode(self, text: str) -> list[int]:
+        utf8(text)  # the library would encode a lone surrogate as U+FFFD: refused as the others do
         return self._enc.encode_ordinary(text)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:

@@ -34,7 +34,7 @@ from titans.runtime.checkpoint import Checkpoint
 from titans.runtime.device import resolve_device
 from titans.runtime.loading import checkpoint_of, load_trained
 from titans.runtime.sampling import SAMPLING
-from titans.validation import path_arg
+from titans.validation import path_arg, text_arg
 
 DEFAULT_BLOCK_CHARS = 1 << 20  # characters read and tokenized at a time by `titans read`
 
@@ -291,7 +291,7 @@ def register(commands, evals) -> None:
     )
     g.add_argument("--checkpoint", type=path_arg, required=True, help="checkpoint folder or run folder")
     g.add_argument("--state", type=path_arg, help="a state saved by `titans read` (or generate --save-state)")
-    g.add_argument("--prompt", required=True, help="text to continue (at least one token)")
+    g.add_argument("--prompt", required=True, type=text_arg, help="text to continue (at least one token)")
     g.add_argument("--max-new-tokens", type=int, default=200, help="tokens generated per sample at most")
     g.add_argument(
         "--temperature",

@@ -24,7 +24,7 @@ from titans.inference.inspection.render import fmt, render_html
 from titans.inference.inspection.trace import set_surprise_threshold, token_texts, trace_text
 from titans.runtime.device import resolve_device
 from titans.runtime.loading import load_trained
-from titans.validation import path_arg
+from titans.validation import path_arg, text_arg
 
 DEFAULT_MAX_TOKENS = 4000
 
@@ -111,7 +111,7 @@ def register(commands, evals) -> None:
     )
     p.add_argument("--checkpoint", type=path_arg, required=True, help="checkpoint folder or run folder")
     p.add_argument("--text", type=path_arg, help="UTF-8 text file to read")
-    p.add_argument("--prompt", help="text to read, given inline")
+    p.add_argument("--prompt", type=text_arg, help="text to read, given inline")
     p.add_argument("--out", type=path_arg, required=True, help="where to write the HTML report")
     p.add_argument(
         "--threshold",
