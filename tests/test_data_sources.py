@@ -20,11 +20,12 @@ from micro_train import micro_config
 from titans.cli import _message
 from titans.cli import main as titans_main
 from titans.data.loader import TokenBatches
-from titans.data.sources import FileSource, InMemorySource, JsonlSource, load_source
+from titans.data.sources import FileSource, InMemorySource, JsonlSource, load_source, open_text
 from titans.data.split import heldout_score
 from titans.data.stream import load_token_streams, token_digest
 from titans.data.tokenizers import ByteTokenizer
 from titans.evaluation.perplexity import heldout_stream
+from titans.inference.cli import read_text_blocks
 from titans.training.config import TrainConfig
 from titans.training.metrics import MetricsLogger, read_metrics, truncate_metrics
 from titans.training.trainer import Trainer
@@ -191,20 +192,26 @@ def test_a_lone_surrogate_in_a_jsonl_record_becomes_the_replacement_character(tm
 
 
 # ----------------------------------------------------------------------------------- token cache
-@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be"])
-def test_a_utf16_text_file_with_a_byte_order_mark_reads_as_its_text(tmp_path, encoding):
-    """Read as UTF-8, every other byte was a NUL: the byte tokenizer's document separator."""
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-8-sig"])
+def test_a_text_file_with_a_byte_order_mark_reads_as_its_text(tmp_path, encoding):
+    """UTF-16 read as UTF-8: every other byte was a NUL, the byte tokenizer's document separator. UTF-8's
+    mark was read as a character (U+FEFF) before the text, a JSONL file starting with it was refused as
+    invalid JSON, and a file holding the mark alone was a document. `titans read` and `titans inspect` read
+    a file as training does."""
     text = "Call me Ishmael. Ça va? \u2603\n"
-    mark = b"" if encoding == "utf-16" else "\ufeff".encode(encoding)  # "utf-16" writes its own
+    mark = b"" if encoding in ("utf-16", "utf-8-sig") else "\ufeff".encode(encoding)  # these write their own
     (tmp_path / "a.txt").write_bytes(mark + text.encode(encoding))
     (tmp_path / "b.txt").write_text(text, encoding="utf-8")
-    (tmp_path / "empty.txt").write_bytes("".encode("utf-16"))  # a byte-order mark alone: no text
+    (tmp_path / "empty.txt").write_bytes("".encode(encoding))  # a byte-order mark alone: no text
     (tmp_path / "c.jsonl").write_bytes(mark + (json.dumps({"text": text}) + "\n").encode(encoding))
     source = load_source(str(tmp_path))
     docs = {d.id: d.text for d in source.documents()}
     assert docs["a.txt"] == docs["b.txt"] == text
     assert [d.text for d in load_source(str(tmp_path / "c.jsonl")).documents()] == [text]
     assert "empty.txt" not in source.document_ids()  # it could have been the only held-out document
+    assert "".join(read_text_blocks(str(tmp_path / "a.txt"), block_chars=8)) == text
+    with open_text(tmp_path / "a.txt") as f:
+        assert f.read() == text
 
 
 def test_an_unusable_cache_folder_is_warned_about_and_skipped(tmp_path, caplog):

@@ -58,6 +58,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -129,21 +130,34 @@ def _read_text(path: Path) -> str:
             data = gzip.decompress(data)
         except _GZIP_ERRORS as e:
             raise _gzip_error(path, e) from None
-    return data.decode(_encoding(data[:2]), errors="replace")
+    return data.decode(text_encoding(data[:3]), errors="replace")
 
 
 _UTF16_MARKS = (b"\xff\xfe", b"\xfe\xff")  # the byte-order marks of Windows' "Unicode" text
+_UTF8_MARK = b"\xef\xbb\xbf"  # the byte-order mark some Windows editors put before UTF-8
+_MARKS = (*_UTF16_MARKS, _UTF8_MARK)
 
 
-def _encoding(head: bytes) -> str:
-    """A text file's encoding from its first two bytes: UTF-16 after its byte-order mark (read as UTF-8,
-    every other byte was a NUL), else UTF-8."""
-    return "utf-16" if head in _UTF16_MARKS else "utf-8"
+def text_encoding(head: bytes) -> str:
+    """A text file's encoding from its first three bytes: UTF-16 after its byte-order mark (read as UTF-8,
+    every other byte was a NUL), UTF-8 after its mark (the mark skipped, not read as a character), else
+    UTF-8."""
+    if head[:2] in _UTF16_MARKS:
+        return "utf-16"
+    return "utf-8-sig" if head.startswith(_UTF8_MARK) else "utf-8"
+
+
+def open_text(path: str | Path) -> TextIO:
+    """A text file opened for reading as training reads it: its encoding by `text_encoding`, bytes that do
+    not decode as U+FFFD, line ends kept as they are."""
+    with open(path, "rb") as raw:
+        encoding = text_encoding(raw.read(3))
+    return open(path, encoding=encoding, errors="replace", newline="")  # noqa: SIM115
 
 
 def _has_text(path: Path) -> bool:
-    """Whether a file holds any text (a ``.gz`` file: any decompressed byte; a lone UTF-16 byte-order
-    mark is none); a broken symlink holds none."""
+    """Whether a file holds any text (a ``.gz`` file: any decompressed byte; a lone byte-order mark is
+    none); a broken symlink holds none."""
     try:
         if path.stat().st_size == 0:
             return False
@@ -152,10 +166,10 @@ def _has_text(path: Path) -> bool:
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:
-            head = f.read(3)
+            head = f.read(4)
     except _GZIP_ERRORS as e:
         raise _gzip_error(path, e) from None
-    return head != b"" and head not in _UTF16_MARKS
+    return head != b"" and head not in _MARKS
 
 
 def _valid_text(text: str) -> str:
@@ -253,7 +267,7 @@ class JsonlSource(TextSource):
         opener = gzip.open if self.path.suffix == ".gz" else open
         try:
             with opener(self.path, "rb") as raw:
-                encoding = _encoding(raw.read(2))
+                encoding = text_encoding(raw.read(3))
         except _GZIP_ERRORS as e:
             raise _gzip_error(self.path, e) from None
         with opener(self.path, "rt", encoding=encoding, errors="replace") as f:

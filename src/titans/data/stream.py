@@ -60,7 +60,7 @@ from titans.data.sources import TextSource, file_stamp, load_source
 from titans.data.split import DEFAULT_SALT, split_documents, split_tail
 from titans.data.tokenizers import ByteTokenizer, Tokenizer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a UTF-8 byte-order mark is skipped, not read as a character
 BYTE_SEPARATOR = 0
 SPLITS = ("train", "heldout")
 _BATCH_CHARS = 4_000_000  # tokenize documents in batches of about this many characters

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from titans._fs import check_writable
+from titans.data.sources import open_text
 from titans.inference.generation import IncrementalDecoder, generate
 from titans.models.decode_graph import check_static_decoding
 from titans.models.lm import TitansLM
@@ -52,13 +53,13 @@ def read_text_blocks(path: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> Itera
     Line ends are kept as they are ("\r\n" stays two characters, as training reads files)."""
     if path == "-":
         # stdin read as a file is: invalid UTF-8 bytes become U+FFFD (Python's own stdin would pass them on
-        # as lone surrogates, which no tokenizer encodes)
+        # as lone surrogates, which no tokenizer encodes), a leading UTF-8 byte-order mark is skipped
         raw = getattr(sys.stdin, "buffer", None)
         stream = sys.stdin
         if raw is not None:
-            stream = io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline="")
+            stream = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="replace", newline="")
     else:
-        stream = open(path, encoding="utf-8", errors="replace", newline="")  # noqa: SIM115
+        stream = open_text(path)  # UTF-16 and byte-order marks as training reads them
     try:
         if block_chars <= 0:
             yield stream.read()

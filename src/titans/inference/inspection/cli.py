@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from titans._fs import check_writable, write_text_atomic
+from titans.data.sources import open_text
 from titans.inference.inspection.render import fmt, render_html
 from titans.inference.inspection.trace import set_surprise_threshold, token_texts, trace_text
 from titans.runtime.device import resolve_device
@@ -90,7 +91,7 @@ def _first_tokens(path: Path, tokenizer, max_tokens: int) -> tuple[list[int], bo
     """(the ids of the start of the file at `path`, whether it holds more than `max_tokens`): read in
     growing pieces until the tokens pass `max_tokens` (the whole file was read and encoded for a
     100-token report). Line ends are kept as they are, as `titans read` and training read files."""
-    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+    with open_text(path) as f:
         text = f.read(4 * (max_tokens + _CUT_MARGIN))
         while True:
             ids = tokenizer.encode(text)
