@@ -633,3 +633,22 @@ def test_a_prompt_that_is_not_utf8_is_refused_by_the_parser(command, prompt, wan
         error_line(capsys)
         == f"titans {command}: error: argument --prompt: the text is not valid UTF-8 {want}"
     )
+
+
+def test_a_path_that_is_not_utf8_is_printed_on_a_strict_console(tmp_path):
+    """A file name's bytes that are not UTF-8 reach Python as lone surrogates: a console whose encoder is
+    strict (PYTHONIOENCODING=utf-8:strict, or a UTF-8 locale other than C) failed to print the line naming
+    the file, with a traceback, after the work was done."""
+    import subprocess
+    import sys
+
+    save_tiny_run(tmp_path / "run", tiny_model(vocab_size=256, dtype=torch.float32))
+    (tmp_path / "in.txt").write_text("some text to read\n")
+    out = os.fsdecode(bytes(tmp_path / "s") + b"\xff.safetensors")
+    cmd = [sys.executable, "-m", "titans", "read", "--checkpoint", str(tmp_path / "run")]
+    cmd += ["--input", str(tmp_path / "in.txt"), "--save-state", out, "--device", "cpu"]
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-2000:]
+    assert b"saved to " + bytes(tmp_path / "s") + b"\\udcff.safetensors" in proc.stdout  # escaped
+    assert os.path.exists(out)

@@ -142,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_flush_denormal(True)
+    # a path's bytes that are not UTF-8 (Python holds them as lone surrogates) are printed and logged as
+    # escapes: a console's strict UTF-8 encoder failed on them, ending the command at its first line
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     from titans.runtime.device import tf32  # imports torch: here, as torch above, not when cli is imported
 
     parser = build_parser()
