@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -666,10 +668,14 @@ def test_training_runs_float32_matmuls_in_tf32_as_configured_and_restores_the_fl
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
-def test_a_data_path_with_a_dollar_or_undecodable_bytes_keeps_the_plot_and_report(tmp_path, cache_dir):
+def test_a_data_path_with_a_dollar_or_undecodable_bytes_keeps_the_plot_and_report(
+    tmp_path, cache_dir, capsys, caplog
+):
     """The plot's title names the data: a ``$`` in it started a matplotlib formula that failed to parse, and a
     folder name's undecodable byte (a lone surrogate) failed in the font renderer, both after the last step,
     losing the plot, the report and the sample."""
+    # the log lines name the path: pytest-xdist cannot send a lone surrogate back from its worker
+    caplog.set_level(logging.WARNING, logger="titans")
     text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(400))
     for name in ("m$^$x", os.fsdecode(b"d\xff3")):
         data = tmp_path / name
@@ -679,3 +685,29 @@ def test_a_data_path_with_a_dollar_or_undecodable_bytes_keeps_the_plot_and_repor
         run = tmp_path / f"run{len(name)}"
         Trainer(micro_config(run, cache_dir, data=str(data), steps=1, plot=True)).train()
         assert (run / "loss.png").stat().st_size > 0 and (run / "report.json").is_file()
+    capsys.readouterr()  # as the printed lines
+
+
+def test_the_end_of_training_sample_stops_at_end_of_text_and_continues_the_prompt(
+    tmp_path, cache_dir, monkeypatch
+):
+    """The sample is what `titans generate` prints: it stopped at no end-of-text token (printing it and what
+    came after). Its text continues the prompt as `generate`'s does (`continuation_text`: decoded alone, a
+    SentencePiece continuation lost its first space)."""
+    spec = tmp_path / "bpe.json"
+    train_bpe(["the quick brown fox jumps over the lazy dog. " * 50], 300, spec)
+    data = tmp_path / "fox.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog.\n" * 2000)
+    cfg = micro_config(tmp_path / "run", cache_dir, steps=1, tokenizer=str(spec), data=str(data))
+    trainer = Trainer(dataclasses.replace(cfg, sample_tokens=6, sample_prompt="the quick"))
+    tok = trainer.tokenizer
+    new = tok.encode(" brown fox") + [tok.eos_id] + tok.encode(" jumps")
+    seen = {}
+
+    def fake_generate(model, prompt, n, **kw):
+        seen.update(kw)
+        return torch.cat([prompt, torch.tensor([new[:n]], device=prompt.device)], 1)
+
+    monkeypatch.setattr("titans.training.trainer.generate", fake_generate)
+    assert seen.get("stop_tokens") is None and trainer.sample() == "the quick brown fox"
+    assert seen["stop_tokens"] == tok.eos_id

@@ -30,7 +30,7 @@ import base64
 import binascii
 import hashlib
 import importlib.util
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -76,6 +76,18 @@ def _existing_file(path: str | Path, what: str) -> Path:
     if not p.is_file():
         raise FileNotFoundError(f"{what} file not found: {str(p)!r}")
     return p
+
+
+CONTEXT_TOKENS = 4  # the context's last tokens a continuation is decoded after
+
+
+def continuation_text(tokenizer: Tokenizer, context: Sequence[int], ids: Sequence[int]) -> str:
+    """The text ``ids`` add after ``context`` (the prompt): decoded after the context's last tokens. Decoded
+    alone, a SentencePiece continuation loses the space before its first word (its "▁" starts the text)."""
+    tail = [int(i) for i in list(context)[-CONTEXT_TOKENS:]]
+    before = tokenizer.decode(tail)
+    after = tokenizer.decode(tail + [int(i) for i in ids])
+    return after[len(before) :] if after.startswith(before) else tokenizer.decode([int(i) for i in ids])
 
 
 class ByteTokenizer:

@@ -24,23 +24,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from titans.data.tokenizers import CONTEXT_TOKENS, continuation_text
 from titans.models.streaming import decode_step, generate, sample_next
 
 
 class _Decodes(Protocol):
     def decode(self, ids: list[int]) -> str: ...
-
-
-CONTEXT_TOKENS = 4  # the context's last tokens a continuation is decoded after
-
-
-def continuation_text(tokenizer: _Decodes, context: Sequence[int], ids: Sequence[int]) -> str:
-    """The text ``ids`` add after ``context`` (the prompt): decoded after the context's last tokens. Decoded
-    alone, a SentencePiece continuation loses the space before its first word (its "▁" starts the text)."""
-    tail = [int(i) for i in list(context)[-CONTEXT_TOKENS:]]
-    before = tokenizer.decode(tail)
-    after = tokenizer.decode(tail + [int(i) for i in ids])
-    return after[len(before) :] if after.startswith(before) else tokenizer.decode([int(i) for i in ids])
 
 
 class IncrementalDecoder:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from titans._fs import write_text_atomic
 from titans.data.loader import CurriculumBatches, EvalWindows, StreamBatches, TokenBatches
 from titans.data.stream import load_token_streams
-from titans.data.tokenizers import load_tokenizer
+from titans.data.tokenizers import continuation_text, load_tokenizer
 from titans.layers.memory import NeuralMemory
 from titans.models.lm import TitansLM
 from titans.models.monitor import memory_layers, memory_report
@@ -717,6 +717,7 @@ class Trainer:
         prompt = torch.tensor([ids], dtype=torch.long, device=self.device)
         generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         model = D.unwrap(self.engine)
+        eos = self.tokenizer.eos_id
 
         def check(token: torch.Tensor) -> None:
             if stop():
@@ -731,6 +732,7 @@ class Trainer:
                     cfg.sample_tokens,
                     temperature=cfg.sample_temperature,
                     top_k=cfg.sample_top_k,
+                    stop_tokens=eos,
                     generator=generator,
                     on_token=None if stop is None else check,
                 )
@@ -738,7 +740,10 @@ class Trainer:
             return None
         finally:
             model.train()
-        return self.sample_prompt + self.tokenizer.decode(out[0, prompt.shape[1] :].tolist())
+        new = out[0, prompt.shape[1] :].tolist()
+        new = new[: new.index(eos)] if eos in new else new  # the end-of-text token ends it, as in `generate`
+        # decoded after the prompt's last tokens: a SentencePiece continuation keeps its first space
+        return self.sample_prompt + continuation_text(self.tokenizer, ids, new)
 
 
 class _SampleStopped(Exception):
