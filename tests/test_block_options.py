@@ -243,3 +243,18 @@ def test_mac_default_gate_passes_the_loss_gradient_to_the_memory_at_init():
 
     assert TitansConfig().mac_gate == "norm"
     assert memory_grad("norm") > 5 * memory_grad("open")
+
+
+def test_mag_gates_the_attention_output_by_the_memory():
+    """MAG's output is W(norm(attn) * sigmoid(norm(mem))) (docs/design.md): the attention output is the
+    gated value and the memory's the gate. Swapped, every other test passed (both sides of the streaming
+    and reference comparisons swap alike)."""
+    model = tiny_model("mag", vocab_size=61)
+    block = model.blocks[0]
+    seen = {}
+    block.attn.register_forward_hook(lambda mod, args, out: seen.__setitem__("attn", out[0]))
+    block.memory.register_forward_hook(lambda mod, args, out: seen.__setitem__("memory", out[0]))
+    block.combine.register_forward_pre_hook(lambda mod, args: seen.__setitem__("combine", args))
+    model(random_tokens(1, 9, vocab=61))
+    value, gate = seen["combine"]
+    assert torch.equal(value, seen["attn"]) and torch.equal(gate, seen["memory"])

@@ -65,6 +65,8 @@ def test_sample_next_respects_top_k_and_top_p():
     logits = probs.log().expand(4000, -1)
     draw = sample_next(logits, top_k=2, generator=seeded(0))
     assert set(draw.tolist()) == {0, 1}
+    draw = sample_next(logits, top_k=3, generator=seeded(0))  # one below the vocabulary: still a cut
+    assert set(draw.tolist()) == {0, 1, 2}
     draw = sample_next(logits, top_p=0.75, generator=seeded(0))  # 0.5 + 0.3 reaches 0.75
     assert set(draw.tolist()) == {0, 1}
     draw = sample_next(logits, top_p=0.85, generator=seeded(0))

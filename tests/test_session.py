@@ -102,6 +102,17 @@ def test_rollback_restores_bit_identical_states():
         session.rollback(0)
 
 
+def test_probe_loss_after_a_rollback_is_the_restored_states():
+    """The session caches its probe loss (the guard's baseline for the next write): a rollback must drop
+    the undone write's value, or the guard judges the next write against a state that is gone."""
+    session = MemorySession(tiny("lmm"), snapshots=2, probe=text(24, 100), piece_len=8)
+    before = session.probe_loss()
+    session.read(text(16, 1))
+    assert session.probe_loss() != before
+    session.rollback(1)
+    assert session.probe_loss() == before
+
+
 def test_frozen_session_reads_without_writing_its_memory():
     """Frozen: the memory (weights, momentum, pending tokens) stays bit-identical while the position and the
     attention context move on, so a later answer draws on what was read frozen, through attention only."""
