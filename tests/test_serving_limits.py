@@ -641,6 +641,25 @@ def test_a_client_that_stalls_mid_body_is_timed_out(engine, store):
 
 
 @pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+def test_a_client_that_goes_away_mid_import_is_no_internal_error(engine, store, caplog):
+    """A client closing its connection part-way through an import's body was logged as an internal error,
+    with a traceback of about 60 lines per upload (the same on /read logs nothing)."""
+    with serve(engine, store) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        for _ in range(3):
+            with socket.create_connection((host, int(port)), timeout=10) as s:
+                s.sendall(
+                    f"POST /v1/sessions/import HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n"
+                    f"Content-Type: application/octet-stream\r\nContent-Length: {1 << 20}\r\n\r\n".encode()
+                    + b"x" * (64 << 10)
+                )
+        time.sleep(0.5)  # the server reads on, finds the connection closed
+        with httpx.Client(timeout=60) as http:
+            assert read(http, server.url, new(http, server.url)).status_code == 200
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
 def test_a_request_without_a_valid_key_is_refused_before_its_body_is_read(engine, store):
     """An import of 50 MB announced without a key (or with an unknown one) gets its 401 at once, its body
     never read nor waited for (the server would otherwise hold up to --max-import-bytes of it first, or

@@ -64,6 +64,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from titans.inference.generation import continuation_text
@@ -1374,7 +1375,11 @@ def add_session_routes(
         # the key's place taken before the body is read: a key at --max-concurrent-per-key gets its 429
         # with its body unread (it would hold up to --max-import-bytes of memory per request otherwise)
         async with service.gate.hold(owner):
-            data = await request.body()
+            try:
+                data = await request.body()
+            except ClientDisconnect:  # the client went away mid-body: nobody to answer, nothing to log
+                log.debug("an import's client closed its connection before the body ended")
+                raise ApiError(400, "the connection closed before the body ended") from None
             return Imported(**await gated(owner, ("import_", owner, data), counted=True))
 
     async def generate_stream(sid: str, body: GenerateBody, owner: str = owner_dep) -> StreamingResponse:
