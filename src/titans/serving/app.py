@@ -539,7 +539,8 @@ class SessionService:
         if grace_s is not None:
 
             def cut() -> None:
-                for events in list(self.streams):
+                for events in list(self.streams):  # one line each, whether or not its client still reads
+                    log.warning("a streamed generation was still running when the server stopped: ended 503")
                     events.put_nowait((STREAM_CUT, None))
 
             asyncio.get_running_loop().call_later(max(0.0, grace_s - STREAM_CUT_MARGIN_S), cut)
@@ -1085,13 +1086,18 @@ def create_app(
 
     # ---- per-key limits (titans.serving.limits): every route's work runs through `gated`
     async def gated(
-        owner: str, job: Callable[[], T] | tuple, sid: str | None = None, counted: bool = False
+        owner: str,
+        job: Callable[[], T] | tuple,
+        sid: str | None = None,
+        counted: bool = False,
+        streamed: bool = False,
     ) -> T:
         """`job` counted against the key's concurrent requests (`counted`: the caller holds its place
         already), serialised with the other requests of this key to session `sid` when given: a function
         run in a worker thread, or (name, *args), the service's operation `name` (`SessionService.call`: in
         a worker process when it has them). The line of a session is the key's own: another key's request
-        naming the session never waits for it (nor delays it), and learns nothing of it but its 404."""
+        naming the session never waits for it (nor delays it), and learns nothing of it but its 404.
+        `streamed`: a streamed generation's job, whose cut at shutdown `SessionService.stop` logs."""
         service.sweeper.maybe_sweep()
         async with nullcontext() if counted else service.gate.hold(owner):
             try:
@@ -1106,7 +1112,8 @@ def create_app(
                     raise
                 # the server's graceful-shutdown time ran out while this request ran: it may or may not
                 # have been applied (a job that started runs to its end)
-                log.warning("a request was still running when the server stopped: answered 503")
+                if not streamed:
+                    log.warning("a request was still running when the server stopped: answered 503")
                 raise ApiError(
                     503,
                     "the server stopped while this request ran; it may or may not have been applied: check "
@@ -1416,7 +1423,8 @@ def add_session_routes(
 
         async def run() -> None:
             try:
-                events.put_nowait(("done", Changed(**await locked(sid, owner, work)).model_dump()))
+                done = await gated(owner, work, sid, streamed=True)
+                events.put_nowait(("done", Changed(**done).model_dump()))
             except Exception as e:  # noqa: BLE001 - handed to the response: an error status or event
                 events.put_nowait(("error", e))
             finally:  # its last event is queued: nothing left to cut at shutdown (also if no one reads it)
@@ -1503,9 +1511,8 @@ async def _sse(
             else:
                 if held is not None:
                     yield _event("token", {"id": held, "text": ""})
-                if kind == STREAM_CUT:  # the server's shutdown time is up
+                if kind == STREAM_CUT:  # the server's shutdown time is up (logged by `SessionService.stop`)
                     status, detail = 503, _STREAM_CUT_DETAIL
-                    log.warning("a streamed generation was still running when the server stopped: ended 503")
                 elif isinstance(value, ApiError):
                     status, detail = value.status, value.detail
                 elif isinstance(value, TooBusy):  # the key's stored bytes: the memory was not written

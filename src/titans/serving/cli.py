@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import logging
 import math
+import multiprocessing.util
 import os
 import sys
 from pathlib import Path
@@ -197,6 +198,9 @@ def run_serve(args: argparse.Namespace) -> int:
         # and the interpreter would wait for them (a long read kept the process for its whole length,
         # past --shutdown-timeout) to write to a closed store. Worker processes are killed instead.
         log.warning("%d model call(s) still running at exit: ended unfinished", left)
+        # os._exit skips multiprocessing's exit handlers, which remove the quota locks' and the worker
+        # pool's named semaphores: the resource tracker warned of "leaked semaphore objects" and removed them
+        multiprocessing.util._run_finalizers(0)
         logging.shutdown()
         sys.stdout.flush()
         os._exit(128 + int(server.stopped_by) if server.stopped_by is not None else 1)
