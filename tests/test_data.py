@@ -243,6 +243,12 @@ def test_hf_source(tmp_path, monkeypatch):
     assert len(docs) == 20 and docs[3].id == "row-3" and docs[3].text == "row 3"
     with pytest.raises(ValueError, match="'body'"):
         load_source(f"hf:{tmp_path / 'ds'}", text_field="body")
+    # a column of numbers (or bytes) is no text: every row was skipped, "has no documents"
+    (tmp_path / "ds" / "data.jsonl").write_text(
+        "".join(json.dumps({"text": "x", "n": i}) + "\n" for i in range(3))
+    )
+    with pytest.raises(ValueError, match=r"column 'n' holds Value\('int64'.*not strings"):
+        load_source(f"hf:{tmp_path / 'ds'}", text_field="n")
 
 
 # ----------------------------------------------------------------------------------------- split

@@ -337,6 +337,10 @@ class HFDatasetSource(TextSource):
             raise ValueError(
                 f"text source {spec!r}: no column {text_field!r} (columns: {', '.join(ds.column_names)})"
             )
+        feature = ds.features[text_field]
+        if getattr(feature, "dtype", None) not in ("string", "large_string"):
+            # its values would all be skipped: "has no documents", which names neither column nor type
+            raise ValueError(f"text source {spec!r}: column {text_field!r} holds {feature}, not strings")
         self.dataset = ds.select_columns([text_field])
         self._fingerprint = _sha([spec, text_field, str(getattr(ds, "_fingerprint", "")), str(len(ds))])
 
