@@ -4,6 +4,7 @@ model shapes and causality, training end to end, and clear errors on bad series.
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -408,7 +409,9 @@ def test_early_stopping_budgets_and_the_best_weights():
         train_forecaster(sp, ForecastRun("seasonal-naive", period=30, **small))
 
 
-def test_study_over_seeds_aggregates_as_numpy_does(tmp_path):
+def test_study_over_seeds_aggregates_as_numpy_does(tmp_path, monkeypatch):
+    import shlex
+
     from titans.cli import main
 
     path = _write_csv(tmp_path / "ecl.csv", 400, ["MT_001", "MT_002"])
@@ -416,11 +419,16 @@ def test_study_over_seeds_aggregates_as_numpy_does(tmp_path):
     argv = ["forecast", "study", "--series", str(path), "--models", "seasonal-naive,linear,lmm"]
     argv += ["--horizons", "7,5", "--lookback", "24", "--max-steps", "3", "--val-every", "2", "--dim", "8"]
     argv += ["--depth", "1", "--heads", "2", "--no-progress", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", ["titans", *argv, "--seeds", "5,0,3"])  # as the shell runs it
     assert main([*argv, "--seeds", "5,0,3"]) == 0
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["seed0", "seed3", "seed5"]
     per_seed = {s: json.loads((out / f"seed{s}" / "ecl.json").read_text()) for s in (0, 3, 5)}
     for s, doc in per_seed.items():
         assert {r["run"]["seed"] for r in doc["runs"]} == {s} and doc["budget"]["seed"] == s
+        # the command that makes this file alone (the whole study's ran every seed into OUT, not OUT/seedN)
+        recorded = shlex.split(doc["command"])
+        assert "--seeds" not in recorded and recorded[recorded.index("--seed") + 1] == str(s)
+        assert recorded[recorded.index("--out") + 1] == str(out / f"seed{s}")
     agg = json.loads((out / "ecl-seeds.json").read_text())
     assert agg["seeds"] == [0, 3, 5] and (out / "ecl-seeds.png").stat().st_size > 0
     assert len(agg["rows"]) == 6  # 2 horizons x 3 models

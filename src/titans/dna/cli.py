@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -127,7 +128,7 @@ def cmd_study(args) -> int:
                 )
             )
         doc = {
-            "command": "titans " + " ".join(sys.argv[1:]),
+            "command": shlex.join(["titans", *sys.argv[1:]]),
             "fasta": fasta,
             "seeds": seeds[: len(runs)],
             "summary": summarise_seeds(runs),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import shlex
 import signal
 import sys
 from dataclasses import asdict
@@ -199,7 +200,21 @@ def _study_splits(args) -> list:
     return splits
 
 
-def _study(args, out: Path, splits: list) -> tuple[list[Path], int | None]:
+def _seed_command(argv: list[str], seed: int, out: Path) -> list[str]:
+    """One seed's part of a ``--seeds`` study as a command of its own: `argv` with ``--seed N --out
+    OUT/seedN`` for ``--seeds`` and ``--out`` (what its result file records, to be run again alone)."""
+    words, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word in ("--seeds", "--out"):
+            skip = True
+        elif not word.startswith(("--seeds=", "--out=")):
+            words.append(word)
+    return [*words, "--seed", str(seed), "--out", str(out)]
+
+
+def _study(args, out: Path, splits: list, command: list[str]) -> tuple[list[Path], int | None]:
     """One seed of the study into ``out``: the JSON and PNGs written, per series (``splits``), and the
     signal that stopped it (None when every run was done). A SIGTERM / SIGINT during a model's training
     stops that model after the current step, measures its best weights, writes the series' JSON and PNG
@@ -240,7 +255,7 @@ def _study(args, out: Path, splits: list) -> tuple[list[Path], int | None]:
             )
             written.append(png)
             doc = {
-                "command": "titans " + " ".join(sys.argv[1:]),
+                "command": shlex.join(["titans", *command]),
                 "series": split.series.name,
                 "source": split.series.source,
                 "budget": {
@@ -299,13 +314,16 @@ def cmd_study(args) -> int:
         raise ValueError("give --seed or --seeds, not both")
     splits = _study_splits(args)
     _check_models(args, splits, models, horizons)
+    argv = sys.argv[1:]
     if args.seeds is None:
-        written, signum = _study(args, out, splits)
+        written, signum = _study(args, out, splits, argv)
     else:
         seeds, written = args.seeds, []
         for seed in seeds:
             args.seed = seed
-            files, signum = _study(args, out / f"seed{seed}", splits)
+            # its result file records the command that runs this seed alone
+            command = _seed_command(argv, seed, out / f"seed{seed}")
+            files, signum = _study(args, out / f"seed{seed}", splits, command)
             written += files
             if signum is not None:
                 break
