@@ -403,10 +403,20 @@ def test_early_stopping_budgets_and_the_best_weights():
     _needs("patchtst")
     res = train_forecaster(sp, ForecastRun("patchtst", steps=50, lr=0.0, patience=2, **small))
     assert res.metrics["stopped_by"] == "early stopping" and res.metrics["steps_done"] == 2
-    with pytest.raises(ValueError, match="patience must be >= 1"):
+    with pytest.raises(ValueError, match="patience must be a positive integer or None, got 0"):
         ForecastRun("lmm", patience=0)
     with pytest.raises(ValueError, match="period must be in 1..lookback"):
         train_forecaster(sp, ForecastRun("seasonal-naive", period=30, **small))
+
+
+@pytest.mark.parametrize(
+    "field, value", [("steps", 2.5), ("horizon", 24.7), ("steps", True), ("batch_size", 0), ("patience", 1.5)]
+)
+def test_forecast_run_sizes_are_integers(field, value):
+    """2.5 steps ran 3 while the result recorded 2.5; a horizon of 24.7 failed in the windowing with a bare
+    TypeError; True counted as one step."""
+    with pytest.raises(ValueError, match=rf"ForecastRun\.{field} must be a positive integer"):
+        ForecastRun("linear", **{field: value})
 
 
 def test_study_over_seeds_aggregates_as_numpy_does(tmp_path, monkeypatch):

@@ -202,6 +202,9 @@ def test_generate_refuses_bad_arguments():
         generate(model, prompt, 3, stop_tokens=[2.0, True])
     with pytest.raises(ValueError, match="stop_tokens must be a token id or an iterable of ids, got 2.5"):
         generate(model, prompt, 3, stop_tokens=2.5)
+    # before the prompt is read (a long prompt was read first, then a bare "'int' object is not callable")
+    with pytest.raises(TypeError, match="on_token must be a function of each new column or None, got 5"):
+        generate(model, prompt, 3, on_token=5)
 
 
 def test_generate_checks_every_option_up_front():

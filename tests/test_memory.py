@@ -597,6 +597,29 @@ def test_bad_config_names_field(kwargs, field):
         NeuralMemory(16, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [  # it reported theta_init / max_lr and the theta rule for all three
+        ({"theta_init": 0.05}, r"theta_init must lie in \(0, max_lr=0.03\), got 0.05"),
+        ({"eta_init": 1.0}, r"eta_init must lie in \(0, 1\), got 1.0$"),
+        ({"alpha_init": 0.0}, r"alpha_init must lie in \(0, 1\), got 0.0$"),
+    ],
+)
+def test_a_gate_start_out_of_range_is_reported_as_given(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        NeuralMemory(16, heads=2, **kwargs)
+
+
+def test_project_without_a_conv_tail_starts_from_zeros():
+    """`project(x, None)` (its type allows it) failed on `None.to`: it reads x after zero rows, as the
+    start of a sequence does."""
+    mem = NeuralMemory(16, heads=2).double()
+    x = torch.randn(2, 5, 16, dtype=F64)
+    zeros = mem.initial_state(2, dtype=F64).conv_tail
+    for a, b in zip(mem.project(x, None), mem.project(x, zeros)):
+        assert torch.equal(a, b)
+
+
 def test_a_state_of_another_dtype_is_refused_by_name():
     """A float32 memory's state given to the same memory in float64 (and back): a TypeError naming both, not
     a matmul's "expected scalar type Float but found Double" from inside the op."""

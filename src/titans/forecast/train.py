@@ -32,6 +32,7 @@ from titans.forecast.model import FORECAST_MODELS, build_forecaster
 from titans.training.early_stopping import EarlyStopping
 from titans.training.loop import TrainLoop
 from titans.training.metrics import save_plot
+from titans.validation import check_int
 
 
 @dataclass
@@ -59,11 +60,10 @@ class ForecastRun:
     def __post_init__(self) -> None:
         if self.model not in FORECAST_MODELS:
             raise ValueError(f"unknown forecasting model {self.model!r}; expected one of {FORECAST_MODELS}")
+        # ints, not numbers an int() would truncate (2.5 steps ran 3 while the result said 2.5) or bools
         for name in ("horizon", "steps", "batch_size", "eval_every", "dim", "depth", "heads", "period"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"ForecastRun.{name} must be >= 1, got {getattr(self, name)}")
-        if self.patience is not None and self.patience < 1:
-            raise ValueError(f"ForecastRun.patience must be >= 1 or None, got {self.patience}")
+            check_int(f"ForecastRun.{name}", getattr(self, name))
+        check_int("ForecastRun.patience", self.patience, none_ok=True)
         if not self.lr >= 0 or not math.isfinite(self.lr):  # NaN reached AdamW: "Invalid learning rate: nan"
             raise ValueError(f"ForecastRun.lr must be a finite number >= 0, got {self.lr!r}")
         if self.time_budget is not None and not 0 < self.time_budget < math.inf:  # inf: not strict JSON

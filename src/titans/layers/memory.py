@@ -257,15 +257,11 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"NeuralMemory: impl must be 'chunked' or 'reference', got {impl!r}")
         if backend not in BACKENDS:
             raise ValueError(f"NeuralMemory: backend must be one of {BACKENDS}, got {backend!r}")
-        for name, val in (
-            ("theta_init", theta_init / max_lr),
-            ("eta_init", eta_init),
-            ("alpha_init", alpha_init),
-        ):
+        if not 0 < theta_init < max_lr:  # the gate is max_lr * sigmoid(.): its start inside (0, max_lr)
+            raise ValueError(f"NeuralMemory: theta_init must lie in (0, max_lr={max_lr}), got {theta_init}")
+        for name, val in (("eta_init", eta_init), ("alpha_init", alpha_init)):
             if not 0 < val < 1:
-                raise ValueError(
-                    f"NeuralMemory: {name} must lie in (0, 1) (theta_init in (0, max_lr)), got {val}"
-                )
+                raise ValueError(f"NeuralMemory: {name} must lie in (0, 1), got {val}")
         if depth > 1 and expansion * head_dim < 1:
             raise ValueError(f"NeuralMemory: expansion * head_dim must be >= 1, got {expansion * head_dim}")
         self.dim, self.heads, self.head_dim, self.depth = dim, heads, head_dim, depth
@@ -446,15 +442,16 @@ class NeuralMemory(nn.Module):
             )
 
     def project(self, x: Tensor, conv_tail: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """x (B, T, dim) -> q, k, v (B, H, T, d) and the new conv tail."""
+        """x (B, T, dim) -> q, k, v (B, H, T, d) and the new conv tail. conv_tail: (B, kernel - 1, 3 H d), the
+        rows before x; None: zeros (the start of a sequence), as `initial_state` holds them."""
         qkv = self.to_qkv(x)
         b, t, _ = x.shape
         new_tail = None
         # q, k, v come out of one contiguous (3, B, H, T, d) tensor, so the memory op needs no copies of
         # its own and nothing pins the (B, T, 3 H d) activation; the conv writes that layout directly
         if self.conv is not None:
-            tail = conv_tail.to(qkv.dtype)
             keep = self.conv_kernel - 1
+            tail = qkv.new_zeros(b, keep, qkv.shape[-1]) if conv_tail is None else conv_tail.to(qkv.dtype)
             # copies: a view would keep the whole input alive inside the returned state
             new_tail = qkv[:, t - keep :].clone() if t >= keep else torch.cat([tail[:, t:], qkv], dim=1)
             qkv = causal_conv_silu(qkv, self.conv.weight, self.conv.bias, tail, split=(3, self.heads))

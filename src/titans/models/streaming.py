@@ -432,6 +432,8 @@ def generate(
         raise ValueError(f"generate: compiled must be False, True or one of {MODES}, got {compiled!r}")
     if not (isinstance(guards, str) and guards in GUARDS):
         raise ValueError(f"generate: guards must be one of {GUARDS}, got {guards!r}")
+    if on_token is not None and not callable(on_token):  # before the prompt is read, not after
+        raise TypeError(f"generate: on_token must be a function of each new column or None, got {on_token!r}")
     device = next(model.parameters()).device
     if compiled == "cuda_graph" and device.type != "cuda":  # as StaticDecoder does, whatever max_new_tokens
         raise ValueError(f"generate: compiled='cuda_graph' needs a CUDA model, this one is on {device}")
