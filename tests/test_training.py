@@ -711,3 +711,29 @@ def test_the_end_of_training_sample_stops_at_end_of_text_and_continues_the_promp
     monkeypatch.setattr("titans.training.trainer.generate", fake_generate)
     assert seen.get("stop_tokens") is None and trainer.sample() == "the quick brown fox"
     assert seen["stop_tokens"] == tok.eos_id
+
+
+def test_a_run_folder_another_trainer_writes_is_refused(tmp_path, cache_dir):
+    """Two trainers into one run folder (a second command started while the first trains, or a requeued
+    --resume while the old job lives): both ran and exited 0, the second replacing the first's metrics,
+    config and report and removing its checkpoint staging. The writer holds a lock on the folder."""
+    import fcntl
+
+    run = tmp_path / "run"
+    Trainer(micro_config(run, cache_dir, steps=1)).train()
+    trainer = Trainer(micro_config(run, cache_dir, steps=2), resume=True)  # built: holds nothing yet
+    with open(run / ".lock", "ab") as other:  # another process training in the folder
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for mode in ({"resume": True}, {"overwrite": True}):
+            with pytest.raises(FileExistsError, match="is in use: another training process writes it"):
+                Trainer(micro_config(run, cache_dir, steps=2), **mode)
+        with pytest.raises(FileExistsError, match="is in use"):
+            trainer.train()
+        fresh = tmp_path / "fresh"  # no checkpoint yet: the window before a first checkpoint
+        fresh.mkdir()
+        with open(fresh / ".lock", "ab") as first:
+            fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with pytest.raises(FileExistsError, match="is in use"):
+                Trainer(micro_config(fresh, cache_dir, steps=1))
+    assert [p.name for p in list_checkpoints(run)] == ["step_00000001"]  # --overwrite cleared nothing
+    assert trainer.train().step == 2  # the other one ended

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -156,6 +157,26 @@ def check_fresh_run_dir(run_dir: str | Path) -> None:
         )
 
 
+RUN_LOCK = ".lock"  # held (flock) by the process that writes a run folder
+
+
+def lock_run_dir(run_dir: Path):
+    """An exclusive lock on ``run_dir`` for a trainer that writes it: the open lock file, released when it
+    is closed or the process ends, however it ends (the kernel drops a dead process's flock). A second
+    trainer into a folder another one writes is refused (FileExistsError): it replaced the first run's
+    metrics, config and report while both ran and exited 0, and removed the other's checkpoint staging."""
+    f = open(run_dir / RUN_LOCK, "ab")  # noqa: SIM115 - held open for as long as the lock
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise FileExistsError(
+            f"run_dir {str(run_dir)!r} is in use: another training process writes it (it holds the lock "
+            f"{RUN_LOCK!r} there); wait for that run to end, or give another run_dir"
+        ) from None
+    return f
+
+
 class Trainer:
     """Builds everything a run needs from a TrainConfig (model, data, optimizer, logging) and trains it."""
 
@@ -282,18 +303,31 @@ class Trainer:
             self._load_trainer_state(saved.trainer_state)
             if self.info.is_main:
                 print(f"resumed {self.run_dir} at step {self.step} from {checkpoint}", flush=True)
-        if overwrite:
-            if self.info.is_main:
-                clear_run(self.run_dir)
-            D.barrier(self.info)  # no rank writes to run_dir before it is cleared
-        if self.info.is_main:
+        self._lock = None
+        if self.info.is_main:  # before anything in run_dir is cleared or written
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            keep_tokenizer_copy(cfg.tokenizer, self.run_dir)
-            cfg.save(self.run_dir / CONFIG_FILE)
-            truncate_metrics(self.run_dir / METRICS_FILE, self.step)
-        self.metrics = MetricsLogger(
-            self.run_dir, enabled=self.info.is_main, tensorboard=cfg.tensorboard, resume_step=self.step
-        )
+            self._lock = lock_run_dir(self.run_dir)
+        try:
+            if not resume and not overwrite and self.info.is_main:
+                check_fresh_run_dir(self.run_dir)  # again, locked: a run that ended meanwhile is kept
+            if overwrite:
+                if self.info.is_main:
+                    clear_run(self.run_dir)
+                D.barrier(self.info)  # no rank writes to run_dir before it is cleared
+            if self.info.is_main:
+                keep_tokenizer_copy(cfg.tokenizer, self.run_dir)
+                cfg.save(self.run_dir / CONFIG_FILE)
+                truncate_metrics(self.run_dir / METRICS_FILE, self.step)
+            self.metrics = MetricsLogger(
+                self.run_dir, enabled=self.info.is_main, tensorboard=cfg.tensorboard, resume_step=self.step
+            )
+        finally:  # taken again by `train`: a trainer built and not trained holds nothing
+            self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     # ---------------------------------------------------------------------------------------- resume
     def _find_checkpoint(self, resume: bool) -> Path | None:
@@ -580,8 +614,14 @@ class Trainer:
         ``TrainResult.stopped_by``; a second one stops at once (``titans.training.signals``). One that
         arrives after the last step (during the final checkpoint, evaluation, plot or sample) sets
         ``stopped_by`` too, and there is no sample (one under way is abandoned)."""
-        with tf32(self.config.tf32), StopSignals(enabled=handle_signals, announce=self.info.is_main) as sig:
-            return self._train(stop_at, sig)
+        if self.info.is_main:  # held while this run writes its folder
+            self._lock = lock_run_dir(self.run_dir)
+        try:
+            signals = StopSignals(enabled=handle_signals, announce=self.info.is_main)
+            with tf32(self.config.tf32), signals as sig:
+                return self._train(stop_at, sig)
+        finally:
+            self._unlock()
 
     def _train(self, stop_at: int | None, signals: StopSignals) -> TrainResult:
         cfg, info = self.config, self.info
