@@ -819,3 +819,39 @@ def test_store_urls_are_logged_without_their_password():
         == "cannot reach the session store unix://:***@/tmp/r.sock?db=0: Error 111; redis://u:***@h/0"
     )
     assert "hunter2" not in redact("rediss://h/0?db=1&Password=hunter2")
+
+
+def test_a_session_stored_by_a_server_of_other_weights_is_refused(checkpoint, tmp_path):
+    """Two servers sharing a store with two checkpoints of one configuration: the second read the first's
+    sessions (200) and went on from a memory written through other weights' projections, which it reads
+    as noise. Each session records its server's weights: 409 on the other server, 422 on import."""
+    model, tokenizer = load_trained(checkpoint)
+    mine, other = "a" * 64, "b" * 64
+    store = SQLiteStore(tmp_path / "shared.db")
+    keys = frozenset({hash_key(KEY_A)})
+    apps = [
+        create_app(Engine(model, tokenizer, weights=w), store, key_hashes=keys, limits=LIMITS, workers=1)
+        for w in (mine, other)
+    ]
+    try:
+        with ThreadServer(apps[0]) as a, ThreadServer(apps[1]) as b, httpx.Client(timeout=60) as http:
+            sid = http.post(f"{a.url}/v1/sessions", headers=A).json()["id"]
+            assert (
+                http.post(f"{a.url}/v1/sessions/{sid}/read", headers=A, json={"text": DOC}).status_code == 200
+            )
+            r = http.post(f"{b.url}/v1/sessions/{sid}/read", headers=A, json={"text": "more"})
+            assert r.status_code == 409 and "stored by a server with other weights" in r.json()["detail"], (
+                r.text
+            )
+            assert "aaaaaaaaaaaa..." in r.json()["detail"]
+            data = http.get(f"{a.url}/v1/sessions/{sid}/export", headers=A).content
+            r = http.post(f"{b.url}/v1/sessions/import", headers=A, content=data)
+            assert r.status_code == 422 and "other weights" in r.json()["detail"], r.text
+            assert store.get(sid).version == 2  # refused, not written
+            # a session stored without weights (before they were recorded) loads, and takes the server's
+            unrecorded = MemorySession(model).to_bytes()
+            r = http.post(f"{b.url}/v1/sessions/import", headers=A, content=unrecorded)
+            assert r.status_code == 201, r.text
+            assert MemorySession.from_bytes(model, store.get(r.json()["id"]).data).weights == other
+    finally:
+        store.close()

@@ -93,11 +93,6 @@ def check_save_state(path: str, inputs: dict[str, str | None] | None = None) -> 
     check_writable(path, inputs)
 
 
-def weights_id(checkpoint: Checkpoint) -> str | None:
-    """What identifies a checkpoint's weights: the SHA-256 its meta.json records for model.safetensors."""
-    return (checkpoint.meta.get("files") or {}).get("model.safetensors", {}).get("sha256")
-
-
 def load_continued_state(
     path: str, checkpoint: Checkpoint, model: TitansLM, device: torch.device
 ) -> TitansState:
@@ -105,7 +100,7 @@ def load_continued_state(
     weights of the same config wrote it (another run, or another step of this one): its memory was written
     through their projections, so this model reads it as noise."""
     state = load_state(path, map_location=device, model=model)
-    wrote, mine = read_state_header(path).get("weights"), weights_id(checkpoint)
+    wrote, mine = read_state_header(path).get("weights"), checkpoint.weights_id
     if wrote and mine and wrote != mine:
         print(
             f"warning: --state {path!r} was written by other weights of this config (model.safetensors "
@@ -137,7 +132,7 @@ def run_read(args: argparse.Namespace) -> int:
     if state is None or state.position == start_position:
         raise ValueError(f"--input {str(path)!r} holds no tokens")
     n = state.position - start_position
-    save_state(state, args.save_state, weights=weights_id(checkpoint))
+    save_state(state, args.save_state, weights=checkpoint.weights_id)
     print(
         f"read {n:,} tokens in {seconds:.1f} s ({n / max(seconds, 1e-9):,.0f} tokens/s); state now at "
         f"position {state.position:,}, {state_nbytes(state) / 2**20:.2f} MiB, saved to {args.save_state}; "
@@ -241,7 +236,7 @@ def run_generate(args: argparse.Namespace) -> int:
             _, final_state = result
         print(decoder.finish(), flush=True)
     if args.save_state:
-        save_state(final_state, args.save_state, weights=weights_id(checkpoint))
+        save_state(final_state, args.save_state, weights=checkpoint.weights_id)
         # on stderr: stdout holds only the generated text
         print(f"wrote {args.save_state} (the state after the generated text)", file=sys.stderr)
     return 0

@@ -60,6 +60,11 @@ class SessionFormatError(StateFileError):
     """Session bytes that cannot be read: truncated, damaged, or not a Titans session."""
 
 
+class OtherWeightsError(ValueError):
+    """Session bytes written through other weights of the model's configuration (another checkpoint): its
+    memory was written through their projections, so this model would read it as noise."""
+
+
 @dataclass(frozen=True)
 class SnapshotInfo:
     """A kept state: `rollback(k)` restores it (k = 1: the state before the last read or generation).
@@ -206,6 +211,8 @@ class MemorySession:
         guard_max_rise: the guard undoes a write that raises the probe loss by more than this share.
         frozen: start frozen.
         piece_len: tokens per model call (default `default_piece_len`); results do not depend on it.
+        weights: what identifies the model's weights (a checkpoint's `weights_id`), kept in `to_bytes`:
+            `from_bytes` for other weights refuses the session (None: not recorded, not checked).
 
     `events` keeps the latest `max_events` (a class attribute; set it on an instance to change it).
     """
@@ -222,6 +229,7 @@ class MemorySession:
         guard_max_rise: float = DEFAULT_GUARD_MAX_RISE,
         frozen: bool = False,
         piece_len: int | None = None,
+        weights: str | None = None,
     ) -> None:
         if not isinstance(model, TitansLM):
             raise TypeError(f"MemorySession: model must be a TitansLM, got {type(model).__name__}")
@@ -230,7 +238,10 @@ class MemorySession:
             raise ValueError(f"MemorySession: guard_max_rise must be a number >= 0, got {guard_max_rise!r}")
         if not 0 <= guard_max_rise < math.inf:
             raise ValueError(f"MemorySession: guard_max_rise must be a number >= 0, got {guard_max_rise!r}")
+        if weights is not None and not isinstance(weights, str):
+            raise TypeError(f"MemorySession: weights must be a string or None, got {type(weights).__name__}")
         self.model = model
+        self.weights = weights
         self.max_snapshots = snapshots
         self.guard_max_rise = float(guard_max_rise)
         self.piece_len = piece_len if piece_len is not None else default_piece_len(model)
@@ -418,6 +429,7 @@ class MemorySession:
         current = put(self._current)
         header = {
             "format": SESSION_FORMAT,
+            "weights": self.weights,
             **current,
             "frozen": self._frozen,
             "max_snapshots": self.max_snapshots,
@@ -447,13 +459,16 @@ class MemorySession:
         *,
         verified: bool = False,
         check_snapshots: bool = False,
+        weights: str | None = None,
     ) -> MemorySession:
         """The session `to_bytes` wrote, for `model` (its tensors on `map_location`, default the model's
         device). Damaged or truncated bytes raise SessionFormatError; a session of a model with another
         config raises ValueError. verified: the caller has checked these bytes against a checksum of its
         own (a store's), so their SHA-256 is not computed again. check_snapshots: decode the snapshots now
         too (bytes from elsewhere, an upload): a damaged one raises StateFileError here, not when rolled
-        back to, and each takes its position from its state, as the current state always does."""
+        back to, and each takes its position from its state, as the current state always does. weights:
+        the model's (`MemorySession`): a session recorded with other weights raises OtherWeightsError; one
+        recorded without takes these."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"MemorySession.from_bytes: expected bytes, got {type(data).__name__}")
         data = bytes(data)
@@ -485,6 +500,12 @@ class MemorySession:
                 float(entry.get("created", 0.0)),
             )
 
+        wrote = header.get("weights")
+        if weights is not None and wrote is not None and wrote != weights:
+            raise OtherWeightsError(
+                f"session bytes: written by other weights of this configuration (model.safetensors sha256 "
+                f"{wrote[:12]}..., this model's {weights[:12]}...)"
+            )
         current = get(header)
         snapshots = [get(s) for s in header["snapshots"]]
         session = cls(
@@ -494,6 +515,7 @@ class MemorySession:
             guard_max_rise=header["guard_max_rise"],
             frozen=header["frozen"],
             piece_len=header["piece_len"],
+            weights=wrote if wrote is not None else weights,
         )
         if map_location is not None:
             session._device = torch.device(map_location)
@@ -690,6 +712,8 @@ def _session_header(raw: bytes, vocab_size: int) -> dict[str, Any]:
     for name in ("blobs", "snapshots", "events"):
         if not isinstance(header.get(name), list):
             raise _damaged(name, "a list")
+    if not isinstance(header.get("weights"), (str, type(None))):
+        raise _damaged("weights", "a string or null")
     if not all(_is_count(n) for n in header["blobs"]):
         raise _damaged("blobs", "a list of sizes (integers >= 0)")
     blobs = len(header["blobs"])
@@ -758,6 +782,7 @@ __all__ = [
     "DEFAULT_GUARD_MAX_RISE",
     "DEFAULT_SNAPSHOTS",
     "MemorySession",
+    "OtherWeightsError",
     "ReadResult",
     "SessionEvent",
     "SessionFormatError",

@@ -137,6 +137,12 @@ class Checkpoint:
     path: Path
     meta: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def weights_id(self) -> str | None:
+        """What identifies the weights: the SHA-256 meta.json records for model.safetensors (None in a
+        checkpoint without one). Saved states and sessions record it, to refuse other weights' memory."""
+        return (self.meta.get("files") or {}).get("model.safetensors", {}).get("sha256")
+
 
 # --------------------------------------------------------------------------------------------- RNG state
 def capture_rng_state() -> dict[str, Any]:

@@ -68,7 +68,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from titans.inference.generation import continuation_text
-from titans.inference.session import MemorySession, SessionFormatError
+from titans.inference.session import MemorySession, OtherWeightsError, SessionFormatError
 from titans.models.decode_graph import decode_cycle
 from titans.models.state import StateFileError
 from titans.runtime.sampling import SAMPLING
@@ -636,6 +636,14 @@ class SessionService:
         else:
             try:
                 return self.engine.load(record.data, verified=True)  # intact: its sha256 matched
+            except OtherWeightsError as e:  # a server with another checkpoint shares the store
+                log.error("session %s (version %d): %s", record.id, record.version, e)
+                raise ApiError(
+                    409,
+                    f"session {record.id} was stored by a server with other weights of this configuration "
+                    f"(another checkpoint): {e}. Nothing was changed; a server with that checkpoint reads "
+                    f"it, and DELETE /v1/sessions/{record.id} removes it",
+                ) from None
             except ValueError as e:  # SessionFormatError (damaged bytes), or a state of another model
                 reason = str(e)
         log.error(
@@ -732,7 +740,7 @@ class SessionService:
         """A new session of `owner` from bytes `MemorySession.to_bytes` wrote (for this model)."""
         try:  # every state decoded and checked: a snapshot is otherwise first read when rolled back to
             session = self.engine.load(data, check_snapshots=True)
-        except SessionFormatError as e:  # the session's own checks: fixed sentences naming the field
+        except (SessionFormatError, OtherWeightsError) as e:  # the session's own checks: fixed sentences
             raise ApiError(422, f"the body is not a session this server can load: {e}") from None
         except StateFileError as e:  # a state's bytes (its error may quote a library's own text)
             log.info("an imported state does not decode: %s", redact(str(e)))

@@ -22,7 +22,7 @@ import torch
 
 from titans.inference.session import DEFAULT_GUARD_MAX_RISE
 from titans.runtime.device import max_cpu_threads, resolve_device, set_cpu_threads
-from titans.runtime.loading import load_trained
+from titans.runtime.loading import checkpoint_of, load_trained
 from titans.serving import limits as d  # its defaults; it needs the serve extra only to serve
 from titans.serving.auth import is_loopback, load_api_keys
 from titans.serving.errors import redact, redact_url
@@ -104,7 +104,8 @@ def build_app(args: argparse.Namespace):
     reuse_freed_memory()  # here too: without worker processes, the model work runs in this process
     keys = load_api_keys(args.api_keys) if args.api_keys else None
     device = resolve_device(args.device)
-    model, tokenizer = load_trained(args.checkpoint, map_location=device)
+    checkpoint = checkpoint_of(args.checkpoint)
+    model, tokenizer = load_trained(checkpoint, map_location=device)
     probe = None
     if args.guard_probe:
         try:
@@ -118,6 +119,7 @@ def build_app(args: argparse.Namespace):
         probe=probe,
         guard_max_rise=args.guard_max_rise,
         decode_graph=args.decode_graph,
+        weights=checkpoint.weights_id,  # a session stored by a server of other weights is refused
     )
     try:
         store = open_store(args.store, pool_size=args.store_pool)

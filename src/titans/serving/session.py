@@ -41,7 +41,9 @@ class Engine:
     max_snapshots: snapshots kept per session. probe: a fixed text that turns on every new session's guard
     (see `MemorySession`), with guard_max_rise. decode_graph: generations decode through fixed state
     buffers (`titans.models.decode_graph`; a mode: "compile", "cuda_graph" or "eager"), None: the eager
-    step; a model it cannot decode (full attention) or a CUDA graph off CUDA is refused here.
+    step; a model it cannot decode (full attention) or a CUDA graph off CUDA is refused here. weights: the
+    checkpoint's `weights_id`, recorded in every session: a stored or imported session of other weights
+    (another checkpoint of this configuration) is refused (`OtherWeightsError`).
     """
 
     def __init__(
@@ -53,6 +55,7 @@ class Engine:
         probe: str | None = None,
         guard_max_rise: float = DEFAULT_GUARD_MAX_RISE,
         decode_graph: str | None = None,
+        weights: str | None = None,
     ) -> None:
         if max_snapshots < 0:
             raise ValueError(f"max_snapshots must be >= 0, got {max_snapshots}")
@@ -64,6 +67,7 @@ class Engine:
             with torch.no_grad():  # builds buffers, compiles nothing: the model's refusals come now
                 StaticDecoder(model, model(token)[1], decode_graph)
         self.decode_graph = decode_graph
+        self.weights = weights
         self.tokenizer = tokenizer
         self.max_snapshots = max_snapshots
         self.guard_max_rise = guard_max_rise
@@ -123,14 +127,20 @@ class Engine:
 
     def new_session(self) -> MemorySession:
         return MemorySession(
-            self.model, snapshots=self.max_snapshots, probe=self.probe, guard_max_rise=self.guard_max_rise
+            self.model,
+            snapshots=self.max_snapshots,
+            probe=self.probe,
+            guard_max_rise=self.guard_max_rise,
+            weights=self.weights,
         )
 
     def load(self, data: bytes, *, verified: bool = False, check_snapshots: bool = False) -> MemorySession:
         """The session of `data` (`MemorySession.to_bytes`). Damaged bytes raise SessionFormatError, a
         session of another model ValueError. verified: `data` matched a store's checksum already.
         check_snapshots: decode the snapshots too (an import), not only when rolled back to."""
-        return MemorySession.from_bytes(self.model, data, verified=verified, check_snapshots=check_snapshots)
+        return MemorySession.from_bytes(
+            self.model, data, verified=verified, check_snapshots=check_snapshots, weights=self.weights
+        )
 
 
 # ------------------------------------------------------------------------------------------ parts
