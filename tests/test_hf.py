@@ -768,3 +768,32 @@ def test_num_return_sequences_and_beams_from_a_batched_state():
     )
     assert out.shape == (4, 7) and torch.equal(out[:, :3], question.repeat_interleave(2, 0))
     assert state_batch_size(cache.state) == 2 and cache.state is state
+
+
+def test_an_export_without_overwrite_never_replaces_another_writers_folder(tmp_path, monkeypatch):
+    """Two `titans export-hf` into one new folder at once, without --overwrite: both checked the folder
+    empty before loading, then both wrote, the second silently replacing the first's export (exit 0)."""
+    import titans.hf
+    from titans.data.tokenizers import ByteTokenizer
+    from titans.hf import export
+
+    out = tmp_path / "hf"
+    real = export.ordinary_mode
+
+    def other_export_lands(path):  # the other writer publishes while this export is being staged
+        if not out.exists():
+            out.mkdir()
+            (out / "config.json").write_text('{"the": "other export"}')
+        return real(path)
+
+    monkeypatch.setattr(export, "ordinary_mode", other_export_lands)
+    model = shared_model("mac", vocab_size=256, dtype=torch.float32)
+    with pytest.raises(FileExistsError, match="was written by another export meanwhile"):
+        titans.hf.save_pretrained(model, out, ByteTokenizer(), overwrite=False)
+    assert [p.name for p in out.iterdir()] == ["config.json"]  # the other's, kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging folder left
+    monkeypatch.undo()
+    with pytest.raises(FileExistsError, match="exists and is not empty"):
+        titans.hf.save_pretrained(model, out, ByteTokenizer(), overwrite=False)
+    (out / "config.json").unlink()  # an empty folder is taken
+    assert titans.hf.save_pretrained(model, out, ByteTokenizer(), overwrite=False)

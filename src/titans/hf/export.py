@@ -12,6 +12,7 @@ id for bytes, each of which is text) and the tokenizer as a transformers fast to
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -25,13 +26,14 @@ from titans.models.lm import TitansLM
 
 
 def save_pretrained(
-    model: TitansLM, path: str | os.PathLike, tokenizer: Tokenizer | None = None
+    model: TitansLM, path: str | os.PathLike, tokenizer: Tokenizer | None = None, *, overwrite: bool = True
 ) -> list[Path]:
     """Save `model` (and `tokenizer`, when given) as a transformers folder; returns the files written.
 
     The tokenizer is converted before anything is written, so one that cannot be saved (a SentencePiece or
     tiktoken file) or that does not fit the model (more symbols than the model has ids) leaves no folder
-    behind.
+    behind. ``overwrite=False``: a folder that holds anything is refused (FileExistsError), also one that
+    another writer fills while this export is written (the export is renamed into place in one step).
     """
     hf_tokenizer, ids = None, {}
     if tokenizer is not None:
@@ -46,7 +48,9 @@ def save_pretrained(
     out = Path(path).expanduser()
     # staged in a temporary folder, then moved into place: a failure while writing leaves `out` as it was
     # (a kill part-way had left a new config.json beside the old weights, which loaded as a random model)
-    exists = out.is_dir()
+    exists = out.is_dir() and (overwrite or any(out.iterdir()))  # an empty one is replaced by the rename
+    if exists and not overwrite:
+        raise FileExistsError(f"{str(out)!r} exists and is not empty")
     stage_in = out if exists else out.parent  # in `out` itself: its parent may be read-only or a mount's
     stage_in.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=stage_in))
@@ -60,7 +64,12 @@ def save_pretrained(
         if exists:
             _move_into(tmp, out, written)
         else:
-            os.replace(tmp, out)
+            try:  # fails if another writer has filled `out` since (never replaces a folder with files)
+                os.rename(tmp, out)
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or overwrite:
+                    raise
+                raise FileExistsError(f"{str(out)!r} was written by another export meanwhile") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [out / p for p in written]

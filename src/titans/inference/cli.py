@@ -252,7 +252,10 @@ def run_export_hf(args: argparse.Namespace) -> int:
         from titans.hf.export import save_pretrained
     except ModuleNotFoundError as e:
         raise ImportError(f"export-hf needs transformers: pip install 'titans[hf]' ({e})") from None
-    files = save_pretrained(model, out, tokenizer)
+    try:  # another export may fill --out while this one loads and writes
+        files = save_pretrained(model, out, tokenizer, overwrite=args.overwrite)
+    except FileExistsError as e:
+        raise FileExistsError(f"--out {e} (--overwrite writes into it)") from None
     print(f"wrote {', '.join(str(f) for f in files)}")
     print(
         f"load with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True) and "
