@@ -330,3 +330,33 @@ def test_bad_arguments_are_named(tmp_path):
     with pytest.raises(ValueError, match="step"):
         save_checkpoint(tmp_path, -1, model_state={}, trainer_state={}, config={})
     assert not (tmp_path / "checkpoints").exists() or not os.listdir(tmp_path / "checkpoints")
+
+
+def test_a_checkpoint_pruned_while_it_is_read_is_no_damage(tmp_path, monkeypatch, caplog):
+    """A reader (eval, generate, --resume) of a run whose writer keeps one checkpoint: the newest one it
+    listed can be pruned before it is verified or loaded, once the writer saved the next. It was reported
+    as damaged ("trainer.pt is missing"), or the command failed though a good checkpoint existed."""
+    from titans.runtime import loading
+
+    model, _, trainer = _trained_state()
+    _save(tmp_path, 1, model, trainer, keep_last=1)
+    real_verify, real_load = ckpt.verify_checkpoint, loading.load_checkpoint
+
+    def the_writer_moves_on(real, step_it_saves):
+        writes = iter([step_it_saves])
+
+        def call(path, *args, **kwargs):
+            step = next(writes, None)
+            if step is not None:  # the run saves its next checkpoint and prunes the one being read
+                _save(tmp_path, step, model, trainer, keep_last=1)
+            return real(path, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(ckpt, "verify_checkpoint", the_writer_moves_on(real_verify, 2))
+    with caplog.at_level(logging.WARNING):
+        assert latest_checkpoint(tmp_path).name == "step_00000002"
+    assert "damaged" not in caplog.text
+    monkeypatch.setattr(ckpt, "verify_checkpoint", real_verify)
+    monkeypatch.setattr(loading, "load_checkpoint", the_writer_moves_on(real_load, 3))
+    assert loading.load_checkpoint_from(tmp_path).step == 3

@@ -537,13 +537,25 @@ def load_checkpoint(
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest checkpoint of ``run_dir`` that passes ``verify_checkpoint``; damaged ones are skipped
-    with a warning. None when there is no good checkpoint."""
-    for _, path in reversed(_step_dirs(Path(run_dir))):
-        try:
-            verify_checkpoint(path)
-        except CheckpointError as e:
-            log.warning("skipping damaged checkpoint %s: %s", path, e)
-            continue
-        _remember_good(path)
-        return path
+    with a warning. None when there is no good checkpoint. A checkpoint that vanishes while it is read
+    (the run's writer pruned it after saving a newer one, `keep_last`) is no damage: the folder is listed
+    again."""
+    for _ in range(_RELISTS):
+        for _, path in reversed(_step_dirs(Path(run_dir))):
+            try:
+                verify_checkpoint(path)
+            except (CheckpointError, OSError) as e:
+                if not path.exists():
+                    break  # pruned since it was listed: list again
+                if not isinstance(e, CheckpointError):
+                    raise
+                log.warning("skipping damaged checkpoint %s: %s", path, e)
+                continue
+            _remember_good(path)
+            return path
+        else:
+            return None
     return None
+
+
+_RELISTS = 5  # listings of a run folder whose writer prunes what a reader picked

@@ -95,9 +95,18 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_checkpoint_from(path: str | Path) -> Checkpoint:
-    """The checkpoint ``resolve_checkpoint(path)`` names, loaded on CPU; its files are hashed once."""
-    folder, verified = _locate_checkpoint(path)
-    return load_checkpoint(folder, map_location="cpu", verified=verified)
+    """The checkpoint ``resolve_checkpoint(path)`` names, loaded on CPU; its files are hashed once. One
+    picked from a run folder that vanishes before it is loaded (pruned by the run's writer after a newer
+    save) is picked again."""
+    attempts = 3
+    while True:
+        folder, verified = _locate_checkpoint(path)
+        try:
+            return load_checkpoint(folder, map_location="cpu", verified=verified)
+        except (CheckpointError, OSError):
+            attempts -= 1
+            if not verified or folder.exists() or not attempts:  # named, or damaged: as it is
+                raise
 
 
 def tokenizer_from_record(record: dict[str, Any], checkpoint: Path | None = None) -> Tokenizer:
