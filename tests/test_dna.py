@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from titans._fs import lock_folder
 from titans.data.dna import DNATokenizer, FastaRecord, dm3_sample_path, load_labelled_sequences, read_fasta
 from titans.data.sources import load_source
 from titans.data.tokenizers import load_tokenizer
@@ -368,6 +369,12 @@ def test_dna_study_resume_keeps_finished_seeds(tmp_path, capsys):
     doc = json.loads((out / "dna.json").read_text())
     assert doc["seeds"] == [0, 1] and doc["runs"][0] == first and doc["runs"][1]["budget"]["seed"] == 1
     assert "seed 0: kept from" in capsys.readouterr().out
+    # a second study into the folder while one writes it is refused before any work (both ran, and the
+    # last to finish kept only its own seeds)
+    with lock_folder(out, "held"):
+        assert main(["dna", "study", *tiny.split(), "--seeds", "2"]) == 2
+    assert "is in use: another dna study writes it" in capsys.readouterr().err
+    assert json.loads((out / "dna.json").read_text())["seeds"] == [0, 1]
     # another budget: nothing is kept
     assert main(["dna", "study", *tiny.split(), "--seeds", "0", "--resume", "--finetune-lr", "1e-3"]) == 0
     assert "kept from" not in capsys.readouterr().out

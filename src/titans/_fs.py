@@ -9,9 +9,25 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import tempfile
 from pathlib import Path
+
+LOCK_FILE = ".lock"  # held (flock) by the one process that writes a folder (a run, a study's output)
+
+
+def lock_folder(folder: str | Path, in_use: str):
+    """An exclusive lock on `folder` for one writer: its open ``LOCK_FILE`` (a context manager), released
+    when closed or when the process ends, however it ends (the kernel drops a dead process's flock).
+    Another writer holds it: FileExistsError(`in_use`)."""
+    f = open(Path(folder) / LOCK_FILE, "ab")  # noqa: SIM115 - held open for as long as the lock
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise FileExistsError(in_use) from None
+    return f
 
 
 def current_umask() -> int:

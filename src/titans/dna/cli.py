@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from titans._fs import write_text_atomic
+from titans._fs import lock_folder, write_text_atomic
 from titans.data.dna import DNATokenizer, dm3_sample_path, load_labelled_sequences, read_fasta
 from titans.dna.study import (
     DNABudget,
@@ -101,6 +101,13 @@ def cmd_study(args) -> int:
     builtin = f"builtin (titans/data/genomes/{dm3_sample_path().name})"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # one study writes a folder: a second into it ran too, and the last to finish kept only its seeds
+    in_use = f"--out {str(out)!r} is in use: another dna study writes it; wait for it, or give another --out"
+    with lock_folder(out, in_use):
+        return _study(args, out, records, variants, seeds, builtin)
+
+
+def _study(args, out: Path, records, variants: list[str], seeds: list[int], builtin: str) -> int:
     fasta = builtin if args.fasta == "builtin" else args.fasta
     data = study_data(records, _budget(args))  # the split and references: the same for every seed
     done = (

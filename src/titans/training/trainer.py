@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -40,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from titans._fs import write_text_atomic
+from titans._fs import LOCK_FILE, lock_folder, write_text_atomic
 from titans.data.loader import CurriculumBatches, EvalWindows, StreamBatches, TokenBatches
 from titans.data.stream import load_token_streams
 from titans.data.tokenizers import continuation_text, load_tokenizer
@@ -157,24 +156,15 @@ def check_fresh_run_dir(run_dir: str | Path) -> None:
         )
 
 
-RUN_LOCK = ".lock"  # held (flock) by the process that writes a run folder
-
-
 def lock_run_dir(run_dir: Path):
-    """An exclusive lock on ``run_dir`` for a trainer that writes it: the open lock file, released when it
-    is closed or the process ends, however it ends (the kernel drops a dead process's flock). A second
-    trainer into a folder another one writes is refused (FileExistsError): it replaced the first run's
-    metrics, config and report while both ran and exited 0, and removed the other's checkpoint staging."""
-    f = open(run_dir / RUN_LOCK, "ab")  # noqa: SIM115 - held open for as long as the lock
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise FileExistsError(
-            f"run_dir {str(run_dir)!r} is in use: another training process writes it (it holds the lock "
-            f"{RUN_LOCK!r} there); wait for that run to end, or give another run_dir"
-        ) from None
-    return f
+    """The lock of a trainer that writes ``run_dir`` (`lock_folder`): a second trainer into a folder another
+    one writes is refused (FileExistsError); it replaced the first run's metrics, config and report while
+    both ran and exited 0, and removed the other's checkpoint staging."""
+    return lock_folder(
+        run_dir,
+        f"run_dir {str(run_dir)!r} is in use: another training process writes it (it holds the lock "
+        f"{LOCK_FILE!r} there); wait for that run to end, or give another run_dir",
+    )
 
 
 class Trainer:
