@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from titans._fs import check_writable, write_bytes_atomic, write_text_atomic
+from titans._fs import check_writable, lock_folder, write_bytes_atomic, write_text_atomic
 from titans.data.series import is_bundled, load_series, split_series
 from titans.forecast.model import FORECAST_MODELS
 from titans.forecast.seeds import aggregate_studies, aggregate_table, plot_aggregate
@@ -314,6 +314,14 @@ def cmd_study(args) -> int:
         raise ValueError("give --seed or --seeds, not both")
     splits = _study_splits(args)
     _check_models(args, splits, models, horizons)
+    out.mkdir(parents=True, exist_ok=True)
+    # one study writes a folder: a second into it ran too, each replacing the other's files
+    in_use = f"--out {str(out)!r} is in use: another forecast study writes it; wait, or give another --out"
+    with lock_folder(out, in_use):
+        return _study_all(args, out, splits)
+
+
+def _study_all(args, out: Path, splits: list) -> int:
     argv = sys.argv[1:]
     if args.seeds is None:
         written, signum = _study(args, out, splits, argv)
