@@ -181,9 +181,13 @@ LM_MAC = dict(mac_gate="open", mac_norm_memory_tokens=True)
 @pytest.mark.parametrize("j", [0, 8, 13])
 def test_open_gate_mac_block_is_causal_and_streams(j):
     """The MAC block of the main job (`mac_gate="open"`, normalised memory tokens; the VARIANTS tests cover
-    the default block)."""
+    the default block). The gate starts at zero (the identity on y): with it as initialised, the memory's
+    read does not reach the output, so a read of later tokens passed; its weights are made random here."""
     model = model64("mac", seed=3, **LM_MAC)
     assert isinstance(model.blocks[0].combine, IdentityInitGate)
+    with torch.no_grad():
+        for block in model.blocks:
+            torch.nn.init.normal_(block.combine.gate.weight, std=0.5)
     tokens = torch.randint(0, 64, (2, 22))
     logits, _ = model(tokens)
     changed = tokens.clone()
