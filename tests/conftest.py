@@ -11,6 +11,7 @@ handler is put back here, so the suite's result does not depend on how it was st
 import os
 import signal
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -21,3 +22,14 @@ torch.set_num_threads(1)
 
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _token_cache(tmp_path_factory):
+    """Token caches in this run's temporary folder (shared by its xdist workers), not the user's
+    ~/.cache/titans: commands that read data through the default cache (and the documented commands the
+    suite runs, which inherit the environment) wrote tens of MB there."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    os.environ["TITANS_CACHE_DIR"] = str(root / "titans-cache")
