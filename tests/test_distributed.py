@@ -47,6 +47,16 @@ def single_process(tmp_path_factory):
     return root, cache
 
 
+def torchrun_env(tmp: Path) -> dict[str, str]:
+    """The environment of a torchrun launch: this checkout's sources, and its temporary files (torchelastic
+    makes a folder per launch, left behind) in the test's own folder."""
+    return {
+        **os.environ,
+        "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "TMPDIR": str(tmp),
+    }
+
+
 @pytest.mark.parametrize(
     "mode, overrides",
     [
@@ -62,7 +72,7 @@ def test_torchrun_two_ranks_match_one_process(single_process, mode, overrides):
     run_dir = root / mode
     cfg_file = root / f"{mode}.json"
     config(run_dir, cache, **overrides).save(cfg_file)
-    env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = torchrun_env(root)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cmd += ["-m", "titans", "train", "--config", str(cfg_file), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
@@ -92,7 +102,7 @@ def test_torchrun_carries_each_ranks_rows_like_one_process(tmp_path):
     single.train()
     cfg_file = tmp_path / "ddp.json"
     config(tmp_path / "ddp", cache, carry_state=True, grad_accum=2).save(cfg_file)
-    env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = torchrun_env(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cmd += ["-m", "titans", "train", "--config", str(cfg_file), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
@@ -182,7 +192,7 @@ D.shutdown()
 
 
 def torchrun(cfg_file: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = torchrun_env(cfg_file.parent)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     proc = subprocess.run(cmd + [*args, str(cfg_file)], capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -323,7 +333,7 @@ def test_a_checkpoint_that_rank_0_cannot_write_stops_every_rank_with_the_error(t
     config(tmp_path / "run", tmp_path / "cache", steps=3, ckpt_every=2).save(tmp_path / "full.json")
     script = tmp_path / "full_disk.py"
     script.write_text(FULL_DISK_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = torchrun_env(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     proc = subprocess.run(
         cmd + [str(script), str(tmp_path / "full.json")], capture_output=True, text=True, env=env, timeout=240

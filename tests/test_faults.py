@@ -58,8 +58,10 @@ def long_config(run_dir: Path, cache_dir: Path, **overrides):
     return micro_config(run_dir, cache_dir, **{**base, **overrides})
 
 
-def start(cmd: list[str], **kw) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, **kw)
+def start(cmd: list[str], env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or ENV, **kw
+    )
 
 
 def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, timeout: float = 180) -> None:
@@ -195,7 +197,11 @@ def test_torchrun_ranks_stop_at_the_same_step_on_sigterm(tmp_path, cache_dir):
     cfg_file = tmp_path / "run.json"
     cfg.save(cfg_file)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    proc = start([*cmd, "-m", "titans", "train", "--config", str(cfg_file), "--no-progress"])
+    # torchelastic's folder per launch in the test's own
+    proc = start(
+        [*cmd, "-m", "titans", "train", "--config", str(cfg_file), "--no-progress"],
+        {**ENV, "TMPDIR": str(tmp_path)},
+    )
     wait_for_steps(proc, run_dir, 2, timeout=240)
     proc.send_signal(signal.SIGTERM)
     code, out, err = finish(proc, timeout=120)
