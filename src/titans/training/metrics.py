@@ -150,10 +150,18 @@ def save_plot(fig, path: str | Path, *, dpi: float | None = None) -> Path:
     and a file name's undecodable bytes (lone surrogates) fail in the font renderer, losing the plot."""
     from matplotlib.text import Text
 
+    # tick labels are the formatters' own (a log axis writes 10^k as a formula): left as they are
+    ticks = {
+        id(label)
+        for ax in fig.axes
+        for axis in (ax.xaxis, ax.yaxis)
+        for tick in (*axis.get_major_ticks(), *axis.get_minor_ticks())
+        for label in (tick.label1, tick.label2)
+    }
     for text in fig.findobj(Text):
-        text.set_parse_math(False)
-        if text.get_text():
-            text.set_text(text.get_text().encode("utf-8", "backslashreplace").decode("utf-8"))
+        if id(text) not in ticks and text.get_text():
+            escaped = text.get_text().encode("utf-8", "backslashreplace").decode("utf-8")
+            text.set_text(escaped.replace("$", r"\$"))
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=dpi)
