@@ -737,3 +737,39 @@ def test_a_run_folder_another_trainer_writes_is_refused(tmp_path, cache_dir):
                 Trainer(micro_config(fresh, cache_dir, steps=1))
     assert [p.name for p in list_checkpoints(run)] == ["step_00000001"]  # --overwrite cleared nothing
     assert trainer.train().step == 2  # the other one ended
+
+
+def test_two_trainers_built_for_one_run_folder_do_not_mix_their_runs(tmp_path, cache_dir):
+    """Two Trainers built in one process for one folder (a notebook cell run twice): the second's config
+    and emptied metrics replaced the first's before either trained; the first then trained under the
+    second's config.json, and the second trained next over the first's finished run."""
+    run = tmp_path / "run"
+    a = Trainer(micro_config(run, cache_dir, steps=2, seed=0))
+    b = Trainer(micro_config(run, cache_dir, steps=1, seed=7))
+    with pytest.raises(FileExistsError, match="written by another trainer since this one was built"):
+        a.train()
+    assert b.train().step == 1
+    assert json.loads((run / "config.json").read_text())["seed"] == 7
+    with pytest.raises(FileExistsError, match="written by another trainer"):
+        a.train()
+    assert [p.name for p in list_checkpoints(run)] == ["step_00000001"]
+
+
+def test_save_plot_draws_user_text_as_written_and_keeps_log_axis_ticks(tmp_path):
+    """A title's ``$`` is drawn as a dollar (it started a formula), while a log axis's tick labels, which
+    its formatter writes as formulas (10^k), are still drawn as such (they were printed as
+    ``$\\mathdefault{10^{0}}$``)."""
+    from matplotlib.figure import Figure
+
+    from titans.training.metrics import save_plot
+
+    fig = Figure()
+    ax = fig.add_subplot()
+    ax.plot([1, 10, 100], [1, 2, 3], label="m$^$x")
+    ax.set_xscale("log")
+    ax.set_title("data m$^$x " + os.fsdecode(b"d\xff3"))
+    ax.legend()
+    save_plot(fig, tmp_path / "p.png")
+    assert ax.get_title() == "data m\\$^\\$x d\\udcff3"
+    ticks = [t for t in ax.get_xticklabels() if t.get_text()]
+    assert ticks and all(t.get_text().startswith("$\\mathdefault{10^{") and t.get_parse_math() for t in ticks)

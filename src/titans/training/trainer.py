@@ -314,6 +314,23 @@ class Trainer:
         finally:  # taken again by `train`: a trainer built and not trained holds nothing
             self._unlock()
 
+    def _check_run_dir_unchanged(self) -> None:
+        """Refuse to train when another trainer wrote ``run_dir`` since this one was built (two built in
+        one process for one folder): its config.json, metrics and newest checkpoint are not this run's."""
+        newest = latest_checkpoint(self.run_dir)
+        mine = self.last_checkpoint
+        try:
+            saved = json.loads((self.run_dir / CONFIG_FILE).read_text())
+        except (OSError, ValueError):
+            saved = None
+        if saved != json.loads(json.dumps(self.config.to_dict())) or (newest and newest.name) != (
+            mine and mine.name
+        ):
+            raise FileExistsError(
+                f"run_dir {str(self.run_dir)!r} was written by another trainer since this one was built (its "
+                "config.json or newest checkpoint is not this run's): build the Trainer again"
+            )
+
     def _unlock(self) -> None:
         if self._lock is not None:
             self._lock.close()
@@ -607,6 +624,8 @@ class Trainer:
         if self.info.is_main:  # held while this run writes its folder
             self._lock = lock_run_dir(self.run_dir)
         try:
+            if self.info.is_main:
+                self._check_run_dir_unchanged()
             signals = StopSignals(enabled=handle_signals, announce=self.info.is_main)
             with tf32(self.config.tf32), signals as sig:
                 return self._train(stop_at, sig)
