@@ -773,6 +773,8 @@ def test_num_return_sequences_and_beams_from_a_batched_state():
 def test_an_export_without_overwrite_never_replaces_another_writers_folder(tmp_path, monkeypatch):
     """Two `titans export-hf` into one new folder at once, without --overwrite: both checked the folder
     empty before loading, then both wrote, the second silently replacing the first's export (exit 0)."""
+    import stat
+
     import titans.hf
     from titans.data.tokenizers import ByteTokenizer
     from titans.hf import export
@@ -795,5 +797,27 @@ def test_an_export_without_overwrite_never_replaces_another_writers_folder(tmp_p
     monkeypatch.undo()
     with pytest.raises(FileExistsError, match="exists and is not empty"):
         titans.hf.save_pretrained(model, out, ByteTokenizer(), overwrite=False)
-    (out / "config.json").unlink()  # an empty folder is taken
+    # an empty folder is written into, kept as it is (a mount point, a symlink, a shared folder's mode)
+    (out / "config.json").unlink()
+    real = tmp_path / "real"
+    out.rmdir()
+    real.mkdir(mode=0o2770)
+    real.chmod(0o2770)
+    out.symlink_to(real)
     assert titans.hf.save_pretrained(model, out, ByteTokenizer(), overwrite=False)
+    assert out.is_symlink() and (real / "model.safetensors").is_file()
+    assert (real / "config.json").stat().st_size > 0  # the export's, over the claim's empty marker
+    assert stat.S_IMODE(real.stat().st_mode) == 0o2770 and not list(real.glob(".export-*"))
+    # another export claimed the empty folder first: refused, its marker left to it
+    (empty := tmp_path / "empty").mkdir()
+
+    def claimed_meanwhile(path):
+        if not (empty / "config.json").exists():
+            (empty / "config.json").write_text("")
+        return real_mode(path)
+
+    real_mode = export.ordinary_mode
+    monkeypatch.setattr(export, "ordinary_mode", claimed_meanwhile)
+    with pytest.raises(FileExistsError, match="was written by another export meanwhile"):
+        titans.hf.save_pretrained(model, empty, ByteTokenizer(), overwrite=False)
+    assert [p.name for p in empty.iterdir()] == ["config.json"]

@@ -48,8 +48,8 @@ def save_pretrained(
     out = Path(path).expanduser()
     # staged in a temporary folder, then moved into place: a failure while writing leaves `out` as it was
     # (a kill part-way had left a new config.json beside the old weights, which loaded as a random model)
-    exists = out.is_dir() and (overwrite or any(out.iterdir()))  # an empty one is replaced by the rename
-    if exists and not overwrite:
+    exists = out.is_dir()
+    if exists and not overwrite and any(out.iterdir()):
         raise FileExistsError(f"{str(out)!r} exists and is not empty")
     stage_in = out if exists else out.parent  # in `out` itself: its parent may be read-only or a mount's
     stage_in.mkdir(parents=True, exist_ok=True)
@@ -62,7 +62,9 @@ def save_pretrained(
         for p in (tmp, *tmp.rglob("*")):  # transformers writes the weights 0600, tempfile the folder 0700
             ordinary_mode(p)
         if exists:
-            _move_into(tmp, out, written)
+            if not overwrite:
+                _claim(out, tmp)
+            _move_into(tmp, out, written, claimed=not overwrite)
         else:
             try:  # fails if another writer has filled `out` since (never replaces a folder with files)
                 os.rename(tmp, out)
@@ -75,13 +77,29 @@ def save_pretrained(
     return [out / p for p in written]
 
 
-def _move_into(new: Path, out: Path, files: list[Path]) -> None:
+def _claim(out: Path, tmp: Path) -> None:
+    """Take the empty folder `out` for this export (not overwriting): an empty config.json made only if
+    none exists (O_EXCL), so of two exports into it the second is refused; files another writer put there
+    meanwhile refuse it too. The export's own config.json replaces the marker, last."""
+    try:
+        os.close(os.open(out / "config.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
+        raise FileExistsError(f"{str(out)!r} was written by another export meanwhile") from None
+    others = [p for p in out.iterdir() if p.name != "config.json" and not p.name.startswith(".export-")]
+    if others:
+        (out / "config.json").unlink()
+        raise FileExistsError(f"{str(out)!r} was written by another export meanwhile")
+
+
+def _move_into(new: Path, out: Path, files: list[Path], claimed: bool = False) -> None:
     """Move the export's `files` from `new` into the existing folder `out`, each by a rename, config.json
     last, after the old one was removed first: stopped part-way, the folder has no config.json and does
     not load, rather than loading the new config with the old weights. The folder's other files, links
-    and mode stay as they were."""
+    and mode stay as they were. `claimed`: config.json is `_claim`'s empty marker, kept until replaced
+    (removed, another export could claim the folder)."""
     config = Path("config.json")
-    (out / config).unlink(missing_ok=True)
+    if not claimed:
+        (out / config).unlink(missing_ok=True)
     for rel in sorted(files, key=lambda p: p == config):
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         os.replace(new / rel, out / rel)
