@@ -212,6 +212,9 @@ def test_a_text_file_with_a_byte_order_mark_reads_as_its_text(tmp_path, encoding
     assert "".join(read_text_blocks(str(tmp_path / "a.txt"), block_chars=8)) == text
     with open_text(tmp_path / "a.txt") as f:
         assert f.read() == text
+    # compressed, as training reads it (its compressed bytes were read as text)
+    (tmp_path / "d.txt.gz").write_bytes(gzip.compress(mark + text.encode(encoding)))
+    assert "".join(read_text_blocks(str(tmp_path / "d.txt.gz"), block_chars=8)) == text
 
 
 def test_an_unusable_cache_folder_is_warned_about_and_skipped(tmp_path, caplog):

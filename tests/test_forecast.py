@@ -4,7 +4,6 @@ model shapes and causality, training end to end, and clear errors on bad series.
 from __future__ import annotations
 
 import json
-import sys
 
 import numpy as np
 import pytest
@@ -414,12 +413,14 @@ def test_early_stopping_budgets_and_the_best_weights():
 )
 def test_forecast_run_sizes_are_integers(field, value):
     """2.5 steps ran 3 while the result recorded 2.5; a horizon of 24.7 failed in the windowing with a bare
-    TypeError; True counted as one step."""
+    TypeError; True counted as one step. A numpy integer is an int."""
     with pytest.raises(ValueError, match=rf"ForecastRun\.{field} must be a positive integer"):
         ForecastRun("linear", **{field: value})
+    run = ForecastRun("linear", horizon=np.arange(100)[96], steps=np.int32(5))
+    assert (run.horizon, run.steps) == (96, 5) and type(run.horizon) is int
 
 
-def test_study_over_seeds_aggregates_as_numpy_does(tmp_path, monkeypatch):
+def test_study_over_seeds_aggregates_as_numpy_does(tmp_path):
     import shlex
 
     from titans.cli import main
@@ -429,15 +430,15 @@ def test_study_over_seeds_aggregates_as_numpy_does(tmp_path, monkeypatch):
     argv = ["forecast", "study", "--series", str(path), "--models", "seasonal-naive,linear,lmm"]
     argv += ["--horizons", "7,5", "--lookback", "24", "--max-steps", "3", "--val-every", "2", "--dim", "8"]
     argv += ["--depth", "1", "--heads", "2", "--no-progress", "--out", str(out)]
-    monkeypatch.setattr(sys, "argv", ["titans", *argv, "--seeds", "5,0,3"])  # as the shell runs it
-    assert main([*argv, "--seeds", "5,0,3"]) == 0
+    assert main([*argv, "--seeds", "5,0,3"]) == 0  # main records its own argv (not the process's)
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["seed0", "seed3", "seed5"]
     per_seed = {s: json.loads((out / f"seed{s}" / "ecl.json").read_text()) for s in (0, 3, 5)}
     for s, doc in per_seed.items():
         assert {r["run"]["seed"] for r in doc["runs"]} == {s} and doc["budget"]["seed"] == s
         # the command that makes this file alone (the whole study's ran every seed into OUT, not OUT/seedN)
         recorded = shlex.split(doc["command"])
-        assert "--seeds" not in recorded and recorded[recorded.index("--seed") + 1] == str(s)
+        assert recorded[:3] == ["titans", "forecast", "study"] and "--seeds" not in recorded
+        assert recorded[recorded.index("--seed") + 1] == str(s)
         assert recorded[recorded.index("--out") + 1] == str(out / f"seed{s}")
     agg = json.loads((out / "ecl-seeds.json").read_text())
     assert agg["seeds"] == [0, 3, 5] and (out / "ecl-seeds.png").stat().st_size > 0

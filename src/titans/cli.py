@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
     prog = vars(args).pop("_prog", parser.prog)  # popped: commands record their options in result files
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line, as result files record it
     command_parser = next((p for p in _subparsers(parser) if p.prog == prog), parser)
     if extras:
         _unrecognized(command_parser, extras)

@@ -148,11 +148,20 @@ def text_encoding(head: bytes) -> str:
 
 
 def open_text(path: str | Path) -> TextIO:
-    """A text file opened for reading as training reads it: its encoding by `text_encoding`, bytes that do
-    not decode as U+FFFD, line ends kept as they are."""
-    with open(path, "rb") as raw:
-        encoding = text_encoding(raw.read(3))
-    return open(path, encoding=encoding, errors="replace", newline="")  # noqa: SIM115
+    """A text file opened for reading as training reads it: a ``.gz`` file decompressed, its encoding by
+    `text_encoding`, bytes that do not decode as U+FFFD, line ends kept as they are."""
+    if Path(path).suffix != ".gz":
+        with open(path, "rb") as raw:
+            encoding = text_encoding(raw.read(3))
+        return open(path, encoding=encoding, errors="replace", newline="")  # noqa: SIM115
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no such file: {str(path)!r}")
+    try:
+        with gzip.open(path, "rb") as raw:
+            encoding = text_encoding(raw.read(3))
+    except _GZIP_ERRORS as e:
+        raise _gzip_error(Path(path), e) from None
+    return gzip.open(path, "rt", encoding=encoding, errors="replace", newline="")
 
 
 def _has_text(path: Path) -> bool:

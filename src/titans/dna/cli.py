@@ -135,7 +135,7 @@ def _study(args, out: Path, records, variants: list[str], seeds: list[int], buil
                 )
             )
         doc = {
-            "command": shlex.join(["titans", *sys.argv[1:]]),
+            "command": shlex.join(["titans", *getattr(args, "argv", sys.argv[1:])]),
             "fasta": fasta,
             "seeds": seeds[: len(runs)],
             "summary": summarise_seeds(runs),

@@ -28,7 +28,7 @@ _FRESH_MODEL_OPTIONS = ("variant", "preset", "set", "tokenizer", "memory_alpha_i
 
 def command_line(args: argparse.Namespace) -> dict:
     """The options of this run, for its result file (without defaults that did not apply)."""
-    skip = {"func", "check"}
+    skip = {"func", "check", "argv"}
     if getattr(args, "checkpoint", None):
         skip.update(_FRESH_MODEL_OPTIONS)
     return {k: v for k, v in vars(args).items() if k not in skip}

@@ -322,7 +322,7 @@ def cmd_study(args) -> int:
 
 
 def _study_all(args, out: Path, splits: list) -> int:
-    argv = sys.argv[1:]
+    argv = getattr(args, "argv", sys.argv[1:])  # `titans.cli.main` keeps the command line it parsed
     if args.seeds is None:
         written, signum = _study(args, out, splits, argv)
     else:

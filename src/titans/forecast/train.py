@@ -62,6 +62,8 @@ class ForecastRun:
             raise ValueError(f"unknown forecasting model {self.model!r}; expected one of {FORECAST_MODELS}")
         # ints, not numbers an int() would truncate (2.5 steps ran 3 while the result said 2.5) or bools
         for name in ("horizon", "steps", "batch_size", "eval_every", "dim", "depth", "heads", "period"):
+            if isinstance(getattr(self, name), np.integer):  # from a numpy array of sizes: as an int
+                setattr(self, name, int(getattr(self, name)))
             check_int(f"ForecastRun.{name}", getattr(self, name))
         check_int("ForecastRun.patience", self.patience, none_ok=True)
         if not self.lr >= 0 or not math.isfinite(self.lr):  # NaN reached AdamW: "Invalid learning rate: nan"
