@@ -110,7 +110,9 @@ def main() -> None:
         # one checkpoint is one seed: a file given twice would count as two seeds in the means and ranges
         seen: dict[str, str] = {}
         for f, result in zip(files or [], loaded):
-            model = str(result.get("checkpoint"))
+            model = result.get("checkpoint")
+            if model is None:  # not recorded: nothing to compare
+                continue
             if model in seen:
                 p.error(f"{f} and {seen[model]} are results of one checkpoint ({model}): one file per seed")
             seen[model] = f
