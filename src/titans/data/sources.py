@@ -150,18 +150,17 @@ def text_encoding(head: bytes) -> str:
 def open_text(path: str | Path) -> TextIO:
     """A text file opened for reading as training reads it: a ``.gz`` file decompressed, its encoding by
     `text_encoding`, bytes that do not decode as U+FFFD, line ends kept as they are."""
-    if Path(path).suffix != ".gz":
-        with open(path, "rb") as raw:
-            encoding = text_encoding(raw.read(3))
-        return open(path, encoding=encoding, errors="replace", newline="")  # noqa: SIM115
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"no such file: {str(path)!r}")
+    path = Path(path)
+    gz = path.suffix == ".gz"
+    opener = gzip.open if gz else open
     try:
-        with gzip.open(path, "rb") as raw:
+        with opener(path, "rb") as raw:
             encoding = text_encoding(raw.read(3))
     except _GZIP_ERRORS as e:
-        raise _gzip_error(Path(path), e) from None
-    return gzip.open(path, "rt", encoding=encoding, errors="replace", newline="")
+        if not gz or isinstance(e, FileNotFoundError):
+            raise
+        raise _gzip_error(path, e) from None
+    return opener(path, "rt", encoding=encoding, errors="replace", newline="")
 
 
 def _has_text(path: Path) -> bool:
@@ -273,13 +272,7 @@ class JsonlSource(TextSource):
         return _sha([str(self.path.resolve()), *file_stamp(self.path), self.text_field])
 
     def _lines(self) -> Iterator[tuple[int, str]]:
-        opener = gzip.open if self.path.suffix == ".gz" else open
-        try:
-            with opener(self.path, "rb") as raw:
-                encoding = text_encoding(raw.read(3))
-        except _GZIP_ERRORS as e:
-            raise _gzip_error(self.path, e) from None
-        with opener(self.path, "rt", encoding=encoding, errors="replace") as f:
+        with open_text(self.path) as f:
             try:
                 for lineno, line in enumerate(f, 1):
                     if line.strip():
