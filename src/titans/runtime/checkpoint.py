@@ -535,6 +535,9 @@ def load_checkpoint(
     )
 
 
+_RELISTS = 5  # listings of a run folder whose writer prunes what a reader picked
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest checkpoint of ``run_dir`` that passes ``verify_checkpoint``; damaged ones are skipped
     with a warning. None when there is no good checkpoint. A checkpoint that vanishes while it is read
@@ -556,6 +559,3 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         else:
             return None
     return None
-
-
-_RELISTS = 5  # listings of a run folder whose writer prunes what a reader picked

@@ -293,11 +293,9 @@ class Trainer:
             self._load_trainer_state(saved.trainer_state)
             if self.info.is_main:
                 print(f"resumed {self.run_dir} at step {self.step} from {checkpoint}", flush=True)
-        self._lock = None
-        if self.info.is_main:  # before anything in run_dir is cleared or written
+        if self.info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._lock = lock_run_dir(self.run_dir)
-        try:
+        with self._writing():  # before anything in run_dir is cleared or written; `train` takes it again
             if not resume and not overwrite and self.info.is_main:
                 check_fresh_run_dir(self.run_dir)  # again, locked: a run that ended meanwhile is kept
             if overwrite:
@@ -311,30 +309,26 @@ class Trainer:
             self.metrics = MetricsLogger(
                 self.run_dir, enabled=self.info.is_main, tensorboard=cfg.tensorboard, resume_step=self.step
             )
-        finally:  # taken again by `train`: a trainer built and not trained holds nothing
-            self._unlock()
+
+    def _writing(self):
+        """The lock on ``run_dir`` while this trainer writes it (`lock_run_dir`; the main rank's: the others
+        write nothing there). A trainer built and not trained holds nothing."""
+        return lock_run_dir(self.run_dir) if self.info.is_main else contextlib.nullcontext()
 
     def _check_run_dir_unchanged(self) -> None:
         """Refuse to train when another trainer wrote ``run_dir`` since this one was built (two built in
         one process for one folder): its config.json, metrics and newest checkpoint are not this run's."""
-        newest = latest_checkpoint(self.run_dir)
-        mine = self.last_checkpoint
+        newest, mine = latest_checkpoint(self.run_dir), self.last_checkpoint
         try:
             saved = json.loads((self.run_dir / CONFIG_FILE).read_text())
         except (OSError, ValueError):
             saved = None
-        if saved != json.loads(json.dumps(self.config.to_dict())) or (newest and newest.name) != (
-            mine and mine.name
-        ):
+        same_config = saved == json.loads(json.dumps(self.config.to_dict()))
+        if not same_config or getattr(newest, "name", None) != getattr(mine, "name", None):
             raise FileExistsError(
                 f"run_dir {str(self.run_dir)!r} was written by another trainer since this one was built (its "
                 "config.json or newest checkpoint is not this run's): build the Trainer again"
             )
-
-    def _unlock(self) -> None:
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
 
     # ---------------------------------------------------------------------------------------- resume
     def _find_checkpoint(self, resume: bool) -> Path | None:
@@ -621,16 +615,12 @@ class Trainer:
         ``TrainResult.stopped_by``; a second one stops at once (``titans.training.signals``). One that
         arrives after the last step (during the final checkpoint, evaluation, plot or sample) sets
         ``stopped_by`` too, and there is no sample (one under way is abandoned)."""
-        if self.info.is_main:  # held while this run writes its folder
-            self._lock = lock_run_dir(self.run_dir)
-        try:
+        with self._writing():
             if self.info.is_main:
                 self._check_run_dir_unchanged()
             signals = StopSignals(enabled=handle_signals, announce=self.info.is_main)
             with tf32(self.config.tf32), signals as sig:
                 return self._train(stop_at, sig)
-        finally:
-            self._unlock()
 
     def _train(self, stop_at: int | None, signals: StopSignals) -> TrainResult:
         cfg, info = self.config, self.info
