@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import socket
@@ -168,7 +169,11 @@ def _serve(argv: list[str], log: str) -> None:
     logging.root.handlers.clear()  # pytest's capture: `titans serve` configures no logging beside one
     from titans.cli import main
 
-    os._exit(main(argv))
+    code = main(argv)
+    # os._exit (not pytest's exit handlers, inherited by the fork) skips what an interpreter's exit runs for
+    # multiprocessing: the removal of the quota locks' and worker pool's named semaphores
+    multiprocessing.util._run_finalizers(0)
+    os._exit(code)
 
 
 def start_redis(folder: Path):
