@@ -739,6 +739,30 @@ def test_a_run_folder_another_trainer_writes_is_refused(tmp_path, cache_dir):
     assert trainer.train().step == 2  # the other one ended
 
 
+@pytest.mark.parametrize("code", ["ENOLCK", "EOPNOTSUPP"])
+def test_a_run_folder_on_a_filesystem_without_locks_trains_with_a_warning(
+    tmp_path, cache_dir, monkeypatch, code
+):
+    """Some network mounts have no file locks: flock answers ENOLCK or EOPNOTSUPP. Every run there was
+    refused with that OS error; it now trains, warning that a second writer would go undetected. Any
+    other error from flock still ends the run."""
+    import errno
+
+    def no_locks(f, op):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr("titans._fs.fcntl.flock", no_locks)
+    with pytest.warns(UserWarning, match="the filesystem has no file locks"):
+        assert Trainer(micro_config(tmp_path / "run", cache_dir, steps=1)).train().step == 1
+
+    def broken(f, op):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr("titans._fs.fcntl.flock", broken)
+    with pytest.raises(OSError, match="Input/output error"):
+        Trainer(micro_config(tmp_path / "other", cache_dir, steps=1))
+
+
 def test_two_trainers_built_for_one_run_folder_do_not_mix_their_runs(tmp_path, cache_dir):
     """Two Trainers built in one process for one folder (a notebook cell run twice): the second's config
     and emptied metrics replaced the first's before either trained; the first then trained under the

@@ -12,21 +12,37 @@ import errno
 import fcntl
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 LOCK_FILE = ".lock"  # held (flock) by the one process that writes a folder (a run, a study's output)
 
 
+# what flock answers on a filesystem without locks (errno.ENOTSUP is EOPNOTSUPP on Linux)
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
+
+
 def lock_folder(folder: str | Path, in_use: str):
     """An exclusive lock on `folder` for one writer: its open ``LOCK_FILE`` (a context manager), released
     when closed or when the process ends, however it ends (the kernel drops a dead process's flock).
-    Another writer holds it: FileExistsError(`in_use`)."""
+    Another writer holds it: FileExistsError(`in_use`). A filesystem without locks (some network mounts
+    answer ENOLCK or EOPNOTSUPP) gets a warning and the folder unlocked: a second writer goes undetected
+    there, which is better than refusing every run on such a mount."""
     f = open(Path(folder) / LOCK_FILE, "ab")  # noqa: SIM115 - held open for as long as the lock
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.close()
         raise FileExistsError(in_use) from None
+    except OSError as e:
+        if e.errno not in _NO_LOCKS:
+            f.close()
+            raise
+        warnings.warn(
+            f"cannot lock {str(folder)!r} ({e.strerror.lower()}: the filesystem has no file locks); "
+            "a second process writing it at the same time would not be detected",
+            stacklevel=2,
+        )
     return f
 
 
