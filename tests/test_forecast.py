@@ -207,6 +207,29 @@ def test_eval_rebuilds_the_trained_model_and_names_a_damaged_file(tmp_path, caps
     assert err.startswith("titans forecast eval: error: ") and "model.pt is damaged" in err
 
 
+def test_a_second_writer_into_one_out_folder_is_refused(tmp_path, capsys):
+    """Two `forecast train` into one --out both ran: each file is written whole, but the last to finish
+    could leave one run's weights beside the other's result. A train and a study hold a lock on --out."""
+    from titans._fs import lock_folder
+    from titans.cli import main
+
+    path = _write_csv(tmp_path / "ecl.csv", 700, ["MT_001", "MT_002"])
+    out = tmp_path / "new" / "run"  # not made yet: the lock makes it
+    common = ["--series", str(path), "--lookback", "32", "--horizon", "8", "--no-progress"]
+    train = ["forecast", "train", *common, "--model", "linear", "--steps", "2", "--out", str(out)]
+    assert main(train) == 0
+    before = (out / "model.pt").read_bytes()
+    study = ["forecast", "study", "--series", str(path), "--models", "linear", "--horizons", "8"]
+    study += ["--lookback", "32", "--steps", "2", "--no-progress", "--out", str(out)]
+    with lock_folder(out, "held"):
+        assert main([*train[:-4], "--steps", "3", "--out", str(out)]) == 2
+        assert "is in use: another forecast train writes it" in capsys.readouterr().err
+        assert main(study) == 2
+        assert "is in use: another forecast study writes it" in capsys.readouterr().err
+    assert (out / "model.pt").read_bytes() == before
+    assert main(train) == 0  # released
+
+
 def test_eval_refuses_a_model_whose_weights_were_flipped(tmp_path, capsys):
     """Bytes flipped inside a tensor of model.pt loaded (torch's zip reader checks no CRC) and were scored
     as the trained model; the weights' digest saved beside them finds it."""

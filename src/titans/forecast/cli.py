@@ -103,6 +103,14 @@ def cmd_train(args) -> int:
     out = Path(args.out)
     for name in ("model.pt", "result.json", "forecast.png"):  # before training: a failed write loses it
         check_writable(out / name)
+    # one writer: two trains into one folder could leave one's weights beside the other's result
+    in_use = f"--out {str(out)!r} is in use: another forecast train writes it; wait, or give another --out"
+    out.mkdir(parents=True, exist_ok=True)
+    with lock_folder(out, in_use):
+        return _train(args, run, split, out)
+
+
+def _train(args, run: ForecastRun, split, out: Path) -> int:
     # a SIGTERM / SIGINT stops training after the current step: the best weights so far are measured and
     # written as usual, then the command exits 128 + the signal's number
     result = train_forecaster(split, run, progress=not args.no_progress, handle_signals=True)
