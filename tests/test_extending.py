@@ -124,3 +124,39 @@ def test_the_server_runs_on_a_store_added_as_one_class(examples, tmp_path):
         assert store.count() == 1 and store.usage(store.get(sid).owner)[0] == 1
         assert http.delete(f"/v1/sessions/{sid}").status_code == 200
         assert store.count() == 0
+
+
+def test_a_registered_variant_without_a_static_step_is_refused_before_the_prompt_is_read(monkeypatch):
+    """A variant added as docs/extending.md says (a `Variant` entry, its block a new class) decodes
+    eagerly. The compiled decoder has steps for the built-in blocks only: it took a subclass of one for
+    that block and left the subclass's change out, and a new block failed with a TypeError only after the
+    prompt was prefilled. It is refused by `generate(compiled=...)` before any work, naming the block."""
+    import dataclasses
+
+    from titans import TitansConfig, TitansLM
+    from titans.layers.memory import MemoryState
+    from titans.models.blocks import MemoryBlock
+    from titans.models.streaming import generate
+    from titans.models.variants import VARIANT_SPECS, Variant
+
+    class HalfMemoryBlock(MemoryBlock):  # the memory's output halved: another token mixer
+        def mix(self, x, state, stats):
+            y, new = super().mix(x, state, stats)
+            return y / 2, new
+
+    spec = Variant("half", HalfMemoryBlock, MemoryState, "window", memory=True, attention=False)
+    monkeypatch.setitem(VARIANT_SPECS, "half", spec)  # as an entry written into variants.py would be
+    monkeypatch.setattr("titans.models.config.VARIANTS", tuple(VARIANT_SPECS))
+    cfg = TitansConfig(vocab_size=32, dim=16, depth=1, heads=2, chunk_size=4, variant="half")
+    torch.manual_seed(0)
+    model = TitansLM(cfg).eval()
+    prompt = torch.randint(0, 32, (1, 5))
+    assert generate(model, prompt, 3).shape == (1, 8)  # eager decoding follows the block's forward
+    for compiled in (True, "eager"):
+        with pytest.raises(ValueError, match="block HalfMemoryBlock has no static decoding step"):
+            generate(model, prompt, 3, compiled=compiled)
+    lmm = TitansLM(dataclasses.replace(cfg, variant="lmm")).eval()
+    lmm.load_state_dict(model.state_dict())  # the same weights: the built-in block decodes compiled
+    assert torch.equal(
+        generate(lmm, prompt, 3, compiled="eager", greedy=True), generate(lmm, prompt, 3, greedy=True)
+    )

@@ -312,7 +312,14 @@ class _Layer:
         return [p for p in (self.attn, self.memory) if p is not None]
 
 
+# the blocks with a static step below, exactly these types: a subclass (a variant registered elsewhere)
+# may change what its forward computes, which these steps would silently leave out
+_STATIC_BLOCKS = (MACBlock, MAGBlock, MALBlock, MemoryBlock, AttentionBlock)
+
+
 def _make_layer(block: Block, state, batch: int, position: int, like: Tensor) -> _Layer:
+    if type(block) not in _STATIC_BLOCKS:
+        raise TypeError(f"StaticDecoder: no static step for block {type(block).__name__}")
     if isinstance(block, MACBlock):
         if state is None:
             mem_state = block.memory.initial_state(batch, like.device, like.dtype)
@@ -331,9 +338,7 @@ def _make_layer(block: Block, state, batch: int, position: int, like: Tensor) ->
         if state is None:
             state = block.memory.initial_state(batch, like.device, like.dtype)
         return _Layer(block, memory=_Memory(block.memory, state, position))
-    if isinstance(block, AttentionBlock):
-        return _Layer(block, _WindowAttention(block.attn, state, batch, like))
-    raise TypeError(f"StaticDecoder: no static step for block {type(block).__name__}")
+    return _Layer(block, _WindowAttention(block.attn, state, batch, like))  # an attention block
 
 
 def _block_step(layer: _Layer, x: Tensor, pos: Tensor, write: bool, new_segment: bool) -> Tensor:
@@ -700,7 +705,13 @@ def _pool(model: nn.Module) -> DecoderPool:
 
 def check_static_decoding(model: nn.Module, who: str) -> None:
     """Refuse a model whose state no fixed buffers hold, before any work (``StaticDecoder`` would refuse
-    it only once built, after the prompt was read)."""
+    it only once built, after the prompt was read): full attention, and a block without a static step."""
+    other = next((b for b in model.blocks if type(b) not in _STATIC_BLOCKS), None)
+    if other is not None:
+        raise ValueError(
+            f"{who}: variant {model.config.variant!r}'s block {type(other).__name__} has no static decoding "
+            "step (the compiled decoder steps only the built-in blocks): decode it without compiling"
+        )
     if model.config.spec.quadratic:
         raise ValueError(
             f"{who}: full causal attention (variant {model.config.variant!r}) has a KV cache that grows with "
@@ -712,7 +723,7 @@ def decode_cycle(model: nn.Module) -> int:
     """Tokens after which the phases repeat (the lcm of the memories' chunk sizes and, in MAC, the
     segment length): decoding this many consecutive tokens runs every step the decoder has."""
     sizes = [m.chunk_size for m in model.modules() if isinstance(m, NeuralMemory)]
-    if any(isinstance(b, MACBlock) for b in model.blocks):
+    if model.config.spec.segmented:
         sizes.append(model.config.segment_len)
     return math.lcm(*sizes) if sizes else 1
 
