@@ -14,7 +14,8 @@ import torch
 from tiny_lm import save_tiny_run, tiny_model
 from titans.cli import build_parser
 from titans.cli import main as titans_main
-from titans.training.config import DATA_HELP, FIELD_HELP, TOKENIZER_HELP, TrainConfig, parse_set
+from titans.data.tokenizers import TOKENIZER_HELP
+from titans.training.config import DATA_HELP, FIELD_HELP, TrainConfig, parse_set
 
 
 def error_line(capsys) -> str:
@@ -396,6 +397,25 @@ def test_help_and_list_fields_describe_data_and_tokenizer_alike(capsys):
         assert word in DATA_HELP
     for word in ("bytes", "gpt2", "mistral-32k", "dna", ".json", ".model", ".tiktoken"):
         assert word in TOKENIZER_HELP
+
+
+def test_every_option_that_names_variants_rules_or_tokenizers_lists_them_all():
+    """Lists written out by hand go stale: `eval --tokenizer`'s help named bytes, gpt2 and a file only,
+    and `train --variant`'s and `model.memory_rule`'s lists were copies of their registries. Each is
+    built from its registry (`VARIANTS`, `RULE_PRESETS`, the named tokenizers)."""
+    from titans.data.tokenizers import _NAMED_TOKENIZERS
+    from titans.evaluation.args import add_model_args
+    from titans.models.config import FIELD_HELP as MODEL_FIELD_HELP
+    from titans.models.config import VARIANTS
+    from titans.ops.memory import RULE_PRESETS
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    tokenizer = next(a for a in p._actions if a.dest == "tokenizer")
+    assert tokenizer.default == "bytes" and TOKENIZER_HELP in tokenizer.help
+    assert all(name in TOKENIZER_HELP for name in _NAMED_TOKENIZERS)
+    assert _train_help("variant").startswith(", ".join(VARIANTS) + " ")
+    assert MODEL_FIELD_HELP["memory_rule"].startswith(f"memory update rule: {', '.join(RULE_PRESETS)}, ")
 
 
 # ---------------------------------------------------------------------------------- the sample prompt

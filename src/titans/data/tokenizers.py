@@ -42,7 +42,9 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 ENDOFTEXT = "<|endoftext|>"
 # Tokens we recognise as "end of document" in tokenizer files, most specific first.
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eos|>")
-_NAMED_TOKENIZERS = ("bytes", "mistral-32k", "gpt2", "dna")
+_NAMED_TOKENIZERS = ("bytes", "gpt2", "mistral-32k", "dna")
+# what a tokenizer option takes (`load_tokenizer`), as its help says it
+TOKENIZER_HELP = f"{', '.join(_NAMED_TOKENIZERS)}, or a tokenizer file (.json, .model, .tiktoken)"
 
 
 @runtime_checkable

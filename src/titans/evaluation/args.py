@@ -12,8 +12,10 @@ import argparse
 import math
 from typing import Any
 
+from titans.data.tokenizers import TOKENIZER_HELP
 from titans.evaluation.haystack import HAYSTACK_NAMES
 from titans.runtime.device import resolve_device, set_cpu_threads
+from titans.runtime.loading import DEFAULT_TOKENIZER
 from titans.training.config import parse_set
 from titans.validation import path_arg, seed_arg
 
@@ -138,7 +140,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="override a TitansConfig field of a fresh model (repeatable; the model.<field> entries of "
         "`titans train --list-fields`, without the model. prefix)",
     )
-    p.add_argument("--tokenizer", default="bytes", help="tokenizer of a fresh model (bytes, gpt2, a file)")
+    p.add_argument(
+        "--tokenizer", default=DEFAULT_TOKENIZER, help=f"tokenizer of a fresh model: {TOKENIZER_HELP}"
+    )
     p.add_argument(
         "--memory-alpha-init",
         type=float,

@@ -184,8 +184,8 @@ class NeuralMemory(nn.Module):
         checkpoint_every: opt-in activation checkpointing of the chunked path in groups of this many chunks
             (training on very long sequences: O(T / checkpoint_every) saved states instead of O(T), for
             about one extra forward pass). None (default) keeps every chunk's state.
-        rule: the update rule (`titans.ops.memory.MemoryRule`): a preset name ("titans", the default,
-            "moneta", "yaad", "memora", "atlas"), a parts dict or a `MemoryRule`
+        rule: the update rule (`titans.ops.memory.MemoryRule`): a preset name of `RULE_PRESETS` ("titans",
+            the default), a parts dict or a `MemoryRule`
             (`titans.ops.memory.memory_rule_chunked` says which run on the fast path; checkpoint_every applies
             to those). A rule's state `weights` are the pre-retention A (the memory reads W = g(A)).
         backend: the chunked path's chunk loop: "torch" (`ops/memory/chunk.py`), "triton" (the Triton

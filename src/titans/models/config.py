@@ -9,7 +9,7 @@ from typing import Any
 
 from titans.layers.attention import PERSISTENT_ROPE
 from titans.models.variants import VARIANT_SPECS, Variant
-from titans.ops.memory import ACTIVATIONS, TRITON_DEPTHS, fits_fast_path, resolve_rule
+from titans.ops.memory import ACTIVATIONS, RULE_PRESETS, TRITON_DEPTHS, fits_fast_path, resolve_rule
 from titans.validation import check_bounds, did_you_mean, field_help, option
 
 VARIANTS = tuple(VARIANT_SPECS)
@@ -118,13 +118,13 @@ class TitansConfig:
     memory_checkpoint_every: int | None = option(
         None, help="keep the memory state every this many chunks, recompute the rest (null: keep all)", min=1
     )
-    # the memory's update rule (docs/design.md, "Memory rules"): a preset name ("titans", "moneta", "yaad",
-    # "memora", "atlas"), a parts dict or a MemoryRule object (stored as its preset name or parts dict).
-    # Typed Any: the command line takes a name or a JSON object
+    # the memory's update rule (docs/design.md, "Memory rules"): a preset name (`RULE_PRESETS`), a parts
+    # dict or a MemoryRule object (stored as its preset name or parts dict). Typed Any: the command line
+    # takes a name or a JSON object
     memory_rule: Any = option(
         "titans",
-        help="memory update rule: titans, moneta, yaad, memora, atlas, or a parts dict "
-        "(bias, retention, window, optimizer)",
+        help=f"memory update rule: {', '.join(RULE_PRESETS)}, "
+        "or a parts dict (bias, retention, window, optimizer)",
     )
     # the memory's chunk loop: "auto" (Triton kernels on CUDA where they cover the config, else torch),
     # "triton" or "torch" (NeuralMemory.backend)

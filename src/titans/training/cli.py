@@ -24,8 +24,10 @@ import signal
 import sys
 from typing import Any
 
+from titans.data.tokenizers import TOKENIZER_HELP
+from titans.models.config import VARIANTS
 from titans.training import distributed as D
-from titans.training.config import DATA_HELP, TOKENIZER_HELP, TrainConfig, field_listing, parse_set
+from titans.training.config import DATA_HELP, TrainConfig, field_listing, parse_set
 from titans.training.report import compare_table, format_report
 from titans.training.signals import exit_status
 from titans.training.trainer import Trainer, check_fresh_run_dir, check_run_dir_files
@@ -204,7 +206,7 @@ def register(commands, evals) -> None:
     p.add_argument(
         "--preset", help=f"model size preset (tiny, small, base, 170M, ...; config default: {d.preset})"
     )
-    p.add_argument("--variant", help=f"mac, mag, mal, lmm, transformer or swa (config default: {d.variant})")
+    p.add_argument("--variant", help=f"{', '.join(VARIANTS)} (config default: {d.variant})")
     p.add_argument("--data", help=f"{DATA_HELP} (config default: {d.data})")
     p.add_argument("--tokenizer", help=f"{TOKENIZER_HELP} (config default: {d.tokenizer})")
     p.add_argument(

@@ -36,6 +36,7 @@ import torch
 
 from titans._fs import write_text_atomic
 from titans.data.loader import check_curriculum
+from titans.data.tokenizers import TOKENIZER_HELP
 from titans.models.config import FIELD_HELP as MODEL_FIELD_HELP
 from titans.models.config import PRESETS, VARIANTS, TitansConfig, read_json_object
 from titans.runtime.loading import DEFAULT_TOKENIZER
@@ -48,7 +49,6 @@ DATA_HELP = (
     "text source: builtin:stdlib, builtin:prose, a file, folder, glob, .jsonl, hf:NAME[:CONFIG][:SPLIT], "
     "fasta:PATH or fasta:builtin (DNA)"
 )
-TOKENIZER_HELP = "bytes, gpt2, mistral-32k, dna, or a tokenizer file (.json, .model, .tiktoken)"
 # Default sample prompts, the first one the tokenizer can encode: code for text tokenizers (the default
 # data is Python source), bases for the DNA alphabet.
 SAMPLE_PROMPTS = ("def ", "ACGT")
