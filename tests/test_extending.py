@@ -95,6 +95,153 @@ def test_a_part_without_dataclass_is_refused_by_the_rule():
         Bias.registry.pop("plain_for_test")
 
 
+@pytest.fixture
+def scratch_kinds():
+    """Kinds registered by a test, removed from their slots' registries afterwards (they are global)."""
+    from titans.ops.memory.rules import SLOTS
+
+    before = {name: dict(slot.registry) for name, slot in SLOTS.items()}
+    yield
+    for name, slot in SLOTS.items():
+        slot.registry.clear()
+        slot.registry.update(before[name])
+
+
+def test_a_part_derived_from_a_built_in_part_runs_its_own_maths(scratch_kinds):
+    """A part derived from L2Bias, DecayRetention or MomentumSGD, with its own maths, ran the parent's:
+    it inherited the parent's consent to the fast path, which computes the built-in maths itself and calls
+    none of the overrides, so outputs equalled the default rule's exactly. A derived part runs its own
+    methods, on the fast path only if it says so itself, and must define all of its slot's methods."""
+    from dataclasses import dataclass
+
+    from titans.ops.memory import DecayRetention, L2Bias, LpBias, MomentumSGD, fits_fast_path
+
+    @dataclass(frozen=True)
+    class TripleL2(L2Bias, kind="triple_l2_for_test"):  # 1.5 ||e||^2: 3 e
+        def error_map(self, e, aux):
+            return 3 * e
+
+        def grad(self, g, e, aux):
+            return 3 * g, None
+
+    @dataclass(frozen=True)
+    class HalfRead(DecayRetention, kind="half_read_for_test"):
+        def read(self, a):
+            return a / 2
+
+    @dataclass(frozen=True)
+    class FrozenSGD(MomentumSGD, kind="frozen_sgd_for_test"):  # the state never moves
+        @property
+        def uses_momentum(self):
+            return super().uses_momentum
+
+        def momentum_coefficients(self, beta, log_eta):
+            return super().momentum_coefficients(beta, log_eta)
+
+        def update(self, a_state, s_state, s_new, *args):
+            return a_state
+
+    x = torch.randn(2, 11, 12, dtype=F64, generator=torch.Generator().manual_seed(1))
+    titans = memory(MemoryRule())
+    y, _ = titans(x)
+    triple = memory(MemoryRule(bias=TripleL2()))
+    triple.load_state_dict(titans.state_dict())
+    assert fits_fast_path(triple.rule)  # a bias's maths run there through its own methods
+
+    @dataclass(frozen=True)
+    class Scaled(Bias, kind="scaled_for_test"):  # c ||e||^2 written from the slot
+        c: float
+
+        def error_map(self, e, aux):
+            return 2 * self.c * e
+
+        def grad(self, g, e, aux):
+            return 2 * self.c * g, None
+
+    scaled = memory(MemoryRule(bias=Scaled(1.5)))
+    scaled.load_state_dict(titans.state_dict())
+    torch.testing.assert_close(triple(x)[0], scaled(x)[0], rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(triple(x)[0], y)
+    for rule in (MemoryRule(retention=HalfRead()), MemoryRule(optimizer=FrozenSGD())):
+        assert not fits_fast_path(rule)
+        ours = memory(rule)
+        ours.load_state_dict(titans.state_dict())
+        assert not torch.allclose(ours(x)[0], y)
+    _, state = memory(MemoryRule(optimizer=FrozenSGD()))(x)
+    first = memory(MemoryRule(optimizer=FrozenSGD())).initial_state(2, x.device, F64)
+    assert all(torch.equal(a, b) for a, b in zip(state.weights, first.weights))
+    # a derived part that leaves a method to its parent is refused: it would pair its own error map
+    # with the parent's gradient on the fast path
+    with pytest.raises(TypeError, match=r"does not define grad: every bias defines error_map, grad itself"):
+
+        class Cubic(LpBias, kind="cubic_for_test"):
+            def error_map(self, e, aux):
+                return e**3
+
+
+def test_a_part_s_property_written_as_a_method_is_refused(scratch_kinds):
+    """`uses_momentum` written as a method (the table listed it among the methods) was read as always
+    true: momentum stayed on for a part that meant it off."""
+    from titans.ops.memory import Optimizer
+
+    with pytest.raises(TypeError, match=r"uses_momentum must be a property"):
+
+        class NoMomentum(Optimizer, kind="no_momentum_for_test"):
+            def uses_momentum(self):
+                return False
+
+            def momentum_coefficients(self, beta, log_eta):
+                return beta
+
+            def update(self, *args):
+                return args[0]
+
+
+def test_a_window_subclass_and_an_unknown_kind_are_refused_by_name(scratch_kinds):
+    """A Window subclass ran in a NeuralMemory, but a config saved it as a plain Window and rebuilt that;
+    a saved rule whose part's module was not imported said only that its kind was not one of the
+    built-in ones."""
+    from dataclasses import dataclass
+
+    from titans.ops.memory import Window
+
+    @dataclass(frozen=True)
+    class FlatWindow(Window):
+        pass
+
+    with pytest.raises(TypeError, match="window must be a Window, got FlatWindow"):
+        MemoryRule(window=FlatWindow(4))
+    with pytest.raises(ValueError, match=r"got 'not_imported'.*import it before building or loading"):
+        MemoryRule.from_dict({"bias": {"kind": "not_imported"}})
+
+
+def test_a_part_defined_again_replaces_itself(scratch_kinds):
+    """A notebook cell defining a part, run a second time (after a fix), was refused: its kind was taken
+    by its own earlier definition. The same class (module and name) replaces itself; another class
+    cannot take the kind."""
+
+    def define(scale):
+        class Mine(Bias, kind="mine_for_test"):
+            def error_map(self, e, aux):
+                return scale * e
+
+            def grad(self, g, e, aux):
+                return scale * g, None
+
+        return Mine
+
+    first, second = define(2), define(3)
+    assert Bias.registry["mine_for_test"] is second is not first
+    with pytest.raises(ValueError, match="kind 'mine_for_test' is taken by Mine; Other needs another"):
+
+        class Other(Bias, kind="mine_for_test"):
+            def error_map(self, e, aux):
+                return e
+
+            def grad(self, g, e, aux):
+                return g, None
+
+
 def test_the_server_runs_on_a_store_added_as_one_class(examples, tmp_path):
     pytest.importorskip("fastapi", reason="the serve extra is not installed")
     httpx = pytest.importorskip("httpx", reason="the serve-test extra is not installed")

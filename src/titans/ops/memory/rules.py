@@ -115,19 +115,39 @@ class RulePart:
         slot = next((base for base in cls.__mro__[1:] if RulePart in base.__bases__), None)
         if slot is None:
             raise TypeError(f"rule part {cls.__name__}: derive it from Bias, Retention or Optimizer")
-        missing = [m for m in slot.methods if getattr(cls, m) is getattr(slot, m)]
+        # its own methods (or a mixin's), not the slot's nor another registered part's: a part derived from
+        # L2Bias that wrote error_map alone would run L2Bias's gradient for it
+        own: set[str] = set()
+        for base in cls.__mro__:
+            if base is slot or (base is not cls and base in slot.registry.values()):
+                break
+            own.update(base.__dict__)
+        missing = [m for m in slot.methods if m not in own]
         if missing:
             raise TypeError(
                 f"{slot.slot} part {cls.__name__} (kind {kind!r}) does not define {', '.join(missing)}: "
-                f"every {slot.slot} defines {', '.join(slot.methods)}"
+                f"every {slot.slot} defines {', '.join(slot.methods)} itself (a part derived from another "
+                "may call super() in them)"
             )
-        if kind in slot.registry:
+        # a property of the slot (Optimizer.uses_momentum) written as a method would be read as always true
+        for m in slot.methods:
+            if isinstance(slot.__dict__.get(m), property) and not isinstance(getattr(cls, m), property):
+                raise TypeError(
+                    f"{slot.slot} part {cls.__name__} (kind {kind!r}): {m} must be a property (@property), "
+                    "as the slot's is"
+                )
+        # the fast path computes its own maths and calls none of a part's methods but the bias's: a part
+        # derived from one that runs there (its own read, update, ...) runs there only if it says so
+        if "fast_path" not in cls.__dict__:
+            cls.fast_path = False
+        old = slot.registry.get(kind)
+        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
             raise ValueError(
                 f"{slot.slot} kind {kind!r} is taken by {slot.registry[kind].__name__}; {cls.__name__} needs "
                 "another"
             )
         cls.kind = kind
-        slot.registry[kind] = cls
+        slot.registry[kind] = cls  # a class defined again (a notebook cell run twice) replaces itself
 
     def gates(self) -> tuple[GateSpec, ...]:
         """The part's learned per-token gate, if any (at most one). Only a bias's reaches its maths (as
@@ -222,8 +242,9 @@ class L2Bias(Bias, kind="l2"):
     def grad(self, g: Tensor, e: Tensor, aux: Tensor | None) -> tuple[Tensor, None]:
         return 2 * g, None
 
-    def fast_error(self) -> None:
-        return None  # the fast path's own l2 error map
+    def fast_error(self) -> Bias | None:
+        # the fast path's own l2 error map; a subclass's own maths go through its methods
+        return None if type(self) is L2Bias else self
 
 
 @dataclass(frozen=True)
@@ -442,7 +463,7 @@ class MemoryRule:
                     f"MemoryRule: {name} part {type(part).__name__} is a dataclass without frozen=True; "
                     "declare it with @dataclass(frozen=True)"
                 )
-        if not isinstance(self.window, Window):
+        if type(self.window) is not Window:  # not an extension slot: a config saves and rebuilds a Window
             raise TypeError(f"MemoryRule: window must be a Window, got {type(self.window).__name__}")
         for name in ("window", *SLOTS):
             if len(getattr(self, name).gates()) > 1:
@@ -529,7 +550,9 @@ class MemoryRule:
                 kind = spec.pop("kind", None)
                 if kind not in slot.registry:
                     raise ValueError(
-                        f"MemoryRule: {name} kind must be one of {sorted(slot.registry)}, got {kind!r}"
+                        f"MemoryRule: {name} kind must be one of {sorted(slot.registry)}, got {kind!r} (a "
+                        "part defined outside titans registers its kind when its module is imported: import "
+                        "it before building or loading the model)"
                     )
                 parts[name] = slot.registry[kind](**spec)
         if "window" in data:
