@@ -102,6 +102,7 @@ class RulePart:
     slot: ClassVar[str] = ""
     kind: ClassVar[str] = ""
     methods: ClassVar[tuple[str, ...]] = ()
+    together: ClassVar[tuple[str, ...]] = ()  # methods a part takes from one class (a map and its backward)
     registry: ClassVar[dict[str, type[RulePart]]] = {}
     # runs on the custom-autograd fast path of `chunk.py` (with the other parts' consent, `fits_fast_path`)
     fast_path: ClassVar[bool] = False
@@ -115,19 +116,20 @@ class RulePart:
         slot = next((base for base in cls.__mro__[1:] if RulePart in base.__bases__), None)
         if slot is None:
             raise TypeError(f"rule part {cls.__name__}: derive it from Bias, Retention or Optimizer")
-        # its own methods (or a mixin's), not the slot's nor another registered part's: a part derived from
-        # L2Bias that wrote error_map alone would run L2Bias's gradient for it
-        own: set[str] = set()
-        for base in cls.__mro__:
-            if base is slot or (base is not cls and base in slot.registry.values()):
-                break
-            own.update(base.__dict__)
-        missing = [m for m in slot.methods if m not in own]
+        missing = [m for m in slot.methods if getattr(cls, m) is getattr(slot, m)]
         if missing:
             raise TypeError(
                 f"{slot.slot} part {cls.__name__} (kind {kind!r}) does not define {', '.join(missing)}: "
-                f"every {slot.slot} defines {', '.join(slot.methods)} itself (a part derived from another "
-                "may call super() in them)"
+                f"every {slot.slot} defines {', '.join(slot.methods)}"
+            )
+        # methods that are one piece of maths come from one class: a part derived from LpBias that wrote
+        # error_map alone would run LpBias's gradient for it on the fast path
+        owners = {m: next(b for b in cls.__mro__ if m in b.__dict__) for m in slot.together}
+        if len(set(owners.values())) > 1:
+            raise TypeError(
+                f"{slot.slot} part {cls.__name__} (kind {kind!r}) takes "
+                + ", ".join(f"{m} from {b.__name__}" for m, b in owners.items())
+                + f": define {' and '.join(slot.together)} together"
             )
         # a property of the slot (Optimizer.uses_momentum) written as a method would be read as always true
         for m in slot.methods:
@@ -137,9 +139,12 @@ class RulePart:
                     "as the slot's is"
                 )
         # the fast path computes its own maths and calls none of a part's methods but the bias's: a part
-        # derived from one that runs there (its own read, update, ...) runs there only if it says so
+        # derived from one that runs there, with a method of its own (read, update, ...), runs there only
+        # if it says so
         if "fast_path" not in cls.__dict__:
-            cls.fast_path = False
+            consent = next(b for b in cls.__mro__ if "fast_path" in b.__dict__)
+            if consent.fast_path and any(getattr(cls, m) is not getattr(consent, m) for m in slot.methods):
+                cls.fast_path = False
         old = slot.registry.get(kind)
         if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
             raise ValueError(
@@ -161,6 +166,7 @@ class Bias(RulePart):
 
     slot = "bias"
     methods = ("error_map", "grad")
+    together = ("error_map", "grad")
 
     def error_map(self, e: Tensor, aux: Tensor | None) -> Tensor:
         """phi(e) for e (..., n, d), differentiable by autograd in e and aux (the autograd path)."""
