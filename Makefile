@@ -29,7 +29,7 @@ main: setup
 compare: setup
 	PYTHON=$(PY) scripts/compare.sh
 
-test: setup
+test: setup eval-essays
 	sh scripts/install_test_deps.sh
 	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m pytest -q -n 2 --durations=15

@@ -483,3 +483,21 @@ def test_only_the_shared_loop_steps_an_optimizer():
             elsewhere += [f"{module}:{line}: {call}" for line, call in optimizer_steps(path.read_text())]
     assert not elsewhere, "optimizer steps outside titans.training.loop:\n" + "\n".join(elsewhere)
     assert optimizer_steps((PACKAGE / "training" / "loop.py").read_text())  # the reader sees the real one
+
+
+def test_every_extra_a_message_or_page_names_exists():
+    """An install hint names an extra of pyproject.toml: the essay haystack's error said `pip install
+    titans[eval]`, an extra that does not exist (pip only warns and installs nothing)."""
+    import re
+
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11+")
+    root = PACKAGE.parents[1]
+    extras = set(tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    files = [*PACKAGE.rglob("*.py"), *(root / "docs").glob("*.md"), root / "README.md"]
+    named = {
+        (f.relative_to(root).as_posix(), extra)
+        for f in files
+        for group in re.findall(r"titans\[([\w,-]+)\]", f.read_text())
+        for extra in group.split(",")
+    }
+    assert named and not {(f, e) for f, e in named if e not in extras}

