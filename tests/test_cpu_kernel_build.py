@@ -299,3 +299,22 @@ def test_titans_kernels_build_builds_ahead_of_time_and_says_where(tmp_path, monk
         assert err.startswith(want)
     finally:
         cpu_kernels.kernels.cache_clear()  # nothing fake stays cached for later tests
+
+
+def test_a_build_finds_the_environment_s_ninja_when_path_has_none(compiler, tiny, tmp_path, monkeypatch):
+    """`titans` started by its path without its environment activated (cron, systemd, a script): PATH has
+    the compiler but not the environment's ninja (a dependency), and every build failed with "Ninja is
+    required", so the slower torch-op paths ran. The build puts that ninja on PATH."""
+    import ninja
+
+    plain = tmp_path / "bin"  # the system's programs, but no ninja
+    plain.mkdir()
+    for folder in ("/usr/local/bin", "/usr/bin", "/bin"):
+        for program in Path(folder).glob("*") if Path(folder).is_dir() else ():
+            if program.name != "ninja" and not (plain / program.name).exists():
+                (plain / program.name).symlink_to(program)
+    monkeypatch.setenv("PATH", str(plain))
+    assert shutil.which("ninja") is None
+    ext = cpu_kernels.Extension("tiny", tiny, ("tiny.cpp",))
+    assert cpu_kernels.ensure_built(ext, tmp_path / "extensions").answer == 42
+    assert Path(shutil.which("ninja")).parent == Path(ninja.BIN_DIR)

@@ -203,10 +203,30 @@ def _stage_prefix(name: str) -> str:
     return f".{name}.build-"
 
 
+def ninja_on_path() -> None:
+    """Put the environment's own ninja (the `ninja` package, a dependency) on PATH when PATH has none:
+    torch's build runs `ninja` by name, and a program started by its path without the environment
+    activated (cron, systemd, a script) has no ninja on PATH, so every build failed ("Ninja is required")
+    and the slower torch-op paths ran."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+
+        folders = [ninja.BIN_DIR, str(Path(sys.executable).parent)]
+    except (ImportError, AttributeError):
+        folders = [str(Path(sys.executable).parent)]
+    found = next((f for f in folders if shutil.which("ninja", path=f) is not None), None)
+    if found is not None:
+        os.environ["PATH"] = os.pathsep.join(p for p in (found, os.environ.get("PATH")) if p)
+
+
 def torch_build(ext: Extension, name: str, folder: Path) -> ModuleType:
     """Build `ext` as module `name` in `folder` with torch's `load` (ninja and the C++ compiler), and
     import it."""
     from torch.utils import cpp_extension
+
+    ninja_on_path()
 
     # torch renames a second build of one name in a process (`name_v1`) when its folder differs; each
     # build here has a fresh folder, and must keep the name its library is looked up by
