@@ -438,3 +438,37 @@ def test_outputs_never_replace_an_input_or_each_other(trained_run, tmp_path, cap
     shutil.copytree(sorted((trained_run / "checkpoints").iterdir())[-1], copied)
     assert titans_main(["eval", "ppl", "--checkpoint", str(copied), "--windows", "1", "--device", "cpu"]) == 0
     assert (copied / "eval_ppl.json").is_file() and not (tmp_path / "eval_ppl.json").exists()
+
+
+def test_results_record_the_step_and_weights_and_an_overwritten_run_loses_them(tmp_path, capsys):
+    """`eval ppl`'s JSON recorded only the checkpoint's path: a copied or renamed checkpoint lost its step,
+    and after `titans train --overwrite` the run's eval_ppl.json (and eval_context.json/.png) still named
+    the checkpoint path, which then held other weights with another score."""
+    import shutil
+
+    from titans.runtime.loading import load_checkpoint_from
+
+    run = tmp_path / "run"
+    Trainer(
+        micro_config(run, tmp_path / "cache", steps=2, batch_size=2, eval_windows=1, ckpt_every=1000)
+    ).train()
+    loaded = load_checkpoint_from(run)
+    copied = tmp_path / "renamed"
+    shutil.copytree(loaded.path, copied)
+    for where in (run, copied):
+        assert (
+            titans_main(["eval", "ppl", "--checkpoint", str(where), "--windows", "1", "--device", "cpu"]) == 0
+        )
+        ppl = json.loads((where / "eval_ppl.json").read_text())
+        assert (ppl["step"], ppl["weights"]) == (2, loaded.weights_id)
+    context = ["eval", "context", "--checkpoint", str(run), "--length", "64", "--windows", "1"]
+    assert titans_main(context) == 0
+    assert json.loads((run / "eval_context.json").read_text())["step"] == 2
+    assert (run / "eval_context.png").is_file()
+    capsys.readouterr()
+    again = micro_config(run, tmp_path / "cache", steps=2, batch_size=2, eval_windows=1, ckpt_every=1000)
+    Trainer(dataclasses.replace(again, seed=1), overwrite=True).train()
+    assert not any(
+        (run / name).exists() for name in ("eval_ppl.json", "eval_context.json", "eval_context.png")
+    )
+    assert (copied / "eval_ppl.json").is_file()  # outside the run: not the run's to remove

@@ -58,7 +58,7 @@ from titans.evaluation.perplexity import (
 from titans.evaluation.reporting import command_line, plot_or_skip
 from titans.evaluation.scoring import new_figure, render_table, save_figure, write_json
 from titans.models.lm import TitansLM
-from titans.runtime.checkpoint import Checkpoint, CheckpointError, run_folder_of
+from titans.runtime.checkpoint import EVAL_CONTEXT_FILE, Checkpoint, CheckpointError, run_folder_of
 from titans.runtime.loading import (
     load_checkpoint_from,
     load_weights,
@@ -599,7 +599,7 @@ def run_context(args: argparse.Namespace) -> int:
     set_threads(args)
     text_field_of(args)  # refused without --data before anything loads
     loaded = load_checkpoint_from(args.checkpoint)
-    out = Path(args.out) if args.out else run_folder_of(loaded.path) / "eval_context.json"
+    out = Path(args.out) if args.out else run_folder_of(loaded.path) / EVAL_CONTEXT_FILE
     check_writable(out, {"--data": args.data})  # first: a folder (`--out .`) is named as one
     png = out.with_suffix(".png")
     if png == out:
@@ -668,6 +668,8 @@ def run_context(args: argparse.Namespace) -> int:
     payload = {
         "task": "context",
         "checkpoint": str(loaded.path),
+        "step": loaded.step,
+        "weights": loaded.weights_id,
         "compare": [str(other.path) for _, other in compares],
         "data": data_desc,
         "mode": win.mode,

@@ -40,7 +40,7 @@ from titans.data.stream import (
 from titans.data.tokenizers import Tokenizer
 from titans.evaluation.reporting import command_line
 from titans.evaluation.scoring import write_json
-from titans.runtime.checkpoint import run_folder_of
+from titans.runtime.checkpoint import EVAL_PPL_FILE, run_folder_of
 from titans.runtime.device import resolve_device
 from titans.runtime.loading import load_checkpoint_from
 from titans.training import perplexity as _heldout
@@ -142,7 +142,7 @@ def run_ppl(args) -> int:
     text_field = text_field_of(args)
     loaded = load_checkpoint_from(args.checkpoint)
     checkpoint = loaded.path
-    out = Path(args.out) if args.out else run_folder_of(checkpoint) / "eval_ppl.json"
+    out = Path(args.out) if args.out else run_folder_of(checkpoint) / EVAL_PPL_FILE
     check_writable(out, {"--data": args.data})
     device = resolve_device(args.device)
     model, cfg, tokenizer = load_model(loaded, map_location=device)
@@ -172,6 +172,8 @@ def run_ppl(args) -> int:
         )
     report = {
         "checkpoint": str(checkpoint),
+        "step": loaded.step,  # a copied or renamed checkpoint folder no longer says it
+        "weights": loaded.weights_id,
         "data": data_desc,
         **result.to_dict(),
         "device": str(device),

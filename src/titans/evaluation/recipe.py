@@ -220,6 +220,8 @@ def load_task_model(path: str | Path, device: str) -> tuple[Any, Any, dict]:
     saved = checkpoint.config
     info = {
         "checkpoint": str(checkpoint.path),  # the step folder scored, not the run folder as typed
+        "step": checkpoint.step,
+        "weights": checkpoint.weights_id,
         "model_config": model.config.to_dict(),
         "parameters": model.num_parameters(),
     }

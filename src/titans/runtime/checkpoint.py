@@ -53,6 +53,10 @@ from titans._fs import ordinary_mode, save_safetensors
 
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
+# what `titans eval ppl` / `eval context` write into a run folder by default (the context's PNG beside its
+# JSON): a run started again with --overwrite removes them with its own files
+EVAL_PPL_FILE = "eval_ppl.json"
+EVAL_CONTEXT_FILE = "eval_context.json"
 MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.pt"
 META_FILE = "meta.json"

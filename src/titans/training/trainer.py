@@ -50,6 +50,8 @@ from titans.models.state import TitansState, cat_rows, select_rows, state_from_b
 from titans.models.streaming import generate
 from titans.runtime.checkpoint import (
     CHECKPOINTS,
+    EVAL_CONTEXT_FILE,
+    EVAL_PPL_FILE,
     CheckpointWriteError,
     capture_rng_state,
     latest_checkpoint,
@@ -815,5 +817,7 @@ def clear_run(run_dir: Path) -> None:
     """Delete what a training run wrote in ``run_dir`` (only the trainer's own files and folders)."""
     for name in (CHECKPOINTS, TENSORBOARD_DIR, TOKENIZER_DIR):
         shutil.rmtree(run_dir / name, ignore_errors=True)
-    for name in (METRICS_FILE, PLOT_FILE, REPORT_FILE, CONFIG_FILE):
+    # and the evaluations written into the run by default: they would describe the run this one replaces
+    evals = (EVAL_PPL_FILE, EVAL_CONTEXT_FILE, str(Path(EVAL_CONTEXT_FILE).with_suffix(".png")))
+    for name in (METRICS_FILE, PLOT_FILE, REPORT_FILE, CONFIG_FILE, *evals):
         (run_dir / name).unlink(missing_ok=True)
