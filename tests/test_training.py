@@ -80,6 +80,27 @@ def test_resume_matches_uninterrupted_run(tmp_path, cache_dir):
     assert steps == list(range(1, 7))
 
 
+def test_a_checkpoint_between_log_steps_logs_its_steps_first(tmp_path, cache_dir):
+    """A checkpoint at a step that is not a log step (ckpt_every 4, log_every 3): the losses of the steps
+    since the last row were not logged yet, and a run that died after it and resumed from it never logged
+    them; its next row averaged fewer steps than the uninterrupted run's row there. Rows are the same."""
+    import shutil
+
+    def rows(run):
+        lines = map(json.loads, (run / "metrics.jsonl").open())
+        return [(r["step"], r["loss"]) for r in lines if r["split"] == "train"]
+
+    cfg = dict(steps=8, log_every=3, ckpt_every=4)
+    Trainer(micro_config(tmp_path / "straight", cache_dir, **cfg)).train()
+    Trainer(micro_config(tmp_path / "split", cache_dir, **cfg)).train(stop_at=6)
+    shutil.rmtree(tmp_path / "split" / "checkpoints" / "step_00000006")  # died after step 6: last is 4
+    Trainer(micro_config(tmp_path / "split", cache_dir, **cfg), resume=True).train()
+    straight, split = rows(tmp_path / "straight"), rows(tmp_path / "split")
+    assert [s for s, _ in straight] == [3, 4, 6, 8]
+    assert [s for s, _ in split] == [s for s, _ in straight]
+    assert [x for _, x in split] == pytest.approx([x for _, x in straight], abs=1e-6)
+
+
 def test_resume_refuses_a_config_that_matters(tmp_path, cache_dir):
     Trainer(micro_config(tmp_path, cache_dir, steps=1)).train()
     with pytest.raises(ValueError, match="seq_len"):

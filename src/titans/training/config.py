@@ -197,7 +197,9 @@ class TrainConfig:
     )
     # bookkeeping
     run_dir: str = option("runs/main", help="where checkpoints, metrics, plots and the report go")
-    log_every: int = option(10, help="log the training loss every this many steps", min=1)
+    log_every: int = option(
+        10, help="log the training loss every this many steps (and at each checkpoint, if between)", min=1
+    )
     eval_every: int = option(
         200, help="evaluate on held-out windows every this many steps (and at the end)", min=1
     )

@@ -268,6 +268,9 @@ class TrainLoop:
                     if self.eval_every is not None and self.step % self.eval_every == 0 and self.step < end:
                         self.evaluate(self.step)
                     if self.ckpt_every is not None and self.step % self.ckpt_every == 0 and self.step < end:
+                        if pending:  # logged first: a run resumed from this checkpoint logs none of them
+                            last_logged = self._log(pending, lr, grad_norm, interval_time)
+                            pending, interval_time = [], 0.0
                         self.checkpoint(self.step)
                         saved_step = self.checkpointed_at = self.step
                 requested = self.stop_reason  # from on_step, after_log or this step's evaluate
