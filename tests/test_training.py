@@ -101,6 +101,19 @@ def test_a_checkpoint_between_log_steps_logs_its_steps_first(tmp_path, cache_dir
     assert [x for _, x in split] == pytest.approx([x for _, x in straight], abs=1e-6)
 
 
+def test_resuming_a_finished_run_keeps_its_time_and_throughput(tmp_path, cache_dir):
+    """`--resume` of a finished run trains nothing and rewrote report.json with train_time_s 0.0 and the
+    last row's throughput: the time the run took was lost. Its report keeps them."""
+    run = tmp_path / "run"
+    Trainer(micro_config(run, cache_dir, steps=3)).train()
+    before = json.loads((run / "report.json").read_text())
+    assert before["train_time_s"] > 0
+    again = Trainer(micro_config(run, cache_dir, steps=3), resume=True).train()
+    after = json.loads((run / "report.json").read_text())
+    assert again.step == 3 and after["step"] == 3
+    assert (after["train_time_s"], after["tokens_per_s"]) == (before["train_time_s"], before["tokens_per_s"])
+
+
 def test_resume_refuses_a_config_that_matters(tmp_path, cache_dir):
     Trainer(micro_config(tmp_path, cache_dir, steps=1)).train()
     with pytest.raises(ValueError, match="seq_len"):

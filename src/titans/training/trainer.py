@@ -670,6 +670,13 @@ class Trainer:
             last = [r for r in read_metrics(self.run_dir / METRICS_FILE) if r.get("split") == "train"]
             if last:
                 last_logged, tokens_per_s = last[-1].get("loss"), last[-1].get("tokens_per_s", 0.0)
+            # and the time and throughput of the session that trained it, not this one's zero
+            previous = _previous_report(self.run_dir)
+            if previous.get("step") == self.step and previous.get("train_time_s"):
+                train_time, tokens_per_s = (
+                    previous["train_time_s"],
+                    previous.get("tokens_per_s", tokens_per_s),
+                )
         result = TrainResult(
             step=self.step,
             total_steps=total,
@@ -811,6 +818,15 @@ def _check_split_lengths(n_train: int, n_heldout: int, cfg: TrainConfig) -> None
             f"heldout_fraction (--set heldout_fraction=...){hint}, lower seq_len (--seq-len), or give "
             "more text"
         )
+
+
+def _previous_report(run_dir: Path) -> dict:
+    """The report.json a run folder holds ({} for none or an unreadable one)."""
+    try:
+        report = json.loads((run_dir / REPORT_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return report if isinstance(report, dict) else {}
 
 
 def clear_run(run_dir: Path) -> None:
