@@ -561,3 +561,24 @@ def test_dna_classify_reports_test_sequences_cut_to_the_training_length(tmp_path
     doc = json.loads(out)
     assert doc["length"] == 8 and doc["train_cut"] == 0 and doc["test_cut"] == 2
     assert "warning: 2 of the 3 --test sequences are longer than 8 bases" in err
+
+
+def test_dna_study_without_matplotlib_skips_its_plot(tmp_path, capsys, monkeypatch):
+    """Without matplotlib (a base install) the study ran to its end, wrote dna.json and then failed with
+    "No module named 'matplotlib'", exit 2: a finished study reported as a failure. It skips the plot."""
+    import sys
+
+    from titans.cli import main
+
+    rng = np.random.default_rng(3)
+    fasta = tmp_path / "g.fa"
+    fasta.write_text("".join(f">r{i}\n{''.join(rng.choice(list('ACGT'), 80))}\n" for i in range(40)))
+    out = tmp_path / "out"
+    argv = "--variants swa --pretrain-steps 2 --finetune-steps 2 --val-every 2 --eval-windows 4"
+    argv += " --window-len 24 --seq-len 32 --dim 16 --depth 1 --heads 2 --window 16 --no-progress"
+    argv += f" --fasta {fasta} --out {out}"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    assert main(["dna", "study", *argv.split(), "--seeds", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "matplotlib is not installed" in printed and f"wrote {out / 'dna.json'}\n" in printed
+    assert (out / "dna.json").is_file() and not (out / "dna.png").exists()

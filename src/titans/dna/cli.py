@@ -36,6 +36,7 @@ from titans.dna.study import (
 from titans.dna.tasks import ClassificationSet, encode_records
 from titans.models.config import VARIANTS
 from titans.runtime.device import set_cpu_threads
+from titans.training.metrics import plot_or_skip
 from titans.validation import check_distinct, did_you_mean, path_arg, seed_arg, seed_list
 
 
@@ -142,9 +143,9 @@ def _study(args, out: Path, records, variants: list[str], seeds: list[int], buil
             "runs": runs,
         }
         write_text_atomic(out / "dna.json", json.dumps(doc, indent=2) + "\n")  # after each seed
-    plot_study(doc, out / "dna.png")
+    drawn = plot_or_skip(lambda: plot_study(doc, out / "dna.png"), out / "dna.png")
     print(study_table(doc))
-    print(f"wrote {out / 'dna.json'} and {out / 'dna.png'}")
+    print(f"wrote {out / 'dna.json'}" + (f" and {out / 'dna.png'}" if drawn else ""))
     return 0
 
 

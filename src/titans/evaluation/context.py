@@ -55,7 +55,7 @@ from titans.evaluation.perplexity import (
     text_field_of,
     whole_source_stream,
 )
-from titans.evaluation.reporting import command_line, plot_or_skip
+from titans.evaluation.reporting import command_line
 from titans.evaluation.scoring import new_figure, render_table, save_figure, write_json
 from titans.models.lm import TitansLM
 from titans.runtime.checkpoint import EVAL_CONTEXT_FILE, Checkpoint, CheckpointError, run_folder_of
@@ -65,6 +65,7 @@ from titans.runtime.loading import (
     same_tokenizer,
     tokenizer_from_record,
 )
+from titans.training.metrics import plot_or_skip
 from titans.training.model_io import load_model
 from titans.validation import check_int, path_arg
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from titans.evaluation.scoring import AccuracyTable, format_table, plot_heatmap, write_json, write_results
+from titans.training.metrics import plot_or_skip
 
 
 def output_paths(args: argparse.Namespace, task: str, default_name: str) -> tuple[Path, Path]:
@@ -32,17 +33,6 @@ def command_line(args: argparse.Namespace) -> dict:
     if getattr(args, "checkpoint", None):
         skip.update(_FRESH_MODEL_OPTIONS)
     return {k: v for k, v in vars(args).items() if k not in skip}
-
-
-def plot_or_skip(draw: Callable[[], object], png_path: Path) -> bool:
-    """Run ``draw`` (which saves ``png_path``); without matplotlib print one line and go on. True if drawn."""
-    try:
-        import matplotlib  # noqa: F401  (the figures need it; it is an optional extra)
-    except ImportError:
-        print(f"matplotlib is not installed (pip install 'titans[train]'): skipped the plot {png_path}")
-        return False
-    draw()
-    return True
 
 
 def _wrote(json_path: Path, png_path: Path, drawn: bool) -> str:

@@ -14,7 +14,7 @@ import json
 import logging
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +142,18 @@ def truncate_metrics(path: str | Path, last_step: int) -> None:
         return
     keep = [r for r in read_metrics(path) if int(r.get("step", 0)) <= last_step]
     write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
+
+
+def plot_or_skip(draw: Callable[[], object], png_path: Path) -> bool:
+    """Run ``draw`` (which saves ``png_path``); without matplotlib print one line and go on. True if drawn.
+    A command whose work is done (a study, an evaluation) must not fail at its figure."""
+    try:
+        import matplotlib  # noqa: F401  (the figures need it; it is an optional extra)
+    except ImportError:
+        print(f"matplotlib is not installed (pip install 'titans[train]'): skipped the plot {png_path}")
+        return False
+    draw()
+    return True
 
 
 def save_plot(fig, path: str | Path, *, dpi: float | None = None) -> Path:
