@@ -58,10 +58,14 @@ class MemoryStore:
             )
             return version
 
-    def delete(self, sid: str, owner: str) -> bool:
+    def delete(self, sid: str, owner: str, changed_before: float | None = None) -> bool:
+        """Delete the owner's session; with `changed_before`, only if not written since (an idle session's
+        expiry must not delete one a request has just written)."""
         with self._lock:
             record = self._records.get(sid)
             if record is None or record.owner != owner:
+                return False
+            if changed_before is not None and record.updated >= changed_before:
                 return False
             del self._records[sid]
             return True

@@ -274,6 +274,27 @@ def test_the_server_runs_on_a_store_added_as_one_class(examples, tmp_path):
         assert store.count() == 0
 
 
+def test_the_example_store_expires_like_the_built_in_ones_and_keeps_out_of_workers(examples):
+    """The server expires an idle session with `delete(sid, owner, changed_before=...)`: the example store
+    took no such argument, so each expiry failed with a TypeError (logged as a store failure) and the
+    session stayed. A store added with `register_store` cannot be opened by a worker process (a fresh
+    interpreter), and `--worker-processes yes` on one never became ready: it is refused by name."""
+    import torch
+
+    from titans.serving.cli import worker_processes
+    from titans.serving.stores import open_store
+
+    importlib.import_module("memory_store")
+    store = open_store("memory://")
+    written = store.create("s1", "key", b"state").updated
+    assert not store.delete("s1", "key", changed_before=written)  # written since: kept
+    assert not store.delete("s1", "other", changed_before=written + 60)  # not the owner's
+    assert store.delete("s1", "key", changed_before=written + 60) and store.count() == 0
+    with pytest.raises(ValueError, match="--worker-processes yes: .* a 'memory' store is not one it can"):
+        worker_processes("yes", torch.device("cpu"), store)
+    assert not worker_processes("auto", torch.device("cpu"), store)
+
+
 def test_a_registered_variant_without_a_static_step_is_refused_before_the_prompt_is_read(monkeypatch):
     """A variant added as docs/extending.md says (a `Variant` entry, its block a new class) decodes
     eagerly. The compiled decoder has steps for the built-in blocks only: it took a subclass of one for

@@ -154,15 +154,25 @@ def cpu_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+# the stores a worker process opens from their URL and shares with the server: a store added with
+# `register_store` is unknown to a worker's fresh interpreter (and one in this process's memory is its own)
+WORKER_STORES = ("sqlite", "redis")
+
+
 def worker_processes(choice: str, device: torch.device, store) -> bool:
     """Whether the model work runs in worker processes (--worker-processes): auto, on a CPU with a store
     that opens from its URL (SQLite, Redis), in a process that may start others (not a daemonic one)."""
+    if choice == "yes" and store.kind not in WORKER_STORES:
+        raise ValueError(
+            f"--worker-processes yes: each worker opens the store from its URL, and a {store.kind!r} store "
+            "is not one it can open and share (only sqlite:// and redis:// are): use --worker-processes no"
+        )
     if choice != "auto":
         return choice == "yes"
     import multiprocessing
 
     daemonic = multiprocessing.current_process().daemon
-    return device.type == "cpu" and store.kind in ("sqlite", "redis") and not daemonic
+    return device.type == "cpu" and store.kind in WORKER_STORES and not daemonic
 
 
 def run_serve(args: argparse.Namespace) -> int:
