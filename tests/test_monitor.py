@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from micro_train import micro_config
+from titans import NeuralMemory
 from titans.models import TitansConfig, TitansLM
 from titans.models.monitor import (
     MemoryMonitor,
@@ -191,13 +192,13 @@ def test_max_norm_is_checked_before_any_token_is_read(bad):
         raise AssertionError("read a piece")
         yield
 
-    with pytest.raises(ValueError, match=r"MemoryMonitor: max_norm must be a finite number > 0 or None"):
+    with pytest.raises(ValueError, match=r"MemoryMonitor: max_norm must be None or a finite number > 0"):
         MemoryMonitor(model, max_norm=bad)
-    with pytest.raises(ValueError, match=r"prefill_with_report: max_norm must be a finite number > 0"):
+    with pytest.raises(ValueError, match=r"prefill_with_report: max_norm must be None or a finite number"):
         prefill_with_report(model, reader(), max_norm=bad)
     with torch.no_grad():
         out = model.forward_with_stats(torch.zeros(1, 3, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"memory_report: max_norm must be a finite number > 0"):
+    with pytest.raises(ValueError, match=r"memory_report: max_norm must be None or a finite number > 0"):
         memory_report(model, out.stats, out.state, max_norm=bad)
 
 
@@ -210,6 +211,9 @@ def test_max_norm_may_be_any_real_number():
     for good in (3, 3.0, np.float32(3.0), np.int64(3)):
         assert MemoryMonitor(model, max_norm=good).max_norm == 3.0
         assert memory_report(model, out.stats, out.state, max_norm=good).max_norm == 3.0
+        # and a memory's bounds alike (one check for both: NeuralMemory refused numpy's numbers)
+        memory = NeuralMemory(8, heads=2, chunk_size=4, max_norm=good, surprise_clip=good)
+        assert (memory.max_norm, memory.surprise_clip) == (3.0, 3.0) and type(memory.max_norm) is float
 
 
 def test_tensorboard_shows_each_step_once_after_a_restart_from_scratch(tmp_path):

@@ -241,8 +241,8 @@ class NeuralMemory(nn.Module):
             check_bool(f"NeuralMemory: {name}", val)
         check_int("NeuralMemory: checkpoint_every", checkpoint_every, none_ok=True)
         check_threshold("NeuralMemory: surprise_threshold", surprise_threshold)
-        check_max_norm("NeuralMemory: max_norm", max_norm)
-        check_max_norm("NeuralMemory: surprise_clip", surprise_clip)
+        max_norm = check_max_norm("NeuralMemory: max_norm", max_norm)  # as floats: numpy's too
+        surprise_clip = check_max_norm("NeuralMemory: surprise_clip", surprise_clip)
         if isinstance(max_lr, bool) or not isinstance(max_lr, (int, float)) or not 0 < max_lr < math.inf:
             raise ValueError(f"NeuralMemory: max_lr must be a finite number > 0, got {max_lr!r}")
         if (

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -38,6 +37,7 @@ from torch import Tensor
 from titans.layers.memory import MemoryState, MemoryStats
 from titans.models.state import TitansState
 from titans.models.streaming import _whole_shape, default_piece_len, iter_pieces
+from titans.ops.memory import check_max_norm
 from titans.validation import check_int
 
 if TYPE_CHECKING:  # the model imports nothing from here
@@ -246,15 +246,6 @@ def _layer_report(
     )
 
 
-def check_max_norm(max_norm: Any, caller: str) -> float | None:
-    """`max_norm` (None, or a finite number > 0; not a bool) as a float, else a ValueError naming `caller`."""
-    if max_norm is None:
-        return None
-    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not 0 < max_norm < math.inf:
-        raise ValueError(f"{caller}: max_norm must be a finite number > 0 or None, got {max_norm!r}")
-    return float(max_norm)
-
-
 def memory_report(
     model: TitansLM,
     stats: Sequence[MemoryStats] | dict[int, MemoryStats] | None,
@@ -269,7 +260,7 @@ def memory_report(
         raise TypeError(f"memory_report: state must be a TitansState, got {type(state).__name__}")
     if max_norm is None:
         max_norm = model.config.utilisation_max_norm
-    max_norm = check_max_norm(max_norm, "memory_report")
+    max_norm = check_max_norm("memory_report: max_norm", max_norm)
     if stats is None:
         by_layer: dict[int, MemoryStats] = {}
     elif isinstance(stats, dict):
@@ -302,7 +293,7 @@ class MemoryMonitor:
     ) -> None:
         """max_norm: None (the config's `utilisation_max_norm`) or a finite number > 0, checked here (a
         ValueError naming `caller`), before any tokens are read."""
-        self.model, self.max_norm = model, check_max_norm(max_norm, caller)
+        self.model, self.max_norm = model, check_max_norm(f"{caller}: max_norm", max_norm)
         self._pieces: dict[int, list[MemoryStats]] = {i: [] for i in memory_layers(model)}
 
     def update(self, stats: Sequence[MemoryStats]) -> None:
@@ -355,7 +346,6 @@ __all__ = [
     "LayerReport",
     "MemoryMonitor",
     "MemoryReport",
-    "check_max_norm",
     "find_memory_state",
     "memory_layers",
     "memory_report",

@@ -9,6 +9,8 @@ memory layer (B, H, d_in, d_out).
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -127,13 +129,14 @@ def check_threshold(name: str, value: float | None) -> None:
         raise ValueError(f"{name} must be None or a finite number >= 0, got {value!r}")
 
 
-def check_max_norm(name: str, value: float | None) -> None:
-    """Refuse a bound (on the weights' norm, on a token's surprise) that is not None or a finite number > 0,
-    naming the option."""
+def check_max_norm(name: str, value: float | None) -> float | None:
+    """A bound (on the weights' norm, on a token's surprise) as a float: None, or a finite real number > 0
+    (numpy's too; not a bool), else a ValueError naming the option."""
     if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
         raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
+    return float(value)
 
 
 def bound_scale(w: Tensor, max_norm: float) -> Tensor:
