@@ -98,13 +98,14 @@ def test_a_part_without_dataclass_is_refused_by_the_rule():
 @pytest.fixture
 def scratch_kinds():
     """Kinds registered by a test, removed from their slots' registries afterwards (they are global)."""
-    from titans.ops.memory.rules import SLOTS
+    from titans.ops.memory import Optimizer, Retention
 
-    before = {name: dict(slot.registry) for name, slot in SLOTS.items()}
+    slots = (Bias, Retention, Optimizer)
+    before = [dict(slot.registry) for slot in slots]
     yield
-    for name, slot in SLOTS.items():
+    for slot, kinds in zip(slots, before):
         slot.registry.clear()
-        slot.registry.update(before[name])
+        slot.registry.update(kinds)
 
 
 def test_a_part_derived_from_a_built_in_part_runs_its_own_maths(scratch_kinds):

@@ -311,8 +311,10 @@ def test_runtime_helpers_have_one_home():
 
 
 def test_no_import_cycles():
-    """Top-level imports (those that run when a module is imported) form no cycle."""
-    edges = {(i.importer, i.target) for i in IMPORTS if not i.local and not i.type_only}
+    """Imports form no cycle, function-local ones included (a local import that breaks a cycle at import
+    time leaves the modules depending on each other: `data.sources` and `data.dna` did); imports for type
+    checking only never run and are left out."""
+    edges = {(i.importer, i.target) for i in IMPORTS if not i.type_only}
     found = cycles(edges)
     assert not found, "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in found)
 

@@ -11,9 +11,10 @@ Typical use::
     evals = EvalWindows(streams.heldout, seq_len=512, num_windows=64)
     # mean NLL over evals -> evals.bits_per_byte(mean_nll)
 
-Modules: ``tokenizers`` (Tokenizer protocol, load_tokenizer, train_bpe), ``sources`` (load_source and the
-source specs), ``corpus`` (built-in prose: prose_documents / prose_text), ``split`` (document-level held-out
-split), ``stream`` (tokenize + cache), ``loader`` (TokenBatches, EvalWindows, bits_per_byte).
+Modules: ``tokenizers`` (Tokenizer protocol, load_tokenizer, train_bpe), ``documents`` (Document, the
+TextSource interface), ``sources`` (load_source and the source specs), ``corpus`` (built-in prose:
+prose_documents / prose_text), ``split`` (document-level held-out split), ``stream`` (tokenize + cache),
+``loader`` (TokenBatches, EvalWindows, bits_per_byte).
 """
 
 from titans.data.corpus import prose_documents, prose_text

@@ -20,7 +20,7 @@ import gzip
 import re
 from importlib import resources
 
-from titans.data.sources import Document
+from titans.data.documents import Document
 
 _CHAPTER = re.compile(r"^CHAPTER (\d+)\.", re.MULTILINE)
 _ADDRESS = re.compile(r"^=== (\S+)[ \t]*$", re.MULTILINE)

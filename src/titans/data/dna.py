@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from titans.data.sources import Document, TextSource, file_stamp, load_hf_split
+from titans.data.documents import Document, TextSource, file_stamp, load_hf_split
 
 BASES = "ACGTN"
 SPECIALS = ("<pad>", "<eos>", "<cls>")

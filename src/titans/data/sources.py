@@ -54,14 +54,15 @@ import os
 import re
 import sysconfig
 import zlib
-from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 import numpy as np
 
+from titans.data.corpus import prose_documents
+from titans.data.dna import fasta_source
+from titans.data.documents import Document, TextSource, file_stamp, load_hf_split
 from titans.validation import did_you_mean
 
 DEFAULT_SUFFIXES = (".txt", ".md", ".py")
@@ -70,44 +71,6 @@ _BUILTINS = ("builtin:stdlib", "builtin:prose")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _GZIP_ERRORS = (OSError, EOFError, zlib.error)  # bad header (BadGzipFile), truncated, corrupt stream
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Document:
-    """One unit of text; the held-out split is decided per document id."""
-
-    id: str
-    text: str
-
-
-class TextSource(ABC):
-    """An ordered collection of uniquely named documents."""
-
-    spec: str
-
-    @abstractmethod
-    def fingerprint(self) -> str:
-        """A cheap string that changes when the documents change (used to key token caches)."""
-
-    @abstractmethod
-    def document_ids(self) -> list[str]:
-        """All document ids, in the order ``documents()`` yields them."""
-
-    @abstractmethod
-    def documents(self) -> Iterator[Document]:
-        """The documents, in ``document_ids()`` order."""
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.spec!r})"
-
-
-def file_stamp(path: Path) -> list[str]:
-    """What a source fingerprint knows of a file without reading it: its size, modification time, change
-    time and inode. The change time is set by every write and by a reset of the modification time (``cp -p``,
-    ``rsync -a``, ``touch -d``), and a rewrite-and-rename gives a new inode, so an edit that keeps the size
-    and modification time still changes the stamp; a copy does too (its text is tokenized again)."""
-    st = path.stat()
-    return [str(st.st_size), str(st.st_mtime_ns), str(st.st_ctime_ns), str(st.st_ino)]
 
 
 def _sha(parts: Sequence[str]) -> str:
@@ -302,33 +265,6 @@ class JsonlSource(TextSource):
                 yield Document(f"line-{lineno}", _valid_text(text))
 
 
-def load_hf_split(spec: str, what: str):
-    """The split that ``hf:NAME[:CONFIG][:SPLIT]`` names (default split "train"): a hub dataset through
-    ``datasets``, a folder written by ``save_to_disk`` (a dataset, or a dataset dict to take the split
-    from), or a folder of data files. Errors start with `what` and the spec."""
-    parts = spec[len("hf:") :].split(":")
-    if len(parts) > 3 or not parts[0]:
-        raise ValueError(f"bad dataset spec {spec!r}: expected hf:NAME[:CONFIG][:SPLIT]")
-    try:
-        import datasets
-    except ImportError as e:
-        raise ImportError(
-            f"{what} {spec!r} needs the Hugging Face 'datasets' package: "
-            "pip install datasets (or pip install 'titans[datasets]')"
-        ) from e
-    name = parts[0]
-    config = (parts[1] or None) if len(parts) > 1 else None
-    split = (parts[2] or "train") if len(parts) > 2 else "train"
-    try:
-        saved = ("dataset_info.json", "dataset_dict.json")  # else a folder of data files: load_dataset
-        if Path(name).is_dir() and any((Path(name) / f).is_file() for f in saved):
-            ds = datasets.load_from_disk(name)
-            return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-        return datasets.load_dataset(path=name, name=config, split=split)
-    except Exception as e:  # offline misses, unknown names and bad splits raise many exception types
-        raise ValueError(f"{what} {spec!r}: cannot load dataset ({type(e).__name__}: {e})") from e
-
-
 class HFDatasetSource(TextSource):
     """One document per row of a Hugging Face dataset split; text in column ``text_field``."""
 
@@ -452,8 +388,6 @@ def load_source(spec: str | TextSource, *, text_field: str = "text") -> TextSour
         root, files = stdlib_files()
         return FileSource(spec, root, files)
     if spec == "builtin:prose":
-        from titans.data.corpus import prose_documents  # corpus imports this module: import it on use
-
         return InMemorySource(spec, prose_documents())  # fingerprint: a hash of the texts
     if spec.startswith("builtin:"):
         raise ValueError(
@@ -463,8 +397,6 @@ def load_source(spec: str | TextSource, *, text_field: str = "text") -> TextSour
     if spec.startswith("hf:"):
         return HFDatasetSource(spec, text_field=text_field)
     if spec.startswith("fasta:"):
-        from titans.data.dna import fasta_source  # dna imports this module: import it on use
-
         return fasta_source(spec)
     path = Path(spec).expanduser()
     if any(c in spec for c in "*?[") and not os.path.lexists(path):  # an existing path is a path
