@@ -672,3 +672,26 @@ def test_a_path_that_is_not_utf8_is_printed_on_a_strict_console(tmp_path):
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-2000:]
     assert b"saved to " + bytes(tmp_path / "s") + b"\\udcff.safetensors" in proc.stdout  # escaped
     assert os.path.exists(out)
+
+
+def test_command_defaults_are_their_dataclasses_defaults():
+    """`forecast train` and `serve` take their defaults from `ForecastRun` and `Limits` (written once):
+    each option's default is the field's."""
+    from dataclasses import fields
+
+    from titans.forecast.train import ForecastRun
+    from titans.serving.limits import Limits
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    forecast = next(a for a in sub["forecast"]._actions if isinstance(a, argparse._SubParsersAction))
+    train = {a.dest: a.default for a in forecast.choices["train"]._actions}
+    serve = {a.dest: a.default for a in sub["serve"]._actions}
+    for f in fields(ForecastRun):
+        if f.name in train and f.name != "seed":  # --seed: None, the field's default when not given
+            assert train[f.name] == f.default, f.name
+    assert not train["no_revin"] and ForecastRun.revin
+    for f in fields(Limits):
+        if f.name in serve:
+            assert serve[f.name] == f.default, f.name
+    assert {"max_body_bytes", "max_tokens", "max_new_tokens", "max_import_bytes"} <= serve.keys()

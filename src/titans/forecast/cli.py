@@ -78,7 +78,7 @@ def _run(args, model: str, horizon: int) -> ForecastRun:
         depth=args.depth,
         heads=args.heads,
         revin=not args.no_revin,
-        seed=0 if args.seed is None else args.seed,
+        seed=ForecastRun.seed if args.seed is None else args.seed,
         patience=args.patience,
         time_budget=args.time_budget,
         period=args.period,
@@ -375,6 +375,7 @@ def cmd_aggregate(args) -> int:
 
 
 def _common(p, study: bool = False) -> None:
+    d = ForecastRun  # its defaults, written once
     p.add_argument(
         "--series",
         default="tmy3:greensboro",
@@ -389,36 +390,40 @@ def _common(p, study: bool = False) -> None:
         help="split: 7:1:2 ratio, or ETT's 12/4/4 months (auto: from the file name)",
     )
     p.add_argument("--lookback", type=int, default=96, help="input steps")
-    p.add_argument("--steps", "--max-steps", dest="steps", type=int, default=150, help="Adam steps at most")
-    p.add_argument("--batch-size", type=int, default=32, help="windows per step")
-    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+    p.add_argument(
+        "--steps", "--max-steps", dest="steps", type=int, default=d.steps, help="Adam steps at most"
+    )
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="windows per step")
+    p.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate")
     p.add_argument(
         "--eval-every",
         "--val-every",
         dest="eval_every",
         type=int,
-        default=50,
+        default=d.eval_every,
         help="validate every this many steps (the best weights are restored at the end)",
     )
     p.add_argument(
         "--patience",
         type=int,
-        default=None,
+        default=d.patience,
         help="early stopping: stop after this many validations without improvement (default: never)",
     )
     p.add_argument(
         "--time-budget",
         type=float,
-        default=None,
+        default=d.time_budget,
         help="wall seconds per model, validation included, at most (default: none)",
     )
-    p.add_argument("--period", type=int, default=24, help="seasonal-naive period in steps (24: hourly data)")
-    p.add_argument("--dim", type=int, default=32, help="Titans backbone width")
-    p.add_argument("--depth", type=int, default=2, help="Titans backbone blocks")
-    p.add_argument("--heads", type=int, default=4, help="attention / memory heads")
+    p.add_argument(
+        "--period", type=int, default=d.period, help="seasonal-naive period in steps (24: hourly data)"
+    )
+    p.add_argument("--dim", type=int, default=d.dim, help="Titans backbone width")
+    p.add_argument("--depth", type=int, default=d.depth, help="Titans backbone blocks")
+    p.add_argument("--heads", type=int, default=d.heads, help="attention / memory heads")
     p.add_argument("--no-revin", action="store_true", help="no instance normalisation in Titans backbones")
     p.add_argument(
-        "--seed", type=seed_arg, default=None, help="initialisation and batch-order seed (default 0)"
+        "--seed", type=seed_arg, default=None, help=f"initialisation and batch-order seed (default {d.seed})"
     )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -432,8 +437,9 @@ def register(commands, evals) -> None:
     sub.required = True
     p = sub.add_parser("train", help="train one model at one horizon; JSON, weights and a PNG into --out")
     _common(p)
-    p.add_argument("--model", default="lmm", choices=FORECAST_MODELS, help="model")
-    p.add_argument("--horizon", type=int, default=96, help="predicted steps")
+    d = ForecastRun
+    p.add_argument("--model", default=d.model, choices=FORECAST_MODELS, help="model")
+    p.add_argument("--horizon", type=int, default=d.horizon, help="predicted steps")
     p.add_argument("--out", type=path_arg, default="runs/forecast", help="output folder")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("eval", help="re-measure a trained model.pt on its test part (JSON on stdout)")

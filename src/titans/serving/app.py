@@ -78,6 +78,7 @@ from titans.serving.limits import (
     BodyTimeout,
     FairLimiter,
     KeyGate,
+    Limits,
     Quotas,
     ShuttingDown,
     Sweeper,
@@ -117,17 +118,6 @@ class ErrorBody(BaseModel):
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """The OpenAPI `responses` of a route that can answer these error statuses, each with `ErrorBody`."""
     return {status: {"model": ErrorBody, "description": STATUS_MEANINGS[status]} for status in statuses}
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one request may ask for."""
-
-    max_body_bytes: int = 1 << 20
-    max_tokens: int = 16384  # tokens of text (read) or prompt (generate) per request
-    max_new_tokens: int = 1024
-    conflict_retries: int = 20
-    max_import_bytes: int = 256 << 20  # a whole session's bytes (POST /v1/sessions/import)
 
 
 # Sampling stays finite: logits / temperature overflow float32 below about 1e-38, and a nucleus under

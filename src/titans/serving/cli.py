@@ -97,7 +97,7 @@ def quotas_from(args: argparse.Namespace):
 def build_app(args: argparse.Namespace):
     """(FastAPI app, store) for parsed `titans serve` options: the model loaded, the store opened."""
     try:  # the optional `serve` extra
-        from titans.serving.app import Limits, create_app
+        from titans.serving.app import create_app
     except ModuleNotFoundError as e:
         raise ImportError(f"titans serve needs the serve extra (pip install 'titans[serve]'): {e}") from e
     set_cpu_threads(args.torch_threads, "--torch-threads")
@@ -125,7 +125,7 @@ def build_app(args: argparse.Namespace):
         store = open_store(args.store, pool_size=args.store_pool)
     except (StoreError, ValueError) as e:  # one line on stderr, without the URL's password
         raise OSError(redact(str(e))) from None
-    limits = Limits(
+    limits = d.Limits(
         max_body_bytes=args.max_body_bytes,
         max_tokens=args.max_tokens,
         max_new_tokens=args.max_new_tokens,
@@ -320,7 +320,7 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-import-bytes",
         type=int,
-        default=256 << 20,
+        default=d.Limits.max_import_bytes,
         help="larger bodies of POST /v1/sessions/import (a whole session's bytes) get 413",
     )
 
@@ -343,9 +343,19 @@ def register(commands, evals) -> None:
     p.add_argument("--no-auth", action="store_true", help="serve without keys on a non-loopback host")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
-    p.add_argument("--max-tokens", type=int, default=16384, help="tokens of text or prompt per request (422)")
-    p.add_argument("--max-new-tokens", type=int, default=1024, help="max_new_tokens a generate may ask for")
+    limits = d.Limits
+    p.add_argument(
+        "--max-body-bytes", type=int, default=limits.max_body_bytes, help="larger request bodies get 413"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=limits.max_tokens, help="tokens of text or prompt per request (422)"
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=limits.max_new_tokens,
+        help="max_new_tokens a generate may ask for",
+    )
     p.add_argument("--snapshots", type=int, default=DEFAULT_MAX_SNAPSHOTS, help="snapshots kept per session")
     p.add_argument(
         "--guard-probe",

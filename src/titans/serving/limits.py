@@ -35,6 +35,18 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the serve extra; `titans serve --help` reads this module's defaults without it
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for."""
+
+    max_body_bytes: int = 1 << 20
+    max_tokens: int = 16384  # tokens of text (read) or prompt (generate) per request
+    max_new_tokens: int = 1024
+    conflict_retries: int = 20
+    max_import_bytes: int = 256 << 20  # a whole session's bytes (POST /v1/sessions/import)
+
+
 log = logging.getLogger("titans.serving")
 
 DEFAULT_MAX_SESSIONS = 1000
@@ -384,6 +396,7 @@ __all__ = [
     "BodyTimeout",
     "FairLimiter",
     "KeyGate",
+    "Limits",
     "Quotas",
     "ShuttingDown",
     "Sweeper",
