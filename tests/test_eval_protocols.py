@@ -3,6 +3,7 @@ and messages, `eval babilong --seeds` file names, and `eval depth --lm-steps`.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -139,6 +140,29 @@ def test_eval_ppl_on_a_short_file_names_the_file(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "text source 'tiny.txt' has 13 tokens; seq_len=5000 needs 5001" in err
     assert "held-out" not in err
+
+
+def test_eval_ppl_of_a_run_with_relative_data_from_another_folder_says_so(tmp_path, capsys, monkeypatch):
+    """A run trained on `--data mydata` (a relative path) and scored from another folder: "no such file",
+    or, where that folder has a `mydata` of its own, "the data changed since the run". Both now say the
+    run's data is a relative path read from the current folder."""
+    (tmp_path / "a" / "mydata").mkdir(parents=True)
+    (tmp_path / "a" / "mydata" / "t.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    monkeypatch.chdir(tmp_path / "a")
+    cfg = micro_config(tmp_path / "a" / "run", tmp_path / "cache", steps=1, batch_size=2, eval_windows=1)
+    Trainer(dataclasses.replace(cfg, data="mydata")).train()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "b")
+    argv = ["eval", "ppl", "--checkpoint", str(tmp_path / "a" / "run"), "--windows", "1"]
+    for other in (None, "other text entirely, not the run's. " * 400):
+        if other is not None:
+            (tmp_path / "b" / "mydata").mkdir()
+            (tmp_path / "b" / "mydata" / "t.txt").write_text(other)
+        assert titans_main(argv) == 2
+        err = capsys.readouterr().err
+        assert "the run's data is a relative path, read from the current folder" in err, err
+    monkeypatch.chdir(tmp_path / "a")
+    assert titans_main(argv) == 0
 
 
 # ------------------------------------------------------------------ 3. babilong --seeds: the model's variant

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -98,18 +99,22 @@ def heldout_split(
 ) -> tuple[TokenStream, str | None]:
     """`heldout_stream`, and how the data changed since the run (None: it did not, or was not checked), for
     a result file to say what it scored."""
-    streams = load_token_streams(
-        cfg.data,
-        tokenizer,
-        heldout_fraction=cfg.heldout_fraction,
-        cache_dir=cfg.cache_dir,
-        text_field=cfg.text_field,
-    )
+    try:
+        streams = load_token_streams(
+            cfg.data,
+            tokenizer,
+            heldout_fraction=cfg.heldout_fraction,
+            cache_dir=cfg.cache_dir,
+            text_field=cfg.text_field,
+        )
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e}{_relative_hint(cfg.data)}") from None
     change = data_changes(streams, data_state) if data_state is not None else None
     if change is not None:
         what = (
             f"the data {cfg.data!r} changed since the run ({change}), so its held-out split is no longer "
             "the run's: the documents held out now may include text the model trained on"
+            + _relative_hint(cfg.data)
         )
         if not allow_changed:
             raise ValueError(
@@ -118,6 +123,19 @@ def heldout_split(
             )
         log.warning("%s; scoring it anyway (--allow-changed-data)", what)
     return streams.heldout, change
+
+
+def _relative_hint(spec: str) -> str:
+    """For a run's data given as a relative path: that it is read from the current folder (a run trained
+    in another folder names other files here, or none)."""
+    if spec.startswith(("builtin:", "hf:")) or spec == "fasta:builtin":
+        return ""
+    if os.path.isabs(os.path.expanduser(spec.removeprefix("fasta:"))):
+        return ""
+    return (
+        f" (the run's data is a relative path, read from the current folder {os.getcwd()!r}: run this "
+        "from the folder the run was trained in)"
+    )
 
 
 def check_has_heldout_split(checkpoint) -> None:
