@@ -286,3 +286,40 @@ def test_a_failed_rewrite_keeps_the_previous_result_file(tmp_path):
         "kept": True,
         "files": ["study.json", "table.json"],
     }
+
+
+# ------------------------------------------------------------------------------------------ signals
+
+
+@pytest.mark.parametrize("command", ["ablate", "depth"])
+def test_a_signal_during_a_study_ends_it_with_the_signal_s_status(tmp_path, monkeypatch, capsys, command):
+    """SIGTERM (or Ctrl-C) while `eval ablate` / `eval depth` trained a row stopped that row's training,
+    and the study went on: the next rows trained in full and the command exited 0, its JSON reporting the
+    cut-short row as trained for all its steps. It ends with 128 + the signal's number, writing nothing."""
+    import os
+    import signal
+
+    from titans.training.trainer import Trainer
+
+    real = Trainer._optimizer_step
+    steps = []
+
+    def step_then_signal(self):
+        steps.append(1)
+        if len(steps) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # a real signal, to this process
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "_optimizer_step", step_then_signal)
+    out = tmp_path / "out"
+    if command == "ablate":
+        argv = ["eval", "ablate", "--rows", "full,no_conv", *TINY_SET, "--lm-steps", "4", "--task-steps", "0"]
+        argv += ["--lm-batch-size", "2", "--seq-len", "32", "--heldout-windows", "1"]
+    else:
+        argv = ["eval", "depth", "--depths", "1,2", "--lm-steps", "4", "--eval-lengths", "32", *TINY_SET]
+        argv += ["--throughput-lengths", "32", "--run-root", str(tmp_path / "runs")]
+    with pytest.raises(SystemExit) as stopped:
+        titans_main([*argv, "--out", str(out)])
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM while" in capsys.readouterr().err
+    assert not out.exists() or not any(out.iterdir())

@@ -44,6 +44,7 @@ from titans.evaluation.task_training import check_train_length, train_on_task
 from titans.models.config import TitansConfig
 from titans.models.variants import VARIANT_SPECS
 from titans.ops.memory import resolve_rule
+from titans.training.signals import exit_if_stopped
 from titans.training.trainer import Trainer
 from titans.validation import check_distinct
 
@@ -69,6 +70,7 @@ def run_row(
         trainer = Trainer(lm_train_config(args, root / name, overrides))
         model, tokenizer = trainer.model, trainer.tokenizer
         result = trainer.train()
+        exit_if_stopped(result.stopped_by, f"while row {name!r} trained (step {result.step})")
         record.update(
             heldout_loss=result.eval.loss,
             heldout_bpb=result.eval.bpb,
@@ -83,6 +85,7 @@ def run_row(
     if args.steps > 0:
         task_cfg = task_config(args, "niah", kind="passkey", haystack=None)
         history = train_on_task(model, tokenizer, task_cfg, max_seconds=args.task_time_budget)
+        exit_if_stopped(history[-1].get("stopped_by") if history else None, f"while row {name!r} trained")
         # as `eval niah`: --eval-batch-size, --prefill-chunk, and --max-attention-length's skipped lengths
         res, _, skipped = evaluate_lengths(model, tokenizer, samples, by="depth", args=args, label=name)
         record.update(

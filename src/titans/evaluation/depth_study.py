@@ -38,6 +38,7 @@ from titans.evaluation.scoring import new_figure, render_table, save_figure
 from titans.models import TitansConfig, TitansLM
 from titans.models.variants import VARIANT_SPECS
 from titans.training.perplexity import evaluate_perplexity
+from titans.training.signals import exit_if_stopped
 from titans.training.trainer import Trainer
 from titans.validation import check_distinct
 
@@ -98,6 +99,7 @@ def run_depth(args: argparse.Namespace, depth: int, root: Path, heldout) -> dict
     record: dict[str, Any] = {"memory_depth": depth, "overrides": overrides}
     trainer = Trainer(lm_train_config(args, root / f"depth{depth}", overrides))
     result = trainer.train()
+    exit_if_stopped(result.stopped_by, f"while L_M={depth} trained (step {result.step})")
     model = trainer.model
     record.update(
         vocab_size=model.config.vocab_size,

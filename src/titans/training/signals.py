@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from types import FrameType
@@ -34,6 +35,17 @@ def exit_status(signum: int) -> int:
 
 def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
+
+
+def exit_if_stopped(stopped_by: str | None, what: str) -> None:
+    """End a command whose training a signal stopped (``stopped_by``: the signal's name, as a
+    `TrainResult` or task history records it) with the shell's status for that signal, saying what was
+    cut short: a command that trains several models and went on to the next (an ablation, a depth
+    study) exited 0 with a result file that reported the cut-short model as trained."""
+    if stopped_by is None or stopped_by not in signal.Signals.__members__:
+        return
+    print(f"titans: stopped by {stopped_by} {what}; no results written", file=sys.stderr, flush=True)
+    raise SystemExit(exit_status(signal.Signals[stopped_by]))
 
 
 def _say(text: str) -> None:
