@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from titans._fs import write_text_atomic
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -58,6 +60,9 @@ def finished_run(run_dir: Path, train_args: list[str]) -> bool:
     from titans.training.trainer import CONFIG_FILE, REPORT_FILE
 
     if not (Path(run_dir) / REPORT_FILE).is_file():
+        return False
+    # a run a signal stopped wrote its report at the step it reached: it is not finished (trained again)
+    if json.loads((Path(run_dir) / REPORT_FILE).read_text()).get("stopped_by") is not None:
         return False
     args = build_parser().parse_args(["train", *train_args])
     want = TrainConfig.from_file(args.config, overrides_from_args(args)).to_dict()
@@ -335,8 +340,7 @@ def save_json(target: str | Path, payload: dict, machine: dict | None = None) ->
     machine["loadavg_end"] = os.getloadavg()
     record = {"command": shlex.join(["python", *sys.argv]), "machine": machine, **payload}
     path = result_path(target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    write_text_atomic(path, json.dumps(record, indent=2) + "\n")  # whole or not at all (a full disk)
     return path
 
 

@@ -36,6 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from titans._fs import write_text_atomic
 from titans.evaluation.args import str_list
 from titans.evaluation.haystack import get_haystack
 from titans.evaluation.recipe import RECIPES, variant_recipe
@@ -255,7 +256,7 @@ def main() -> None:
         # evaluation commands), not today's defaults of the options not given
         recipe = json.loads(path.read_text()).get("recipe", recipe)
     summary["recipe"] = recipe
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(path, json.dumps(summary, indent=2) + "\n")
     print(markdown(summary))
     print(f"wrote {path}")
 

@@ -610,6 +610,29 @@ def test_a_finished_run_is_reused_only_for_the_settings_it_was_trained_with(tmp_
     for changed in (["--seed", "1"], ["--steps", "3"], ["--set", "lr=0.5"]):
         with pytest.raises(SystemExit, match="holds a finished run with other settings"):
             harness.finished_run(run, [*args, *changed])
+    # a run a signal stopped wrote its report at the step it reached: not finished (it is trained again;
+    # its numbers were read as the run's after a Ctrl-C and a rerun)
+    (run / "report.json").write_text('{"step": 1, "stopped_by": "SIGINT"}')
+    assert not harness.finished_run(run, args)
+
+
+def test_save_json_replaces_a_result_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A benchmark's result file was written in place: a full disk left truncated JSON where a good result
+    had been. It is written to a temporary file and renamed."""
+    path = tmp_path / "r.json"
+    monkeypatch.setattr(harness, "result_path", lambda target: path)
+    harness.save_json("r", {"machine": {"cpu": "x"}, "first": 1})
+    good = path.read_text()
+
+    def full_disk(fd):  # the disk filled while the new file was written
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", full_disk)
+        with pytest.raises(OSError):
+            harness.save_json("r", {"machine": {"cpu": "x"}, "second": list(range(10_000))})
+    assert path.read_text() == good and json.loads(good)["first"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary file left
 
 
 @pytest.mark.parametrize(

@@ -271,7 +271,7 @@ def _study(args, out: Path, splits: list, command: list[str]) -> tuple[list[Path
                 },
                 "runs": rows,
             }
-            (out / f"{split.series.name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+            write_text_atomic(out / f"{split.series.name}.json", json.dumps(doc, indent=2) + "\n")
             if signum is not None:
                 break
         written.append(out / f"{split.series.name}.json")
@@ -296,7 +296,7 @@ def _aggregate(paths: list[Path], out: Path) -> list[Path]:
     for series, group in docs.items():
         agg = aggregate_studies([d for _, d in group], names=[n for n, _ in group])
         path = out / f"{series}-seeds.json"
-        path.write_text(json.dumps(agg, indent=2) + "\n")
+        write_text_atomic(path, json.dumps(agg, indent=2) + "\n")
         plot_aggregate(out / f"{series}-seeds.png", agg)
         print(aggregate_table(agg))
         written += [path, out / f"{series}-seeds.png"]
