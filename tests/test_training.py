@@ -813,6 +813,30 @@ def test_two_trainers_built_for_one_run_folder_do_not_mix_their_runs(tmp_path, c
     assert [p.name for p in list_checkpoints(run)] == ["step_00000001"]
 
 
+def test_save_plot_replaces_an_image_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A plot was drawn straight into its file: a full disk (or a kill) mid-write left a truncated PNG in
+    place of the good one before it. It is drawn in memory and written to a temporary file, renamed."""
+    from matplotlib.figure import Figure
+
+    from titans.training.metrics import save_plot
+
+    fig = Figure()
+    fig.add_subplot().plot([1, 2, 3], [3, 1, 2])
+    path = save_plot(fig, tmp_path / "p.png")
+    good = path.read_bytes()
+    assert good.startswith(b"\x89PNG")
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", full_disk)
+        with pytest.raises(OSError, match="No space left"):
+            save_plot(fig, path)
+    assert path.read_bytes() == good and [p.name for p in tmp_path.iterdir()] == ["p.png"]
+    assert save_plot(fig, tmp_path / "p.pdf").read_bytes().startswith(b"%PDF")  # the format by suffix
+
+
 def test_save_plot_draws_user_text_as_written_and_keeps_log_axis_ticks(tmp_path):
     """A title's ``$`` is drawn as a dollar (it started a formula), while a log axis's tick labels, which
     its formatter writes as formulas (10^k), are still drawn as such (they were printed as

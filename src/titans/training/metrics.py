@@ -10,6 +10,7 @@ then; skipped with a note when missing): the losses, held-out bits per byte and 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import math
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from titans._fs import write_text_atomic
+from titans._fs import write_bytes_atomic, write_text_atomic
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
@@ -176,7 +177,11 @@ def save_plot(fig, path: str | Path, *, dpi: float | None = None) -> Path:
             text.set_text(escaped.replace("$", r"\$"))
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=dpi)
+    # drawn in memory, then written whole: a full disk or a kill mid-write left a truncated image in place
+    # of the previous good one
+    image = io.BytesIO()
+    fig.savefig(image, dpi=dpi, format=path.suffix.lstrip(".").lower() or None)
+    write_bytes_atomic(path, image.getvalue())
     return path
 
 
