@@ -821,3 +821,73 @@ def test_an_export_without_overwrite_never_replaces_another_writers_folder(tmp_p
     with pytest.raises(FileExistsError, match="was written by another export meanwhile"):
         titans.hf.save_pretrained(model, empty, ByteTokenizer(), overwrite=False)
     assert [p.name for p in empty.iterdir()] == ["config.json"]
+
+
+def test_a_folder_loaded_through_remote_code_saves_as_the_installed_classes(saved_folders, tmp_path):
+    """Loaded with trust_remote_code and saved (as the Trainer's save_model does), transformers copied
+    the loaded class's module file into the folder and pointed auto_map at it: saved twice, the folder
+    then loaded frozen copies of titans' classes, and titans.hf.TitansCache was refused as "not a
+    TitansCache". A saved folder always points at titans' remote code."""
+    folder, model, tok, prompt = saved_folders["bytes"]
+    first, second = tmp_path / "g1", tmp_path / "g2"
+    code = f"""
+from transformers import AutoModelForCausalLM
+AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).save_pretrained({str(first)!r})
+AutoModelForCausalLM.from_pretrained({str(first)!r}, trust_remote_code=True).save_pretrained({str(second)!r})
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for saved in (first, second):
+        auto_map = json.loads((saved / "config.json").read_text())["auto_map"]
+        assert auto_map == json.loads((folder / "config.json").read_text())["auto_map"]
+        assert not (saved / "configuration.py").exists() and not (saved / "modeling.py").exists()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(second, trust_remote_code=True)
+    assert isinstance(hf, TitansForCausalLM)
+    x = torch.tensor([tok.encode(prompt)])
+    _, state = prefill(model, x[:, :-1])
+    theirs = hf.generate(x[:, -1:], past_key_values=TitansCache(state), max_new_tokens=4, do_sample=False)
+    assert torch.equal(theirs, generate(model, x[:, -1:], 4, greedy=True, state=state))
+
+
+def test_a_checkpoint_without_its_embedding_is_refused(saved_dir, tmp_path):
+    """The embedding is the head's tied weight: a checkpoint without it loaded with no warning and the
+    embedding left on the meta device (generate failed later on a meta tensor)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path, _ = saved_dir
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    weights = load_file(broken / "model.safetensors")
+    del weights["model.embed.weight"]
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks model\.embed\.weight.*export it again"):
+        transformers.AutoModelForCausalLM.from_pretrained(broken)
+
+
+def test_a_config_override_the_model_would_ignore_is_refused(saved_dir):
+    """`from_pretrained(path, num_hidden_layers=1)` and `config.vocab_size = 500` were ignored (the model
+    is built from config.titans) while the config said otherwise. They are refused, naming the field; a
+    change to config.titans carries to the mirrored names."""
+    path, model = saved_dir
+    with pytest.raises(ValueError, match=r"num_hidden_layers=1 disagrees with titans\['depth'\]"):
+        transformers.AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=1)
+    config = transformers.AutoConfig.from_pretrained(path)
+    config.vocab_size = 500
+    with pytest.raises(ValueError, match=r"vocab_size=500 disagrees"):
+        transformers.AutoModelForCausalLM.from_config(config)
+    config = transformers.AutoConfig.from_pretrained(path)
+    config.titans = {**config.titans, "depth": 1}
+    assert config.num_hidden_layers == 1
+    assert len(transformers.AutoModelForCausalLM.from_config(config).model.blocks) == 1
+
+
+def test_every_n_layers_is_refused_not_ignored(saved_dir):
+    """`activation_checkpointing_enable(every_n_layers=2)` recomputed every block all the same."""
+    path, _ = saved_dir
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path)
+    with pytest.raises(ValueError, match="every_n_layers=2 is not supported"):
+        hf.activation_checkpointing_enable(every_n_layers=2)
+    hf.activation_checkpointing_enable(every_n_layers=1)
+    assert hf.model.gradient_checkpointing

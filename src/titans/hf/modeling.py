@@ -159,6 +159,7 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: TitansHFConfig):
         super().__init__(config)
+        config.check_mirrors()  # an override of a mirrored name would be ignored by the model built here
         self.model = TitansLM(config.to_titans())
         if not next(self.model.parameters()).is_meta:  # initialised by TitansLM: `_init_weights` keeps them
             for tensor in (*self.model.parameters(), *self.model.buffers()):
@@ -223,10 +224,54 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
                 "upload it whole (huggingface_hub.upload_folder)"
             )
         self.config.auto_map = dict(AUTO_MAP)
-        super().save_pretrained(save_directory, *args, **kwargs)
+        # loaded through remote code, transformers marks both with the class it loaded and, saving, copies
+        # that class's module file beside the weights and points auto_map at the copy: a folder saved twice
+        # then loaded frozen copies of titans' classes (titans.hf.TitansCache was refused as not a
+        # TitansCache). Our remote code imports the installed classes: it is written below, as always.
+        marks = (self.__dict__.get("_auto_class"), self.config.__dict__.get("_auto_class"))
+        self._auto_class = self.config._auto_class = None
+        try:
+            super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            self._auto_class, self.config._auto_class = marks
         if kwargs.get("is_main_process", True):
             for name, text in REMOTE_CODE.items():
                 (Path(save_directory) / name).write_text(text)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' from_pretrained, refusing weights it left on the meta device: the embedding is
+        tied to the head by one shared parameter, and transformers counts it as loaded through the tie
+        when the checkpoint lacks it, so it was neither reported missing nor initialised (generate then
+        failed on a meta tensor). With a device_map (accelerate may offload weights to meta) it is not
+        checked."""
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True
+        if kwargs.get("device_map") is None:
+            meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+            if meta:
+                raise ValueError(
+                    f"TitansForCausalLM.from_pretrained: the checkpoint lacks {', '.join(meta[:5])}"
+                    + (f" and {len(meta) - 5} more" if len(meta) > 5 else "")
+                    + ", which transformers left uninitialised (on the meta device): the folder's weights "
+                    "are incomplete; export it again"
+                )
+        return loaded
+
+    def _set_gradient_checkpointing(self, enable=True, gradient_checkpointing_func=None, every_n_layers=1):
+        """transformers' switch, on `TitansLM.gradient_checkpointing` (every block or none):
+        ``every_n_layers`` other than 1 is refused (it was ignored, every block recomputed)."""
+        if enable and every_n_layers != 1:
+            raise ValueError(
+                f"TitansForCausalLM: every_n_layers={every_n_layers} is not supported: activation "
+                "checkpointing recomputes every block (TitansLM.gradient_checkpointing); use every_n_layers=1"
+            )
+        kwargs = (
+            {}
+            if gradient_checkpointing_func is None
+            else {"gradient_checkpointing_func": gradient_checkpointing_func}
+        )
+        super()._set_gradient_checkpointing(enable=enable, **kwargs)
 
     def resize_token_embeddings(self, *args, **kwargs) -> nn.Embedding:
         """transformers' resize (the embedding, and the head when untied), with the Titans configs following,
