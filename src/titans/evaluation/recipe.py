@@ -141,7 +141,7 @@ def train_with_recipe(
 def _summary(task_cfg, history: list[dict]) -> dict:
     return {
         "recipe": task_cfg.to_dict(),
-        "steps_done": history[-1]["step"] + 1 if history else 0,
+        "steps_done": history[-1]["step"] if history else 0,
         "final": history[-1] if history else None,
         "history": history,
     }

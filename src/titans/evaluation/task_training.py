@@ -383,7 +383,7 @@ def train_on_task(
         if hold is not None and curriculum.cap(step) >= cfg.train_length:
             hold.release(step)
         record = {
-            "step": step,
+            "step": step + 1,  # steps done, as the LM trainer's metrics and the checkpoints count them
             "length": now["length"],
             "max_length": curriculum.cap(step),
             "loss": value,
@@ -395,7 +395,7 @@ def train_on_task(
         if hold is not None:
             record["lr_released_at"] = hold.released_at
         now["record"] = record
-        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+        if (step + 1) % cfg.log_every == 0 or step == 0 or step == cfg.steps - 1:
             _keep(record)
 
     def _keep(record: dict) -> None:
