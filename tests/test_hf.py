@@ -891,3 +891,31 @@ def test_every_n_layers_is_refused_not_ignored(saved_dir):
         hf.activation_checkpointing_enable(every_n_layers=2)
     hf.activation_checkpointing_enable(every_n_layers=1)
     assert hf.model.gradient_checkpointing
+
+
+def test_sigterm_during_an_export_leaves_no_staging_folder(tmp_path, monkeypatch):
+    """SIGTERM killed an export at once, leaving its hidden `.export-*` staging folder: the next export
+    into the folder was refused as not empty (while `ls` showed it empty). SIGTERM now unwinds it as
+    Ctrl-C does (status 143), removing the staging folder."""
+    import signal
+
+    from titans.hf.export import save_pretrained
+
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        pytest.skip("this process handles SIGTERM itself")
+    model = tiny_model("lmm")
+    real = TitansForCausalLM.save_pretrained
+
+    def save_then_terminated(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)  # a real signal, mid-export
+
+    out = tmp_path / "empty"
+    out.mkdir()
+    with monkeypatch.context() as m:
+        m.setattr(TitansForCausalLM, "save_pretrained", save_then_terminated)
+        with pytest.raises(SystemExit) as ended:
+            save_pretrained(model, out, overwrite=False)
+    assert ended.value.code == 128 + signal.SIGTERM
+    assert list(out.iterdir()) == [] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert save_pretrained(model, out, overwrite=False)  # the folder is still free

@@ -12,10 +12,14 @@ id for bytes, each of which is text) and the tokenizer as a transformers fast to
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
+import signal
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from titans._fs import ordinary_mode
@@ -53,6 +57,14 @@ def save_pretrained(
         raise FileExistsError(f"{str(out)!r} exists and is not empty")
     stage_in = out if exists else out.parent  # in `out` itself: its parent may be read-only or a mount's
     stage_in.mkdir(parents=True, exist_ok=True)
+    with _sigterm_unwinds():
+        return _export(model, out, hf_tokenizer, ids, exists, overwrite, stage_in)
+
+
+def _export(
+    model, out: Path, hf_tokenizer, ids: dict, exists: bool, overwrite: bool, stage_in: Path
+) -> list[Path]:
+    """`save_pretrained`'s writing: staged in a hidden folder in `stage_in`, then moved into `out`."""
     tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=stage_in))
     try:
         TitansForCausalLM.from_titans(model, **ids).save_pretrained(tmp)
@@ -75,6 +87,28 @@ def save_pretrained(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [out / p for p in written]
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM ends the export as Ctrl-C does, by an exception (SystemExit, status 143) that removes its
+    staging folder on the way out: by default it killed the process at once and left a hidden
+    ``.export-*`` folder, and the next export into that folder was refused as not empty. Only where
+    SIGTERM has no handler yet, in the main thread (a server's or a trainer's own handler is kept)."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def unwind(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _claim(out: Path, tmp: Path) -> None:
