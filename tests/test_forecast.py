@@ -443,6 +443,24 @@ def test_forecast_run_sizes_are_integers(field, value):
     assert (run.horizon, run.steps) == (96, 5) and type(run.horizon) is int
 
 
+def test_a_study_again_into_its_folder_leaves_no_plot_of_the_earlier_one(tmp_path):
+    """A study of horizons 7 and 5 run again into its folder for horizon 7 alone (or stopped after it):
+    the JSON then held horizon 7, and horizon 5's PNG of the earlier study stayed beside it."""
+    from titans.cli import main
+
+    path = _write_csv(tmp_path / "ecl.csv", 400, ["MT_001", "MT_002"])
+    out = tmp_path / "study"
+    argv = ["forecast", "study", "--series", str(path), "--models", "seasonal-naive", "--lookback", "24"]
+    argv += ["--no-progress", "--out", str(out)]
+    (out / "notes.png").parent.mkdir(parents=True)
+    (out / "notes.png").write_bytes(b"not the study's")
+    assert main([*argv, "--horizons", "7,5"]) == 0
+    assert sorted(p.name for p in out.glob("*.png")) == ["ecl-H5.png", "ecl-H7.png", "notes.png"]
+    assert main([*argv, "--horizons", "7"]) == 0
+    assert sorted(p.name for p in out.glob("*.png")) == ["ecl-H7.png", "notes.png"]
+    assert {r["run"]["horizon"] for r in json.loads((out / "ecl.json").read_text())["runs"]} == {7}
+
+
 def test_study_over_seeds_aggregates_as_numpy_does(tmp_path):
     import shlex
 

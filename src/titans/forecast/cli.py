@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import glob
 import io
 import json
 import shlex
@@ -233,6 +234,9 @@ def _study(args, out: Path, splits: list, command: list[str]) -> tuple[list[Path
     signum = None
     for split in splits:
         rows = []
+        # an earlier study's plots of this series: those this one does not draw again are removed with
+        # its JSON replaced (a study stopped, or of other horizons, left them beside a JSON without them)
+        earlier = set(out.glob(f"{glob.escape(split.series.name)}-H*.png"))
         for h in horizons:
             trained = {}
             for m in models:
@@ -275,6 +279,8 @@ def _study(args, out: Path, splits: list, command: list[str]) -> tuple[list[Path
             if signum is not None:
                 break
         written.append(out / f"{split.series.name}.json")
+        for stale in earlier - set(written):
+            stale.unlink(missing_ok=True)
         if signum is not None:
             break
     return written, signum
