@@ -372,14 +372,14 @@ def test_dna_study_resume_keeps_finished_seeds(tmp_path, capsys):
     # seeds not named again stay: --resume --seeds 2 extends the study (it kept 2 alone, losing 0 and 1)
     assert main(["dna", "study", *tiny.split(), "--seeds", "2", "--resume"]) == 0
     extended = json.loads((out / "dna.json").read_text())
-    assert extended["seeds"] == [2, 0, 1] and extended["runs"][1:] == doc["runs"]
+    assert extended["seeds"] == [0, 1, 2] and extended["runs"][:2] == doc["runs"]
     assert "seed 1: kept from" in capsys.readouterr().out
     # a second study into the folder while one writes it is refused before any work (both ran, and the
     # last to finish kept only its own seeds)
     with lock_folder(out, "held"):
         assert main(["dna", "study", *tiny.split(), "--seeds", "2"]) == 2
     assert "is in use: another dna study writes it" in capsys.readouterr().err
-    assert json.loads((out / "dna.json").read_text())["seeds"] == [2, 0, 1]
+    assert json.loads((out / "dna.json").read_text())["seeds"] == [0, 1, 2]
     # another budget: nothing is kept
     assert main(["dna", "study", *tiny.split(), "--seeds", "0", "--resume", "--finetune-lr", "1e-3"]) == 0
     assert "kept from" not in capsys.readouterr().out

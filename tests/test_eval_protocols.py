@@ -161,6 +161,7 @@ def test_eval_ppl_of_a_run_with_relative_data_from_another_folder_says_so(tmp_pa
         assert titans_main(argv) == 2
         err = capsys.readouterr().err
         assert "the run's data is a relative path, read from the current folder" in err, err
+        assert "if the run was trained in another folder, run this from there" in err
     monkeypatch.chdir(tmp_path / "a")
     assert titans_main(argv) == 0
 

@@ -198,6 +198,16 @@ def test_a_part_s_property_written_as_a_method_is_refused(scratch_kinds):
             def update(self, *args):
                 return args[0]
 
+    from dataclasses import dataclass
+
+    from titans.ops.memory import MomentumSGD
+
+    @dataclass(frozen=True)
+    class FieldMomentum(MomentumSGD, kind="field_momentum_for_test"):  # a field is a value, as a property
+        uses_momentum: bool = False
+
+    assert MemoryRule(optimizer=FieldMomentum()).uses_momentum is False
+
 
 def test_a_window_subclass_and_an_unknown_kind_are_refused_by_name(scratch_kinds):
     """A Window subclass ran in a NeuralMemory, but a config saved it as a plain Window and rebuilt that;

@@ -881,6 +881,14 @@ def test_a_config_override_the_model_would_ignore_is_refused(saved_dir):
     config.titans = {**config.titans, "depth": 1}
     assert config.num_hidden_layers == 1
     assert len(transformers.AutoModelForCausalLM.from_config(config).model.blocks) == 1
+    config = transformers.AutoConfig.from_pretrained(path)
+    config.titans["depth"] = 1  # in place: the mirror cannot follow; the message gives both ways out
+    with pytest.raises(
+        ValueError, match=r"config.titans = \{\*\*config.titans, 'depth': 2\}.*set num_hidden_layers = 1"
+    ):
+        transformers.AutoModelForCausalLM.from_config(config)
+    config.num_hidden_layers = 1
+    assert len(transformers.AutoModelForCausalLM.from_config(config).model.blocks) == 1
 
 
 def test_every_n_layers_is_refused_not_ignored(saved_dir):

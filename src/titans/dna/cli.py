@@ -116,9 +116,10 @@ def _study(args, out: Path, records, variants: list[str], seeds: list[int], buil
         if args.resume
         else {}
     )
-    # finished seeds not asked for again stay too: `--resume --seeds 2,3` extends a study of 0 and 1 (it
-    # rewrote dna.json with 2 and 3 alone, losing the finished seeds)
-    seeds = [*seeds, *sorted(s for s in done if s not in seeds)]
+    # finished seeds not asked for again stay too, first (dna.json is rewritten after each seed: a stop
+    # part-way keeps them): `--resume --seeds 2,3` extends a study of 0 and 1 (it rewrote dna.json with 2
+    # and 3 alone, losing the finished seeds)
+    seeds = [*sorted(s for s in done if s not in seeds), *seeds]
     runs: list[dict] = []
     for seed in seeds:
         if seed in done:

@@ -133,8 +133,8 @@ def _relative_hint(spec: str) -> str:
     if os.path.isabs(os.path.expanduser(spec.removeprefix("fasta:"))):
         return ""
     return (
-        f" (the run's data is a relative path, read from the current folder {os.getcwd()!r}: run this "
-        "from the folder the run was trained in)"
+        f" (the run's data is a relative path, read from the current folder {os.getcwd()!r}: if the run "
+        "was trained in another folder, run this from there)"
     )
 
 

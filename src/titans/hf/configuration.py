@@ -61,8 +61,9 @@ class TitansHFConfig(PreTrainedConfig):
             if value is not None and value != want:
                 raise ValueError(
                     f"TitansHFConfig: {name}={value!r} disagrees with titans[{field!r}]={want!r}; the model "
-                    f"is built from config.titans: change {field!r} there (e.g. "
-                    f"config.titans = {{**config.titans, {field!r}: {value!r}}}) and leave {name} alone"
+                    f"is built from config.titans: for {value!r}, set a new dict, config.titans = "
+                    f"{{**config.titans, {field!r}: {value!r}}} (the mirrored names follow it), or for "
+                    f"{want!r} set {name} = {want!r}"
                 )
 
     @classmethod

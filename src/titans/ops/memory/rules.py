@@ -132,8 +132,9 @@ class RulePart:
                 + f": define {' and '.join(slot.together)} together"
             )
         # a property of the slot (Optimizer.uses_momentum) written as a method would be read as always true
+        # (a field or a plain value is fine)
         for m in slot.methods:
-            if isinstance(slot.__dict__.get(m), property) and not isinstance(getattr(cls, m), property):
+            if isinstance(slot.__dict__.get(m), property) and callable(getattr(cls, m)):
                 raise TypeError(
                     f"{slot.slot} part {cls.__name__} (kind {kind!r}): {m} must be a property (@property), "
                     "as the slot's is"
