@@ -145,7 +145,7 @@ class Checkpoint:
     def weights_id(self) -> str | None:
         """What identifies the weights: the SHA-256 meta.json records for model.safetensors (None in a
         checkpoint without one). Saved states and sessions record it, to refuse other weights' memory."""
-        return (self.meta.get("files") or {}).get("model.safetensors", {}).get("sha256")
+        return (self.meta.get("files") or {}).get(MODEL_FILE, {}).get("sha256")
 
 
 # --------------------------------------------------------------------------------------------- RNG state
